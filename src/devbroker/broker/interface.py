@@ -1,0 +1,115 @@
+"""The one interface every front end calls.
+
+Front ends (FUSE, CUSE, the kernel module, seccomp) translate their own wire into these
+requests and the replies back into their wire; they make no policy decision of their own.
+"""
+from __future__ import annotations
+
+import errno as _errno
+import os
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from devbroker.abi.nodes import NodeKind
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who made the call, as seen from the broker's pid namespace."""
+
+    pid: int  # thread-group id when the front end knows it, else the thread id
+    tid: int
+    uid: int
+    gid: int
+
+
+class TenantMemory(Protocol):
+    """Access to the calling process's address space (for nested buffers)."""
+
+    def read(self, addr: int, length: int) -> bytes: ...
+
+    def write(self, addr: int, data: bytes) -> None: ...
+
+
+class ProcessMemory:
+    """TenantMemory through process_vm_readv/writev (works for FUSE, CUSE and kmod callers).
+
+    Raises OSError (EFAULT for unmapped memory, ESRCH for a vanished process).
+    """
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def read(self, addr: int, length: int) -> bytes:
+        from devbroker.frontends.procmem import vm_read
+
+        return vm_read(self.pid, addr, length)
+
+    def write(self, addr: int, data: bytes) -> None:
+        from devbroker.frontends.procmem import vm_write
+
+        vm_write(self.pid, addr, data)
+
+
+@dataclass(frozen=True)
+class OpenRequest:
+    caller: Caller
+    tenant: str  # the node directory the file was opened through
+    node: NodeKind
+    minor: int  # GPU index for NodeKind.GPU, else 0
+    flags: int = os.O_RDWR
+
+
+@dataclass(frozen=True)
+class OpenReply:
+    session: int = 0
+    errno: int = 0
+
+
+@dataclass
+class IoctlRequest:
+    caller: Caller
+    session: int
+    cmd: int
+    arg_ptr: int  # the tenant's pointer (for nested reads and UVM arguments)
+    arg: bytes | None  # top-level argument bytes if the front end already has them
+    memory: TenantMemory | None = None
+
+
+@dataclass
+class IoctlReply:
+    result: int = 0  # ioctl(2)'s return value when errno == 0
+    arg_out: bytes | None = None  # top-level argument after the call (same length as in)
+    errno: int = 0
+
+
+@dataclass(frozen=True)
+class MapReadRequest:
+    caller: Caller
+    session: int
+    offset: int
+    length: int
+
+
+@dataclass
+class MapReadReply:
+    data: bytes = b""
+    errno: int = 0
+
+
+@dataclass(frozen=True)
+class ReleaseRequest:
+    session: int
+
+
+class BrokerInterface(Protocol):
+    async def open(self, req: OpenRequest) -> OpenReply: ...
+
+    async def ioctl(self, req: IoctlRequest) -> IoctlReply: ...
+
+    async def map_read(self, req: MapReadRequest) -> MapReadReply: ...
+
+    async def release(self, req: ReleaseRequest) -> None: ...
+
+
+DENIED = IoctlReply(errno=_errno.EPERM)
