@@ -8,7 +8,7 @@ from __future__ import annotations
 import errno as _errno
 import os
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Awaitable, Callable, Protocol
 
 from devbroker.abi.nodes import NodeKind
 
@@ -74,6 +74,10 @@ class IoctlRequest:
     arg_ptr: int  # the tenant's pointer (for nested reads and UVM arguments)
     arg: bytes | None  # top-level argument bytes if the front end already has them
     memory: TenantMemory | None = None
+    # Maps one of the caller's fd numbers (an fd argument such as REGISTER_FD's ctl_fd or
+    # RM_MAP_MEMORY's fd) to the broker session it refers to, or None when it is not one of
+    # ours. Each front end knows how to see the caller's fd table; the broker does not.
+    resolve_fd: Callable[[int], Awaitable[int | None]] | None = None
 
 
 @dataclass

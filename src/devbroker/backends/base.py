@@ -1,0 +1,50 @@
+"""What the broker core asks of a driver backend (emulated or real).
+
+The broker has already decided that a call may run, translated its handles and fd
+arguments, and read its nested buffer from the tenant. A backend executes exactly that call
+and returns the bytes the driver would have written back. It knows nothing of tenants.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from devbroker.abi.nodes import NodeKind
+
+
+class DriverFile(Protocol):
+    """An open file of the backend's driver (opaque to the broker)."""
+
+    node: NodeKind
+    minor: int
+
+
+@dataclass
+class DriverCall:
+    call: Any  # devbroker.abi IoctlCall, already translated by the broker
+    nested: bytes | None = None  # the nested buffer (RM_CONTROL params, RM_ALLOC params, XFER)
+    # fd arguments, translated: field name (e.g. "fd", "ctl_fd") -> the backend's DriverFile
+    fd_files: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DriverResult:
+    arg: bytes  # the top-level argument after the call
+    nested: bytes | None = None  # the nested buffer after the call
+    result: int = 0  # ioctl(2) return value
+    errno: int = 0  # non-zero: the ioctl failed with this errno
+
+
+class Backend(Protocol):
+    name: str
+    version: str  # the driver version this backend speaks by default
+
+    def gpus(self) -> list[Any]: ...
+
+    def open(self, node: NodeKind, minor: int) -> DriverFile: ...
+
+    def close(self, file: DriverFile) -> None: ...
+
+    async def ioctl(self, file: DriverFile, call: DriverCall) -> DriverResult: ...
+
+    def map_read(self, file: DriverFile, offset: int, length: int) -> bytes: ...

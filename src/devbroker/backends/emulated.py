@@ -1,0 +1,426 @@
+"""The emulated backend: a simulated NVIDIA driver with N configurable GPUs.
+
+It answers what NVML and nvidia-smi ask with values derived from its configuration (names,
+UUIDs, PCI ids, memory sizes) and keeps real memory accounting per GPU. What it does not
+model it answers the way the driver answers what it does not support: the RM status
+NV_ERR_NOT_SUPPORTED (logged once per command), never a made-up success. It cannot run GPU
+work: channel and engine classes are NOT_SUPPORTED too.
+"""
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import os
+import time
+import uuid as uuidlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from devbroker.abi import registry
+from devbroker.abi import status as nvs
+from devbroker.abi.nodes import NodeKind
+from devbroker.backends.base import DriverCall, DriverResult
+
+log = logging.getLogger("devbroker.emulated")
+
+GiB = 1 << 30
+KiB = 1 << 10
+
+# Values the real driver uses, from the headers (see docs/emulator.md).
+NV_RM_API_VERSION_REPLY_UNRECOGNIZED = 0
+NV_RM_API_VERSION_REPLY_RECOGNIZED = 1
+INVALID_GPU_ID = 0xFFFFFFFF
+NV_PCI_VENDOR_NVIDIA = 0x10DE
+
+
+@dataclass(frozen=True)
+class EmulatedGpu:
+    index: int
+    name: str = "NVIDIA H200"
+    uuid: str = ""
+    pci_bus_id: str = "0000:00:06.0"
+    memory_bytes: int = 141 * GiB
+    pci_device_id: int = 0x2335  # H200 (GH100)
+
+    @property
+    def domain(self) -> int:
+        return int(self.pci_bus_id.split(":")[0], 16)
+
+    @property
+    def bus(self) -> int:
+        return int(self.pci_bus_id.split(":")[1], 16)
+
+    @property
+    def slot(self) -> int:
+        return int(self.pci_bus_id.split(":")[2].split(".")[0], 16)
+
+    @property
+    def function(self) -> int:
+        return int(self.pci_bus_id.split(".")[1], 16)
+
+    @property
+    def gpu_id(self) -> int:
+        # The driver's GPU id encodes domain/bus/device; the H200 at 0000:00:06.0 reported
+        # 0x6 in GET_ATTACHED_IDS (BRIEF §2), which this formula reproduces.
+        return (self.domain << 16) | (self.bus << 8) | self.slot
+
+    @property
+    def uuid_bytes(self) -> bytes:
+        return uuidlib.UUID(self.uuid.removeprefix("GPU-")).bytes
+
+
+def default_gpus(n: int = 2) -> list[EmulatedGpu]:
+    return [EmulatedGpu(index=i, uuid=str(_stable_uuid(i)).join(("GPU-", "")),
+                        pci_bus_id=f"0000:00:{6 + i:02x}.0") for i in range(n)]
+
+
+def _stable_uuid(i: int) -> uuidlib.UUID:
+    return uuidlib.uuid5(uuidlib.NAMESPACE_URL, f"devbroker-emulated-gpu-{i}")
+
+
+@dataclass
+class EmuObject:
+    handle: int
+    rm_class: int
+    parent: int
+    gpu: int | None = None
+    size: int = 0  # device memory held
+    children: set[int] = field(default_factory=set)
+
+
+@dataclass
+class EmuClient:
+    handle: int
+    file_id: int
+    tgid: int
+    objects: dict[int, EmuObject] = field(default_factory=dict)
+
+
+@dataclass
+class EmuFile:
+    id: int
+    node: NodeKind
+    minor: int
+    mapping: bytes | None = None  # what an mmap of this file shows (set by RM_MAP_MEMORY)
+    registered_ctl: int | None = None
+
+
+class EmulatedBackend:
+    name = "emulated"
+
+    def __init__(self, gpus: list[EmulatedGpu] | None = None, *, version: str = "580.159.04",
+                 notice: Callable[[str], None] | None = None):
+        self.version = version
+        self._gpus = list(gpus) if gpus is not None else default_gpus()
+        self.abi = registry.get(version)
+        self.files: dict[int, EmuFile] = {}
+        self.clients: dict[int, EmuClient] = {}
+        self._file_ids = itertools.count(1)
+        self._client_ids = itertools.count(1)
+        self._object_ids = itertools.count(1)
+        self.used = {g.index: 0 for g in self._gpus}
+        self.notice = notice or (lambda msg: log.info("%s", msg))
+        self._noticed: set = set()
+        self.memblock_size = _host_memblock_size()
+        self.started = time.time()
+
+    # ------------------------------------------------------------------ Backend API
+    def gpus(self) -> list[EmulatedGpu]:
+        return self._gpus
+
+    def open(self, node: NodeKind, minor: int) -> EmuFile:
+        if node is NodeKind.GPU and not (0 <= minor < len(self._gpus)):
+            raise OSError(errno.ENODEV, "no such GPU")
+        if node not in (NodeKind.CTL, NodeKind.GPU, NodeKind.UVM):
+            raise OSError(errno.ENODEV, f"{node.name} is not emulated")
+        f = EmuFile(next(self._file_ids), node, minor)
+        self.files[f.id] = f
+        return f
+
+    def close(self, file: EmuFile) -> None:
+        self.files.pop(file.id, None)
+        for h in [h for h, c in self.clients.items() if c.file_id == file.id]:
+            self._free_client(h)
+
+    def map_read(self, file: EmuFile, offset: int, length: int) -> bytes:
+        data = file.mapping
+        if data is None:
+            raise OSError(errno.EINVAL, "no mapping context on this file")
+        chunk = data[offset:offset + length]
+        return chunk + bytes(max(0, min(length, len(data) - offset) - len(chunk)))
+
+    async def ioctl(self, file: EmuFile, dc: DriverCall) -> DriverResult:
+        call = dc.call
+        handler = getattr(self, call.name, None) if call.name.isupper() or call.name.startswith("NV_") else None
+        if handler is None:
+            self._note(("escape", call.name), f"emulator: {call.name} is not modelled")
+            return DriverResult(arg=call.encode(), errno=errno.EINVAL)
+        return handler(file, dc)
+
+    # ------------------------------------------------------------------ helpers
+    def _note(self, key, msg: str) -> None:
+        if key not in self._noticed:
+            self._noticed.add(key)
+            self.notice(msg)
+
+    def _abi_for(self, call):
+        return self.abi
+
+    def _status(self, dc: DriverCall, status: int, nested: bytes | None = None,
+                **fields) -> DriverResult:
+        v = dc.call.value.replace(status=status, **fields)
+        return DriverResult(arg=v.encode(), nested=nested if nested is not None else dc.nested)
+
+    def _gpu_of(self, client: EmuClient, handle: int) -> int | None:
+        obj = client.objects.get(handle)
+        return obj.gpu if obj else None
+
+    def _free_client(self, h: int) -> None:
+        c = self.clients.pop(h, None)
+        if c is None:
+            return
+        for obj in c.objects.values():
+            if obj.size and obj.gpu is not None:
+                self.used[obj.gpu] -= obj.size
+
+    # ------------------------------------------------------------------ frontend escapes
+    def NV_ESC_CHECK_VERSION_STR(self, f, dc):
+        v = dc.call.value
+        asked = bytes(v.versionString).split(b"\0", 1)[0].decode("ascii", "replace")
+        if asked in registry.versions():
+            return DriverResult(arg=v.replace(reply=NV_RM_API_VERSION_REPLY_RECOGNIZED).encode())
+        # Like the driver: refuse, and tell the client which version it is talking to.
+        mine = self.version.encode().ljust(len(bytes(v.versionString)), b"\0")
+        out = v.replace(reply=NV_RM_API_VERSION_REPLY_UNRECOGNIZED, versionString=mine)
+        return DriverResult(arg=out.encode(), errno=errno.EINVAL)
+
+    def NV_ESC_SYS_PARAMS(self, f, dc):
+        return DriverResult(arg=dc.call.encode())
+
+    def NV_ESC_CARD_INFO(self, f, dc):
+        v = dc.call.value
+        entries = list(v.entries) if hasattr(v, "entries") else list(v)
+        out = []
+        for i, e in enumerate(entries):
+            if i < len(self._gpus):
+                g = self._gpus[i]
+                e = e.replace(valid=1, pci_info=e.pci_info.replace(
+                    domain=g.domain, bus=g.bus, slot=g.slot, function=g.function,
+                    vendor_id=NV_PCI_VENDOR_NVIDIA, device_id=g.pci_device_id),
+                    gpu_id=g.gpu_id, interrupt_line=0, reg_address=0, reg_size=0,
+                    fb_address=0, fb_size=g.memory_bytes, minor_number=g.index,
+                    dev_name=f"nvidia{g.index}".encode().ljust(len(bytes(e.dev_name)), b"\0"))
+            else:
+                e = e.replace(valid=0)
+            out.append(e)
+        nv = v.replace(entries=out) if hasattr(v, "entries") else out
+        return DriverResult(arg=nv.encode())
+
+    def NV_ESC_REGISTER_FD(self, f, dc):
+        ctl = dc.fd_files.get("ctl_fd")
+        if ctl is None or ctl.node is not NodeKind.CTL:
+            return DriverResult(arg=dc.call.encode(), errno=errno.EINVAL)
+        f.registered_ctl = ctl.id
+        return DriverResult(arg=dc.call.encode())
+
+    def NV_ESC_WAIT_OPEN_COMPLETE(self, f, dc):
+        return DriverResult(arg=dc.call.value.replace(rc=0, adapterStatus=0).encode())
+
+    def NV_ESC_NUMA_INFO(self, f, dc):
+        # No NUMA-onlined GPU memory in the emulation: nid -1, status "disabled".
+        v = dc.call.value
+        return DriverResult(arg=v.replace(nid=-1, status=0, memblock_size=self.memblock_size or 0,
+                                          numa_mem_addr=0, numa_mem_size=0).encode())
+
+    # ------------------------------------------------------------------ RM escapes
+    def NV_ESC_RM_ALLOC(self, f, dc):
+        v = dc.call.value
+        cls = v.hClass
+        if cls in (0x0, 0x41):
+            h = v.hObjectNew or (0xC1D00000 | next(self._client_ids))
+            if h in self.clients:
+                return self._status(dc, nvs.NV_ERR_INSERT_DUPLICATE_NAME)
+            c = EmuClient(h, f.id, getattr(dc, "tgid", 0))
+            c.objects[h] = EmuObject(h, cls, 0)
+            self.clients[h] = c
+            return self._status(dc, nvs.NV_OK, hObjectNew=h)
+        c = self.clients.get(v.hRoot)
+        if c is None:
+            return self._status(dc, nvs.NV_ERR_INVALID_CLIENT)
+        parent = c.objects.get(v.hObjectParent)
+        if parent is None:
+            return self._status(dc, nvs.NV_ERR_INVALID_OBJECT_PARENT)
+        h = v.hObjectNew or (0xCAF00000 | next(self._object_ids))
+        if h in c.objects:
+            return self._status(dc, nvs.NV_ERR_INSERT_DUPLICATE_NAME)
+        spec = self.abi.rm_class(cls)
+        params = spec.params.decode(dc.nested) if (spec and spec.params and dc.nested) else None
+        alloc = self.CLASS_ALLOC.get(cls)
+        if alloc is None:
+            self._note(("class", cls), f"emulator: class {self.abi.class_name(cls)} "
+                       f"({cls:#x}) is not modelled: NV_ERR_NOT_SUPPORTED")
+            return self._status(dc, nvs.NV_ERR_NOT_SUPPORTED)
+        status, gpu, size, params = alloc(self, c, parent, params)
+        if status != nvs.NV_OK:
+            return self._status(dc, status)
+        obj = EmuObject(h, cls, parent.handle, gpu=gpu, size=size)
+        c.objects[h] = obj
+        parent.children.add(h)
+        if size:
+            self.used[gpu] += size
+        nested = params.encode() if params is not None else dc.nested
+        return self._status(dc, nvs.NV_OK, nested=nested, hObjectNew=h)
+
+    def _alloc_device(self, c, parent, params):
+        if parent.rm_class not in (0x0, 0x41):
+            return nvs.NV_ERR_INVALID_OBJECT_PARENT, None, 0, params
+        dev = params.deviceId if params is not None else 0
+        if not (0 <= dev < len(self._gpus)):
+            return nvs.NV_ERR_INVALID_ARGUMENT, None, 0, params
+        return nvs.NV_OK, dev, 0, params
+
+    def _alloc_subdevice(self, c, parent, params):
+        if parent.rm_class != 0x80:
+            return nvs.NV_ERR_INVALID_OBJECT_PARENT, None, 0, params
+        sub = params.subDeviceId if params is not None else 0
+        if sub != 0:  # one subdevice per device (no SLI)
+            return nvs.NV_ERR_INVALID_ARGUMENT, None, 0, params
+        return nvs.NV_OK, parent.gpu, 0, params
+
+    def _alloc_on_subdevice(self, c, parent, params):
+        if parent.rm_class != 0x2080:
+            return nvs.NV_ERR_INVALID_OBJECT_PARENT, None, 0, params
+        return nvs.NV_OK, parent.gpu, 0, params
+
+    def _alloc_local_memory(self, c, parent, params):
+        if parent.gpu is None:
+            return nvs.NV_ERR_INVALID_OBJECT_PARENT, None, 0, params
+        size = int(params.size) if params is not None else 0
+        if size <= 0:
+            return nvs.NV_ERR_INVALID_ARGUMENT, None, 0, params
+        gpu = parent.gpu
+        align = max(int(params.alignment or 0), 4 * KiB)
+        size = (size + align - 1) // align * align
+        if self.used[gpu] + size > self._gpus[gpu].memory_bytes:
+            return nvs.NV_ERR_NO_MEMORY, None, 0, params
+        offset = self.used[gpu]  # a bump address is enough: nothing is ever accessed
+        params = params.replace(size=size, offset=offset, limit=offset + size - 1)
+        return nvs.NV_OK, gpu, size, params
+
+    CLASS_ALLOC = {
+        0x80: _alloc_device,
+        0x2080: _alloc_subdevice,
+        0xDE: _alloc_on_subdevice,
+        0x40: _alloc_local_memory,
+    }
+
+    def NV_ESC_RM_FREE(self, f, dc):
+        v = dc.call.value
+        c = self.clients.get(v.hRoot)
+        if c is None:
+            return self._status(dc, nvs.NV_ERR_INVALID_CLIENT)
+        if v.hObjectOld == v.hRoot:
+            self._free_client(v.hRoot)
+            return self._status(dc, nvs.NV_OK)
+        if v.hObjectOld not in c.objects:
+            return self._status(dc, nvs.NV_ERR_INVALID_OBJECT_HANDLE)
+        stack = [v.hObjectOld]
+        while stack:
+            obj = c.objects.pop(stack.pop(), None)
+            if obj is None:
+                continue
+            stack.extend(obj.children)
+            if obj.size and obj.gpu is not None:
+                self.used[obj.gpu] -= obj.size
+            par = c.objects.get(obj.parent)
+            if par:
+                par.children.discard(obj.handle)
+        return self._status(dc, nvs.NV_OK)
+
+    def NV_ESC_RM_MAP_MEMORY(self, f, dc):
+        v = dc.call.value
+        p = v.params
+        c = self.clients.get(p.hClient)
+        target = dc.fd_files.get("fd")
+        if c is None or p.hMemory not in c.objects or target is None:
+            return DriverResult(arg=v.replace(params=p.replace(
+                status=nvs.NV_ERR_INVALID_OBJECT_HANDLE)).encode())
+        obj = c.objects[p.hMemory]
+        if obj.rm_class != 0xDE:
+            self._note(("map", obj.rm_class), "emulator: mapping class "
+                       f"{obj.rm_class:#x} is not modelled: NV_ERR_NOT_SUPPORTED")
+            return DriverResult(arg=v.replace(params=p.replace(
+                status=nvs.NV_ERR_NOT_SUPPORTED)).encode())
+        # RM_USER_SHARED_DATA (0xde): the page RM publishes polled counters in. The
+        # emulation has no counters to publish, so the page reads as zeros (a consistent,
+        # never-updated snapshot), and NVML falls back to "N/A" for what it would show.
+        length = max(int(p.length), 1)
+        target.mapping = bytes((length + 4095) // 4096 * 4096)
+        return DriverResult(arg=v.replace(params=p.replace(
+            status=nvs.NV_OK, pLinearAddress=0x7E0000000000 + target.id * 0x10000)).encode())
+
+    def NV_ESC_RM_UNMAP_MEMORY(self, f, dc):
+        v = dc.call.value
+        return DriverResult(arg=v.replace(params=v.params.replace(status=nvs.NV_OK)).encode()
+                            if hasattr(v, "params") else v.replace(status=nvs.NV_OK).encode())
+
+    def NV_ESC_RM_CONTROL(self, f, dc):
+        v = dc.call.value
+        c = self.clients.get(v.hClient)
+        if c is None:
+            return self._status(dc, nvs.NV_ERR_INVALID_CLIENT)
+        obj = c.objects.get(v.hObject)
+        if obj is None:
+            return self._status(dc, nvs.NV_ERR_INVALID_OBJECT_HANDLE)
+        handler = CONTROL_HANDLERS.get(v.cmd)
+        spec = self.abi.control(v.cmd)
+        if handler is None or spec is None or spec.params is None or dc.nested is None:
+            self._note(("control", v.cmd), f"emulator: control {self.abi.control_name(v.cmd)} "
+                       f"({v.cmd:#x}) is not modelled: NV_ERR_NOT_SUPPORTED")
+            return self._status(dc, nvs.NV_ERR_NOT_SUPPORTED)
+        params = spec.params.decode(dc.nested)
+        status, params = handler(self, c, obj, params)
+        return self._status(dc, status, nested=params.encode())
+
+    # ------------------------------------------------------------------ UVM
+    def UVM_INITIALIZE(self, f, dc):
+        return self._uvm_ok(dc)
+
+    def UVM_DEINITIALIZE(self, f, dc):
+        return self._uvm_ok(dc)
+
+    def UVM_MM_INITIALIZE(self, f, dc):
+        return self._uvm_ok(dc)
+
+    def _uvm_ok(self, dc):
+        v = dc.call.value
+        if v is None or not hasattr(v, "rmStatus"):
+            return DriverResult(arg=dc.call.encode())
+        return DriverResult(arg=v.replace(rmStatus=nvs.NV_OK).encode())
+
+    # ------------------------------------------------------------------ control support
+    def gpu_by_id(self, gpu_id: int) -> EmulatedGpu | None:
+        for g in self._gpus:
+            if g.gpu_id == gpu_id:
+                return g
+        return None
+
+    def pids_on(self, gpu: int) -> list[int]:
+        return sorted({c.tgid for c in self.clients.values()
+                       if any(o.gpu == gpu and o.size for o in c.objects.values())})
+
+
+def _host_memblock_size() -> int | None:
+    try:
+        with open("/sys/devices/system/memory/block_size_bytes") as fh:
+            return int(fh.read().strip(), 16)
+    except (OSError, ValueError):
+        return None
+
+
+# Control handlers are data: command number -> function(backend, client, object, params)
+# returning (status, params). Filled in by devbroker.backends.emulated_controls.
+CONTROL_HANDLERS: dict[int, Callable[..., tuple[int, Any]]] = {}
+
+from devbroker.backends import emulated_controls  # noqa: E402,F401  (registers handlers)

@@ -1,0 +1,276 @@
+"""What tenants may do: the allowlists, as data. Anything not here is refused and logged.
+
+Each entry names the capability that grants it and *why* it is safe to let through; the
+security documentation's table is generated from these tables (`devbroker policy allowlist`).
+Capabilities are named sets a policy grants per tenant:
+
+- ``nvml``: queries that NVML and nvidia-smi need to show a GPU (read-only, per-client).
+- ``compute``: objects a CUDA context needs (memory under quota, VA spaces, channels, engines).
+- ``uvm``: the UVM driver's calls CUDA makes for its address space.
+
+``profiling``, ``debug`` and ``admin`` are deliberately absent: no tenant gets them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from devbroker.abi.nodes import NodeKind
+
+CAPABILITIES = {
+    "nvml": "GPU queries NVML and nvidia-smi need (names, UUIDs, memory, utilization)",
+    "compute": "CUDA contexts: device memory (under quota), VA spaces, channels, engines",
+    "uvm": "the UVM calls CUDA makes for its own address space",
+}
+DEFAULT_CAPABILITIES = ("nvml", "compute", "uvm")
+
+RM_NODES = frozenset({NodeKind.CTL, NodeKind.GPU})
+UVM_NODES = frozenset({NodeKind.UVM})
+
+
+@dataclass(frozen=True)
+class Rule:
+    capability: str
+    reason: str
+    handler: str = "relay"  # the Broker._esc_<handler> method that runs it
+    nodes: frozenset = RM_NODES
+    fd_fields: tuple[str, ...] = ()  # fields holding one of the tenant's fds
+
+    def granted(self, caps: frozenset[str]) -> bool:
+        return self.capability in caps
+
+
+# --------------------------------------------------------------------------- escapes
+ESCAPES: dict[str, Rule] = {
+    # frontend escapes ('F', 200+n)
+    "NV_ESC_CHECK_VERSION_STR": Rule("nvml", "client/driver version handshake; no state",
+                                     handler="version"),
+    "NV_ESC_CARD_INFO": Rule("nvml", "lists GPUs; rewritten to the tenant's GPUs only"),
+    "NV_ESC_SYS_PARAMS": Rule("nvml", "host-global and set-once: answered by the broker, "
+                              "never relayed; a value other than the host's is refused",
+                              handler="sys_params"),
+    "NV_ESC_REGISTER_FD": Rule("nvml", "binds a GPU file to the tenant's own ctl file "
+                               "(fd checked to be the tenant's)", handler="fd",
+                               fd_fields=("ctl_fd",)),
+    "NV_ESC_NUMA_INFO": Rule("nvml", "read-only NUMA facts of the tenant's GPU file"),
+    "NV_ESC_WAIT_OPEN_COMPLETE": Rule("nvml", "waits for the GPU file's own open to finish"),
+    "NV_ESC_ALLOC_OS_EVENT": Rule("compute", "event on the tenant's own client and file",
+                                  handler="fd", fd_fields=("fd",)),
+    "NV_ESC_FREE_OS_EVENT": Rule("compute", "frees the tenant's own event",
+                                 handler="fd", fd_fields=("fd",)),
+    # RM escapes ('F', 0x27-0x5f)
+    "NV_ESC_RM_CONTROL": Rule("nvml", "per-control allowlist below; client ownership checked",
+                              handler="rm_control"),
+    "NV_ESC_RM_ALLOC": Rule("nvml", "per-class allowlist below; quota enforced",
+                            handler="rm_alloc"),
+    "NV_ESC_RM_FREE": Rule("nvml", "frees only the tenant's own objects", handler="rm_free"),
+    "NV_ESC_RM_MAP_MEMORY": Rule("nvml", "maps the tenant's own object into the tenant's own "
+                                 "file (fd checked)", handler="rm_map", fd_fields=("fd",)),
+    "NV_ESC_RM_UNMAP_MEMORY": Rule("nvml", "unmaps the tenant's own mapping",
+                                   handler="rm_objects"),
+    "NV_ESC_RM_UPDATE_DEVICE_MAPPING_INFO": Rule("compute", "updates the tenant's own mapping",
+                                                 handler="rm_objects"),
+    "NV_ESC_RM_ALLOC_MEMORY": Rule("compute", "system memory for the tenant's own client "
+                                   "(device-memory classes are refused by the class table)",
+                                   handler="rm_objects", fd_fields=("fd",)),
+    # UVM commands (raw numbers, /dev/nvidia-uvm)
+    "UVM_INITIALIZE": Rule("nvml", "binds a UVM va space to the calling process",
+                           handler="uvm", nodes=UVM_NODES),
+    "UVM_DEINITIALIZE": Rule("nvml", "tears down the caller's own va space",
+                             handler="uvm", nodes=UVM_NODES),
+    "UVM_MM_INITIALIZE": Rule("nvml", "binds the caller's mm to its va space",
+                              handler="uvm", nodes=UVM_NODES),
+}
+
+# UVM calls CUDA makes; each acts on the caller's own va space, and those naming an RM
+# client are checked to name the tenant's own.
+for _name, _why in {
+    "UVM_REGISTER_GPU": "registers a GPU the tenant's client already opened",
+    "UVM_UNREGISTER_GPU": "unregisters the tenant's GPU from its own va space",
+    "UVM_REGISTER_GPU_VASPACE": "shares the tenant's own RM VA space with UVM",
+    "UVM_UNREGISTER_GPU_VASPACE": "undoes the above",
+    "UVM_REGISTER_CHANNEL": "registers the tenant's own channel",
+    "UVM_UNREGISTER_CHANNEL": "undoes the above",
+    "UVM_CREATE_RANGE_GROUP": "bookkeeping in the caller's own va space",
+    "UVM_DESTROY_RANGE_GROUP": "bookkeeping in the caller's own va space",
+    "UVM_MAP_EXTERNAL_ALLOCATION": "maps the tenant's own RM memory",
+    "UVM_FREE": "frees a range of the caller's own va space",
+    "UVM_ALLOC_SEMAPHORE_POOL": "semaphore memory in the caller's own va space",
+    "UVM_PAGEABLE_MEM_ACCESS": "read-only capability query",
+    "UVM_VALIDATE_VA_RANGE": "read-only check of the caller's own range",
+    "UVM_CREATE_EXTERNAL_RANGE": "reserves a range in the caller's own va space",
+    "UVM_SET_PREFERRED_LOCATION": "hint on the caller's own range",
+    "UVM_MIGRATE": "moves the caller's own managed memory",
+    "UVM_TOOLS_GET_PROCESSOR_UUID_TABLE": "lists the processors of the caller's own va space",
+    "UVM_ENABLE_READ_DUPLICATION": "hint on the caller's own range",
+    "UVM_SET_ACCESSED_BY": "hint on the caller's own range",
+    "UVM_MAP_DYNAMIC_PARALLELISM_REGION": "maps in the caller's own va space",
+    "UVM_UNMAP_EXTERNAL": "unmaps in the caller's own va space",
+}.items():
+    ESCAPES[_name] = Rule("uvm", _why, handler="uvm", nodes=UVM_NODES)
+
+# Refused on purpose (listed so that the audit line and the docs give the reason).
+REFUSED_ESCAPES: dict[str, str] = {
+    "NV_ESC_RM_ACCESS_REGISTRY": "reads/writes the driver's registry (host-global settings)",
+    "NV_ESC_RM_I2C_ACCESS": "raw I2C bus access to the board",
+    "NV_ESC_RM_SHARE": "shares an object with other clients (cross-tenant)",
+    "NV_ESC_RM_DUP_OBJECT": "duplicates objects between clients; no supported client needs it "
+                            "through the broker",
+    "NV_ESC_SET_NUMA_STATUS": "changes the GPU's NUMA onlining state (host-global)",
+    "NV_ESC_IOCTL_XFER_CMD": "indirect wrapper; no supported client sends it",
+    "NV_ESC_RM_EXPORT_OBJECT_TO_FD": "exports an object to an fd other processes can import",
+    "NV_ESC_RM_IMPORT_OBJECT_FROM_FD": "imports an object exported by another process",
+    "NV_ESC_ATTACH_GPUS_TO_FD": "attaches GPUs by id to a file, bypassing the node the tenant "
+                                "was given",
+    "NV_ESC_EXPORT_TO_DMABUF_FD": "exports device memory as a dma-buf",
+    "NV_ESC_RM_CONFIG_SET": "legacy configuration writes",
+    "NV_ESC_RM_CONFIG_SET_EX": "legacy configuration writes",
+    "NV_ESC_RM_LOCKLESS_DIAGNOSTIC": "diagnostic interface",
+    "NV_ESC_RM_VID_HEAP_CONTROL": "legacy heap allocator (ALLOC_SIZE bypasses class-based "
+                                  "accounting)",
+}
+
+
+def escape_rule(call) -> Rule | None:
+    return ESCAPES.get(call.name)
+
+
+# --------------------------------------------------------------------------- open
+def check_open(node: NodeKind, minor: int, gpus: tuple[int, ...], caps: frozenset[str]) -> str:
+    """'' when the tenant may open this node, else the reason it may not."""
+    if node is NodeKind.CTL:
+        return ""
+    if node is NodeKind.GPU:
+        return "" if minor in gpus else f"GPU {minor} is not one of the tenant's GPUs {list(gpus)}"
+    if node is NodeKind.UVM:
+        return "" if ("uvm" in caps or "nvml" in caps) else "needs capability 'uvm'"
+    if node is NodeKind.UVM_TOOLS:
+        return "nvidia-uvm-tools is the profiling interface (other processes' events)"
+    if node is NodeKind.CAP:
+        return "capability nodes grant MIG administration"
+    return "not an NVIDIA node the broker serves"
+
+
+# --------------------------------------------------------------------------- classes
+@dataclass(frozen=True)
+class ClassRule:
+    capability: str
+    reason: str
+
+    def granted(self, caps: frozenset[str]) -> bool:
+        return self.capability in caps
+
+
+# Device-memory classes: their `size` counts against the tenant's quota on the GPU of the
+# parent device.
+DEVICE_MEMORY_CLASSES = frozenset({0x40})
+
+CLASSES: dict[int, ClassRule] = {
+    0x80: ClassRule("nvml", "device object; deviceId checked against the tenant's GPUs"),
+    0x2080: ClassRule("nvml", "subdevice of the tenant's own device"),
+    0xDE: ClassRule("nvml", "subdevice diagnostics object NVML reads counters through"),
+    0x3E: ClassRule("compute", "system memory of the tenant's own process"),
+    0x40: ClassRule("compute", "device memory, counted against the tenant's quota"),
+    0x71: ClassRule("compute", "OS descriptor memory (the tenant's own pages)"),
+    0x79: ClassRule("compute", "OS event on the tenant's own file"),
+    0x90F1: ClassRule("compute", "GPU virtual address space of the tenant's context"),
+    0x9067: ClassRule("compute", "context share of the tenant's own channel group"),
+    0x90E6: ClassRule("compute", "subdevice master object (error counters of own GPU)"),
+    0xA06C: ClassRule("compute", "channel group (time-sliced with other tenants)"),
+    0xC86F: ClassRule("compute", "GPFIFO channel in the tenant's channel group"),
+    0xC8B5: ClassRule("compute", "copy engine object on the tenant's channel"),
+    0xCBC0: ClassRule("compute", "compute engine object on the tenant's channel"),
+    0xC661: ClassRule("compute", "usermode doorbell page (write-only)"),
+    0x2081: ClassRule("compute", "NV2081 BINAPI object CUDA uses for its own context"),
+    0x503C: ClassRule("compute", "third-party P2P object on the tenant's own subdevice"),
+    0x50A0: ClassRule("compute", "NV50 memory virtual object of the tenant's VA space"),
+    0xCB33: ClassRule("compute", "confidential-computing query object (read-only)"),
+}
+
+REFUSED_CLASSES: dict[int, str] = {
+    0x83DE: "debugger: reads and writes other contexts' state",
+    0x90CC: "profiler: counters of other tenants' work",
+    0xB0CC: "profiler", 0xB1CC: "profiler", 0xB2CC: "profiler",
+    0xC639: "MIG capability session (needs the cap node)",
+    0xC640: "MIG capability session (needs the cap node)",
+    0x0F: "capability object", 0xF1: "capability object",
+    0xC2: "LOCAL_PHYSICAL: raw physical video memory",
+    0x3F: "physical system memory",
+    0x42: "privileged local memory",
+    0xF8: "fabric memory (cross-node; not accounted)",
+    0xFD: "fabric memory (cross-node; not accounted)",
+}
+
+
+def class_rule(rm_class: int) -> ClassRule | None:
+    return CLASSES.get(rm_class)
+
+
+# --------------------------------------------------------------------------- controls
+@dataclass(frozen=True)
+class ControlRule:
+    capability: str
+    reason: str
+
+    def granted(self, caps: frozenset[str]) -> bool:
+        return self.capability in caps
+
+
+_NVML_CONTROLS = {
+    0x101: "driver build version (no GPU state)",
+    0x201: "attached GPU ids; rewritten to the tenant's GPUs",
+    0x202: "id info; refused for GPUs not the tenant's",
+    0x205: "id info v2; refused for GPUs not the tenant's",
+    0x214: "probed GPU ids; rewritten to the tenant's GPUs",
+    0x215: "attach: only the tenant's GPU ids (others refused)",
+    0x216: "detach: only the tenant's GPU ids (others refused)",
+    0x21B: "GPU init status query of the tenant's GPUs",
+    0x279: "system-level query without GPU state",
+    0x289: "system-level query without GPU state",
+    0xD01: "system-level query without GPU state",
+    0x800289: "device-level read-only query",
+    0x800292: "device-level read-only query",
+    0x20800102: "subdevice read-only info",
+    0x20800110: "subdevice name string",
+    0x2080014A: "subdevice UUID / identity query",
+    0x2080018D: "GPU process ids; rewritten to the tenant's own processes",
+    0x2080018E: "per-process info; only the tenant's own processes",
+    0x20800406: "subdevice read-only info",
+    0x20801303: "framebuffer info; rewritten to the tenant's quota and use",
+    0x20801701: "subdevice read-only info",
+    0x20801801: "subdevice read-only info",
+    0x20801802: "subdevice read-only info",
+    0x20809009: "subdevice read-only info",
+    0x20809064: "subdevice read-only info",
+    0xDE0001: "diagnostics object read-only query",
+}
+_COMPUTE_CONTROLS = [
+    0x13A, 0x1F0, 0x27B, 0x288, 0xA04, 0xD04,
+    0x20800111, 0x20800119, 0x2080012F, 0x20800131, 0x20800145, 0x20800170, 0x20800195,
+    0x208001A3, 0x20801201, 0x20801210, 0x20801218, 0x2080121B, 0x20801227, 0x2080122A,
+    0x2080122B, 0x20801230, 0x20801803, 0x20801823, 0x2080182A, 0x2080182B,
+    0x2080220C, 0x20802210, 0x20802A0A, 0x20803002, 0x20803601, 0x20803801, 0x20808159,
+    0x20808162, 0x20809001, 0x20809038, 0x2080A026, 0x2080A084, 0x20810108,
+    0x503C0102, 0x503C0104, 0x503C0105, 0x800280, 0x801307, 0x801402, 0x80170D, 0x801909,
+    0x906F0101, 0x90E60102, 0xA06C0101, 0xA06C0103, 0xC36F0108, 0xCB330101,
+]
+
+CONTROLS: dict[int, ControlRule] = {c: ControlRule("nvml", why) for c, why in _NVML_CONTROLS.items()}
+CONTROLS.update({c: ControlRule("compute", "used by CUDA on the tenant's own objects "
+                                "(seen in the PyTorch trace)") for c in _COMPUTE_CONTROLS})
+
+REFUSED_CONTROLS: dict[int, str] = {
+    0x20800134: "ECC configuration", 0x20800136: "ECC configuration",
+    0x20803403: "ECC configuration",
+    0x208001A9: "GPU reset / drain", 0x208001AC: "GPU reset / drain", 0x278: "GPU drain",
+    0x20800112: "power / clocks", 0x2080205B: "power / clocks", 0x2080200A: "power / clocks",
+    0x2080206F: "power / clocks",
+    0x20800122: "register access", 0x20800602: "I2C access", 0x20800603: "I2C access",
+    0x20800604: "I2C access", 0x208F0703: "register access",
+    0x20800174: "MIG partitioning", 0xC6370101: "MIG partitioning",
+    0xC6370102: "MIG partitioning",
+    0x83DE0309: "debugger control",
+}
+
+
+def control_rule(cmd: int) -> ControlRule | None:
+    return CONTROLS.get(cmd)

@@ -1,0 +1,643 @@
+"""The broker core: every front end's requests end here.
+
+For each ioctl the core (1) finds the session and tenant, (2) waits for the tenant's rate
+limit, (3) decodes the argument with the driver ABI, (4) refuses what the tenant's
+capabilities do not allow (deny by default, tables in allow.py), (5) checks that every client
+handle named belongs to the tenant, (6) enforces the device-memory quota, (7) hands the call
+to the backend, (8) rewrites what the tenant may see (rewrite.py) and (9) writes the results
+back. Refusals are answered the way the driver itself refuses: an errno for an escape, an
+NV_STATUS in the argument for a class or control.
+"""
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import trio
+
+from devbroker.abi import DecodeError, registry
+from devbroker.abi import status as nvstatus
+from devbroker.abi.nodes import NodeKind
+from devbroker.backends.base import Backend, DriverCall, DriverResult
+from devbroker.broker import allow, rewrite
+from devbroker.broker.audit import AuditLog
+from devbroker.broker.interface import (
+    Caller,
+    IoctlReply,
+    IoctlRequest,
+    MapReadReply,
+    MapReadRequest,
+    OpenReply,
+    OpenRequest,
+    ReleaseRequest,
+)
+from devbroker.broker.objects import RmClient
+from devbroker.broker.ratelimit import TokenBucket
+
+log = logging.getLogger("devbroker.broker")
+
+# The biggest nested buffer the broker will copy from a tenant. The largest real control
+# parameter block in the traces is under 8 KiB; anything near this is an attack.
+MAX_NESTED_BYTES = 1 << 20
+
+ROOT_CLIENT_CLASSES = frozenset({0x0, 0x41})  # NV01_ROOT, NV01_ROOT_CLIENT
+DEVICE_CLASS = 0x80  # NV01_DEVICE_0
+SUBDEVICE_CLASS = 0x2080  # NV20_SUBDEVICE_0
+
+# Names of fields that hold a *client* handle, wherever they appear (top-level arguments,
+# nested parameters, UVM arguments). A tenant may only name its own clients there.
+CLIENT_HANDLE_FIELDS = ("hClient", "hRoot", "hClientSrc", "hClientShare", "hClientTarget")
+
+
+class Refusal(Exception):
+    """A decision to refuse a call; carries both the errno and the driver status forms."""
+
+    def __init__(self, reason: str, *, errno_: int = errno.EPERM, status: int | None = None,
+                 what: str = ""):
+        super().__init__(reason)
+        self.reason = reason
+        self.errno = errno_
+        self.status = status
+        self.what = what
+
+
+@dataclass
+class Session:
+    id: int
+    tenant: "TenantState"
+    node: NodeKind
+    minor: int
+    caller: Caller
+    file: Any  # the backend's DriverFile
+    clients: set[int] = field(default_factory=set)  # root clients owned through this file
+    closed: bool = False
+
+    @property
+    def node_name(self) -> str:
+        if self.node is NodeKind.GPU:
+            return f"nvidia{self.minor}"
+        return {NodeKind.CTL: "nvidiactl", NodeKind.UVM: "nvidia-uvm",
+                NodeKind.UVM_TOOLS: "nvidia-uvm-tools"}.get(self.node, self.node.name.lower())
+
+
+@dataclass
+class TenantState:
+    name: str
+    policy: Any  # devbroker.broker.policy.TenantPolicy
+    limiter: TokenBucket
+    sessions: dict[int, Session] = field(default_factory=dict)
+    clients: dict[int, RmClient] = field(default_factory=dict)
+    abi_by_tgid: dict[int, Any] = field(default_factory=dict)
+    refusals: int = 0
+    requests: int = 0
+
+    @property
+    def gpus(self) -> tuple[int, ...]:
+        return tuple(self.policy.gpus)
+
+    def quota(self, gpu: int) -> int:
+        return int(self.policy.memory_quota)
+
+    def used(self) -> dict[int, int]:
+        out: dict[int, int] = {g: 0 for g in self.gpus}
+        for client in self.clients.values():
+            for gpu, n in client.charged_by_gpu().items():
+                out[gpu] = out.get(gpu, 0) + n
+        return out
+
+    def capabilities(self) -> frozenset[str]:
+        return frozenset(self.policy.capabilities)
+
+    def tgids(self) -> set[int]:
+        return {s.caller.pid for s in self.sessions.values()}
+
+
+class Broker:
+    """Implements devbroker.broker.interface.BrokerInterface."""
+
+    def __init__(self, policy: Any, backend: Backend, audit: AuditLog | None = None,
+                 *, recorder: Any = None):
+        self.backend = backend
+        self.audit = audit or AuditLog()
+        self.recorder = recorder
+        self.sessions: dict[int, Session] = {}
+        self.tenants: dict[str, TenantState] = {}
+        self.client_owner: dict[int, str] = {}  # client handle -> tenant name
+        self._ids = itertools.count(1)
+        self.policy = None
+        self.on_policy_change: list[Callable[[Any], None]] = []
+        self.apply_policy(policy)
+        self._logged_once: set[tuple] = set()
+
+    # ------------------------------------------------------------------ policy
+    def apply_policy(self, policy: Any) -> None:
+        """Install a (validated) policy. Running tenants keep their sessions and objects."""
+        for gpu in {g for t in policy.tenants.values() for g in t.gpus}:
+            if gpu >= len(self.backend.gpus()):
+                raise ValueError(f"policy names GPU {gpu}; the {self.backend.name} backend has "
+                                 f"{len(self.backend.gpus())}")
+        new: dict[str, TenantState] = {}
+        for name, tp in policy.tenants.items():
+            rate = tp.rate_limit.requests_per_second if tp.rate_limit else 0
+            burst = tp.rate_limit.burst if tp.rate_limit else 0
+            old = self.tenants.get(name)
+            if old is not None:
+                old.policy = tp
+                if (old.limiter.rate, old.limiter.burst) != (float(rate), float(burst)):
+                    old.limiter = TokenBucket(rate, burst)
+                new[name] = old
+            else:
+                new[name] = TenantState(name, tp, TokenBucket(rate, burst))
+        # A tenant removed from the policy loses its nodes (the front end drops them); its
+        # open files stay valid until closed, but every further call is refused.
+        for name, old in self.tenants.items():
+            if name not in new:
+                old.policy = _RevokedTenant()
+                new[f"{name} (revoked)"] = old
+        self.tenants = new
+        self.policy = policy
+        for cb in self.on_policy_change:
+            cb(policy)
+
+    def tenant_gpus(self, tenant: str) -> tuple[int, ...]:
+        t = self.tenants.get(tenant)
+        return t.gpus if t else ()
+
+    # ------------------------------------------------------------------ helpers
+    def _abi(self, session: Session):
+        t = session.tenant
+        return t.abi_by_tgid.get(session.caller.pid) or registry.get(self.backend.version)
+
+    def _deny(self, session: Session | None, what: str, reason: str, **extra: Any) -> None:
+        tenant = session.tenant if session else None
+        if tenant:
+            tenant.refusals += 1
+        self.audit.deny(tenant=tenant.name if tenant else None,
+                        pid=session.caller.pid if session else None,
+                        node=session.node_name if session else None,
+                        what=what, reason=reason, **extra)
+
+    def _once(self, key: tuple, msg: str) -> None:
+        if key not in self._logged_once:
+            self._logged_once.add(key)
+            self.audit.write("notice", message=msg)
+
+    # ------------------------------------------------------------------ open
+    async def open(self, req: OpenRequest) -> OpenReply:
+        tenant = self.tenants.get(req.tenant)
+        what = f"open {req.node.name.lower()}{req.minor if req.node is NodeKind.GPU else ''}"
+        if tenant is None or isinstance(tenant.policy, _RevokedTenant):
+            self.audit.deny(tenant=req.tenant, pid=req.caller.pid, what=what,
+                            reason="no such tenant in the running policy")
+            return OpenReply(errno=errno.EACCES)
+        pinned = getattr(tenant.policy, "uids", None)
+        if pinned and req.caller.uid not in pinned:
+            self.audit.deny(tenant=tenant.name, pid=req.caller.pid, what=what,
+                            reason=f"uid {req.caller.uid} is not pinned to this tenant")
+            return OpenReply(errno=errno.EACCES)
+        refusal = allow.check_open(req.node, req.minor, tenant.gpus, tenant.capabilities())
+        if refusal:
+            tenant.refusals += 1
+            self.audit.deny(tenant=tenant.name, pid=req.caller.pid, what=what, reason=refusal)
+            return OpenReply(errno=errno.EACCES)
+        try:
+            file = self.backend.open(req.node, req.minor)
+        except OSError as e:
+            return OpenReply(errno=e.errno or errno.EIO)
+        sid = next(self._ids)
+        s = Session(sid, tenant, req.node, req.minor, req.caller, file)
+        self.sessions[sid] = s
+        tenant.sessions[sid] = s
+        return OpenReply(session=sid)
+
+    # ------------------------------------------------------------------ release
+    async def release(self, req: ReleaseRequest) -> None:
+        s = self.sessions.pop(req.session, None)
+        if s is None or s.closed:
+            return
+        s.closed = True
+        s.tenant.sessions.pop(s.id, None)
+        # Closing the ctl file frees every client allocated through it (driver semantics),
+        # and with them the quota they held.
+        for h in list(s.clients):
+            s.tenant.clients.pop(h, None)
+            self.client_owner.pop(h, None)
+        try:
+            self.backend.close(s.file)
+        except OSError as e:  # pragma: no cover - real driver close errors are only logged
+            log.warning("backend close failed: %s", e)
+        if not any(x.caller.pid == s.caller.pid for x in s.tenant.sessions.values()):
+            s.tenant.abi_by_tgid.pop(s.caller.pid, None)
+
+    # ------------------------------------------------------------------ mmap page reads
+    async def map_read(self, req: MapReadRequest) -> MapReadReply:
+        s = self.sessions.get(req.session)
+        if s is None:
+            return MapReadReply(errno=errno.EBADF)
+        try:
+            data = self.backend.map_read(s.file, req.offset, req.length)
+        except OSError as e:
+            return MapReadReply(errno=e.errno or errno.EIO)
+        return MapReadReply(data=data)
+
+    # ------------------------------------------------------------------ ioctl
+    async def ioctl(self, req: IoctlRequest) -> IoctlReply:
+        s = self.sessions.get(req.session)
+        if s is None or s.closed:
+            return IoctlReply(errno=errno.EBADF)
+        tenant = s.tenant
+        if isinstance(tenant.policy, _RevokedTenant):
+            self._deny(s, f"ioctl {req.cmd:#x}", "tenant removed from the running policy")
+            return IoctlReply(errno=errno.EACCES)
+        await tenant.limiter.acquire()
+        tenant.requests += 1
+        abi = self._abi(s)
+        try:
+            arg = self._top_level_arg(s, abi, req)
+            call = abi.decode_ioctl(s.node, req.cmd, arg)
+        except DecodeError as e:
+            self._deny(s, f"ioctl {req.cmd:#x}", f"malformed argument: {e}")
+            return IoctlReply(errno=errno.EINVAL)
+        except Refusal as r:
+            self._deny(s, r.what or f"ioctl {req.cmd:#x}", r.reason)
+            return IoctlReply(errno=r.errno)
+        except OSError as e:
+            self._deny(s, f"ioctl {req.cmd:#x}", f"argument unreadable: {e.strerror}")
+            return IoctlReply(errno=errno.EFAULT)
+
+        if call.spec is None:
+            self._deny(s, call.name, "unknown command for driver " + abi.version)
+            return IoctlReply(errno=errno.EINVAL if call.kind == "uvm" else errno.EPERM)
+        rule = allow.escape_rule(call)
+        if rule is None or not rule.granted(tenant.capabilities()):
+            reason = (f"{call.name} is not allowed for tenants" if rule is None else
+                      f"{call.name} needs capability '{rule.capability}'")
+            self._deny(s, call.name, reason)
+            return IoctlReply(errno=errno.EPERM)
+        if s.node not in rule.nodes:
+            self._deny(s, call.name, f"{call.name} is not valid on {s.node_name}")
+            return IoctlReply(errno=errno.EINVAL)
+
+        handler = getattr(self, "_esc_" + rule.handler)
+        try:
+            reply = await handler(s, abi, req, call, rule)
+        except Refusal as r:
+            self._deny(s, r.what or call.name, r.reason)
+            if r.status is not None:
+                reply = self._status_reply(abi, call, r.status)
+            else:
+                reply = IoctlReply(errno=r.errno)
+        except DecodeError as e:
+            self._deny(s, call.name, f"malformed nested argument: {e}")
+            reply = self._status_reply(abi, call, nvstatus.NV_ERR_INVALID_ARGUMENT)
+        except OSError as e:
+            # Nested buffers unreadable or unwritable: the driver answers EFAULT too.
+            self._deny(s, call.name, f"tenant memory access failed: {e.strerror or e}")
+            reply = IoctlReply(errno=errno.EFAULT)
+        except Exception as e:  # a bug must cost one call, never the broker
+            log.exception("internal error handling %s", call.name)
+            self.audit.write("error", tenant=tenant.name, pid=s.caller.pid,
+                             node=s.node_name, what=call.name,
+                             reason=f"internal error: {type(e).__name__}: {e}")
+            reply = IoctlReply(errno=errno.EIO)
+        if reply.arg_out is not None and call.kind == "uvm" and req.arg is None:
+            # UVM arguments carry no size in the ioctl number: the front end gave us only
+            # the pointer, so the result goes back through the tenant's memory.
+            req.memory.write(req.arg_ptr, reply.arg_out)
+            reply = IoctlReply(result=reply.result, errno=reply.errno)
+        return reply
+
+    def _top_level_arg(self, s: Session, abi, req: IoctlRequest) -> bytes:
+        if req.arg is not None and len(req.arg) > 0:
+            return req.arg
+        if s.node in (NodeKind.UVM, NodeKind.UVM_TOOLS):
+            spec = abi.uvm(req.cmd)
+            if spec is None:
+                raise Refusal(f"unknown UVM command {req.cmd:#x}", errno_=errno.EINVAL,
+                              what=f"UVM {req.cmd:#x}")
+            if req.memory is None:
+                raise Refusal("front end cannot read tenant memory", errno_=errno.EINVAL)
+            return req.memory.read(req.arg_ptr, spec.size) if spec.size else b""
+        return req.arg or b""
+
+    def _status_reply(self, abi, call, status: int) -> IoctlReply:
+        """Answer with the driver's status in the argument and ioctl() == 0."""
+        field_name = "rmStatus" if call.kind == "uvm" else "status"
+        value = call.value
+        if hasattr(value, "params") and not hasattr(value, field_name):
+            # nv_ioctl_nvos33_parameters_with_fd and similar wrap the NVOS struct.
+            value = value.replace(params=value.params.replace(**{field_name: status}))
+        else:
+            value = value.replace(**{field_name: status})
+        return IoctlReply(arg_out=value.encode())
+
+    async def _call_backend(self, s: Session, call, nested: bytes | None = None,
+                            fd_files: dict | None = None) -> DriverResult:
+        dc = DriverCall(call, nested, fd_files or {})
+        dc.tgid = s.caller.pid  # type: ignore[attr-defined]
+        result = await self.backend.ioctl(s.file, dc)
+        if self.recorder is not None:
+            self.recorder.ioctl(s, call, nested, result)
+        return result
+
+    def _check_clients(self, s: Session, value: Any, *, where: str) -> int | None:
+        """Every client handle named in value must be the tenant's. Returns hClient."""
+        first = None
+        for name in CLIENT_HANDLE_FIELDS:
+            h = getattr(value, name, None)
+            if h is None:
+                continue
+            if first is None:
+                first = h
+            if h == 0 and name in ("hClientShare",):
+                continue
+            owner = self.client_owner.get(h)
+            if owner != s.tenant.name:
+                raise Refusal(f"{where}: {name}={h:#x} is not a client of this tenant",
+                              status=nvstatus.NV_ERR_INVALID_CLIENT, what=where)
+        return first
+
+    def _client(self, s: Session, h: int, where: str) -> RmClient:
+        c = s.tenant.clients.get(h)
+        if c is None:
+            raise Refusal(f"{where}: client {h:#x} is not this tenant's",
+                          status=nvstatus.NV_ERR_INVALID_CLIENT, what=where)
+        return c
+
+    def _read_nested(self, req: IoctlRequest, ref) -> bytes | None:
+        if ref is None or ref.size == 0:
+            return None
+        if ref.size > MAX_NESTED_BYTES:
+            raise Refusal(f"nested buffer of {ref.size} bytes is absurd",
+                          status=nvstatus.NV_ERR_INVALID_ARGUMENT)
+        if ref.ptr == 0:
+            raise Refusal("nested buffer pointer is NULL", status=nvstatus.NV_ERR_INVALID_ARGUMENT)
+        return req.memory.read(ref.ptr, ref.size)
+
+    # ------------------------------------------------------------------ escape handlers
+    async def _esc_relay(self, s, abi, req, call, rule) -> IoctlReply:
+        """Escapes with no handles or fds: pass through, rewrite the view if a hook says so."""
+        self._check_clients(s, call.value, where=call.name)
+        result = await self._call_backend(s, call)
+        out = result.arg
+        hook = rewrite.ESCAPE_REWRITES.get(call.name)
+        if hook and not result.errno:
+            out = hook(self, s, abi, abi.decode_ioctl(s.node, req.cmd, out).value).encode()
+        return IoctlReply(result=result.result, arg_out=out, errno=result.errno)
+
+    async def _esc_version(self, s, abi, req, call, rule) -> IoctlReply:
+        result = await self._call_backend(s, call)
+        if not result.errno:
+            # The emulator speaks the ABI of the version the client asked for, when the
+            # registry has it; every later call of this process is decoded with it.
+            asked = _cstr(call.value.versionString)
+            if asked in registry.versions() and asked != abi.version:
+                s.tenant.abi_by_tgid[s.caller.pid] = registry.get(asked)
+        return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
+
+    async def _esc_sys_params(self, s, abi, req, call, rule) -> IoctlReply:
+        """SYS_PARAMS sets a host-global, set-once value: never relayed, answered here."""
+        host = getattr(self.backend, "memblock_size", None)
+        asked = call.value.memblock_size
+        if host is not None and asked != host:
+            raise Refusal(f"SYS_PARAMS memblock_size={asked:#x} differs from the host's "
+                          f"{host:#x} (a host-global setting)", errno_=errno.EPERM,
+                          what=call.name)
+        return IoctlReply(arg_out=call.encode())
+
+    async def _esc_fd(self, s, abi, req, call, rule) -> IoctlReply:
+        """Escapes carrying an fd of the tenant's (REGISTER_FD, ALLOC_OS_EVENT…)."""
+        self._check_clients(s, call.value, where=call.name)
+        fd_files = await self._translate_fds(s, req, call.value, rule.fd_fields, call.name)
+        result = await self._call_backend(s, call, fd_files=fd_files)
+        return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
+
+    async def _translate_fds(self, s, req, value, fd_fields, where) -> dict:
+        out = {}
+        for path in fd_fields:
+            fd = _get_path(value, path)
+            if fd is None:
+                continue
+            if fd < 0:
+                raise Refusal(f"{where}: {path}={fd} is not a file descriptor",
+                              errno_=errno.EBADF, status=nvstatus.NV_ERR_INVALID_ARGUMENT)
+            sid = await req.resolve_fd(fd) if req.resolve_fd else None
+            target = self.sessions.get(sid) if sid else None
+            if target is None or target.tenant is not s.tenant:
+                raise Refusal(f"{where}: fd {fd} in {path} is not one of this tenant's "
+                              "NVIDIA files", errno_=errno.EBADF,
+                              status=nvstatus.NV_ERR_INVALID_ARGUMENT)
+            out[path] = target.file
+        return out
+
+    async def _esc_rm_control(self, s, abi, req, call, rule) -> IoctlReply:
+        v = call.value
+        where = f"RM_CONTROL {abi.control_name(v.cmd)}"
+        client = self._client(s, v.hClient, where)
+        if v.hObject not in client.objects:
+            raise Refusal(f"{where}: object {v.hObject:#x} is not in client {v.hClient:#x}",
+                          status=nvstatus.NV_ERR_INVALID_OBJECT_HANDLE, what=where)
+        ctl_rule = allow.control_rule(v.cmd)
+        if ctl_rule is None or not ctl_rule.granted(s.tenant.capabilities()):
+            reason = ("not on the control allowlist" if ctl_rule is None
+                      else f"needs capability '{ctl_rule.capability}'")
+            raise Refusal(f"{where} ({v.cmd:#x}): {reason}",
+                          status=nvstatus.NV_ERR_INSUFFICIENT_PERMISSIONS, what=where)
+        spec = abi.control(v.cmd)
+        if spec is not None and spec.params is not None and v.paramsSize != spec.size:
+            raise Refusal(f"{where}: paramsSize {v.paramsSize} != {spec.size}",
+                          status=nvstatus.NV_ERR_INVALID_PARAM_STRUCT, what=where)
+        ref = abi.nested(call)
+        nested = self._read_nested(req, ref)
+        params = None
+        if nested is not None and ref.spec is not None:
+            params = ref.spec.decode(nested)
+            self._check_clients(s, params, where=where)
+            pre = rewrite.CONTROL_PRE.get(v.cmd)
+            if pre is not None:
+                params = pre(self, s, abi, params)
+                nested = params.encode()
+        result = await self._call_backend(s, call, nested)
+        out_value = abi.decode_ioctl(s.node, req.cmd, result.arg).value
+        out_nested = result.nested
+        if not result.errno and out_value.status == nvstatus.NV_OK and out_nested is not None:
+            post = rewrite.CONTROL_POST.get(v.cmd)
+            if post is not None and ref.spec is not None:
+                ctx = rewrite.ControlContext(params, client.objects[v.hObject].gpu)
+                out_nested = post(self, s, abi, ref.spec.decode(out_nested), ctx).encode()
+        if out_nested is not None and not result.errno:
+            req.memory.write(ref.ptr, out_nested)
+        return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
+
+    async def _esc_rm_alloc(self, s, abi, req, call, rule) -> IoctlReply:
+        v = call.value
+        cls = v.hClass
+        where = f"RM_ALLOC {abi.class_name(cls)}"
+        if cls in ROOT_CLIENT_CLASSES:
+            if s.node is not NodeKind.CTL:
+                raise Refusal(f"{where}: root clients are allocated on nvidiactl",
+                              status=nvstatus.NV_ERR_INVALID_ARGUMENT, what=where)
+            if v.hObjectNew and v.hObjectNew in self.client_owner:
+                raise Refusal(f"{where}: client handle {v.hObjectNew:#x} is taken",
+                              status=nvstatus.NV_ERR_INSERT_DUPLICATE_NAME, what=where)
+            result = await self._call_backend(s, call, self._read_nested(req, abi.nested(call)))
+            out = abi.decode_ioctl(s.node, req.cmd, result.arg).value
+            if not result.errno and out.status == nvstatus.NV_OK:
+                h = out.hObjectNew
+                s.tenant.clients[h] = RmClient(h, s.id, s.caller.pid)
+                s.clients.add(h)
+                self.client_owner[h] = s.tenant.name
+            return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
+
+        client = self._client(s, v.hRoot, where)
+        if v.hObjectParent not in client.objects:
+            raise Refusal(f"{where}: parent {v.hObjectParent:#x} is not in client {v.hRoot:#x}",
+                          status=nvstatus.NV_ERR_INVALID_OBJECT_PARENT, what=where)
+        cls_rule = allow.class_rule(cls)
+        if cls_rule is None or not cls_rule.granted(s.tenant.capabilities()):
+            reason = ("not on the class allowlist" if cls_rule is None
+                      else f"needs capability '{cls_rule.capability}'")
+            raise Refusal(f"{where} ({cls:#x}): {reason}",
+                          status=nvstatus.NV_ERR_INSUFFICIENT_PERMISSIONS, what=where)
+        if v.hObjectNew and v.hObjectNew in client.objects:
+            raise Refusal(f"{where}: handle {v.hObjectNew:#x} already exists",
+                          status=nvstatus.NV_ERR_INSERT_DUPLICATE_NAME, what=where)
+        ref = abi.nested(call)
+        nested = self._read_nested(req, ref)
+        params = ref.spec.decode(nested) if (nested is not None and ref.spec is not None) else None
+        if params is not None:
+            self._check_clients(s, params, where=where)
+        gpu = client.objects[v.hObjectParent].gpu
+        if cls == DEVICE_CLASS:
+            gpu = params.deviceId if params is not None else 0
+            if gpu not in s.tenant.gpus:
+                raise Refusal(f"{where}: device {gpu} is not one of the tenant's GPUs "
+                              f"{list(s.tenant.gpus)}", status=nvstatus.NV_ERR_INVALID_ARGUMENT,
+                              what=where)
+        charge = 0
+        if cls in allow.DEVICE_MEMORY_CLASSES:
+            charge = _alloc_size(params)
+            if gpu is None:
+                raise Refusal(f"{where}: device memory needs a device parent",
+                              status=nvstatus.NV_ERR_INVALID_OBJECT_PARENT, what=where)
+            used = s.tenant.used().get(gpu, 0)
+            if used + charge > s.tenant.quota(gpu):
+                raise Refusal(f"{where}: {charge} bytes on GPU {gpu} would exceed the quota "
+                              f"({used} of {s.tenant.quota(gpu)} used)",
+                              status=nvstatus.NV_ERR_NO_MEMORY, what=where)
+        # Reserve before the backend runs (the await may interleave with a racing
+        # allocation of the same tenant); give it back if the driver refuses.
+        placeholder = None
+        if charge:
+            placeholder = client.add(-next(self._ids), cls, v.hObjectParent, gpu=gpu,
+                                     charged=charge)
+        try:
+            result = await self._call_backend(s, call, nested)
+        finally:
+            if placeholder is not None:
+                client.remove(placeholder.handle)
+        out = abi.decode_ioctl(s.node, req.cmd, result.arg).value
+        if not result.errno and out.status == nvstatus.NV_OK:
+            if result.nested is not None and ref is not None and ref.spec is not None:
+                done = ref.spec.decode(result.nested)
+                charge = max(charge, _alloc_size(done)) if charge else 0
+                req.memory.write(ref.ptr, result.nested)
+            client.add(out.hObjectNew, cls, v.hObjectParent, gpu=gpu, charged=charge)
+        return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
+
+    async def _esc_rm_free(self, s, abi, req, call, rule) -> IoctlReply:
+        v = call.value
+        where = "RM_FREE"
+        client = self._client(s, v.hRoot, where)
+        if v.hObjectOld not in client.objects:
+            raise Refusal(f"{where}: object {v.hObjectOld:#x} is not in client {v.hRoot:#x}",
+                          status=nvstatus.NV_ERR_INVALID_OBJECT_HANDLE, what=where)
+        result = await self._call_backend(s, call)
+        out = abi.decode_ioctl(s.node, req.cmd, result.arg).value
+        if not result.errno and out.status == nvstatus.NV_OK:
+            if v.hObjectOld == v.hRoot:
+                s.tenant.clients.pop(v.hRoot, None)
+                self.client_owner.pop(v.hRoot, None)
+                for sess in s.tenant.sessions.values():
+                    sess.clients.discard(v.hRoot)
+            else:
+                client.remove(v.hObjectOld)
+        return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
+
+    async def _esc_rm_map(self, s, abi, req, call, rule) -> IoctlReply:
+        """RM_MAP_MEMORY: the mapping context is created on the file named by the fd field."""
+        p = call.value.params
+        where = "RM_MAP_MEMORY"
+        client = self._client(s, p.hClient, where)
+        for name in ("hDevice", "hMemory"):
+            h = getattr(p, name)
+            if h not in client.objects:
+                raise Refusal(f"{where}: {name}={h:#x} is not in client {p.hClient:#x}",
+                              status=nvstatus.NV_ERR_INVALID_OBJECT_HANDLE, what=where)
+        fd_files = await self._translate_fds(s, req, call.value, rule.fd_fields, where)
+        result = await self._call_backend(s, call, fd_files=fd_files)
+        return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
+
+    async def _esc_rm_objects(self, s, abi, req, call, rule) -> IoctlReply:
+        """Escapes naming a client and objects in it (UNMAP, DUP within the tenant, …)."""
+        self._check_clients(s, call.value, where=call.name)
+        inner = getattr(call.value, "params", None)
+        if inner is not None:
+            self._check_clients(s, inner, where=call.name)
+        fd_files = await self._translate_fds(s, req, call.value, rule.fd_fields, call.name)
+        result = await self._call_backend(s, call, fd_files=fd_files)
+        return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
+
+    async def _esc_uvm(self, s, abi, req, call, rule) -> IoctlReply:
+        self._check_clients(s, call.value, where=call.name)
+        result = await self._call_backend(s, call)
+        return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
+
+    # ------------------------------------------------------------------ status
+    def snapshot(self) -> dict:
+        tenants = []
+        for t in self.tenants.values():
+            used = t.used()
+            tenants.append({
+                "name": t.name,
+                "gpus": list(t.gpus),
+                "open_files": len(t.sessions),
+                "processes": sorted(t.tgids()),
+                "clients": len(t.clients),
+                "objects": sum(len(c.objects) for c in t.clients.values()),
+                "memory": {str(g): {"used": used.get(g, 0), "quota": t.quota(g)} for g in t.gpus},
+                "requests": t.requests,
+                "refusals": t.refusals,
+                "rate_limited": t.limiter.waited,
+            })
+        return {"backend": self.backend.name, "driver": self.backend.version,
+                "tenants": tenants}
+
+
+class _RevokedTenant:
+    gpus: tuple = ()
+    capabilities: tuple = ()
+    memory_quota = 0
+    uids = None
+    rate_limit = None
+
+
+def _cstr(b: bytes) -> str:
+    return bytes(b).split(b"\0", 1)[0].decode("ascii", "replace")
+
+
+def _get_path(value: Any, path: str):
+    for part in path.split("."):
+        value = getattr(value, part, None)
+        if value is None:
+            return None
+    return value
+
+
+def _alloc_size(params: Any) -> int:
+    if params is None:
+        return 0
+    return int(getattr(params, "size", 0) or 0)

@@ -1,0 +1,189 @@
+"""What the tenant sees: rewrites of driver answers, as tables keyed by command.
+
+The same rewrites run over the emulated and the real backend, so CI exercises the code that
+hides the physical GPU on real hardware. Every function takes the broker, the session, the
+ABI and a decoded StructValue and returns the value to hand on; a pre-hook may refuse by
+raising Refusal. Post-hooks also get a ControlContext (the parameters as sent, and the GPU
+of the object the control was sent to).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+from devbroker.abi import status as nvs
+
+INVALID_GPU_ID = 0xFFFFFFFF
+ATTACH_ALL_PROBED = 0x0000FFFF  # NV0000_CTRL_GPU_ATTACH_ALL_PROBED_IDS
+KiB = 1024
+
+
+def _refusal(*a, **kw):
+    from devbroker.broker.core import Refusal
+
+    return Refusal(*a, **kw)
+
+
+def tenant_gpu_ids(broker, s) -> list[int]:
+    gpus = broker.backend.gpus()
+    return [gpus[i].gpu_id for i in s.tenant.gpus if i < len(gpus)]
+
+
+def gpu_index_for_id(broker, gpu_id: int) -> int | None:
+    for g in broker.backend.gpus():
+        if g.gpu_id == gpu_id:
+            return g.index
+    return None
+
+
+def _filtered_ids(ids: list[int], keep: list[int]) -> list[int]:
+    kept = [i for i in ids if i in keep]
+    return kept + [INVALID_GPU_ID] * (len(ids) - len(kept))
+
+
+# --------------------------------------------------------------------------- escapes
+def card_info(broker, s, abi, value):
+    """NV_ESC_CARD_INFO: entries of GPUs that are not the tenant's read as empty slots."""
+    entries = list(value.entries)
+    out = []
+    for e in entries:
+        if e.valid and e.minor_number not in s.tenant.gpus:
+            e = e.spec.decode(bytes(e.spec.size))
+        elif e.valid:
+            # Physical BAR addresses are of no use to a tenant and help an attacker.
+            e = e.replace(reg_address=0, fb_address=0)
+        out.append(e)
+    return value.replace(entries=out)
+
+
+ESCAPE_REWRITES: dict[str, Callable] = {
+    "NV_ESC_CARD_INFO": card_info,
+}
+
+
+# --------------------------------------------------------------------------- controls: pre
+def require_own_gpu_id(broker, s, abi, params):
+    if params.gpuId not in tenant_gpu_ids(broker, s):
+        raise _refusal(f"GPU id {params.gpuId:#x} is not one of the tenant's GPUs",
+                       status=nvs.NV_ERR_INVALID_ARGUMENT, what="GET_ID_INFO")
+    return params
+
+
+def restrict_attach_ids(broker, s, abi, params):
+    mine = tenant_gpu_ids(broker, s)
+    ids = list(params.gpuIds)
+    if ATTACH_ALL_PROBED in ids:
+        # "all probed GPUs" means all of the tenant's GPUs, never the host's.
+        ids = mine + [INVALID_GPU_ID] * (len(ids) - len(mine))
+        return params.replace(gpuIds=ids)
+    for i in ids:
+        if i != INVALID_GPU_ID and i not in mine:
+            raise _refusal(f"attach/detach of GPU id {i:#x}, not one of the tenant's",
+                           status=nvs.NV_ERR_INSUFFICIENT_PERMISSIONS, what="ATTACH/DETACH")
+    return params
+
+
+def pid_info_to_host(broker, s, abi, params):
+    """GET_PID_INFO names pids: the tenant's own processes only."""
+    mine = s.tenant.tgids()
+    for entry_pid in _pids_named(params):
+        if entry_pid not in mine:
+            raise _refusal(f"GET_PID_INFO for pid {entry_pid}, not the tenant's",
+                           status=nvs.NV_ERR_INSUFFICIENT_PERMISSIONS, what="GET_PID_INFO")
+    return params
+
+
+def _pids_named(params) -> list[int]:
+    out = []
+    for e in getattr(params, "pidInfoList", [])[: getattr(params, "pidInfoListCount", 0)]:
+        out.append(e.pid)
+    return out
+
+
+CONTROL_PRE: dict[int, Callable] = {
+    0x202: require_own_gpu_id,  # NV0000_CTRL_CMD_GPU_GET_ID_INFO
+    0x205: require_own_gpu_id,  # NV0000_CTRL_CMD_GPU_GET_ID_INFO_V2
+    0x215: restrict_attach_ids,  # NV0000_CTRL_CMD_GPU_ATTACH_IDS
+    0x216: restrict_attach_ids,  # NV0000_CTRL_CMD_GPU_DETACH_IDS
+    0x2080018E: pid_info_to_host,  # NV2080_CTRL_CMD_GPU_GET_PID_INFO
+}
+
+
+# --------------------------------------------------------------------------- controls: post
+def attached_ids(broker, s, abi, out, ctx):
+    return out.replace(gpuIds=_filtered_ids(list(out.gpuIds), tenant_gpu_ids(broker, s)))
+
+
+def probed_ids(broker, s, abi, out, ctx):
+    out = out.replace(gpuIds=_filtered_ids(list(out.gpuIds), tenant_gpu_ids(broker, s)))
+    if hasattr(out, "excludedGpuIds"):
+        out = out.replace(excludedGpuIds=[INVALID_GPU_ID] * len(out.excludedGpuIds))
+    return out
+
+
+# NV2080_CTRL_FB_INFO_INDEX_* whose value is a size of device memory (KiB), and what the
+# tenant sees instead: its quota as the card, its own use as the only use.
+_FB_TOTAL = {0x07, 0x08, 0x09, 0x0A, 0x20}  # RAM_SIZE, TOTAL_RAM_SIZE, HEAP_SIZE,
+#                                              MAPPABLE_HEAP_SIZE, USABLE_RAM_SIZE
+_FB_FREE = {0x12, 0x16}  # LARGEST_FREE_REGION_SIZE_KB, HEAP_FREE
+_FB_ZERO = {0x10, 0x27}  # FB_TAX_SIZE_KB, HEAP_OFFLINE_SIZE (reserved memory: none visible)
+
+
+def fb_info(broker, s, abi, out, ctx):
+    gpu = ctx.gpu
+    if gpu is None:
+        return out
+    quota = s.tenant.quota(gpu)
+    used = s.tenant.used().get(gpu, 0)
+    total_kib = quota // KiB
+    free_kib = max(0, quota - used) // KiB
+    entries = []
+    n = out.fbInfoListSize
+    for i, e in enumerate(out.fbInfoList):
+        if i < n:
+            if e.index in _FB_TOTAL:
+                e = e.replace(data=min(total_kib, 0xFFFFFFFF))
+            elif e.index in _FB_FREE:
+                e = e.replace(data=min(free_kib, 0xFFFFFFFF))
+            elif e.index in _FB_ZERO:
+                e = e.replace(data=0)
+        entries.append(e)
+    return out.replace(fbInfoList=entries)
+
+
+def gpu_pids(broker, s, abi, out, ctx):
+    """GET_PIDS: only the tenant's own processes, as its own pid namespace numbers them."""
+    mine = s.tenant.tgids()
+    count = out.pidTblCount
+    kept = [p for p in list(out.pidTbl)[:count] if p in mine]
+    kept = [_pid_in_tenant_ns(p) for p in kept]
+    table = kept + [0] * (len(out.pidTbl) - len(kept))
+    return out.replace(pidTblCount=len(kept), pidTbl=table)
+
+
+def _pid_in_tenant_ns(pid: int) -> int:
+    """The innermost pid of a process (NSpid's last field), as the tenant itself sees it."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("NSpid:"):
+                    return int(line.split()[-1])
+    except OSError:
+        pass
+    return pid
+
+
+CONTROL_POST: dict[int, Callable] = {
+    0x201: attached_ids,  # NV0000_CTRL_CMD_GPU_GET_ATTACHED_IDS
+    0x214: probed_ids,  # NV0000_CTRL_CMD_GPU_GET_PROBED_IDS
+    0x20801303: fb_info,  # NV2080_CTRL_CMD_FB_GET_INFO_V2
+    0x2080018D: gpu_pids,  # NV2080_CTRL_CMD_GPU_GET_PIDS
+}
+
+
+class ControlContext:
+    __slots__ = ("params_in", "gpu")
+
+    def __init__(self, params_in: Any, gpu: int | None):
+        self.params_in = params_in
+        self.gpu = gpu

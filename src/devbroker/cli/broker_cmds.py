@@ -1,0 +1,273 @@
+"""`devbroker run | exec | status | policy | demo`."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("run", help="run the broker in the foreground")
+    p.add_argument("--policy", help="policy TOML file (default: the built-in example)")
+    p.add_argument("--backend", choices=["emulated", "real"],
+                   help="override the policy's backend (default: emulated)")
+    p.add_argument("--audit", help="audit log path (default RUN_DIR/audit.log)")
+    p.add_argument("--record", metavar="FILE",
+                   help="write every relayed call to FILE in the nvtrace format")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("exec", help="run a command as a tenant, in a sandbox whose "
+                                    "/dev/nvidia* are the broker's nodes")
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--uid", type=int, help="run the command as this uid")
+    p.add_argument("--gid", type=int, help="run the command as this gid")
+    p.add_argument("argv", nargs="+", metavar="CMD", help="command and arguments (after --)")
+    p.set_defaults(func=cmd_exec)
+
+    p = sub.add_parser("status", help="tenants, open files, memory used / quota")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_status)
+
+    pol = sub.add_parser("policy", help="check, show or apply a policy").add_subparsers(
+        dest="policy_cmd", metavar="ACTION")
+    pol.required = True
+    p = pol.add_parser("check", help="validate a policy file (exit 1 with line and reason)")
+    p.add_argument("file")
+    p.set_defaults(func=cmd_policy_check)
+    p = pol.add_parser("show", help="show the running broker's policy (or FILE's)")
+    p.add_argument("file", nargs="?")
+    p.set_defaults(func=cmd_policy_show)
+    p = pol.add_parser("apply", help="apply FILE to the running broker without a restart")
+    p.add_argument("file")
+    p.set_defaults(func=cmd_policy_apply)
+    p = pol.add_parser("allowlist", help="print what tenants may do, and why (markdown)")
+    p.set_defaults(func=cmd_policy_allowlist)
+
+    p = sub.add_parser("demo", help="broker + FUSE nodes + emulated GPUs + tenants showing "
+                                    "their view")
+    p.add_argument("--keep", action="store_true", help="leave the broker running afterwards")
+    p.set_defaults(func=cmd_demo)
+
+
+def _paths(args):
+    from devbroker.daemon import RunPaths
+
+    return RunPaths(Path(args.run_dir))
+
+
+def _load_policy(path: str | None):
+    from devbroker.broker.policy import default_policy, load_policy
+
+    return load_policy(path) if path else default_policy()
+
+
+def _require_root(what: str) -> None:
+    if os.geteuid() != 0:
+        sys.exit(f"devbroker {what}: needs root (FUSE mounts and namespaces); run it with sudo")
+
+
+# --------------------------------------------------------------------------- run
+def cmd_run(args) -> int:
+    import trio
+
+    from devbroker.broker.policy import PolicyError
+    from devbroker.daemon import BrokerService, run_forever
+
+    _require_root("run")
+    try:
+        policy = _load_policy(args.policy)
+    except PolicyError as e:
+        print(f"devbroker run: {e}", file=sys.stderr)
+        return 1
+    service = BrokerService(policy, args.run_dir, backend=args.backend, audit_path=args.audit,
+                            record=args.record, policy_source=args.policy)
+    trio.run(run_forever, service)
+    return 0
+
+
+# --------------------------------------------------------------------------- exec
+def cmd_exec(args) -> int:
+    from devbroker.broker.control import ControlError, call
+    from devbroker.sandbox import exec_main
+
+    _require_root("exec")
+    argv = list(args.argv)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    try:
+        info = call(_paths(args).control, {"op": "tenant.dir", "tenant": args.tenant})
+    except ControlError as e:
+        print(f"devbroker exec: {e}", file=sys.stderr)
+        return 125
+    if not info.get("ok"):
+        print(f"devbroker exec: {info.get('error')}", file=sys.stderr)
+        return 125
+    return exec_main(Path(info["dir"]), argv, uid=args.uid, gid=args.gid)
+
+
+# --------------------------------------------------------------------------- status
+def cmd_status(args) -> int:
+    from devbroker.broker.control import ControlError, call
+
+    try:
+        snap = call(_paths(args).control, {"op": "status"})
+    except ControlError as e:
+        print(f"devbroker status: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(snap, indent=2))
+        return 0
+    print(f"backend {snap['backend']} (driver {snap['driver']}), nodes {snap['mount']}, "
+          f"policy {snap['policy']}")
+    print(f"{'TENANT':<12} {'GPUS':<8} {'FILES':>5} {'PROCS':>5} {'OBJS':>5} "
+          f"{'MEMORY USED / QUOTA':<32} {'REQS':>7} {'DENIED':>6}")
+    for t in snap["tenants"]:
+        mem = ", ".join(f"gpu{g}: {_human(m['used'])} / {_human(m['quota'])}"
+                        for g, m in t["memory"].items()) or "-"
+        print(f"{t['name']:<12} {','.join(map(str, t['gpus'])) or '-':<8} {t['open_files']:>5} "
+              f"{len(t['processes']):>5} {t['objects']:>5} {mem:<32} {t['requests']:>7} "
+              f"{t['refusals']:>6}")
+    return 0
+
+
+def _human(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.4g} {unit}"
+    return f"{n} B"
+
+
+# --------------------------------------------------------------------------- policy
+def cmd_policy_check(args) -> int:
+    from devbroker.broker.policy import PolicyError, load_policy
+
+    try:
+        policy = load_policy(args.file)
+    except PolicyError as e:
+        print(f"devbroker policy check: {e}", file=sys.stderr)
+        return 1
+    print(f"{args.file}: OK ({len(policy.tenants)} tenants: {', '.join(sorted(policy.tenants))})")
+    return 0
+
+
+def cmd_policy_show(args) -> int:
+    from devbroker.broker.control import ControlError, call
+    from devbroker.broker.policy import PolicyError, load_policy
+
+    if args.file:
+        try:
+            print(load_policy(args.file).describe())
+        except PolicyError as e:
+            print(f"devbroker policy show: {e}", file=sys.stderr)
+            return 1
+        return 0
+    try:
+        reply = call(_paths(args).control, {"op": "policy.show"})
+    except ControlError as e:
+        print(f"devbroker policy show: {e}", file=sys.stderr)
+        return 1
+    print(f"# running policy, from {reply['source']}")
+    print(reply["text"])
+    return 0
+
+
+def cmd_policy_apply(args) -> int:
+    from devbroker.broker.control import ControlError, call
+
+    try:
+        text = Path(args.file).read_text()
+    except OSError as e:
+        print(f"devbroker policy apply: {args.file}: {e.strerror}", file=sys.stderr)
+        return 1
+    try:
+        reply = call(_paths(args).control,
+                     {"op": "policy.apply", "text": text, "name": args.file})
+    except ControlError as e:
+        print(f"devbroker policy apply: {e}", file=sys.stderr)
+        return 1
+    if not reply.get("ok"):
+        print(f"devbroker policy apply: {reply.get('error')}", file=sys.stderr)
+        return 1
+    print(f"applied {args.file}: tenants {', '.join(reply['tenants'])}")
+    return 0
+
+
+def cmd_policy_allowlist(args) -> int:
+    from devbroker.broker.allowdoc import allowlist_markdown
+
+    print(allowlist_markdown())
+    return 0
+
+
+# --------------------------------------------------------------------------- demo
+def cmd_demo(args) -> int:
+    """Start a broker on the built-in example, show each tenant's view, stop it."""
+    _require_root("demo")
+    me = [sys.executable, "-m", "devbroker.cli.main", "--run-dir", args.run_dir]
+    paths = _paths(args)
+    print(f"== starting the broker (emulated GPUs, FUSE nodes under {paths.mount})", flush=True)
+    broker = subprocess.Popen(me + ["run"], stdin=subprocess.DEVNULL)
+    try:
+        if not _wait_for_socket(paths.control, broker):
+            print("devbroker demo: the broker did not start", file=sys.stderr)
+            return 1
+        subprocess.run(me + ["status"], check=False)
+        for tenant in _demo_tenants(paths):
+            print(f"\n== tenant {tenant}: what it sees through devbroker", flush=True)
+            for cmd in _demo_commands():
+                print(f"$ devbroker exec --tenant {tenant} -- {' '.join(cmd)}", flush=True)
+                subprocess.run(me + ["exec", "--tenant", tenant, "--"] + cmd, check=False)
+        print("\n== broker status after the tenants ran", flush=True)
+        subprocess.run(me + ["status"], check=False)
+        print(f"\n== audit log ({paths.audit}), last lines", flush=True)
+        try:
+            for line in paths.audit.read_text().splitlines()[-6:]:
+                print(line)
+        except OSError:
+            pass
+        if args.keep:
+            print(f"\nbroker left running (pid {broker.pid}); stop it with kill {broker.pid}")
+            return 0
+    finally:
+        if not args.keep:
+            broker.terminate()
+            try:
+                broker.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                broker.kill()
+    return 0
+
+
+def _wait_for_socket(path: Path, proc: subprocess.Popen, timeout: float = 60) -> bool:
+    from devbroker.broker.control import ControlError, call
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            if call(path, {"op": "status"}, timeout=2).get("ok"):
+                return True
+        except (ControlError, OSError):
+            pass
+        time.sleep(0.1)
+    return False
+
+
+def _demo_tenants(paths) -> list[str]:
+    from devbroker.broker.control import call
+
+    snap = call(paths.control, {"op": "status"})
+    return [t["name"] for t in snap["tenants"]]
+
+
+def _demo_commands() -> list[list[str]]:
+    cmds = []
+    if shutil.which("nvidia-smi"):
+        cmds.append(["nvidia-smi"])
+    cmds.append([sys.executable, "-m", "devbroker.tools.probe", "--alloc", "1GiB"])
+    return cmds

@@ -1,0 +1,40 @@
+"""`devbroker`: the command line. One module per sub-command group; this file wires them."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+DEFAULT_RUN_DIR = "/run/devbroker"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="devbroker",
+        description="GPU sharing through fake /dev/nvidia* nodes served by a broker that "
+                    "parses the NVIDIA driver ABI.")
+    p.add_argument("--run-dir", default=DEFAULT_RUN_DIR,
+                   help="where the broker keeps its mount, control socket and audit log "
+                        f"(default {DEFAULT_RUN_DIR})")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    from devbroker.cli import broker_cmds, trace
+
+    broker_cmds.add_parsers(sub)
+    trace.add_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
