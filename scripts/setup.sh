@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Set up devbroker on a fresh Debian 12 machine: a virtual environment with the package and
+# what its tests need. Idempotent. Usage: scripts/setup.sh [--test]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+want_test=0
+[ "${1:-}" = "--test" ] && want_test=1
+
+if [ "$(id -u)" != 0 ]; then
+    echo "setup: devbroker mounts FUSE file systems and makes namespaces: run as root" >&2
+    exit 1
+fi
+if [ ! -e /dev/fuse ]; then
+    echo "setup: /dev/fuse is missing: this kernel has no FUSE (CONFIG_FUSE_FS)" >&2
+    exit 1
+fi
+# setpriv/unshare (util-linux) drop capabilities and make namespaces for tenant sandboxes.
+if ! command -v setpriv >/dev/null || ! command -v unshare >/dev/null; then
+    echo "setup: installing util-linux" >&2
+    apt-get update -qq && apt-get install -y -qq util-linux >/dev/null
+fi
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    echo "setup: creating .venv with $($PY --version)" >&2
+    "$PY" -m venv .venv
+fi
+extras=""
+[ $want_test = 1 ] && extras="[test]"
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+.venv/bin/python -m pip install -q -e ".$extras" 2>&1 | grep -v "^\s*$" | grep -vi "warning: location" || true
+.venv/bin/python -c "import devbroker.cli.main, trio" || { echo "setup: install failed" >&2; exit 1; }
+echo "setup: ready (.venv/bin/devbroker)" >&2

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The README's second command (and what CI runs): install what the tests need, run them.
+#   scripts/test.sh [pytest args...]
+# Environment: DEVBROKER_SKIP_INSTALL=1 skips the apt installs (nvidia-smi 535, QEMU guest
+# kernel) when they are already there; DEVBROKER_SLOW=1 also runs the suites marked slow.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh --test
+if [ "${DEVBROKER_SKIP_INSTALL:-0}" != 1 ]; then
+    # Real NVIDIA clients nobody here wrote (Debian non-free, 535.309.01).
+    [ -x scripts/install-nvidia-clients.sh ] && scripts/install-nvidia-clients.sh
+    # A Debian guest kernel for the kernel-module and CUSE front ends (QEMU/TCG).
+    [ -x scripts/qemu/setup.sh ] && scripts/qemu/setup.sh
+fi
+echo "test: running pytest" >&2
+set +e
+.venv/bin/python -m pytest "$@"
+rc=$?
+set -e
+if [ $rc = 5 ]; then
+    echo "test: pytest collected no tests: that is a failure" >&2
+    exit 1
+fi
+exit $rc

@@ -1,0 +1,982 @@
+"""FUSE front end: the broker's device nodes as files of a raw-protocol FUSE mount.
+
+A thin trio adapter around the sans-IO codec in :mod:`devbroker.frontends.fusewire`:
+it mounts with mount(2) on a /dev/fuse descriptor (no libfuse, no fusermount), reads
+requests without blocking the trio loop, answers file-system metadata itself from a
+tree the broker keeps up to date, and turns OPEN / IOCTL / READ / RELEASE on node files
+into broker requests. See docs/fuse.md for the reasoning behind each choice.
+
+Layout served::
+
+    <mount>/<tenant>/nvidiactl, nvidia0..N-1, nvidia-uvm, nvidia-uvm-tools   (nodes)
+    <mount>/<tenant>/proc/driver/nvidia/...                                 (static files)
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import logging
+import os
+import re
+import select
+import stat
+import struct
+import time
+from contextlib import AsyncExitStack
+import functools
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence, Union
+
+import trio
+
+from devbroker.abi.nodes import NodeKind
+from devbroker.broker.interface import (
+    BrokerInterface,
+    Caller,
+    IoctlRequest,
+    MapReadRequest,
+    OpenRequest,
+    ProcessMemory,
+    ReleaseRequest,
+)
+from devbroker.frontends import fusewire as w
+from devbroker.frontends.procmem import pidfd_getfd
+
+log = logging.getLogger(__name__)
+
+# Node files claim to be this large so that a MAP_SHARED mapping of any sensible size
+# never lies beyond EOF (which would SIGBUS on access) — the driver's nodes have no size.
+NODE_SIZE = 1 << 40
+
+# The private "which session is this file?" ioctl the broker issues on a tenant's file it
+# duplicated with pidfd_getfd (see resolve_fd). Type 0xDB is not NVIDIA's 'F', and only
+# requests from the broker's own process get an answer.
+WHOAMI_IOCTL = w.ioc(w.IOC_READ, 0xDB, 1, 8)
+
+# fh values of our own handles (static files, directories) live above every plausible
+# broker session id, so node fhs can simply *be* the session id.
+_PRIVATE_FH_BASE = 1 << 62
+
+_MS_NOSUID = 0x2
+_MS_NODEV = 0x4
+_MNT_DETACH = 0x2
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+
+Content = Union[bytes, str, Callable[[], Union[bytes, str]]]
+
+
+# --- the tree the broker describes ----------------------------------------------------------
+@dataclass(frozen=True)
+class NodeSpec:
+    """A device node file: what the broker is told on OPEN."""
+
+    kind: NodeKind
+    minor: int = 0
+
+
+@dataclass(frozen=True)
+class TenantTree:
+    """Everything one tenant's directory holds.
+
+    ``nodes`` maps a relative path ("nvidiactl", "nvidia-caps/nvidia-cap1") to a NodeSpec;
+    ``files`` maps a relative path ("proc/driver/nvidia/version") to read-only content:
+    bytes, str, or a callable returning either (called at open, so every open sees a
+    consistent snapshot, and at stat for the size).
+    """
+
+    nodes: Mapping[str, NodeSpec] = field(default_factory=dict)
+    files: Mapping[str, Content] = field(default_factory=dict)
+
+    @classmethod
+    def standard(cls, gpus: int | Sequence[int], files: Mapping[str, Content] | None = None, *,
+                 uvm: bool = True, extra_nodes: Mapping[str, NodeSpec] | None = None) -> "TenantTree":
+        """nvidiactl, one nvidia<minor> per GPU, nvidia-uvm and nvidia-uvm-tools.
+
+        ``gpus`` is either a count (minors 0..gpus-1) or the GPU minors themselves, as the
+        broker numbers them in OpenRequest.minor (e.g. the host indices of the tenant's GPUs).
+        """
+        minors = range(gpus) if isinstance(gpus, int) else list(gpus)
+        nodes: dict[str, NodeSpec] = {"nvidiactl": NodeSpec(NodeKind.CTL, 0)}
+        for i in minors:
+            nodes[f"nvidia{int(i)}"] = NodeSpec(NodeKind.GPU, int(i))
+        if uvm:
+            nodes["nvidia-uvm"] = NodeSpec(NodeKind.UVM, 0)
+            nodes["nvidia-uvm-tools"] = NodeSpec(NodeKind.UVM_TOOLS, 0)
+        nodes.update(extra_nodes or {})
+        return cls(nodes=nodes, files=dict(files or {}))
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "TenantTree":
+        """The plain form {"gpus": [minors], "uvm": bool, "proc": {path: content}} where
+        proc paths are relative to proc/driver/nvidia/ (what the daemon builds)."""
+        files = {f"proc/driver/nvidia/{p.lstrip('/')}": c for p, c in (d.get("proc") or {}).items()}
+        files.update(d.get("files") or {})
+        return cls.standard(d.get("gpus", ()), files, uvm=bool(d.get("uvm", True)),
+                            extra_nodes=d.get("nodes"))
+
+
+def _split(path: str) -> list[bytes]:
+    parts = [p for p in path.split("/") if p]
+    if not parts:
+        raise ValueError(f"empty path {path!r}")
+    for p in parts:
+        if p in (".", "..") or "\0" in p or len(p.encode()) > 255:
+            raise ValueError(f"bad path component {p!r} in {path!r}")
+    return [p.encode() for p in parts]
+
+
+def _desired(tree: TenantTree) -> dict:
+    """Nested dict name -> dict (directory) | NodeSpec | ("file", content)."""
+    root: dict = {}
+    items = [(p, s) for p, s in tree.nodes.items()] + [(p, ("file", c)) for p, c in tree.files.items()]
+    for path, what in items:
+        parts = _split(path)
+        d = root
+        for comp in parts[:-1]:
+            nxt = d.setdefault(comp, {})
+            if not isinstance(nxt, dict):
+                raise ValueError(f"{path!r}: {comp.decode()!r} is both a file and a directory")
+            d = nxt
+        if parts[-1] in d:
+            raise ValueError(f"{path!r} is given twice or is also a directory")
+        d[parts[-1]] = what
+    return root
+
+
+def _render(content: Content) -> bytes:
+    value = content() if callable(content) else content
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+@dataclass(eq=False)
+class _Inode:
+    nodeid: int
+    kind: str  # "dir" | "node" | "file"
+    parent: int
+    name: bytes
+    tenant: str | None
+    node: NodeSpec | None = None
+    content: Content | None = None
+    children: dict[bytes, "_Inode"] = field(default_factory=dict)
+    nlookup: int = 0
+    removed: bool = False
+
+
+@dataclass(eq=False)
+class _Handle:
+    kind: str  # "node" | "file" | "dir"
+    inode: _Inode
+    session: int = 0
+    data: bytes = b""  # static file snapshot
+    listing: list = field(default_factory=list)  # directory snapshot
+    served_pages: bool = False
+    poll_kh: int | None = None
+
+
+# --- helpers ------------------------------------------------------------------------------
+def _tgid_of(tid: int) -> int:
+    """The thread group (process) of a thread id, 0 when it is gone."""
+    try:
+        with open(f"/proc/{tid}/status", "rb") as f:
+            data = f.read()
+    except OSError:
+        return 0
+    m = re.search(rb"^Tgid:\s*(\d+)", data, re.M)
+    return int(m.group(1)) if m else 0
+
+
+_OCTAL = re.compile(r"\\([0-7]{3})")
+
+
+def _mounts_at(path: str) -> list[str]:
+    """File system types mounted exactly at path in this mount namespace (bottom first)."""
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields = left.split()
+            if len(fields) < 5:
+                continue
+            mp = _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), fields[4])
+            if mp == path:
+                out.append(right.split()[0] if right else "")
+    return out
+
+
+def _umount_detach(path: str) -> None:
+    if _libc.umount2(path.encode(), _MNT_DETACH) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"umount2({path}): {os.strerror(err)}")
+
+
+def detach_stale_mount(path: str) -> int:
+    """Lazily unmount dead FUSE mounts stacked at path (left by a broker that died).
+
+    A mount counts as dead when statfs() on it fails with ENOTCONN (its server is gone).
+    statfs, not stat: FUSE always forwards statfs, while stat may be answered from the
+    attribute cache of a connection that is already dead.
+    A live FUSE mount there is not ours to take over: EBUSY. Returns how many were removed.
+    """
+    removed = 0
+    for _ in range(16):
+        types = _mounts_at(path)
+        if not types or not types[-1].startswith("fuse"):
+            return removed
+        try:
+            os.statvfs(path)
+        except OSError as e:
+            if e.errno != errno.ENOTCONN:
+                raise
+            _umount_detach(path)
+            removed += 1
+            continue
+        raise OSError(errno.EBUSY, f"a live FUSE file system is mounted at {path}")
+    return removed
+
+
+def _sanitize_errno(e: int) -> int:
+    return e if 0 < e < 512 else errno.EIO
+
+
+# --- the front end ------------------------------------------------------------------------
+class FuseFrontend:
+    """Serve tenants' node directories on a FUSE mount, forwarding to ``broker``.
+
+    ``async with FuseFrontend(mountpoint, broker, tenants) as fe:`` mounts (detaching a
+    stale mount of a dead broker first) and serves until the block exits, then unmounts
+    (MNT_DETACH) and closes /dev/fuse, which fails tenants' further calls with ENOTCONN.
+
+    The tree changes at run time through :meth:`set_tenants`, :meth:`put_tenant` and
+    :meth:`remove_tenant`; the kernel's caches are invalidated for what changed.
+    """
+
+    def __init__(self, mountpoint: str | os.PathLike, broker: BrokerInterface,
+                 tenants: Mapping[str, TenantTree] | None = None, *,
+                 entry_ttl: float = 1.0, attr_ttl: float = 1.0,
+                 max_write: int = 128 * 1024, init_timeout: float = 10.0):
+        self.mountpoint = os.path.abspath(os.fspath(mountpoint))
+        self.broker = broker
+        self.entry_ttl = entry_ttl
+        self.attr_ttl = attr_ttl
+        self.max_write = max_write
+        self.init_timeout = init_timeout
+        self.st_dev: int | None = None
+        self.proto_minor = 0
+        self._fd = -1
+        self._mounted = False
+        self._stack: AsyncExitStack | None = None
+        self._nursery: trio.Nursery | None = None
+        self._init_done = trio.Event()
+        self._serve_done = trio.Event()
+        self._closed = False
+        self._mtime = int(time.time())
+        self._next_nodeid = w.ROOT_ID + 1
+        self._next_private_fh = _PRIVATE_FH_BASE
+        self._root = _Inode(w.ROOT_ID, "dir", w.ROOT_ID, b"", None, nlookup=1)
+        self._inodes: dict[int, _Inode] = {w.ROOT_ID: self._root}
+        self._handles: dict[int, _Handle] = {}
+        self._sessions_by_pollkh: dict[int, int] = {}
+        self._pending_notify: list[bytes] = []
+        # The read buffer must hold the largest request: a WRITE of max_write or an
+        # ioctl argument of max_pages pages, plus headers.
+        self._max_pages = 32
+        self._bufsize = max(max_write, self._max_pages * 4096) + 4096
+        if tenants:
+            self._apply({k: v if isinstance(v, TenantTree) else TenantTree.from_dict(v)
+                         for k, v in tenants.items()})
+            self._pending_notify.clear()
+
+    # ---- lifecycle -------------------------------------------------------------------
+    async def __aenter__(self) -> "FuseFrontend":
+        # Mount before the nursery exists so that a refusal (EBUSY, EPERM) reaches the
+        # caller as a plain OSError rather than inside an exception group.
+        await trio.to_thread.run_sync(detach_stale_mount, self.mountpoint)
+        self._mount()
+        stack = AsyncExitStack()
+        await stack.__aenter__()
+        try:
+            stack.push_async_callback(self._shutdown)  # runs even if the nursery fails
+            self._nursery = await stack.enter_async_context(trio.open_nursery())
+            stack.push_async_callback(self._shutdown)  # runs before the nursery waits
+            self._nursery.start_soon(self._serve)
+            with trio.fail_after(self.init_timeout):
+                await self._init_done.wait()
+            # stat runs in a thread: it is answered by this very server.
+            st = await trio.to_thread.run_sync(os.stat, self.mountpoint)
+            self.st_dev = st.st_dev
+        except BaseException as exc:
+            if not await stack.__aexit__(type(exc), exc, exc.__traceback__):
+                raise
+        self._stack = stack
+        return self
+
+    async def __aexit__(self, *exc) -> bool | None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            return await stack.__aexit__(*exc)
+        return None
+
+    def _mount(self) -> None:
+        os.makedirs(self.mountpoint, exist_ok=True)
+        # CLOEXEC: a tenant we spawn must never inherit the connection, or our death
+        # would not abort it.
+        self._fd = os.open("/dev/fuse", os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+        opts = (f"fd={self._fd},rootmode=40000,user_id={os.getuid()},group_id={os.getgid()},"
+                "allow_other,default_permissions")
+        if _libc.mount(b"devbroker", self.mountpoint.encode(), b"fuse.devbroker",
+                       _MS_NOSUID | _MS_NODEV, opts.encode()) != 0:
+            err = ctypes.get_errno()
+            os.close(self._fd)
+            self._fd = -1
+            raise OSError(err, f"mount fuse at {self.mountpoint}: {os.strerror(err)}")
+        self._mounted = True
+
+    async def _shutdown(self) -> None:
+        self._closed = True
+        if self._mounted:
+            self._mounted = False
+            try:
+                _umount_detach(self.mountpoint)
+            except OSError as e:
+                log.warning("unmount %s: %s", self.mountpoint, e)
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            trio.lowlevel.notify_closing(fd)
+            os.close(fd)  # aborts the connection: tenants' calls now fail with ENOTCONN
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+
+    # ---- the tree ----------------------------------------------------------------------
+    async def set_tenants(self, tenants: Mapping[str, TenantTree]) -> None:
+        """Replace the whole tree (policy reload); unchanged nodes keep their inodes.
+        Returns once the kernel has been told to drop what changed."""
+        self._apply({k: v if isinstance(v, TenantTree) else TenantTree.from_dict(v)
+                     for k, v in tenants.items()})
+        await self._flush_notify()
+
+    def set_tree(self, tenants: Mapping[str, "TenantTree | Mapping"]) -> None:
+        """Synchronous form of set_tenants for callbacks: the tree changes at once, the
+        kernel cache invalidations are sent in the background. Values may be TenantTree or
+        the plain dict form of TenantTree.from_dict."""
+        self._apply({k: v if isinstance(v, TenantTree) else TenantTree.from_dict(v)
+                     for k, v in tenants.items()})
+        if self._nursery is not None and not self._closed:
+            self._nursery.start_soon(self._flush_notify)
+
+    async def wait_closed(self) -> None:
+        """Return once the kernel connection has ended (unmounted, aborted or shut down)."""
+        await self._serve_done.wait()
+
+    async def put_tenant(self, name: str, tree: TenantTree) -> None:
+        current = self.tenants()
+        current[name] = tree
+        await self.set_tenants(current)
+
+    async def remove_tenant(self, name: str) -> None:
+        current = self.tenants()
+        current.pop(name, None)
+        await self.set_tenants(current)
+
+    def tenants(self) -> dict[str, TenantTree]:
+        """The tree as currently served (reconstructed from the inodes)."""
+        out = {}
+        for name, d in self._root.children.items():
+            nodes, files = {}, {}
+            stackp = [(d, "")]
+            while stackp:
+                ino, prefix = stackp.pop()
+                for cname, c in ino.children.items():
+                    p = prefix + cname.decode()
+                    if c.kind == "dir":
+                        stackp.append((c, p + "/"))
+                    elif c.kind == "node":
+                        nodes[p] = c.node
+                    else:
+                        files[p] = c.content
+            out[name.decode()] = TenantTree(nodes=nodes, files=files)
+        return out
+
+    async def invalidate_node(self, tenant: str, path: str) -> None:
+        """Drop the kernel's cached pages of one node file (call when the mapping contents
+        behind it change, e.g. a new mmap context on that file)."""
+        ino = self._find(tenant, path)
+        if ino is not None:
+            self._pending_notify.append(w.encode_notify_inval_inode(ino.nodeid, 0, 0))
+            await self._flush_notify()
+
+    async def notify_poll(self, session: int) -> None:
+        """Wake the tenant threads polling on this session (when the broker supports poll)."""
+        h = self._handles.get(session)
+        if h is not None and h.poll_kh is not None:
+            self._pending_notify.append(w.encode_notify_poll(h.poll_kh))
+            await self._flush_notify()
+
+    def _find(self, tenant: str, path: str) -> _Inode | None:
+        ino = self._root.children.get(tenant.encode())
+        for comp in _split(path):
+            if ino is None:
+                return None
+            ino = ino.children.get(comp)
+        return ino
+
+    def _new_inode(self, kind, parent: _Inode, name: bytes, tenant, **kw) -> _Inode:
+        ino = _Inode(self._next_nodeid, kind, parent.nodeid, name, tenant, **kw)
+        self._next_nodeid += 1
+        self._inodes[ino.nodeid] = ino
+        parent.children[name] = ino
+        return ino
+
+    def _drop(self, parent: _Inode, name: bytes) -> None:
+        ino = parent.children.pop(name)
+        self._pending_notify.append(w.encode_notify_inval_entry(parent.nodeid, name))
+        todo = [ino]
+        while todo:
+            i = todo.pop()
+            i.removed = True
+            todo.extend(i.children.values())
+            i.children = {}
+            if i.nlookup == 0:
+                self._inodes.pop(i.nodeid, None)
+
+    def _sync_dir(self, d: _Inode, want: dict, tenant: str) -> None:
+        for name in list(d.children):
+            cur = d.children[name]
+            spec = want.get(name)
+            keep = (
+                (cur.kind == "dir" and isinstance(spec, dict))
+                or (cur.kind == "node" and isinstance(spec, NodeSpec) and spec == cur.node)
+                or (cur.kind == "file" and isinstance(spec, tuple))
+            )
+            if not keep:
+                self._drop(d, name)
+        for name, spec in want.items():
+            cur = d.children.get(name)
+            if isinstance(spec, dict):
+                if cur is None:
+                    cur = self._new_inode("dir", d, name, tenant)
+                    self._pending_notify.append(w.encode_notify_inval_entry(d.nodeid, name))
+                self._sync_dir(cur, spec, tenant)
+            elif isinstance(spec, NodeSpec):
+                if cur is None:
+                    self._new_inode("node", d, name, tenant, node=spec)
+                    self._pending_notify.append(w.encode_notify_inval_entry(d.nodeid, name))
+            else:
+                content = spec[1]
+                if cur is None:
+                    self._new_inode("file", d, name, tenant, content=content)
+                    self._pending_notify.append(w.encode_notify_inval_entry(d.nodeid, name))
+                elif cur.content is not content and cur.content != content:
+                    cur.content = content
+                    self._pending_notify.append(w.encode_notify_inval_inode(cur.nodeid, 0, 0))
+
+    def _apply(self, tenants: dict[str, TenantTree]) -> None:
+        want = {}
+        for name, tree in tenants.items():
+            comps = _split(name)
+            if len(comps) != 1 or "/" in name:
+                raise ValueError(f"tenant name {name!r} must be one path component")
+            want[comps[0]] = _desired(tree)
+        for name in list(self._root.children):
+            if name not in want:
+                self._drop(self._root, name)
+        for name, sub in want.items():
+            d = self._root.children.get(name)
+            if d is None:
+                d = self._new_inode("dir", self._root, name, name.decode())
+                self._pending_notify.append(w.encode_notify_inval_entry(w.ROOT_ID, name))
+            self._sync_dir(d, sub, name.decode())
+
+    async def _flush_notify(self) -> None:
+        msgs, self._pending_notify = self._pending_notify, []
+        if not msgs or not self._init_done.is_set() or self._fd < 0:
+            return
+        # In a worker thread: an invalidation can wait on a page or directory lock held by
+        # a request that only this (trio) thread can answer.
+        await trio.to_thread.run_sync(self._write_notifications, msgs, self._fd)
+
+    @staticmethod
+    def _write_notifications(msgs: list[bytes], fd: int) -> None:
+        for m in msgs:
+            try:
+                os.write(fd, m)
+            except OSError as e:
+                # ENOENT: the kernel has no such inode/entry cached — nothing to drop.
+                if e.errno not in (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ENODEV):
+                    log.warning("FUSE notification failed: %s", e)
+
+    # ---- attributes --------------------------------------------------------------------
+    def _attr(self, ino: _Inode) -> w.Attr:
+        t = self._mtime
+        if ino.kind == "dir":
+            subdirs = sum(1 for c in ino.children.values() if c.kind == "dir")
+            return w.Attr(ino=ino.nodeid, mode=stat.S_IFDIR | 0o555, nlink=2 + subdirs,
+                          atime=t, mtime=t, ctime=t)
+        if ino.kind == "node":
+            return w.Attr(ino=ino.nodeid, mode=stat.S_IFREG | 0o666, size=NODE_SIZE,
+                          atime=t, mtime=t, ctime=t)
+        try:
+            size = len(_render(ino.content)) if not ino.removed else 0
+        except Exception:
+            log.exception("static file content callback failed")
+            size = 0
+        return w.Attr(ino=ino.nodeid, mode=stat.S_IFREG | 0o444, size=size,
+                      blocks=(size + 511) // 512, atime=t, mtime=t, ctime=t)
+
+    def _attr_ttl(self, ino: _Inode) -> float:
+        return 0.0 if ino.kind == "file" and callable(ino.content) else self.attr_ttl
+
+    def _entry(self, unique: int, ino: _Inode) -> bytes:
+        ino.nlookup += 1
+        return w.encode_entry(unique, ino.nodeid, self._attr(ino), entry_valid=self.entry_ttl,
+                              attr_valid=self._attr_ttl(ino), minor=self.proto_minor)
+
+    # ---- serving -------------------------------------------------------------------------
+    async def _serve(self) -> None:
+        try:
+            await self._serve_loop()
+        finally:
+            self._serve_done.set()
+
+    async def _serve_loop(self) -> None:
+        fd = self._fd
+        while not self._closed:
+            try:
+                buf = os.read(fd, self._bufsize)
+            except BlockingIOError:
+                try:
+                    await trio.lowlevel.wait_readable(fd)
+                except trio.ClosedResourceError:  # _shutdown closed the device
+                    return
+                continue
+            except InterruptedError:
+                continue
+            except OSError as e:
+                if e.errno == errno.ENOENT:  # the request was withdrawn before we read it
+                    continue
+                if e.errno in (errno.ENODEV, errno.ECONNABORTED, errno.EBADF):
+                    log.info("FUSE connection at %s ended (%s)", self.mountpoint, e)
+                    return
+                raise
+            self._dispatch(buf)
+            # Let the tasks we just started (and replies) run between requests.
+            await trio.lowlevel.checkpoint()
+
+    def _send(self, data: bytes) -> None:
+        if self._fd < 0:
+            return
+        try:
+            os.write(self._fd, data)
+        except OSError as e:
+            # ENOENT: the request was interrupted and withdrawn; the reply has no reader.
+            if e.errno != errno.ENOENT:
+                log.warning("FUSE reply write failed: %s", e)
+
+    def _error(self, unique: int, err: int) -> None:
+        self._send(w.encode_error(unique, _sanitize_errno(err)))
+
+    def _dispatch(self, buf: bytes) -> None:
+        try:
+            req = w.parse_request(buf, minor=self.proto_minor or w.MAX_MINOR)
+        except w.WireError as e:
+            log.error("malformed FUSE request: %s", e)
+            if e.unique is not None:
+                self._error(e.unique, errno.EIO)
+            return
+        handler = self._SYNC.get(type(req))
+        if handler is not None:
+            try:
+                handler(self, req)
+            except Exception:
+                log.exception("FUSE %s failed", type(req).__name__)
+                if req.expects_reply:
+                    self._error(req.unique, errno.EIO)
+            return
+        handler = self._ASYNC.get(type(req))
+        if handler is not None:
+            self._nursery.start_soon(self._run_async, handler, req)
+            return
+        self._error(req.unique, errno.ENOSYS)
+
+    async def _run_async(self, handler, req) -> None:
+        try:
+            await handler(self, req)
+        except Exception:
+            log.exception("FUSE %s failed", type(req).__name__)
+            if req.expects_reply:
+                self._error(req.unique, errno.EIO)
+
+    def _caller(self, h: w.InHeader) -> Caller:
+        tid = h.pid
+        tgid = _tgid_of(tid) if tid else 0
+        return Caller(pid=tgid or tid, tid=tid, uid=h.uid, gid=h.gid)
+
+    def _inode(self, nodeid: int) -> _Inode | None:
+        return self._inodes.get(nodeid)
+
+    # ---- metadata requests (answered inline: no await, nothing slow) -----------------------
+    def _on_init(self, req: w.Init) -> None:
+        if req.major < w.KERNEL_VERSION:
+            log.error("kernel speaks FUSE %d.%d; need 7.x", req.major, req.minor)
+            self._error(req.unique, errno.EPROTO)
+            return
+        want = w.InitReply(
+            max_readahead=0,  # a fault reads exactly the page touched, nothing around it
+            flags=w.BIG_WRITES | w.MAX_PAGES | w.PARALLEL_DIROPS,
+            max_write=self.max_write,
+            max_pages=self._max_pages,
+        )
+        r = w.negotiate_init(req, want)
+        self._send(w.encode_init(req.unique, r))
+        if r.major == w.KERNEL_VERSION and req.major == w.KERNEL_VERSION:
+            self.proto_minor = r.minor
+            self._init_done.set()
+
+    def _on_lookup(self, req: w.Lookup) -> None:
+        d = self._inode(req.nodeid)
+        if d is None or d.kind != "dir":
+            self._error(req.unique, errno.ENOTDIR if d else errno.ENOENT)
+            return
+        child = d.children.get(req.name)
+        if child is None:
+            # Not cached: a tenant added by the next policy reload must appear at once.
+            self._error(req.unique, errno.ENOENT)
+            return
+        self._send(self._entry(req.unique, child))
+
+    def _forget_one(self, nodeid: int, n: int) -> None:
+        ino = self._inodes.get(nodeid)
+        if ino is None or nodeid == w.ROOT_ID:
+            return
+        ino.nlookup = max(0, ino.nlookup - n)
+        if ino.nlookup == 0 and ino.removed:
+            del self._inodes[nodeid]
+
+    def _on_forget(self, req: w.Forget) -> None:
+        self._forget_one(req.nodeid, req.nlookup)
+
+    def _on_batch_forget(self, req: w.BatchForget) -> None:
+        for nodeid, n in req.items:
+            self._forget_one(nodeid, n)
+
+    def _on_getattr(self, req: w.GetAttr) -> None:
+        ino = self._inode(req.nodeid)
+        if ino is None:
+            self._error(req.unique, errno.ENOENT)
+            return
+        self._send(w.encode_attr(req.unique, self._attr(ino), attr_valid=self._attr_ttl(ino),
+                                 minor=self.proto_minor))
+
+    def _on_setattr(self, req: w.SetAttr) -> None:
+        ino = self._inode(req.nodeid)
+        if ino is None:
+            self._error(req.unique, errno.ENOENT)
+            return
+        if req.valid & (w.FATTR_MODE | w.FATTR_UID | w.FATTR_GID):
+            self._error(req.unique, errno.EPERM)
+            return
+        if req.valid & w.FATTR_SIZE and ino.kind != "node":
+            self._error(req.unique, errno.EACCES if ino.kind == "file" else errno.EISDIR)
+            return
+        # Size on a node (open with O_TRUNC) and times are accepted and ignored: a node
+        # has no contents to truncate, and its size must stay large for mmap.
+        self._send(w.encode_attr(req.unique, self._attr(ino), attr_valid=self._attr_ttl(ino),
+                                 minor=self.proto_minor))
+
+    def _private_fh(self) -> int:
+        fh = self._next_private_fh
+        self._next_private_fh += 1
+        return fh
+
+    def _on_opendir(self, req: w.OpenDir) -> None:
+        ino = self._inode(req.nodeid)
+        if ino is None or ino.kind != "dir":
+            self._error(req.unique, errno.ENOTDIR if ino else errno.ENOENT)
+            return
+        parent = self._inodes.get(ino.parent, self._root)
+        listing = [(ino, b".", False), (parent, b"..", False)]
+        listing += [(c, name, True) for name, c in ino.children.items()]
+        fh = self._private_fh()
+        self._handles[fh] = _Handle("dir", ino, listing=listing)
+        self._send(w.encode_open(req.unique, fh, 0))
+
+    def _dirents(self, h: _Handle, offset: int):
+        for i in range(offset, len(h.listing)):
+            ino, name, real = h.listing[i]
+            dtype = (stat.S_IFDIR if ino.kind == "dir" else stat.S_IFREG) >> 12
+            yield w.DirEntry(ino.nodeid, name, dtype, i + 1), ino, real
+
+    def _on_readdir(self, req: w.ReadDir) -> None:
+        h = self._handles.get(req.fh)
+        if h is None or h.kind != "dir":
+            self._error(req.unique, errno.EBADF)
+            return
+        reply, _ = w.encode_readdir(req.unique, (e for e, _, _ in self._dirents(h, req.offset)), req.size)
+        self._send(reply)
+
+    def _on_readdirplus(self, req: w.ReadDirPlus) -> None:
+        h = self._handles.get(req.fh)
+        if h is None or h.kind != "dir":
+            self._error(req.unique, errno.EBADF)
+            return
+        items = []
+        for e, ino, real in self._dirents(h, req.offset):
+            if real:
+                entry = w.pack_entry(ino.nodeid, self._attr(ino), entry_valid=self.entry_ttl,
+                                     attr_valid=self._attr_ttl(ino))
+            else:  # "." and ".." are never linked by the kernel: nodeid 0, no lookup count
+                entry = w.pack_entry(0, w.Attr(ino=0, mode=0), entry_valid=0, attr_valid=0)
+            items.append((e, entry, ino, real))
+        reply, n = w.encode_readdirplus(req.unique, ((e, entry) for e, entry, _, _ in items), req.size)
+        for _, _, ino, real in items[:n]:
+            if real:
+                ino.nlookup += 1
+        self._send(reply)
+
+    def _on_releasedir(self, req: w.ReleaseDir) -> None:
+        self._handles.pop(req.fh, None)
+        self._send(w.encode_reply(req.unique))
+
+    def _on_statfs(self, req: w.StatFs) -> None:
+        self._send(w.encode_statfs(req.unique, w.StatFsOut(files=len(self._inodes)),
+                                   minor=self.proto_minor))
+
+    def _on_access(self, req: w.Access) -> None:
+        ino = self._inode(req.nodeid)
+        if ino is None:
+            self._error(req.unique, errno.ENOENT)
+        elif req.mask & os.W_OK and ino.kind != "node":
+            self._error(req.unique, errno.EACCES)
+        elif req.mask & os.X_OK and ino.kind != "dir":
+            self._error(req.unique, errno.EACCES)
+        else:
+            self._send(w.encode_reply(req.unique))
+
+    def _on_getxattr(self, req: w.GetXattr) -> None:
+        self._error(req.unique, errno.ENODATA)
+
+    def _on_listxattr(self, req: w.ListXattr) -> None:
+        self._send(w.encode_xattr_size(req.unique, 0) if req.size == 0 else w.encode_data(req.unique, b""))
+
+    def _on_write(self, req: w.Write) -> None:
+        h = self._handles.get(req.fh)
+        # The NVIDIA nodes have no write(); static files are read-only.
+        self._error(req.unique, errno.EINVAL if h is not None and h.kind == "node" else errno.EBADF)
+
+    def _on_flush(self, req: w.Flush) -> None:
+        self._send(w.encode_reply(req.unique))
+
+    def _on_fsync(self, req: w.Fsync) -> None:
+        self._send(w.encode_reply(req.unique))
+
+    def _on_interrupt(self, req: w.Interrupt) -> None:
+        # Broker calls run to completion so the broker's state matches what the tenant
+        # can observe; the kernel drops the reply if the caller has gone.
+        log.debug("FUSE interrupt for request %d ignored", req.target)
+
+    def _on_destroy(self, req: w.Destroy) -> None:
+        self._send(w.encode_reply(req.unique))
+        self._closed = True
+
+    def _on_unknown(self, req: w.Unknown) -> None:
+        self._error(req.unique, errno.ENOSYS)
+
+    # ---- requests that may reach the broker (each in its own task) -------------------------
+    async def _on_open(self, req: w.Open) -> None:
+        ino = self._inode(req.nodeid)
+        if ino is None:
+            self._error(req.unique, errno.ENOENT)
+            return
+        if ino.kind == "dir":
+            self._error(req.unique, errno.EISDIR)
+            return
+        if ino.removed:
+            # The tenant (or this node) was withdrawn by a policy reload: like a device
+            # whose driver has gone away.
+            self._error(req.unique, errno.ENXIO)
+            return
+        if ino.kind == "file":
+            if req.flags & os.O_ACCMODE != os.O_RDONLY:
+                self._error(req.unique, errno.EACCES)
+                return
+            data = _render(ino.content)
+            fh = self._private_fh()
+            self._handles[fh] = _Handle("file", ino, data=data)
+            # direct_io: reads come to us even past the size the kernel last saw, so a
+            # file that changed since stat() is read whole and consistent (the snapshot).
+            self._send(w.encode_open(req.unique, fh, w.FOPEN_DIRECT_IO | w.FOPEN_NOFLUSH))
+            return
+        caller = self._caller(req.header)
+        spec = ino.node
+        flags = req.flags & ~(os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_TRUNC)
+        rep = await self.broker.open(OpenRequest(caller, ino.tenant, spec.kind, spec.minor, flags))
+        if rep.errno:
+            self._error(req.unique, rep.errno)
+            return
+        fh = rep.session
+        if not 0 <= fh < _PRIVATE_FH_BASE or fh in self._handles:
+            log.error("broker returned unusable session id %r", fh)
+            await self.broker.release(ReleaseRequest(fh))
+            self._error(req.unique, errno.EIO)
+            return
+        self._handles[fh] = _Handle("node", ino, session=fh)
+        # No FOPEN_KEEP_CACHE: the kernel drops the inode's cached pages on this open, so
+        # a fresh context never sees pages another context mapped. No FOPEN_DIRECT_IO:
+        # shared mmaps must fill through the page cache (READ -> broker.map_read).
+        self._send(w.encode_open(req.unique, fh, w.FOPEN_NOFLUSH))
+
+    async def _on_read(self, req: w.Read) -> None:
+        h = self._handles.get(req.fh)
+        if h is None:
+            self._error(req.unique, errno.EBADF)
+            return
+        if h.kind == "file":
+            self._send(w.encode_data(req.unique, h.data[req.offset:req.offset + req.size]))
+            return
+        if h.kind != "node":
+            self._error(req.unique, errno.EISDIR)
+            return
+        caller = self._caller(req.header)
+        rep = await self.broker.map_read(MapReadRequest(caller, h.session, req.offset, req.size))
+        if rep.errno:
+            self._error(req.unique, rep.errno)
+            return
+        data = bytes(rep.data[:req.size])
+        # Always the full length: a short read makes the kernel believe the file ends
+        # there and shrink i_size, and the next page of the mapping would SIGBUS.
+        data += b"\0" * (req.size - len(data))
+        h.served_pages = True
+        self._send(w.encode_data(req.unique, data))
+
+    async def _on_release(self, req: w.Release) -> None:
+        h = self._handles.pop(req.fh, None)
+        if h is not None and h.kind == "node":
+            try:
+                await self.broker.release(ReleaseRequest(h.session))
+            finally:
+                self._send(w.encode_reply(req.unique))
+            if h.served_pages and not h.inode.removed:
+                # Pages this context filled must not outlive it in the shared inode cache.
+                self._pending_notify.append(w.encode_notify_inval_inode(h.inode.nodeid, 0, 0))
+                await self._flush_notify()
+            return
+        self._send(w.encode_reply(req.unique))
+
+    async def _on_ioctl(self, req: w.Ioctl) -> None:
+        h = self._handles.get(req.fh)
+        if h is None or h.kind != "node" or req.flags & w.IOCTL_DIR:
+            self._error(req.unique, errno.ENOTTY)
+            return
+        caller = self._caller(req.header)
+        if req.cmd == WHOAMI_IOCTL and caller.pid == os.getpid():
+            self._send(w.encode_ioctl(req.unique, 0, struct.pack("<Q", h.session)[:req.out_size]))
+            return
+        memory = ProcessMemory(caller.pid)
+        # Restricted FUSE ioctls carry the argument only for commands that encode a size
+        # and direction. UVM commands are bare numbers: arg is None and the broker reads
+        # and writes the argument through `memory` at arg_ptr, sized from its ABI registry.
+        arg = req.data if req.in_size else None
+        rep = await self.broker.ioctl(IoctlRequest(
+            caller, h.session, req.cmd, req.arg, arg, memory,
+            resolve_fd=functools.partial(self.resolve_fd, caller.pid)))
+        if rep.errno:
+            # ENOSYS would make the kernel disable ioctls on the whole mount for good.
+            self._error(req.unique, errno.ENOTTY if rep.errno == errno.ENOSYS else rep.errno)
+            return
+        out = b""
+        if rep.arg_out is not None:
+            if req.out_size:
+                out = bytes(rep.arg_out[:req.out_size])
+            elif rep.arg_out and req.arg:
+                # No out buffer in the FUSE reply (a bare-number or write-only command):
+                # the driver copies the argument back regardless, so do the same.
+                await trio.to_thread.run_sync(memory.write, req.arg, bytes(rep.arg_out))
+        self._send(w.encode_ioctl(req.unique, rep.result, out))
+
+    async def _on_poll(self, req: w.Poll) -> None:
+        h = self._handles.get(req.fh)
+        if h is None:
+            self._error(req.unique, errno.EBADF)
+            return
+        ready = select.POLLIN | select.POLLRDNORM
+        if h.kind != "node":
+            self._send(w.encode_poll(req.unique, ready))
+            return
+        if req.flags & w.POLL_SCHEDULE_NOTIFY:
+            h.poll_kh = req.kh
+        poll = getattr(self.broker, "poll", None)
+        if poll is None:
+            # Without a broker poll, report what the driver reports when an OS event is
+            # pending (POLLIN|POLLPRI): the tenant then drains events by ioctl and finds
+            # none. Never blocking forever beats a missed wakeup (docs/fuse.md).
+            revents = ready | select.POLLPRI
+        else:
+            revents = await poll(h.session, req.events)
+        self._send(w.encode_poll(req.unique, revents))
+
+    _SYNC = {
+        w.Init: _on_init,
+        w.Lookup: _on_lookup,
+        w.Forget: _on_forget,
+        w.BatchForget: _on_batch_forget,
+        w.GetAttr: _on_getattr,
+        w.SetAttr: _on_setattr,
+        w.OpenDir: _on_opendir,
+        w.ReadDir: _on_readdir,
+        w.ReadDirPlus: _on_readdirplus,
+        w.ReleaseDir: _on_releasedir,
+        w.StatFs: _on_statfs,
+        w.Access: _on_access,
+        w.GetXattr: _on_getxattr,
+        w.ListXattr: _on_listxattr,
+        w.Write: _on_write,
+        w.Flush: _on_flush,
+        w.Fsync: _on_fsync,
+        w.Interrupt: _on_interrupt,
+        w.Destroy: _on_destroy,
+        w.Unknown: _on_unknown,
+        w.CuseInit: _on_unknown,
+    }
+    _ASYNC = {
+        w.Open: _on_open,
+        w.Read: _on_read,
+        w.Release: _on_release,
+        w.Ioctl: _on_ioctl,
+        w.Poll: _on_poll,
+    }
+
+    # ---- fd arguments ------------------------------------------------------------------------
+    async def resolve_fd(self, pid: int, fd: int) -> int | None:
+        """The broker session behind file descriptor ``fd`` of process ``pid``, or None when
+        that fd is not an open node file of this mount.
+
+        Takes a duplicate of the tenant's file (pidfd_getfd), checks that it lives on this
+        mount and is a node file, then asks this very server through a private ioctl on the
+        duplicate — the kernel hands that ioctl to us with the file's own fh.
+        """
+        return await trio.to_thread.run_sync(self._resolve_fd_blocking, pid, fd)
+
+    def _resolve_fd_blocking(self, pid: int, fd: int) -> int | None:
+        try:
+            dup = pidfd_getfd(pid, fd)
+        except OSError as e:
+            log.debug("resolve_fd(%d, %d): %s", pid, fd, e)
+            return None
+        try:
+            st = os.fstat(dup)  # may be answered by GETATTR: hence a worker thread
+            if st.st_dev != self.st_dev:
+                return None
+            ino = self._inodes.get(st.st_ino)
+            if ino is None or ino.kind != "node":
+                return None
+            buf = bytearray(8)
+            fcntl.ioctl(dup, WHOAMI_IOCTL, buf, True)
+            return struct.unpack("<Q", buf)[0]
+        except OSError as e:
+            log.debug("resolve_fd(%d, %d): %s", pid, fd, e)
+            return None
+        finally:
+            os.close(dup)

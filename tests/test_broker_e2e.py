@@ -1,0 +1,208 @@
+"""The walking skeleton end to end: a real broker process, FUSE nodes, tenant sandboxes,
+real tenant processes doing real ioctls (issue 3's acceptance list)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from devbroker.abi import status as nvs
+
+pytestmark = pytest.mark.root
+
+GiB = 1 << 30
+HERE = Path(__file__).resolve().parent
+PROBE = [sys.executable, "-m", "devbroker.tools.probe"]
+TENANT = [sys.executable, str(HERE / "tenant_prog.py")]
+
+POLICY = """
+[broker]
+backend = "emulated"
+
+[[broker.gpu]]
+name = "NVIDIA H200"
+uuid = "GPU-11111111-2222-3333-4444-555555555555"
+pci_bus_id = "0000:00:06.0"
+memory = "141GiB"
+
+[[broker.gpu]]
+name = "NVIDIA H200"
+uuid = "GPU-66666666-7777-8888-9999-000000000000"
+pci_bus_id = "0000:00:07.0"
+memory = "141GiB"
+
+[tenant.alice]
+gpus = [0]
+memory_quota = "16GiB"
+
+[tenant.bob]
+gpus = [1]
+memory_quota = "32GiB"
+"""
+
+
+def lines(proc_output: str) -> list[dict]:
+    return [json.loads(line) for line in proc_output.splitlines() if line.startswith("{")]
+
+
+def probe(broker, tenant, *args):
+    r = broker.exec(tenant, *PROBE, "--json", *args)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def wait_for(pred, what: str, timeout: float = 30.0):
+    """Poll for a state change the broker makes asynchronously (e.g. FUSE RELEASE)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def broker(start_broker):
+    return start_broker(POLICY)
+
+
+def test_nvml_sequence_sees_only_its_gpu_and_quota(broker):
+    alice = probe(broker, "alice")
+    assert alice["version_reply"] == 1
+    assert alice["cards"] == [0]
+    assert [g["minor"] for g in alice["gpus"]] == [0]
+    g = alice["gpus"][0]
+    assert g["uuid"] == "GPU-11111111-2222-3333-4444-555555555555"
+    assert g["name"] == "NVIDIA H200"
+    assert g["memory"]["total"] == 16 * GiB
+    assert g["memory"]["used"] == 0
+
+    bob = probe(broker, "bob")
+    assert bob["cards"] == [1]
+    assert [g["minor"] for g in bob["gpus"]] == [1]
+    assert bob["gpus"][0]["uuid"] == "GPU-66666666-7777-8888-9999-000000000000"
+    assert bob["gpus"][0]["memory"]["total"] == 32 * GiB
+
+
+def test_sandbox_shows_only_the_tenants_nodes(broker):
+    r = broker.exec("alice", "sh", "-c", "ls /dev | grep nvidia; ls /proc/driver/nvidia/gpus")
+    assert r.returncode == 0, r.stderr
+    names = r.stdout.split()
+    assert "nvidiactl" in names and "nvidia0" in names
+    assert "nvidia1" not in names and "nvidia-caps" not in names
+    assert names[-1] == "0000:00:06.0"
+
+
+def test_quota_is_the_drivers_out_of_memory_and_free_returns_it(broker):
+    r = probe(broker, "alice", "--alloc", "10GiB", "--alloc", "10GiB")
+    g = r["gpus"][0]
+    assert [a["status"] for a in g["allocations"]] == ["NV_OK", "NV_ERR_NO_MEMORY"]
+    assert g["memory_after_alloc"]["used"] == 10 * GiB
+    assert g["memory_after_free"]["used"] == 0
+    denials = [a for a in broker.audit() if a["event"] == "deny" and a["tenant"] == "alice"]
+    assert any("quota" in d["reason"] for d in denials)
+    wait_for(lambda: broker.tenant("alice")["memory"]["0"]["used"] == 0, "quota returned")
+
+
+def test_refusals_are_answered_like_the_driver_and_audited(broker):
+    r = broker.exec("alice", *TENANT, "refusals")
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = {x["what"]: x for x in lines(r.stdout)}
+    assert got["registry"]["errno"] == 1  # EPERM
+    assert got["debugger"]["status"] == nvs.NV_ERR_INSUFFICIENT_PERMISSIONS
+    assert got["ecc"]["status"] == nvs.NV_ERR_INSUFFICIENT_PERMISSIONS
+    denials = [a for a in broker.audit() if a["event"] == "deny"]
+    whats = " ".join(d["what"] for d in denials)
+    assert "NV_ESC_RM_ACCESS_REGISTRY" in whats
+    assert "0x83de" in " ".join(d["reason"] for d in denials).lower()
+    for d in denials:
+        assert d["tenant"] == "alice" and d["pid"] and d["node"] and d["reason"]
+
+
+def test_sigkill_frees_everything_the_tenant_held(broker):
+    p = broker.exec_popen("alice", *TENANT, "hold", "4GiB", stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True)
+    try:
+        held = json.loads(p.stdout.readline())
+        assert held["memory"]["used"] == 4 * GiB
+        t = broker.tenant("alice")
+        assert t["memory"]["0"]["used"] == 4 * GiB and t["clients"] == 1
+        # SIGKILL the tenant process itself (host pid, as the broker sees it).
+        for pid in t["processes"]:
+            os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: broker.tenant("alice")["open_files"] == 0, "files released")
+        t = broker.tenant("alice")
+        assert t["memory"]["0"]["used"] == 0
+        assert t["clients"] == 0 and t["objects"] == 0
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_broker_death_fails_tenant_calls_promptly_and_restart_remounts(broker, start_broker):
+    p = broker.exec_popen("alice", *TENANT, "ioctl-after-line", stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(p.stdout.readline())["what"] == "ready"
+        broker.stop(signal.SIGKILL)
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        after = json.loads(p.stdout.readline())
+        assert after["what"] == "after"
+        assert after["errno"] in (107, 103, 5)  # ENOTCONN (aborted connection) or EIO
+        p.wait(timeout=30)
+    finally:
+        p.kill()
+    # A new broker on the same run dir detaches the dead one's mount and serves again.
+    again = start_broker(POLICY, run_dir=broker.run_dir)
+    assert probe(again, "alice")["gpus"][0]["memory"]["total"] == 16 * GiB
+
+
+def test_two_tenants_concurrently_do_not_see_each_other(broker):
+    p = broker.exec_popen("alice", *TENANT, "hold", "2GiB", stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True)
+    try:
+        held = json.loads(p.stdout.readline())
+        bob = probe(broker, "bob")
+        assert [g["minor"] for g in bob["gpus"]] == [1]
+        assert bob["gpus"][0]["memory"]["used"] == 0
+        r = broker.exec("bob", *TENANT, "foreign-client", hex(held["client"]))
+        assert lines(r.stdout)[0]["status"] == nvs.NV_ERR_INVALID_CLIENT
+        # bob cannot open alice's GPU node: it is not in bob's sandbox at all
+        r = broker.exec("bob", "sh", "-c", "test -e /dev/nvidia0 && echo present || echo absent")
+        assert r.stdout.strip() == "absent"
+        assert broker.tenant("alice")["memory"]["0"]["used"] == 2 * GiB
+        assert broker.tenant("bob")["memory"]["1"]["used"] == 0
+    finally:
+        p.stdin.close()
+        p.wait(timeout=30)
+
+
+def test_policy_hot_reload_refuses_bad_files_and_applies_good_ones(broker, tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text(POLICY.replace('memory_quota = "16GiB"', 'memory_quota = "sixteen"'))
+    r = broker.cli("policy", "apply", str(bad))
+    assert r.returncode == 1
+    assert "line" in r.stderr and "stays in force" in r.stderr
+    assert probe(broker, "alice")["gpus"][0]["memory"]["total"] == 16 * GiB
+
+    good = tmp_path / "good.toml"
+    good.write_text(POLICY.replace('memory_quota = "16GiB"', 'memory_quota = "8GiB"'))
+    r = broker.cli("policy", "apply", str(good))
+    assert r.returncode == 0, r.stderr
+    assert probe(broker, "alice")["gpus"][0]["memory"]["total"] == 8 * GiB
+    events = [a["event"] for a in broker.audit()]
+    assert "policy-refused" in events and "policy-applied" in events
+
+
+def test_status_command_reports_tenants(broker):
+    r = broker.cli("status")
+    assert r.returncode == 0, r.stderr
+    assert "alice" in r.stdout and "16 GiB" in r.stdout and "bob" in r.stdout
