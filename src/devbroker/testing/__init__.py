@@ -1,0 +1,1 @@
+"""Helpers for tests that need more than the host kernel (QEMU guests)."""
