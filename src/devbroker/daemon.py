@@ -78,7 +78,8 @@ class BrokerService:
                  policy_source: str | None = None):
         self.paths = RunPaths(Path(run_dir))
         self.policy_source = policy_source
-        self.audit = AuditLog(audit_path or self.paths.audit)
+        self.audit = AuditLog(audit_path or getattr(policy.broker, "audit_log", None)
+                              or self.paths.audit)
         self.backend = make_backend(policy, backend,
                                     notice=lambda m: self.audit.write("notice", message=m))
         recorder = None
@@ -125,9 +126,12 @@ class BrokerService:
         return {"dir": str(self.paths.tenant_dir(t)), "gpus": list(self.broker.tenants[t].gpus)}
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        from devbroker.frontends.fuse import FuseFrontend
+        from devbroker.frontends.fuse import FuseFrontend, detach_stale_mount
 
         self.paths.run_dir.mkdir(parents=True, exist_ok=True)
+        # A broker that died leaves its mount behind (ENOTCONN on any access): detach it
+        # before touching the path, so a restart serves again without operator help.
+        await trio.to_thread.run_sync(detach_stale_mount, str(self.paths.mount))
         self.paths.mount.mkdir(parents=True, exist_ok=True)
         control = ControlServer(self.paths.control, {
             "status": self._status,

@@ -1,0 +1,773 @@
+"""The seccomp user-notification front end (for hosts without CUSE and without our module).
+
+A tenant is started under a seccomp filter (:func:`devbroker.frontends.seccompwire.build_filter`)
+whose listener fd belongs to a :class:`SeccompSupervisor` running in the broker's trio loop:
+
+* ``open``/``openat``/``openat2`` of a node path the caller allowed (``/dev/nvidiactl``, …)
+  -> ``broker.open``; the supervisor creates a **memfd** placeholder for the session and
+  installs it as the syscall's result with ``SECCOMP_IOCTL_NOTIF_ADDFD`` +
+  ``SECCOMP_ADDFD_FLAG_SEND``. Any other path is CONTINUEd (the kernel opens it).
+* ``ioctl`` with an NVIDIA-looking cmd on a placeholder fd -> ``broker.ioctl`` (argument
+  copied in, ``arg_out`` copied back); on any other fd -> CONTINUE.
+* file-backed ``mmap`` of a placeholder fd -> ``broker.map_read``; the bytes are written into
+  the memfd and the mmap is CONTINUEd, so the tenant maps the memfd natively.
+* session end = the memfd inode is evicted (last fd *and* last mapping gone, in any process),
+  seen as ``IN_DELETE_SELF`` on an inotify watch; no close() interception.
+
+See docs/seccomp.md for the design, the residual TOCTOU risks and the limits.
+
+Entry points for the lead: :func:`run_tenant` (spawn + supervise + wait),
+:func:`default_nodes`, :class:`SeccompSupervisor` (``serve(listener_fd)``,
+``session_for_fd(pid, fd)``), :func:`tenant_command` (the trampoline argv).
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import logging
+import os
+import posixpath
+import select
+import socket
+import struct
+import sys
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import trio
+
+from devbroker.abi.nodes import NodeKind
+from devbroker.broker.interface import (
+    BrokerInterface,
+    Caller,
+    IoctlRequest,
+    MapReadRequest,
+    OpenRequest,
+    ReleaseRequest,
+)
+from devbroker.frontends import seccompwire as w
+
+log = logging.getLogger("devbroker.seccomp")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+_libc.inotify_init1.restype = ctypes.c_int
+_libc.inotify_add_watch.restype = ctypes.c_int
+_libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+_libc.inotify_rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]
+
+IN_DELETE_SELF = 0x00000400
+IN_IGNORED = 0x00008000
+PIDFD_THREAD = os.O_EXCL  # Linux 6.9: a pidfd for a (non-leader) thread
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_PATH_MAX = 4096
+
+
+class SeccompError(RuntimeError):
+    pass
+
+
+# ---------------------------------------------------------------------------------------
+# small syscall helpers (private; procmem covers vm_read/vm_write)
+# ---------------------------------------------------------------------------------------
+
+
+def _raise_errno(what: str) -> None:
+    err = ctypes.get_errno()
+    raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def get_notif_sizes() -> w.NotifSizes:
+    """SECCOMP_GET_NOTIF_SIZES, checked against the codec's layouts."""
+    buf = ctypes.create_string_buffer(6)
+    if _libc.syscall(ctypes.c_long(w.NR["seccomp"]), ctypes.c_long(w.SECCOMP_GET_NOTIF_SIZES),
+                     ctypes.c_long(0), buf) != 0:
+        _raise_errno("seccomp(SECCOMP_GET_NOTIF_SIZES)")
+    return w.NotifSizes.decode(buf.raw).check()
+
+
+def _pidfd_getfd(tid: int, fd: int) -> int:
+    """Duplicate thread tid's fd (pidfd_getfd; PIDFD_THREAD so that any thread id works)."""
+    try:
+        pidfd = os.pidfd_open(tid, PIDFD_THREAD)
+    except OSError:
+        pidfd = os.pidfd_open(tid)  # a thread-group leader, on kernels without PIDFD_THREAD
+    try:
+        got = _libc.syscall(ctypes.c_long(w.NR["pidfd_getfd"]), ctypes.c_long(pidfd),
+                            ctypes.c_long(fd), ctypes.c_long(0))
+        if got < 0:
+            _raise_errno("pidfd_getfd")
+        return int(got)
+    finally:
+        os.close(pidfd)
+
+
+_libc.ioctl.restype = ctypes.c_int
+_libc.ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
+
+
+def _ioctl_int(fd: int, req: int, arg: bytes) -> int:
+    """ioctl(2) returning its (non-negative) result; fcntl.ioctl returns the buffer instead."""
+    buf = ctypes.create_string_buffer(arg, len(arg))
+    r = _libc.ioctl(fd, req, buf)
+    if r < 0:
+        _raise_errno("ioctl")
+    return r
+
+
+def _vm_read(pid: int, addr: int, n: int) -> bytes:
+    from devbroker.frontends.procmem import vm_read
+
+    return vm_read(pid, addr, n)
+
+
+def _vm_write(pid: int, addr: int, data: bytes) -> None:
+    from devbroker.frontends.procmem import vm_write
+
+    vm_write(pid, addr, data)
+
+
+def read_cstring(pid: int, addr: int, limit: int = _PATH_MAX) -> bytes:
+    """A NUL-terminated string from pid's memory, read page by page (never past a page
+    that is not needed, so a path at the end of a mapping reads fine)."""
+    out = bytearray()
+    while len(out) < limit:
+        chunk = min(_PAGE - (addr % _PAGE), limit - len(out))
+        data = _vm_read(pid, addr, chunk)
+        nul = data.find(b"\0")
+        if nul >= 0:
+            out += data[:nul]
+            return bytes(out)
+        out += data
+        addr += chunk
+    raise OSError(errno.ENAMETOOLONG, "path too long")
+
+
+def _proc_status(tid: int) -> dict[str, str]:
+    out = {}
+    with open(f"/proc/{tid}/status", "rb") as f:
+        for line in f.read().decode(errors="replace").splitlines():
+            k, _, v = line.partition(":")
+            out[k] = v.strip()
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# nodes
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    kind: NodeKind
+    minor: int = 0
+
+
+def default_nodes(gpus: int | Sequence[int] = 1, caps: Sequence[int] = ()) -> dict[str, NodeSpec]:
+    """The node paths a tenant may open: nvidiactl, nvidia<i>, nvidia-uvm(-tools), caps.
+
+    For NodeKind.CAP the minor is the capability number (nvidia-cap<N>), so that a broker can
+    tell the MIG config capability from the monitor one.
+    """
+    idx = range(gpus) if isinstance(gpus, int) else gpus
+    nodes = {
+        "/dev/nvidiactl": NodeSpec(NodeKind.CTL),
+        "/dev/nvidia-uvm": NodeSpec(NodeKind.UVM),
+        "/dev/nvidia-uvm-tools": NodeSpec(NodeKind.UVM_TOOLS),
+    }
+    for i in idx:
+        nodes[f"/dev/nvidia{i}"] = NodeSpec(NodeKind.GPU, i)
+    for c in caps:
+        nodes[f"/dev/nvidia-caps/nvidia-cap{c}"] = NodeSpec(NodeKind.CAP, c)
+    return nodes
+
+
+def _normalize(path: str) -> str:
+    p = posixpath.normpath(path)
+    if p.startswith("//"):
+        p = "/" + p.lstrip("/")
+    return p
+
+
+# ---------------------------------------------------------------------------------------
+# the supervisor
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Session:
+    id: int
+    node: NodeKind
+    minor: int
+    key: tuple[int, int]  # (st_dev, st_ino) of the memfd
+    wd: int
+    opener: tuple[int, int]  # (tgid, fd) in the opening process, for diagnostics
+    released: bool = False
+
+
+@dataclass
+class SupervisorStats:
+    notifications: int = 0
+    opens: int = 0
+    opens_continued: int = 0
+    ioctls: int = 0
+    ioctls_continued: int = 0
+    mmaps: int = 0
+    mmaps_continued: int = 0
+    released_on_last_close: int = 0
+    released_at_shutdown: int = 0
+    released_on_failed_install: int = 0
+    stale: int = 0  # notifications whose task died before we answered
+
+
+class _NotifMemory:
+    """TenantMemory of the notifying thread, guarded by NOTIF_ID_VALID (see docs)."""
+
+    def __init__(self, sup: "SeccompSupervisor", tid: int, nid: int):
+        self._sup, self._tid, self._nid = sup, tid, nid
+
+    def read(self, addr: int, length: int) -> bytes:
+        data = _vm_read(self._tid, addr, length)
+        if not self._sup.id_valid(self._nid):
+            raise OSError(errno.ESRCH, "the calling thread went away")
+        return data
+
+    def write(self, addr: int, data: bytes) -> None:
+        if not self._sup.id_valid(self._nid):
+            raise OSError(errno.ESRCH, "the calling thread went away")
+        _vm_write(self._tid, addr, data)
+
+
+class SeccompSupervisor:
+    """Answers one listener's notifications with a broker (one per tenant process tree)."""
+
+    def __init__(
+        self,
+        broker: BrokerInterface,
+        tenant: str,
+        nodes: Mapping[str, NodeSpec | tuple[NodeKind, int]] | None = None,
+        *,
+        sizes: w.NotifSizes | None = None,
+    ):
+        self.broker = broker
+        self.tenant = tenant
+        src = default_nodes() if nodes is None else nodes
+        self.nodes: dict[str, NodeSpec] = {}
+        for path, spec in src.items():
+            if not path.startswith("/"):
+                raise ValueError(f"node path {path!r} must be absolute")
+            if not isinstance(spec, NodeSpec):
+                spec = NodeSpec(*spec)
+            self.nodes[_normalize(path)] = spec
+        self._basenames = {posixpath.basename(p) for p in self.nodes} | {"", ".", ".."}
+        self.sizes = (sizes or get_notif_sizes()).check()
+        self.stats = SupervisorStats()
+        self.sessions: dict[tuple[int, int], Session] = {}
+        self._by_wd: dict[int, Session] = {}
+        self._listener = -1
+        self._ifd = _libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if self._ifd < 0:
+            _raise_errno("inotify_init1")
+        probe = os.memfd_create("devbroker-probe", os.MFD_CLOEXEC)
+        try:
+            self._memfd_dev = os.fstat(probe).st_dev
+        finally:
+            os.close(probe)
+        self._pending: list[Session] = []
+        self._changed = trio.Event()
+        self.closed = trio.Event()
+
+    # -- kernel calls on the listener ---------------------------------------------------
+
+    def id_valid(self, nid: int) -> bool:
+        try:
+            fcntl.ioctl(self._listener, w.SECCOMP_IOCTL_NOTIF_ID_VALID, w.encode_id(nid))
+            return True
+        except OSError as e:
+            if e.errno == errno.ENOENT:
+                return False
+            raise
+
+    def _send(self, resp: w.NotifResp) -> None:
+        try:
+            fcntl.ioctl(self._listener, w.SECCOMP_IOCTL_NOTIF_SEND,
+                        bytearray(resp.encode(self.sizes)), True)
+        except OSError as e:
+            if e.errno != errno.ENOENT:  # ENOENT: the task died or was interrupted
+                raise
+            self.stats.stale += 1
+
+    def _recv(self) -> w.Notif | None:
+        buf = w.recv_buffer(self.sizes)
+        try:
+            fcntl.ioctl(self._listener, w.SECCOMP_IOCTL_NOTIF_RECV, buf, True)
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.EINTR):
+                return None
+            raise
+        return w.Notif.decode(bytes(buf))
+
+    # -- lookups --------------------------------------------------------------------------
+
+    def session_for_fd(self, pid: int, fd: int) -> int | None:
+        """The session behind fd in process (or thread) pid, or None when it is not ours.
+
+        For the broker's fd-argument translation (REGISTER_FD, RM_MAP_MEMORY's fd, UVM's
+        rmCtrlFd): the numbers a tenant passes are in its own fd table.
+        """
+        s = self._lookup(pid, fd)
+        return s.id if s else None
+
+    def _lookup(self, tid: int, fd: int) -> Session | None:
+        if fd < 0:
+            return None
+        try:
+            st = os.stat(f"/proc/{tid}/fd/{fd}")
+        except OSError:
+            return None
+        if st.st_dev != self._memfd_dev:
+            return None
+        s = self.sessions.get((st.st_dev, st.st_ino))
+        return s if s and not s.released else None
+
+    def _caller(self, tid: int) -> Caller:
+        st = _proc_status(tid)
+        return Caller(
+            pid=int(st.get("Tgid", tid)),
+            tid=tid,
+            uid=int(st.get("Uid", "0").split()[0]),
+            gid=int(st.get("Gid", "0").split()[0]),
+        )
+
+    # -- main loop ----------------------------------------------------------------------
+
+    shutdown_grace = 5.0  # seconds to wait for the evictions of exiting tenants
+
+    async def _wait_change(self) -> None:
+        ev = self._changed = self._changed if not self._changed.is_set() else trio.Event()
+        await ev.wait()
+
+    async def serve(self, listener_fd: int) -> None:
+        """Answer notifications until no task uses the filter any more, then release every
+        session still open. The caller keeps ownership of listener_fd."""
+        self._listener = listener_fd
+        poller = select.poll()
+        poller.register(listener_fd, select.POLLIN)
+        try:
+            async with trio.open_nursery() as outer:
+                outer.start_soon(self._inotify_loop)
+                async with trio.open_nursery() as handlers:
+                    while True:
+                        await trio.lowlevel.wait_readable(listener_fd)
+                        events = poller.poll(0)
+                        revents = events[0][1] if events else 0
+                        if revents & select.POLLIN:
+                            n = self._recv()
+                            if n is not None:
+                                self.stats.notifications += 1
+                                handlers.start_soon(self._handle, n)
+                        elif revents & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+                            break
+                # No task uses the filter any more. On 6.18 that point is reached while the
+                # last tasks are still exiting (measured: state R), before their files are
+                # put, so keep reading inotify until every session has gone; the grace
+                # period only matters for a placeholder fd that escaped to a process outside
+                # the filter (SCM_RIGHTS), which the sweep below then releases.
+                with trio.move_on_after(self.shutdown_grace):
+                    while self.sessions:
+                        await self._wait_change()
+                outer.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                for s in list(self.sessions.values()):
+                    log.warning("seccomp: session %d still referenced at shutdown; releasing",
+                                s.id)
+                    self.stats.released_at_shutdown += 1
+                    await self._release(s)
+                trio.lowlevel.notify_closing(self._ifd)
+                os.close(self._ifd)
+                self._ifd = -1
+                trio.lowlevel.notify_closing(listener_fd)
+                self.closed.set()
+
+    async def _handle(self, n: w.Notif) -> None:
+        try:
+            nr = n.data.nr
+            if nr in (w.NR["open"], w.NR["openat"], w.NR["openat2"]):
+                resp = await self._on_open(n)
+            elif nr == w.NR["ioctl"]:
+                resp = await self._on_ioctl(n)
+            elif nr == w.NR["mmap"]:
+                resp = await self._on_mmap(n)
+            else:
+                resp = w.NotifResp.cont(n.id)
+        except Exception:
+            log.exception("seccomp: handling %s from %d failed", n.syscall, n.pid)
+            resp = w.NotifResp.fail(n.id, errno.EIO)
+        if resp is not None:
+            try:
+                self._send(resp)
+            except OSError:
+                log.exception("seccomp: answering %s from %d failed", n.syscall, n.pid)
+
+    # -- open -----------------------------------------------------------------------------
+
+    async def _on_open(self, n: w.Notif) -> w.NotifResp | None:
+        d, tid = n.data, n.pid
+        if d.nr == w.NR["open"]:
+            dirfd, path_ptr, flags = w.AT_FDCWD, d.args[0], d.arg_u32(1)
+        elif d.nr == w.NR["openat"]:
+            dirfd, path_ptr, flags = d.arg_int(0), d.args[1], d.arg_u32(2)
+        else:  # openat2(dirfd, path, struct open_how *how, size)
+            dirfd, path_ptr = d.arg_int(0), d.args[1]
+            try:
+                flags = struct.unpack("=Q", _vm_read(tid, d.args[2], 8))[0] & 0xFFFFFFFF
+            except OSError:
+                return w.NotifResp.cont(n.id)  # the kernel will report the bad pointer
+        try:
+            raw = read_cstring(tid, path_ptr)
+        except OSError:
+            return w.NotifResp.cont(n.id)
+        path = raw.decode("utf-8", "surrogateescape")
+        if posixpath.basename(path) not in self._basenames:
+            self.stats.opens_continued += 1
+            return w.NotifResp.cont(n.id)
+        try:
+            if path.startswith("/"):
+                full = path
+            elif dirfd == w.AT_FDCWD:
+                full = os.readlink(f"/proc/{tid}/cwd") + "/" + path
+            else:
+                full = os.readlink(f"/proc/{tid}/fd/{dirfd}") + "/" + path
+        except OSError:
+            return w.NotifResp.cont(n.id)
+        spec = self.nodes.get(_normalize(full))
+        if spec is None:
+            self.stats.opens_continued += 1
+            return w.NotifResp.cont(n.id)
+        caller = self._caller(tid)
+        if not self.id_valid(n.id):  # the path bytes were read from the right task
+            self.stats.stale += 1
+            return None
+        self.stats.opens += 1
+        reply = await self.broker.open(
+            OpenRequest(caller=caller, tenant=self.tenant, node=spec.kind, minor=spec.minor,
+                        flags=flags)
+        )
+        if reply.errno:
+            return w.NotifResp.fail(n.id, reply.errno)
+        await self._install(n, caller, spec, reply.session, flags,
+                            posixpath.basename(full))
+        return None
+
+    async def _install(self, n: w.Notif, caller: Caller, spec: NodeSpec, sid: int,
+                       flags: int, name: str) -> None:
+        memfd = os.memfd_create(f"devbroker:{name}", os.MFD_CLOEXEC)
+        try:
+            st = os.fstat(memfd)
+            key = (st.st_dev, st.st_ino)
+            wd = _libc.inotify_add_watch(self._ifd, f"/proc/self/fd/{memfd}".encode(),
+                                         IN_DELETE_SELF)
+            if wd < 0:
+                _raise_errno("inotify_add_watch")
+            sess = Session(sid, spec.kind, spec.minor, key, wd, (caller.pid, -1))
+            self.sessions[key] = sess
+            self._by_wd[wd] = sess
+            addfd = w.NotifAddfd(
+                id=n.id, srcfd=memfd, flags=w.SECCOMP_ADDFD_FLAG_SEND,
+                newfd_flags=os.O_CLOEXEC if flags & os.O_CLOEXEC else 0,
+            )
+            try:
+                newfd = _ioctl_int(self._listener, w.SECCOMP_IOCTL_NOTIF_ADDFD, addfd.encode())
+            except OSError as e:
+                self._forget(sess)
+                self.stats.released_on_failed_install += 1
+                await self._release(sess)
+                if e.errno == errno.ENOENT:
+                    self.stats.stale += 1
+                else:
+                    self._send(w.NotifResp.fail(n.id, e.errno))
+                return
+            sess.opener = (caller.pid, newfd)
+        finally:
+            os.close(memfd)  # the tenant's reference is now the only one
+
+    def _forget(self, sess: Session) -> None:
+        self.sessions.pop(sess.key, None)
+        if self._by_wd.pop(sess.wd, None) is not None and self._ifd >= 0:
+            _libc.inotify_rm_watch(self._ifd, sess.wd)
+
+    async def _release(self, sess: Session) -> None:
+        if sess.released:
+            return
+        sess.released = True
+        self.sessions.pop(sess.key, None)
+        self._by_wd.pop(sess.wd, None)
+        self._changed.set()
+        with trio.CancelScope(shield=True):
+            try:
+                await self.broker.release(ReleaseRequest(session=sess.id))
+            except Exception:
+                log.exception("seccomp: broker.release(%d) failed", sess.id)
+
+    # -- session lifetime -------------------------------------------------------------------
+
+    def _read_inotify(self) -> list[tuple[int, int]]:
+        out = []
+        try:
+            buf = os.read(self._ifd, 65536)
+        except BlockingIOError:
+            return out
+        off = 0
+        while off + 16 <= len(buf):
+            wd, mask, _cookie, ln = struct.unpack_from("=iIII", buf, off)
+            out.append((wd, mask))
+            off += 16 + ln
+        return out
+
+    def _note_events(self, evs: list[tuple[int, int]]) -> None:
+        for wd, mask in evs:
+            if mask & (IN_DELETE_SELF | IN_IGNORED):
+                sess = self._by_wd.pop(wd, None)
+                if sess is not None and not sess.released:
+                    self._pending.append(sess)
+
+    async def _release_pending(self) -> None:
+        while self._pending:
+            sess = self._pending.pop(0)
+            if not sess.released:
+                self.stats.released_on_last_close += 1
+                await self._release(sess)
+
+    async def _inotify_loop(self) -> None:
+        while True:
+            await trio.lowlevel.wait_readable(self._ifd)
+            self._note_events(self._read_inotify())
+            await self._release_pending()
+
+    # -- ioctl ------------------------------------------------------------------------------
+
+    async def _on_ioctl(self, n: w.Notif) -> w.NotifResp | None:
+        d, tid = n.data, n.pid
+        fd, cmd, argp = d.arg_int(0), d.arg_u32(1), d.args[2]
+        sess = self._lookup(tid, fd)
+        if sess is None:
+            self.stats.ioctls_continued += 1
+            return w.NotifResp.cont(n.id)
+        size = w.IOC_SIZE(cmd) if w.IOC_TYPE(cmd) == w.NV_IOCTL_MAGIC else 0
+        arg: bytes | None = None
+        if size:
+            try:
+                arg = _vm_read(tid, argp, size)
+            except OSError as e:
+                return w.NotifResp.fail(n.id, errno.EFAULT if e.errno != errno.ESRCH else e.errno)
+        caller = self._caller(tid)
+        if not self.id_valid(n.id):
+            self.stats.stale += 1
+            return None
+        self.stats.ioctls += 1
+        async def resolve_fd(fd: int, _tid: int = tid) -> int | None:
+            # fd arguments (REGISTER_FD, RM_MAP_MEMORY's fd, UVM rmCtrlFd) are numbers in
+            # the calling thread's fd table
+            return self.session_for_fd(_tid, fd)
+
+        reply = await self.broker.ioctl(
+            IoctlRequest(caller=caller, session=sess.id, cmd=cmd, arg_ptr=argp, arg=arg,
+                         memory=_NotifMemory(self, tid, n.id), resolve_fd=resolve_fd)
+        )
+        if reply.errno:
+            return w.NotifResp.fail(n.id, reply.errno)
+        if reply.arg_out is not None:
+            out = bytes(reply.arg_out)
+            if arg is not None and len(out) != len(arg):
+                log.error("seccomp: broker returned %d bytes for a %d-byte argument (cmd %#x)",
+                          len(out), len(arg), cmd)
+                return w.NotifResp.fail(n.id, errno.EIO)
+            if not self.id_valid(n.id):
+                self.stats.stale += 1
+                return None
+            try:
+                _vm_write(tid, argp, out)
+            except OSError:
+                return w.NotifResp.fail(n.id, errno.EFAULT)
+        return w.NotifResp.ok(n.id, reply.result)
+
+    # -- mmap -------------------------------------------------------------------------------
+
+    async def _on_mmap(self, n: w.Notif) -> w.NotifResp | None:
+        d, tid = n.data, n.pid
+        length, fd, offset = d.args[1], d.arg_int(4), d.args[5]
+        sess = self._lookup(tid, fd)
+        if sess is None:
+            self.stats.mmaps_continued += 1
+            return w.NotifResp.cont(n.id)
+        caller = self._caller(tid)
+        if not self.id_valid(n.id):
+            self.stats.stale += 1
+            return None
+        self.stats.mmaps += 1
+        reply = await self.broker.map_read(
+            MapReadRequest(caller=caller, session=sess.id, offset=offset, length=length)
+        )
+        if reply.errno:
+            return w.NotifResp.fail(n.id, reply.errno)
+        try:
+            f = _pidfd_getfd(tid, fd)
+        except OSError as e:
+            return w.NotifResp.fail(n.id, e.errno or errno.EBADF)
+        try:
+            st = os.fstat(f)
+            if (st.st_dev, st.st_ino) != sess.key:
+                # the fd was swapped under us: let the kernel map whatever it is now
+                return w.NotifResp.cont(n.id)
+            end = offset + length
+            end = (end + _PAGE - 1) // _PAGE * _PAGE
+            try:
+                if st.st_size < end:
+                    os.ftruncate(f, end)
+                data = bytes(reply.data[:length])
+                if data:
+                    os.pwrite(f, data, offset)
+            except OSError as e:
+                return w.NotifResp.fail(n.id, e.errno or errno.ENOMEM)
+        finally:
+            os.close(f)  # if the tenant closed its fd meanwhile, this evicts: released
+        return w.NotifResp.cont(n.id)
+
+
+# ---------------------------------------------------------------------------------------
+# launching a tenant
+# ---------------------------------------------------------------------------------------
+
+# The trampoline runs in the child with `python -I -S -c`: it imports nothing but the
+# standard library, installs the filter (no_new_privs first), hands the listener to the
+# parent over the socket (SCM_RIGHTS) and execs the tenant. Between the install and the
+# exec it must open no file: every open would wait for a supervisor that has not got the
+# listener yet.
+_TRAMPOLINE = r"""
+import array, ctypes, os, socket, sys
+sock_fd, prog, flags, argv = int(sys.argv[1]), bytes.fromhex(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+class FProg(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+def die(msg, code=126):
+    os.write(2, ("devbroker seccomp trampoline: %s\n" % msg).encode()); os._exit(code)
+buf = ctypes.create_string_buffer(prog, len(prog))
+fp = FProg(len(prog) // 8, ctypes.addressof(buf))
+sock = socket.socket(fileno=sock_fd)
+fds = array.array("i")
+if libc.prctl(38, 1, 0, 0, 0) != 0:
+    die("PR_SET_NO_NEW_PRIVS: " + os.strerror(ctypes.get_errno()))
+tag = b"K"
+lfd = libc.syscall(ctypes.c_long(317), ctypes.c_long(1), ctypes.c_long(flags), ctypes.byref(fp))
+if lfd < 0 and ctypes.get_errno() == 22 and flags & 32:
+    tag = b"I"  # no SECCOMP_FILTER_FLAG_WAIT_KILLABLE_RECV on this kernel
+    lfd = libc.syscall(ctypes.c_long(317), ctypes.c_long(1), ctypes.c_long(flags & ~32), ctypes.byref(fp))
+if lfd < 0:
+    die("seccomp(SET_MODE_FILTER): " + os.strerror(ctypes.get_errno()))
+fds.append(lfd)
+sock.sendmsg([tag], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds.tobytes())])
+os.close(lfd)
+sock.close()
+try:
+    os.execvp(argv[0], argv)
+except OSError as e:
+    die("exec %s: %s" % (argv[0], e.strerror), 127)
+"""
+
+FILTER_FLAGS = w.SECCOMP_FILTER_FLAG_NEW_LISTENER | w.SECCOMP_FILTER_FLAG_WAIT_KILLABLE_RECV
+
+
+def tenant_command(argv: Sequence[str], sock_fd: int, *,
+                   opts: w.FilterOptions = w.FilterOptions(),
+                   python: str = sys.executable) -> list[str]:
+    """The argv that runs ``argv`` under the filter, sending the listener over sock_fd."""
+    if not argv:
+        raise ValueError("empty argv")
+    return [python, "-I", "-S", "-c", _TRAMPOLINE, str(sock_fd),
+            w.build_filter(opts).hex(), str(FILTER_FLAGS), *argv]
+
+
+async def _recv_listener(sock: socket.socket) -> tuple[int, bool]:
+    tsock = trio.socket.from_stdlib_socket(sock)
+    msg, ancdata, _flags, _addr = await tsock.recvmsg(16, socket.CMSG_SPACE(4 * 4))
+    fds: list[int] = []
+    for level, typ, data in ancdata:
+        if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
+            n = len(data) // 4
+            fds.extend(struct.unpack(f"={n}i", data[: 4 * n]))
+    if not fds:
+        raise SeccompError("the tenant trampoline sent no listener (see its stderr)")
+    for extra in fds[1:]:
+        os.close(extra)
+    return fds[0], msg == b"K"
+
+
+@dataclass
+class Tenant:
+    """What :func:`run_tenant` hands to ``nursery.start``."""
+
+    process: trio.Process
+    supervisor: SeccompSupervisor
+    killable_wait: bool  # WAIT_KILLABLE_RECV in effect (no restarted notifications)
+    returncode: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+async def run_tenant(
+    argv: Sequence[str],
+    *,
+    broker: BrokerInterface,
+    tenant: str,
+    nodes: Mapping[str, NodeSpec | tuple[NodeKind, int]] | None = None,
+    opts: w.FilterOptions = w.FilterOptions(),
+    task_status=trio.TASK_STATUS_IGNORED,
+    **process_kw,
+) -> int:
+    """Run argv under the seccomp front end and serve it until it and all its descendants
+    are gone; return its exit status (negative signal number when killed).
+
+    ``nodes`` maps absolute paths (as the tenant names them) to node kinds; default
+    :func:`default_nodes`. ``process_kw`` goes to :func:`trio.lowlevel.open_process`
+    (env, cwd, stdin, stdout, stderr, pass_fds, …). With ``nursery.start(run_tenant, …)``
+    the started value is a :class:`Tenant` (process handle, supervisor, stats).
+    """
+    sup = SeccompSupervisor(broker, tenant, nodes)
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        pass_fds = tuple(process_kw.pop("pass_fds", ())) + (child.fileno(),)
+        proc = await trio.lowlevel.open_process(
+            tenant_command(argv, child.fileno(), opts=opts), pass_fds=pass_fds, **process_kw
+        )
+        child.close()
+        try:
+            with trio.CancelScope(shield=True):
+                listener, killable = await _recv_listener(parent)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                proc.kill()
+                await proc.wait()
+            raise
+    finally:
+        child.close()
+        parent.close()
+    handle = Tenant(proc, sup, killable)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sup.serve, listener)
+            task_status.started(handle)
+            try:
+                handle.returncode = await proc.wait()
+            except BaseException:
+                with trio.CancelScope(shield=True):
+                    proc.kill()
+                    await proc.wait()
+                raise
+    finally:
+        os.close(listener)
+    return handle.returncode

@@ -1,0 +1,437 @@
+"""Real processes under the seccomp front end, answered by a small in-test broker."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import struct
+import sys
+import textwrap
+
+import pytest
+import trio
+
+from devbroker.abi.nodes import NodeKind
+from devbroker.broker.interface import (
+    DENIED,
+    IoctlReply,
+    IoctlRequest,
+    MapReadReply,
+    MapReadRequest,
+    OpenReply,
+    OpenRequest,
+    ReleaseRequest,
+)
+from devbroker.frontends import seccomp as sc
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64",
+                                reason="x86_64 Linux only")
+
+
+def F(nr: int, size: int) -> int:
+    return (3 << 30) | (size << 16) | (ord("F") << 8) | nr
+
+
+XFORM = F(0xD2, 16)  # answered with transformed bytes
+DENY = F(0x4D, 8)  # refused with EPERM
+RESULT = F(0xD6, 4)  # answered with a non-zero ioctl result and no arg_out
+WHO = F(0xD7, 8)  # answers the caller's (pid, session)
+WAIT_RELEASES = F(0xEF, 4)  # blocks until the broker has seen arg releases; answers the count
+READY = F(0xEE, 4)  # tells the test the tenant is ready to be killed
+RESOLVE = F(0xC9, 8)  # REGISTER_FD-like: the broker resolves two fd numbers of the caller
+UVM_CMD = 75  # a raw UVM-style command: no size, the broker reads/writes through memory
+
+
+class FakeBroker:
+    def __init__(self):
+        self.next = 100
+        self.opens: list[OpenRequest] = []
+        self.sessions: dict[int, OpenRequest] = {}
+        self.ioctls: list[IoctlRequest] = []
+        self.released: list[int] = []
+        self.ready = trio.Event()
+        self._changed = trio.Event()
+
+    async def open(self, req: OpenRequest) -> OpenReply:
+        self.opens.append(req)
+        if req.node == NodeKind.UVM_TOOLS:
+            return OpenReply(errno=errno.EACCES)
+        self.next += 1
+        self.sessions[self.next] = req
+        return OpenReply(session=self.next)
+
+    async def ioctl(self, req: IoctlRequest) -> IoctlReply:
+        self.ioctls.append(req)
+        assert req.session in self.sessions and req.session not in self.released
+        if req.cmd == XFORM:
+            return IoctlReply(arg_out=bytes(b ^ 0x20 for b in req.arg)[::-1])
+        if req.cmd == DENY:
+            return DENIED
+        if req.cmd == RESULT:
+            return IoctlReply(result=7)
+        if req.cmd == WHO:
+            return IoctlReply(arg_out=struct.pack("=II", req.caller.pid, req.session))
+        if req.cmd == UVM_CMD:
+            assert req.arg is None
+            (v,) = struct.unpack("=Q", req.memory.read(req.arg_ptr, 8))
+            req.memory.write(req.arg_ptr + 8, struct.pack("=Q", v * 3))
+            return IoctlReply()
+        if req.cmd == WAIT_RELEASES:
+            (want,) = struct.unpack("=I", req.arg)
+            with trio.fail_after(20):
+                while len(self.released) < want:
+                    await self._changed.wait()
+            return IoctlReply(arg_out=struct.pack("=I", len(self.released)))
+        if req.cmd == RESOLVE:
+            fds = struct.unpack("=ii", req.arg)
+            got = [await req.resolve_fd(fd) for fd in fds]
+            return IoctlReply(arg_out=struct.pack("=ii", *[g if g is not None else -1 for g in got]))
+        if req.cmd == READY:
+            self.ready.set()
+            return IoctlReply()
+        return IoctlReply(errno=errno.ENOTTY)
+
+    async def map_read(self, req: MapReadRequest) -> MapReadReply:
+        if self.sessions[req.session].node != NodeKind.GPU:
+            return MapReadReply(errno=errno.EINVAL)
+        return MapReadReply(data=f"page of session {req.session} @{req.offset}".encode())
+
+    async def release(self, req: ReleaseRequest) -> None:
+        assert req.session not in self.released
+        self.released.append(req.session)
+        self._changed.set()
+        self._changed = trio.Event()
+
+
+PRELUDE = textwrap.dedent(
+    f"""
+    import ctypes, errno, fcntl, json, os, struct, sys, termios
+    XFORM, DENY, RESULT, WHO, WAIT, READY, UVM, RESOLVE = {XFORM}, {DENY}, {RESULT}, {WHO}, {WAIT_RELEASES}, {READY}, {UVM_CMD}, {RESOLVE}
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    def err(fn, *a):
+        try:
+            fn(*a)
+            return 0
+        except OSError as e:
+            return e.errno
+    def wait_releases(fd, n):
+        b = bytearray(struct.pack("=I", n))
+        fcntl.ioctl(fd, WAIT, b, True)
+        return struct.unpack("=I", b)[0]
+    res = {{}}
+    """
+)
+
+
+async def run(code: str, broker: FakeBroker, tmp_path, *, on_start=None, **kw):
+    """Run a tenant snippet; it sees sys.argv[1] == a scratch path; returns (rc, res, handle)."""
+    out = tmp_path / "out.json"
+    script = PRELUDE + textwrap.dedent(code) + f"\njson.dump(res, open({str(out)!r}, 'w'))\n"
+    argv = [sys.executable, "-c", script, str(tmp_path / "scratch")]
+    async with trio.open_nursery() as nursery:
+        handle = await nursery.start(
+            lambda task_status: sc.run_tenant(
+                argv, broker=broker, tenant="t1", task_status=task_status, **kw
+            )
+        )
+        if on_start is not None:
+            await on_start(handle)
+    res = json.loads(out.read_text()) if out.exists() else {}
+    return handle.returncode, res, handle
+
+
+async def test_ioctls_reach_the_broker(tmp_path):
+    b = FakeBroker()
+    rc, res, h = await run(
+        """
+        fd = os.open("/dev/nvidiactl", os.O_RDWR)
+        buf = bytearray(b"abcdefghijklmnop")
+        res["xform"] = [fcntl.ioctl(fd, XFORM, buf, True), buf.decode()]
+        res["deny"] = err(fcntl.ioctl, fd, DENY, bytearray(8), True)
+        res["result"] = fcntl.ioctl(fd, RESULT, bytearray(4), True)
+        res["unknown"] = err(fcntl.ioctl, fd, F_UNKNOWN := (3 << 30) | (8 << 16) | (0x46 << 8) | 0x99, bytearray(8), True)
+        res["efault"] = err(fcntl.ioctl, fd, XFORM, 8)  # pointer 8 is unmapped
+        uvm = os.open("/dev/nvidia-uvm", os.O_RDWR | os.O_CLOEXEC)
+        ub = ctypes.create_string_buffer(16)
+        struct.pack_into("=Q", ub, 0, 0x1234)
+        res["uvm"] = [libc.ioctl(uvm, ctypes.c_ulong(UVM), ub), struct.unpack_from("=Q", ub, 8)[0]]
+        raw = libc.open(b"/dev/nvidia-uvm", os.O_RDWR)  # os.open always adds O_CLOEXEC
+        res["cloexec"] = [bool(fcntl.fcntl(raw, fcntl.F_GETFD) & fcntl.FD_CLOEXEC),
+                          bool(fcntl.fcntl(uvm, fcntl.F_GETFD) & fcntl.FD_CLOEXEC)]
+        res["tools"] = err(os.open, "/dev/nvidia-uvm-tools", os.O_RDWR)
+        res["unlisted"] = err(os.open, "/dev/nvidia7", os.O_RDWR)
+        os.chdir("/dev")
+        rel = os.open("nvidia0", os.O_RDONLY)
+        d = os.open("/", os.O_RDONLY | os.O_DIRECTORY)
+        at = os.open("dev/../dev//nvidiactl", os.O_RDWR, dir_fd=d)
+        # openat2 (no Python wrapper): struct open_how {u64 flags, mode, resolve}
+        how = ctypes.create_string_buffer(struct.pack("=QQQ", os.O_RDWR, 0, 0), 24)
+        libc.syscall.restype = ctypes.c_long
+        o2 = libc.syscall(ctypes.c_long(437), ctypes.c_long(-100), b"/dev/nvidia-uvm", how, ctypes.c_long(24))
+        b = bytearray(8)
+        who = []
+        for f in (fd, rel, at, o2):
+            fcntl.ioctl(f, WHO, b, True)
+            who.append(struct.unpack("=II", b))
+        res["who"] = who
+        res["pid"] = os.getpid()
+        rb = bytearray(struct.pack("=ii", at, 0))  # one of ours, and stdin
+        fcntl.ioctl(fd, RESOLVE, rb, True)
+        res["resolved"] = list(struct.unpack("=ii", rb))
+        """,
+        b,
+        tmp_path,
+    )
+    assert rc == 0, res
+    assert res["xform"] == [0, "PONMLKJIHGFEDCBA"]
+    assert res["deny"] == errno.EPERM
+    assert res["result"] == 7
+    assert res["unknown"] == errno.ENOTTY
+    assert res["efault"] == errno.EFAULT
+    assert res["uvm"] == [0, 0x1234 * 3]
+    assert res["cloexec"] == [False, True]
+    assert res["tools"] == errno.EACCES
+    assert res["unlisted"] == errno.ENOENT  # CONTINUEd: the kernel found no such file
+    kinds = [(o.node, o.minor, o.tenant) for o in b.opens]
+    assert kinds == [
+        (NodeKind.CTL, 0, "t1"), (NodeKind.UVM, 0, "t1"), (NodeKind.UVM, 0, "t1"),
+        (NodeKind.UVM_TOOLS, 0, "t1"),
+        (NodeKind.GPU, 0, "t1"), (NodeKind.CTL, 0, "t1"), (NodeKind.UVM, 0, "t1"),
+    ]
+    assert b.opens[0].caller.pid == res["pid"]
+    sessions = [s for _, s in res["who"]]
+    assert len(set(sessions)) == 4 and set(sessions) <= set(b.sessions)
+    assert len(b.sessions) == 6
+    assert all(pid == res["pid"] for pid, _ in res["who"])
+    assert res["resolved"] == [res["who"][2][1], -1]
+    # every session the tenant opened was released once it exited, through the
+    # last-reference detection (not the shutdown sweep)
+    assert sorted(b.released) == sorted(b.sessions)
+    st = h.supervisor.stats
+    assert st.released_at_shutdown == 0 and st.released_on_last_close == len(b.sessions)
+    assert h.killable_wait
+
+
+async def test_other_fds_keep_working(tmp_path):
+    blksize = os.statvfs(sys.executable).f_bsize
+    b = FakeBroker()
+    rc, res, h = await run(
+        """
+        m, s = os.openpty()
+        res["tcgets"] = len(termios.tcgetattr(s))
+        r, wr = os.pipe()
+        os.write(wr, b"xyz")
+        n = bytearray(4)
+        fcntl.ioctl(r, termios.FIONREAD, n, True)
+        res["fionread"] = struct.unpack("=i", n)[0]
+        # an 'F' ioctl and a UVM-range ioctl on fds that are not ours: the filter sends them
+        # to the supervisor, which CONTINUEs them to the kernel
+        res["pipe_F"] = err(fcntl.ioctl, r, (3 << 30) | (8 << 16) | (0x46 << 8) | 1, bytearray(8), True)
+        f = os.open(sys.executable, os.O_RDONLY)
+        bs = bytearray(4)
+        fcntl.ioctl(f, 2, bs, True)  # FIGETBSZ
+        res["figetbsz"] = struct.unpack("=i", bs)[0]
+        # a plain file mmap (CONTINUEd) and an anonymous one (never notified)
+        mm = libc.mmap(None, 4096, 1, 2, f, 0)
+        res["elf"] = ctypes.string_at(mm, 4).hex()
+        res["anon"] = libc.mmap(None, 4096, 3, 0x22, -1, 0) not in (None, 2**64 - 1)
+        res["mknod_chr"] = err(os.mknod, sys.argv[1] + ".chr", 0o20666, os.makedev(195, 255))
+        res["mknod_blk"] = err(os.mknod, sys.argv[1] + ".blk", 0o60666, os.makedev(7, 0))
+        res["mknod_fifo"] = err(os.mknod, sys.argv[1] + ".fifo", 0o10666, 0)
+        res["mknodat_chr"] = err(lambda: os.mknod("x.chr", 0o20666, os.makedev(195, 0), dir_fd=os.open(os.path.dirname(sys.argv[1]), os.O_RDONLY)))
+        res["chr_exists"] = os.path.exists(sys.argv[1] + ".chr")
+        """,
+        b,
+        tmp_path,
+    )
+    assert rc == 0, res
+    assert res["tcgets"] == 7
+    assert res["fionread"] == 3
+    assert res["pipe_F"] == errno.ENOTTY
+    assert res["figetbsz"] == blksize
+    assert res["elf"] == "7f454c46"
+    assert res["anon"] is True
+    assert res["mknod_chr"] == errno.EPERM
+    assert res["mknod_blk"] == errno.EPERM
+    assert res["mknodat_chr"] == errno.EPERM
+    assert res["mknod_fifo"] == 0
+    assert res["chr_exists"] is False
+    assert b.opens == [] and b.ioctls == []
+    st = h.supervisor.stats
+    assert st.ioctls_continued >= 2 and st.mmaps_continued >= 1 and st.opens_continued >= 1
+
+
+
+async def test_mmap_of_a_node_is_served(tmp_path):
+    b = FakeBroker()
+    rc, res, h = await run(
+        """
+        g = os.open("/dev/nvidia0", os.O_RDWR)
+        a = libc.mmap(None, 4096, 1, 1, g, 0)  # PROT_READ, MAP_SHARED
+        res["page"] = ctypes.string_at(a, 32).rstrip(b"\\0").decode()
+        w = libc.mmap(None, 8192, 3, 1, g, 0)  # read-write, two pages
+        ctypes.memmove(w + 4096, b"tenant", 6)
+        res["rw"] = ctypes.string_at(w, 24).rstrip(b"\\0").decode()
+        res["shared"] = ctypes.string_at(a, 4096) == ctypes.string_at(w, 4096)
+        c = os.open("/dev/nvidiactl", os.O_RDWR)
+        libc.mmap.restype = ctypes.c_long
+        r = libc.mmap(None, 4096, 1, 1, c, 0)
+        res["ctl_map"] = [r, ctypes.get_errno()]
+        fcntl.ioctl(c, WHO, bytearray(8), True)  # the fd still works after the failed mmap
+        """,
+        b,
+        tmp_path,
+    )
+    assert rc == 0, res
+    gpu = next(sid for sid, o in b.sessions.items() if o.node == NodeKind.GPU)
+    assert res["page"] == f"page of session {gpu} @0"
+    assert res["rw"] == f"page of session {gpu} @0"
+    assert res["shared"] is True
+    assert res["ctl_map"] == [-1, errno.EINVAL]
+    assert h.supervisor.stats.mmaps == 3
+
+
+async def test_sessions_end_with_the_last_reference(tmp_path):
+    b = FakeBroker()
+    rc, res, h = await run(
+        """
+        ctl = os.open("/dev/nvidiactl", os.O_RDWR)
+        p = os.open("/dev/nvidia0", os.O_RDWR)
+        os.close(p)
+        res["after_close"] = wait_releases(ctl, 1)
+        # a dup keeps the open file alive
+        a = os.open("/dev/nvidia0", os.O_RDWR)
+        a2 = os.dup(a)
+        os.close(a)
+        b = bytearray(8)
+        fcntl.ioctl(a2, WHO, b, True)
+        res["dup_session"] = struct.unpack("=II", b)[1]
+        # a child inherits it too; the child's ioctls name the child as caller
+        pid = os.fork()
+        if pid == 0:
+            fcntl.ioctl(a2, WHO, b, True)
+            os._exit(0 if struct.unpack("=II", b)[0] == os.getpid() else 1)
+        res["child"] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        os.close(a2)
+        res["after_dup_close"] = wait_releases(ctl, 2)
+        # a mapping keeps it alive after the last close; munmap ends it
+        m = os.open("/dev/nvidia0", os.O_RDWR)
+        addr = libc.mmap(None, 4096, 1, 1, m, 0)
+        os.close(m)
+        q = os.open("/dev/nvidia1", os.O_RDWR)  # a probe: its release is queued after m's
+        os.close(q)
+        res["mapped"] = wait_releases(ctl, 3)
+        fcntl.ioctl(ctl, WHO, b, True)
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.munmap(addr, 4096)
+        res["unmapped"] = wait_releases(ctl, 4)
+        """,
+        b,
+        tmp_path,
+        nodes=sc.default_nodes(2),
+    )
+    assert rc == 0, res
+    sess = list(b.sessions)
+    ctl, p, a, m, q = sess
+    assert res["after_close"] == 1 and b.released[0] == p
+    assert res["dup_session"] == a and res["child"] == 0
+    assert res["after_dup_close"] == 2 and b.released[1] == a
+    assert res["mapped"] == 3 and b.released[2] == q  # m survived its close (still mapped)
+    assert res["unmapped"] == 4 and b.released[3] == m
+    assert b.released[4] == ctl  # at exit
+    assert h.supervisor.stats.released_at_shutdown == 0
+
+
+async def test_sigkill_releases_every_session(tmp_path):
+    b = FakeBroker()
+
+    async def kill_when_ready(handle: sc.Tenant) -> None:
+        with trio.fail_after(30):
+            await b.ready.wait()
+        assert b.released == []
+        handle.process.send_signal(signal.SIGKILL)
+
+    rc, res, h = await run(
+        """
+        fds = [os.open(p, os.O_RDWR) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/nvidia-uvm")]
+        addr = libc.mmap(None, 4096, 1, 1, fds[1], 0)
+        os.close(fds[1])
+        parent = os.getpid()
+        r, w = os.pipe()
+        pid = os.fork()  # a child that inherits every fd and dies with its parent
+        if pid == 0:
+            libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+            if os.getppid() != parent:
+                os._exit(0)
+            os.write(w, b"x")
+            import time
+            while True:
+                time.sleep(1)
+        os.read(r, 1)
+        fcntl.ioctl(fds[0], READY, bytearray(4), True)
+        import time
+        time.sleep(600)
+        """,
+        b,
+        tmp_path,
+        on_start=kill_when_ready,
+    )
+    assert rc == -signal.SIGKILL
+    assert len(b.sessions) == 3
+    assert sorted(b.released) == sorted(b.sessions)
+    assert h.supervisor.stats.released_at_shutdown == 0
+
+
+async def test_threads_call_concurrently(tmp_path):
+    b = FakeBroker()
+    rc, res, h = await run(
+        """
+        import threading
+        bad = []
+        def worker(i):
+            fd = os.open("/dev/nvidiactl", os.O_RDWR)
+            for j in range(25):
+                src = ("%02d-%02d-abcdefghij" % (i, j)).encode()
+                buf = bytearray(src)
+                fcntl.ioctl(fd, XFORM, buf, True)
+                if bytes(buf) != bytes(c ^ 0x20 for c in src)[::-1]:
+                    bad.append((i, j))
+            os.close(fd)
+        ts = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+        res["bad"] = bad
+        """,
+        b,
+        tmp_path,
+    )
+    assert rc == 0 and res["bad"] == []
+    assert len(b.sessions) == 4 and sorted(b.released) == sorted(b.sessions)
+    assert len({r.caller.tid for r in b.ioctls}) == 4
+    assert len({r.caller.pid for r in b.ioctls}) == 1
+
+
+async def test_cancelling_the_supervisor_kills_the_tenant(tmp_path):
+    b = FakeBroker()
+    with trio.move_on_after(30) as outer:
+        async with trio.open_nursery() as nursery:
+            h = await nursery.start(
+                lambda task_status: sc.run_tenant(
+                    [sys.executable, "-c", PRELUDE + textwrap.dedent(
+                        f"""
+                        fd = os.open("/dev/nvidiactl", os.O_RDWR)
+                        fcntl.ioctl(fd, READY, bytearray(4), True)
+                        import time
+                        time.sleep(600)
+                        """)],
+                    broker=b, tenant="t1", task_status=task_status,
+                )
+            )
+            await b.ready.wait()
+            nursery.cancel_scope.cancel()
+    assert not outer.cancelled_caught
+    assert h.process.returncode == -signal.SIGKILL
+    assert sorted(b.released) == sorted(b.sessions) and len(b.sessions) == 1
