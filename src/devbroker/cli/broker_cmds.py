@@ -106,7 +106,10 @@ def cmd_exec(args) -> int:
     if not info.get("ok"):
         print(f"devbroker exec: {info.get('error')}", file=sys.stderr)
         return 125
-    return exec_main(Path(info["dir"]), argv, uid=args.uid, gid=args.gid)
+    # The run dir holds the control socket (root may apply policies through it) and the
+    # audit log: a tenant must not reach either, so the sandbox covers it.
+    return exec_main(Path(info["dir"]), argv, uid=args.uid, gid=args.gid,
+                     hide=[Path(args.run_dir)])
 
 
 # --------------------------------------------------------------------------- status

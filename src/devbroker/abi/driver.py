@@ -1,0 +1,265 @@
+"""DriverABI: one driver version's escapes, RM classes, RM controls and UVM commands.
+
+Sans-IO: decode_ioctl() takes the argument bytes the front end already read; nested()
+says which further buffer (pointer, size, layout) the caller must read from tenant memory,
+and decode_nested() decodes it.  Nothing here dereferences a pointer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import status as _status
+from .errors import DecodeError
+from .nodes import NodeKind
+from .spec import StructSpec, StructValue, format_value
+
+NV_IOCTL_MAGIC = 0x46  # 'F'
+NV_IOCTL_BASE = 200  # frontend escapes are 'F', 200+n; RM escapes are 'F', 0x27..0x5f
+# Largest nested buffer we will ask a caller to read.  The biggest param structs in the
+# tables are a few tens of KiB; anything beyond this is a malformed or hostile request.
+MAX_NESTED = 1 << 20
+
+
+def ioc_nr(cmd: int) -> int:
+    return cmd & 0xFF
+
+
+def ioc_type(cmd: int) -> int:
+    return (cmd >> 8) & 0xFF
+
+
+def ioc_size(cmd: int) -> int:
+    return (cmd >> 16) & 0x3FFF
+
+
+def ioc_dir(cmd: int) -> int:
+    return (cmd >> 30) & 0x3
+
+
+def iowr(nr: int, size: int, typ: int = NV_IOCTL_MAGIC) -> int:
+    """_IOWR(typ, nr, size) as Linux encodes it (dir 3 = read|write)."""
+    return (3 << 30) | (size << 16) | (typ << 8) | nr
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """An escape, RM class, RM control or UVM command.
+
+    `params` is the StructSpec of its argument (None when it takes none).  For escapes
+    whose argument size varies (RM_ALLOC: NVOS21 or NVOS64; CARD_INFO: an array) the
+    accepted layouts are in `variants` (size -> StructSpec).  `flags` holds policy facts
+    such as "privileged"."""
+
+    kind: str  # "frontend" | "rm" | "control" | "class" | "uvm"
+    number: int
+    name: str
+    params: StructSpec | None = None
+    flags: frozenset = frozenset()
+    variants: dict = field(default_factory=dict, compare=False, hash=False)
+    array_of: StructSpec | None = None  # argument is N of these (CARD_INFO)
+    source: str = ""
+
+    @property
+    def size(self) -> int:
+        return self.params.size if self.params is not None else 0
+
+    @property
+    def privileged(self) -> bool:
+        return "privileged" in self.flags
+
+
+@dataclass(frozen=True)
+class NestedRef:
+    """A buffer one level below the ioctl argument: read `size` bytes at `ptr` from the
+    caller, decode with `spec` (None: layout unknown, e.g. an unknown control).
+    `field` names the pointer field in the argument; `size_field` the field that gave size
+    ("" when the size came from the class table because paramsSize was 0)."""
+
+    ptr: int
+    size: int
+    spec: StructSpec | None
+    field: str
+    size_field: str = ""
+    op: OpSpec | None = None  # the control / class / inner escape it belongs to
+
+
+class IoctlCall:
+    """A decoded ioctl.  `value` is None for unknown commands and argument-less ones."""
+
+    __slots__ = ("node", "cmd", "kind", "name", "spec", "value", "raw", "nr")
+
+    def __init__(self, node, cmd, kind, name, spec, value, raw, nr):
+        self.node = node
+        self.cmd = cmd
+        self.kind = kind  # "frontend" | "rm" | "uvm"
+        self.name = name
+        self.spec = spec
+        self.value = value
+        self.raw = raw
+        self.nr = nr
+
+    @property
+    def known(self) -> bool:
+        return self.spec is not None
+
+    def encode(self) -> bytes:
+        return self.value.encode() if self.value is not None else self.raw
+
+    def replace(self, **kw: Any) -> "IoctlCall":
+        return IoctlCall(self.node, self.cmd, self.kind, self.name, self.spec,
+                         self.value.replace(**kw), self.raw, self.nr)
+
+    def __repr__(self) -> str:
+        v = f" {format_value(self.value, status_name=_status.name)}" if self.value is not None else ""
+        return f"<IoctlCall {self.name}{v}>"
+
+
+class DriverABI:
+    """The tables of one driver version (built by registry; treat as read-only)."""
+
+    def __init__(self, version: str, *, tag: str, escapes: dict[int, OpSpec],
+                 controls: dict[int, OpSpec], classes: dict[int, OpSpec],
+                 uvm: dict[int, OpSpec], structs: dict[str, StructSpec]):
+        self.version = version
+        self.tag = tag  # the open-gpu-kernel-modules tag the layouts were read from
+        self.escapes = escapes
+        self.controls = controls
+        self.classes = classes
+        self.uvm_cmds = uvm
+        self.structs = structs
+        self._escape_by_name = {s.name: s for s in escapes.values()}
+
+    def __repr__(self) -> str:
+        return f"<DriverABI {self.version} (headers {self.tag})>"
+
+    # ------------------------------------------------------------------ lookups
+    def escape(self, nr_or_name: int | str) -> OpSpec | None:
+        if isinstance(nr_or_name, str):
+            return self._escape_by_name.get(nr_or_name)
+        return self.escapes.get(nr_or_name)
+
+    def control(self, cmd: int) -> OpSpec | None:
+        return self.controls.get(cmd)
+
+    def rm_class(self, class_id: int) -> OpSpec | None:
+        return self.classes.get(class_id)
+
+    def uvm(self, cmd: int) -> OpSpec | None:
+        return self.uvm_cmds.get(cmd)
+
+    def struct(self, name: str) -> StructSpec:
+        return self.structs[name]
+
+    def control_name(self, cmd: int) -> str:
+        s = self.controls.get(cmd)
+        return s.name if s else f"UNKNOWN_CONTROL(0x{cmd:x})"
+
+    def class_name(self, class_id: int) -> str:
+        s = self.classes.get(class_id)
+        return s.name if s else f"UNKNOWN_CLASS(0x{class_id:x})"
+
+    # ------------------------------------------------------------------ decoding
+    def decode_ioctl(self, node: NodeKind | int, cmd: int, arg: bytes, *,
+                     window: bool = False) -> IoctlCall:
+        """Decode a top-level ioctl argument.
+
+        UVM nodes: `arg` must hold at least sizeof(params); extra bytes (a recorder's window)
+        are kept and re-encoded.  'F' nodes: `arg` must be exactly _IOC_SIZE(cmd) bytes and
+        that size must be one the escape accepts.  Unknown commands give spec None.
+        window=True (trace reading only): a UVM argument shorter than its struct is a capture
+        window cut short by the recorder; decode what is there (see StructSpec.decode)."""
+        if node == NodeKind.UVM or node == NodeKind.UVM_TOOLS:
+            spec = self.uvm_cmds.get(cmd)
+            if spec is None:
+                return IoctlCall(node, cmd, "uvm", f"UNKNOWN(0x{cmd:x})", None, None, arg, cmd)
+            if spec.params is None:
+                return IoctlCall(node, cmd, "uvm", spec.name, spec, None, arg, cmd)
+            return IoctlCall(node, cmd, "uvm", spec.name, spec,
+                             spec.params.decode(arg, partial=window), arg, cmd)
+        nr = cmd & 0xFF
+        kind = "frontend" if nr >= NV_IOCTL_BASE else "rm"
+        if (cmd >> 8) & 0xFF != NV_IOCTL_MAGIC:
+            return IoctlCall(node, cmd, kind, f"UNKNOWN(0x{cmd:x})", None, None, arg, nr)
+        spec = self.escapes.get(nr)
+        if spec is None:
+            return IoctlCall(node, cmd, kind, f"UNKNOWN(0x{cmd:x})", None, None, arg, nr)
+        size = (cmd >> 16) & 0x3FFF
+        n = len(arg)
+        if n != size:
+            raise DecodeError(min(n, size), "<arg>",
+                              f"{spec.name}: argument is {n} bytes but _IOC_SIZE is {size}")
+        ps = spec.params
+        if ps is None or ps.size != size:
+            ps = spec.variants.get(size)
+            if ps is None and spec.array_of is not None and size and size % spec.array_of.size == 0:
+                ps = self._array_spec(spec.array_of, size // spec.array_of.size)
+            if ps is None:
+                if spec.params is None and not spec.variants and spec.array_of is None:
+                    return IoctlCall(node, cmd, kind, spec.name, spec, None, arg, nr)
+                want = sorted({spec.size, *spec.variants} - {0})
+                raise DecodeError(0, "<arg>", f"{spec.name}: size {size} is not one of {want}")
+        return IoctlCall(node, cmd, kind, spec.name, spec, ps.decode(arg), arg, nr)
+
+    _arrays: dict = {}
+
+    def _array_spec(self, elem: StructSpec, n: int) -> StructSpec:
+        key = (elem.name, elem.size, n)
+        s = DriverABI._arrays.get(key)
+        if s is None:
+            from .spec import Field
+            s = DriverABI._arrays[key] = StructSpec(f"{elem.name}[{n}]",
+                                                     [Field("entries", "array", elem=elem, count=n)])
+        return s
+
+    def nested(self, call: IoctlCall) -> NestedRef | None:
+        """The nested buffer of RM_CONTROL (params), RM_ALLOC (pAllocParms) and XFER_CMD
+        (ptr), or None (no nested buffer, or a NULL pointer).
+
+        Raises DecodeError when the size is absurd (> MAX_NESTED)."""
+        v = call.value
+        if v is None or call.spec is None:
+            return None
+        name = call.name
+        if name == "NV_ESC_RM_CONTROL":
+            op = self.controls.get(v.cmd)
+            ref = NestedRef(v.params, v.paramsSize, op.params if op else None, "params",
+                            "paramsSize", op)
+        elif name == "NV_ESC_RM_ALLOC":
+            op = self.classes.get(v.hClass)
+            size, sf = v.paramsSize, "paramsSize"
+            if size == 0 and op is not None:
+                size, sf = op.size, ""
+            ref = NestedRef(v.pAllocParms, size, op.params if op else None, "pAllocParms", sf, op)
+        elif name == "NV_ESC_IOCTL_XFER_CMD":
+            op = self.escapes.get(v.cmd)
+            ref = NestedRef(v.ptr, v.size, op.params if op else None, "ptr", "size", op)
+        else:
+            return None
+        if ref.ptr == 0:
+            return None
+        if ref.size > MAX_NESTED:
+            f = ref.size_field or ref.field
+            off = v.spec.by_name[f].offset
+            raise DecodeError(off, f, f"{name}: nested size {ref.size} exceeds {MAX_NESTED}")
+        return ref
+
+    def decode_nested(self, call: IoctlCall, data: bytes,
+                      ref: NestedRef | None = None) -> StructValue | None:
+        """Decode the nested buffer `data` (read at ref.ptr).  Checks what the driver checks:
+        a control's paramsSize must equal its params size; the buffer must hold the struct.
+        Returns None when the layout is unknown (the caller should deny)."""
+        if ref is None:
+            ref = self.nested(call)
+        if ref is None or ref.spec is None:
+            return None
+        if call.name == "NV_ESC_RM_CONTROL" and ref.size != ref.spec.size:
+            off = call.value.spec.by_name["paramsSize"].offset
+            raise DecodeError(off, "paramsSize",
+                              f"{ref.op.name}: paramsSize {ref.size} != sizeof({ref.spec.name}) "
+                              f"{ref.spec.size}")
+        if len(data) < ref.size:
+            raise DecodeError(len(data), ref.field,
+                              f"nested buffer is {len(data)} bytes, {ref.size_field or 'class size'}"
+                              f" says {ref.size}")
+        return ref.spec.decode(data, path=ref.field)

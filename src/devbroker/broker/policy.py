@@ -1,0 +1,542 @@
+"""The broker's policy: which tenants exist, what GPUs and how much memory each may use.
+
+A TOML file (docs/policy.md has the schema) is loaded into an immutable `Policy`. Loading is
+strict: an unknown key, a wrong type, a GPU the broker does not have, a negative or
+oversized quota, a duplicate tenant are all `PolicyError`s naming the file, the line and
+the reason — a typo must never silently widen (or narrow) what a tenant may do.
+"""
+from __future__ import annotations
+
+import math
+import re
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from devbroker.broker.allow import CAPABILITIES, DEFAULT_CAPABILITIES
+
+BACKENDS = ("emulated", "real")
+DEFAULT_DRIVER_VERSION = "535.309.01"
+EXAMPLE_POLICY = "example-policy.toml"
+
+_UNITS = {
+    "": 1, "B": 1,
+    "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40,
+    "kB": 10**3, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_UUID = re.compile(r"^GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")
+_PCI_BUS_ID = re.compile(r"^[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
+_TENANT_NAME = re.compile(r"^[a-z_][a-z0-9_-]{0,63}$")  # also a directory name on the mount
+_VERSION = re.compile(r"^[0-9]+\.[0-9]+(\.[0-9]+)?$")
+
+
+class PolicyError(ValueError):
+    """A policy that cannot be used; str() is ``file, line N: reason`` (``file: reason``
+    when the problem has no line, e.g. an unreadable file or a section missing entirely)."""
+
+    def __init__(self, file: str, line: int | None, reason: str):
+        self.file, self.line, self.reason = file, line, reason
+        super().__init__(f"{file}, line {line}: {reason}" if line else f"{file}: {reason}")
+
+
+# ------------------------------------------------------------------------------ the model
+@dataclass(frozen=True)
+class GpuSpec:
+    index: int
+    name: str
+    uuid: str
+    pci_bus_id: str
+    memory: int  # bytes
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    requests_per_second: float
+    burst: int
+
+
+@dataclass(frozen=True)
+class TenantPolicy:
+    name: str
+    gpus: tuple[int, ...]
+    memory_quota: int  # bytes, on each of the tenant's GPUs
+    capabilities: tuple[str, ...]
+    rate_limit: RateLimit | None = None  # None: unlimited
+    uids: tuple[int, ...] | None = None  # None: any uid may use the tenant's nodes
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    backend: str
+    driver_version: str
+    audit_log: str | None
+    gpus: tuple[GpuSpec, ...]  # for "real", may be empty: the host's GPUs are used
+
+
+@dataclass(frozen=True, eq=True)
+class Policy:
+    broker: BrokerConfig
+    tenants: Mapping[str, TenantPolicy]  # read-only mapping, in file order
+    source: str = field(default="<policy>", compare=False)
+
+    def to_toml(self) -> str:
+        """Canonical TOML; load_policy_text(p.to_toml()) == p."""
+        b = self.broker
+        out = ["[broker]", f"backend = {_q(b.backend)}", f"driver_version = {_q(b.driver_version)}"]
+        if b.audit_log is not None:
+            out.append(f"audit_log = {_q(b.audit_log)}")
+        for g in b.gpus:
+            out += ["", "[[broker.gpu]]", f"name = {_q(g.name)}", f"uuid = {_q(g.uuid)}",
+                    f"pci_bus_id = {_q(g.pci_bus_id)}", f"memory = {_size_toml(g.memory)}"]
+        for t in self.tenants.values():
+            out += ["", f"[tenant.{t.name}]",
+                    f"gpus = [{', '.join(map(str, t.gpus))}]",
+                    f"memory_quota = {_size_toml(t.memory_quota)}",
+                    f"capabilities = [{', '.join(map(_q, t.capabilities))}]"]
+            if t.rate_limit is not None:
+                rps = t.rate_limit.requests_per_second
+                rps_text = str(int(rps)) if float(rps).is_integer() else repr(float(rps))
+                out.append(f"rate_limit = {{ requests_per_second = {rps_text}, "
+                           f"burst = {t.rate_limit.burst} }}")
+            if t.uids is not None:
+                out.append(f"uids = [{', '.join(map(str, t.uids))}]")
+        return "\n".join(out) + "\n"
+
+    def describe(self) -> str:
+        """A human summary for `devbroker policy show`."""
+        b = self.broker
+        lines = [f"policy {self.source}: backend {b.backend}, driver {b.driver_version}, "
+                 f"audit log {b.audit_log or '(broker default)'}"]
+        for g in b.gpus:
+            lines.append(f"  GPU {g.index}: {g.name}  {g.uuid}  {g.pci_bus_id}  {format_size(g.memory)}")
+        if not b.gpus:
+            lines.append("  GPUs: the host's")
+        for t in self.tenants.values():
+            rate = (f"{t.rate_limit.requests_per_second:g} req/s, burst {t.rate_limit.burst}"
+                    if t.rate_limit else "unlimited")
+            uids = ", ".join(map(str, t.uids)) if t.uids is not None else "any"
+            lines.append(f"  tenant {t.name}: GPUs {', '.join(map(str, t.gpus))}; "
+                         f"quota {format_size(t.memory_quota)} per GPU; "
+                         f"capabilities {', '.join(t.capabilities) or '(none)'}; "
+                         f"rate {rate}; uids {uids}")
+        if not self.tenants:
+            lines.append("  no tenants")
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ loading
+def load_policy(path: str | Path) -> Policy:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise PolicyError(str(path), None, f"cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise PolicyError(str(path), None, f"not UTF-8 text: {e.reason}") from None
+    return load_policy_text(text, str(path))
+
+
+def load_policy_text(text: str, name: str = "<policy>") -> Policy:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise PolicyError(name, _toml_error_line(str(e), text), _toml_error_reason(str(e))) from None
+    return _Loader(text, name).policy(data)
+
+
+def default_policy() -> Policy:
+    """The built-in policy: the packaged example (two tenants on two emulated H200s)."""
+    ref = resources.files("devbroker") / "data" / EXAMPLE_POLICY
+    return load_policy_text(ref.read_text(encoding="utf-8"), f"<built-in {EXAMPLE_POLICY}>")
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from an int or a string like "16GiB", "512 MiB", "1.5GiB", "80GB".
+
+    Raises ValueError with the reason. Bare K/M/G are refused: binary or decimal would be
+    a guess, and a quota off by 7% is exactly the silent error a policy must not have.
+    """
+    if isinstance(value, bool):
+        raise ValueError("expected a size, got a boolean")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must not be negative ({value})")
+        return value
+    if isinstance(value, float):
+        raise ValueError("a size in bytes must be an integer or a string with a unit")
+    if not isinstance(value, str):
+        raise ValueError(f"expected a size, got {_type_name(value)}")
+    if value.strip().startswith("-"):
+        raise ValueError(f"size must not be negative ({value!r})")
+    m = _SIZE.match(value)
+    if not m:
+        raise ValueError(f"not a size: {value!r} (e.g. 16GiB, 512MiB, 17179869184)")
+    number, unit = m.groups()
+    if unit not in _UNITS:
+        raise ValueError(f"unknown unit {unit!r} in {value!r} "
+                         f"(use B, KiB, MiB, GiB, TiB, or kB, MB, GB, TB)")
+    if "." in number:
+        whole, frac = number.split(".")
+        numerator = int(whole + frac) * _UNITS[unit]
+        denominator = 10 ** len(frac)
+        if numerator % denominator:
+            raise ValueError(f"{value!r} is not a whole number of bytes")
+        return numerator // denominator
+    return int(number) * _UNITS[unit]
+
+
+def format_size(n: int) -> str:
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        if n >= _UNITS[unit] and n % _UNITS[unit] == 0:
+            return f"{n // _UNITS[unit]} {unit}"
+    return f"{n} B"
+
+
+# ------------------------------------------------------------------------------ internals
+def _q(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _size_toml(n: int) -> str:
+    text = format_size(n)
+    return _q(text.replace(" ", "")) if not text.endswith(" B") else str(n)
+
+
+def _type_name(v: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a float", str: "a string",
+            list: "an array", dict: "a table"}.get(type(v), type(v).__name__)
+
+
+def _toml_error_line(msg: str, text: str) -> int | None:
+    m = re.search(r"at line (\d+)", msg)
+    if m:
+        return int(m.group(1))
+    if "end of document" in msg:
+        return max(1, text.count("\n") + (0 if text.endswith("\n") else 1))
+    return None
+
+
+def _toml_error_reason(msg: str) -> str:
+    reason = re.sub(r"\s*\((at line \d+, column \d+|at end of document)\)\s*$", "", msg)
+    return f"TOML syntax: {reason}"
+
+
+class _Loader:
+    """Validates the parsed TOML; every error is located in the text by its key path."""
+
+    def __init__(self, text: str, name: str):
+        self.name = name
+        self.lines = _KeyLines(text)
+
+    def fail(self, path: tuple, reason: str):
+        raise PolicyError(self.name, self.lines.find(path), reason)
+
+    def table(self, value: Any, path: tuple, allowed: Mapping[str, str], what: str) -> dict:
+        if not isinstance(value, dict):
+            self.fail(path, f"{what} must be a table, not {_type_name(value)}")
+        for key in value:
+            if key not in allowed:
+                self.fail(path + (key,), f"unknown key {key!r} in {what} "
+                                         f"(allowed: {', '.join(allowed)})")
+        return value
+
+    def string(self, value: Any, path: tuple, what: str) -> str:
+        if not isinstance(value, str):
+            self.fail(path, f"{what} must be a string, not {_type_name(value)}")
+        return value
+
+    def integer(self, value: Any, path: tuple, what: str, minimum: int = 0) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.fail(path, f"{what} must be an integer, not {_type_name(value)}")
+        if value < minimum:
+            self.fail(path, f"{what} must be at least {minimum}, not {value}")
+        return value
+
+    def size(self, value: Any, path: tuple, what: str) -> int:
+        try:
+            return parse_size(value)
+        except ValueError as e:
+            self.fail(path, f"{what}: {e}")
+
+    def int_list(self, value: Any, path: tuple, what: str) -> tuple[int, ...]:
+        if not isinstance(value, list):
+            self.fail(path, f"{what} must be an array of integers, not {_type_name(value)}")
+        out = []
+        for v in value:
+            out.append(self.integer(v, path, f"each of {what}"))
+            if out.count(out[-1]) > 1:
+                self.fail(path, f"{what} lists {out[-1]} twice")
+        return tuple(out)
+
+    # -- sections
+    def policy(self, data: dict) -> Policy:
+        self.table(data, (), {"broker": "", "tenant": ""}, "the policy")
+        broker = self.broker(data.get("broker", {}))
+        tenants: dict[str, TenantPolicy] = {}
+        raw = data.get("tenant", {})
+        if isinstance(raw, list):  # [[tenant]] with name = "..."
+            for i, t in enumerate(raw):
+                path = ("tenant", i)
+                self.table(t, path, _TENANT_KEYS | {"name": ""}, "a [[tenant]]")
+                if "name" not in t:
+                    self.fail(path, "a [[tenant]] needs a name")
+                name = self.string(t["name"], path + ("name",), "tenant name")
+                if name in tenants:
+                    self.fail(path + ("name",), f"duplicate tenant {name!r}")
+                tenants[name] = self.tenant(name, t, path, broker)
+        elif isinstance(raw, dict):  # [tenant.NAME]; tomllib itself refuses a duplicate
+            for name, t in raw.items():
+                tenants[name] = self.tenant(name, t, ("tenant", name), broker)
+        else:
+            self.fail(("tenant",), "tenant must be [tenant.NAME] tables or [[tenant]] entries")
+        return Policy(broker=broker, tenants=MappingProxyType(tenants), source=self.name)
+
+    def broker(self, b: Any) -> BrokerConfig:
+        path = ("broker",)
+        self.table(b, path, _BROKER_KEYS, "[broker]")
+        backend = self.string(b.get("backend", "emulated"), path + ("backend",), "backend")
+        if backend not in BACKENDS:
+            self.fail(path + ("backend",), f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
+        version = self.string(b.get("driver_version", DEFAULT_DRIVER_VERSION),
+                              path + ("driver_version",), "driver_version")
+        known = _known_driver_versions()
+        if known and version not in known:
+            self.fail(path + ("driver_version",),
+                      f"driver_version {version!r} is not one the ABI tables know "
+                      f"({', '.join(known)})")
+        elif not _VERSION.match(version):
+            self.fail(path + ("driver_version",), f"not a driver version: {version!r}")
+        audit = b.get("audit_log")
+        if audit is not None:
+            audit = self.string(audit, path + ("audit_log",), "audit_log")
+            if not audit:
+                self.fail(path + ("audit_log",), "audit_log must not be empty (omit it for the default)")
+        raw_gpus = b.get("gpu", [])
+        if not isinstance(raw_gpus, list):
+            self.fail(path + ("gpu",), "GPUs are given as [[broker.gpu]] tables")
+        gpus = tuple(self.gpu(i, g) for i, g in enumerate(raw_gpus))
+        for field_name in ("uuid", "pci_bus_id"):
+            seen: dict[str, int] = {}
+            for g in gpus:
+                value = getattr(g, field_name).lower()
+                if value in seen:
+                    self.fail(("broker", "gpu", g.index, field_name),
+                              f"GPU {g.index} has the same {field_name} as GPU {seen[value]}")
+                seen[value] = g.index
+        if backend == "emulated" and not gpus:
+            self.fail(path, "the emulated backend needs at least one [[broker.gpu]]")
+        return BrokerConfig(backend=backend, driver_version=version, audit_log=audit, gpus=gpus)
+
+    def gpu(self, i: int, g: Any) -> GpuSpec:
+        path = ("broker", "gpu", i)
+        self.table(g, path, _GPU_KEYS, "a [[broker.gpu]]")
+        for key in _GPU_KEYS:
+            if key not in g:
+                self.fail(path, f"GPU {i} needs {key!r}")
+        name = self.string(g["name"], path + ("name",), "name")
+        uuid = self.string(g["uuid"], path + ("uuid",), "uuid")
+        if not _UUID.match(uuid):
+            self.fail(path + ("uuid",), f"uuid must look like GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx, not {uuid!r}")
+        bus = self.string(g["pci_bus_id"], path + ("pci_bus_id",), "pci_bus_id")
+        if not _PCI_BUS_ID.match(bus):
+            self.fail(path + ("pci_bus_id",), f"pci_bus_id must look like 0000:00:06.0, not {bus!r}")
+        memory = self.size(g["memory"], path + ("memory",), "memory")
+        if memory == 0:
+            self.fail(path + ("memory",), "memory must be more than 0")
+        return GpuSpec(index=i, name=name, uuid=uuid, pci_bus_id=bus.lower(), memory=memory)
+
+    def tenant(self, name: str, t: Any, path: tuple, broker: BrokerConfig) -> TenantPolicy:
+        self.table(t, path, _TENANT_KEYS if path[1] == name else _TENANT_KEYS | {"name": ""},
+                   f"tenant {name!r}")
+        name_path = path + ("name",) if "name" in t else path
+        if not _TENANT_NAME.match(name):
+            self.fail(name_path, f"tenant name {name!r} must be lower-case letters, digits, "
+                                 f"'_' or '-' (it names the tenant's node directory)")
+        for key in ("gpus", "memory_quota"):
+            if key not in t:
+                self.fail(path, f"tenant {name!r} needs {key!r}")
+        gpus = self.int_list(t["gpus"], path + ("gpus",), "gpus")
+        if not gpus:
+            self.fail(path + ("gpus",), f"tenant {name!r} has no GPU")
+        by_index = {g.index: g for g in broker.gpus}
+        if broker.gpus:
+            for gpu in gpus:
+                if gpu not in by_index:
+                    self.fail(path + ("gpus",), f"GPU {gpu} is not one of the broker's GPUs "
+                                                f"(0..{len(broker.gpus) - 1})")
+        quota = self.size(t["memory_quota"], path + ("memory_quota",), "memory_quota")
+        for gpu in gpus:
+            if gpu in by_index and quota > by_index[gpu].memory:
+                self.fail(path + ("memory_quota",),
+                          f"memory_quota {format_size(quota)} exceeds GPU {gpu}'s "
+                          f"{format_size(by_index[gpu].memory)}")
+        caps_path = path + ("capabilities",)
+        raw_caps = t.get("capabilities", list(DEFAULT_CAPABILITIES))
+        if not isinstance(raw_caps, list):
+            self.fail(caps_path, f"capabilities must be an array of strings, not {_type_name(raw_caps)}")
+        caps: list[str] = []
+        for c in raw_caps:
+            c = self.string(c, caps_path, "each capability")
+            if c not in CAPABILITIES:
+                self.fail(caps_path, f"unknown capability {c!r} "
+                                     f"(known: {', '.join(sorted(CAPABILITIES))})")
+            if c not in caps:
+                caps.append(c)
+        rate = None
+        if "rate_limit" in t:
+            rate = self.rate_limit(t["rate_limit"], path + ("rate_limit",))
+        uids = None
+        if "uids" in t:
+            uids = self.int_list(t["uids"], path + ("uids",), "uids")
+            if not uids:
+                self.fail(path + ("uids",), "uids = [] admits nobody; omit it to admit any uid")
+        return TenantPolicy(name=name, gpus=gpus, memory_quota=quota, capabilities=tuple(caps),
+                            rate_limit=rate, uids=uids)
+
+    def rate_limit(self, r: Any, path: tuple) -> RateLimit:
+        self.table(r, path, _RATE_KEYS, "rate_limit")
+        if "requests_per_second" not in r:
+            self.fail(path, "rate_limit needs requests_per_second")
+        rps = r["requests_per_second"]
+        if isinstance(rps, bool) or not isinstance(rps, (int, float)) or not math.isfinite(rps) or rps <= 0:
+            self.fail(path + ("requests_per_second",),
+                      f"requests_per_second must be a number above 0, not {rps!r}")
+        burst = self.integer(r.get("burst", max(1, math.ceil(rps))), path + ("burst",), "burst", 1)
+        return RateLimit(requests_per_second=rps, burst=burst)
+
+
+_BROKER_KEYS = {"backend": "", "driver_version": "", "audit_log": "", "gpu": ""}
+_GPU_KEYS = {"name": "", "uuid": "", "pci_bus_id": "", "memory": ""}
+_TENANT_KEYS = {"gpus": "", "memory_quota": "", "capabilities": "", "rate_limit": "", "uids": ""}
+_RATE_KEYS = {"requests_per_second": "", "burst": ""}
+
+
+def _known_driver_versions() -> list[str]:
+    try:
+        from devbroker.abi import registry
+    except ImportError:  # the ABI package is optional for validating a policy
+        return []
+    return list(registry.versions())
+
+
+# ------------------------------------------------------------------------------ key → line
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"|\'[^\']*\'')
+
+
+class _KeyLines:
+    """Where each key path is written: the line of `key =`, `[table]` or `[[array]]`.
+
+    tomllib gives values without positions, so semantic errors are located by scanning the
+    text: table headers set the current path (an array of tables adds its entry's index),
+    `key = value` lines add to it, and one-line inline tables add their keys too. A path not
+    found is looked up without its last part (e.g. a missing key reports its table).
+    """
+
+    def __init__(self, text: str):
+        self.where: dict[tuple, int] = {}
+        self._scan(text)
+
+    def find(self, path: tuple) -> int | None:
+        while path:
+            if path in self.where:
+                return self.where[path]
+            path = path[:-1]
+        return None
+
+    def _note(self, path: tuple, line: int) -> None:
+        self.where.setdefault(path, line)
+
+    def _scan(self, text: str) -> None:
+        table: tuple = ()
+        arrays: dict[tuple, int] = {}  # array-of-tables path -> index of its last entry
+        depth = 0  # open brackets of a multi-line value
+        in_string = None  # the delimiter of an open multi-line string
+        for lineno, raw in enumerate(text.splitlines(), 1):
+            line = raw
+            if in_string:
+                if in_string in line:
+                    line = line.split(in_string, 1)[1]
+                    in_string = None
+                else:
+                    continue
+            stripped = line.strip()
+            if depth == 0 and stripped.startswith("["):
+                is_array = stripped.startswith("[[")
+                keys, _ = _parse_key(stripped, 2 if is_array else 1)
+                path = self._resolve(tuple(keys), arrays)
+                for n in range(1, len(path)):  # implicit parents: first header under them
+                    self._note(path[:n], lineno)
+                if is_array:
+                    arrays[path] = arrays.get(path, -1) + 1
+                    self._note(path, lineno)
+                    path = path + (arrays[path],)
+                self._note(path, lineno)
+                table = path
+                continue
+            if depth == 0:
+                keys, pos = _parse_key(line, 0)
+                if keys and line[pos:].lstrip().startswith("="):
+                    path = table + tuple(keys)
+                    self._note(path, lineno)
+                    value = line[pos:].lstrip()[1:]
+                    self._inline(path, value, lineno)
+                    line = value
+                else:
+                    continue
+            for quote in ('"""', "'''"):
+                if line.count(quote) % 2 == 1:
+                    in_string = quote
+                    line = line.split(quote, 1)[0]
+            code = _STRINGS.sub("", line).split("#", 1)[0]
+            depth = max(0, depth + code.count("[") + code.count("{") - code.count("]") - code.count("}"))
+
+    def _resolve(self, keys: tuple, arrays: dict[tuple, int]) -> tuple:
+        # [tenant.rate_limit] after [[tenant]] belongs to the last tenant entry.
+        out: tuple = ()
+        for k in keys:
+            out = out + (k,)
+            if out in arrays and out != keys:
+                out = out + (arrays[out],)
+        return out
+
+    def _inline(self, path: tuple, value: str, lineno: int) -> None:
+        code = _STRINGS.sub('""', value).split("#", 1)[0]
+        if not code.strip().startswith("{"):
+            return
+        for m in re.finditer(r"[{,]\s*([A-Za-z0-9_-]+)\s*=", code):
+            self._note(path + (m.group(1),), lineno)
+
+
+def _parse_key(s: str, pos: int) -> tuple[list[str], int]:
+    """A dotted TOML key at s[pos:] (bare, "basic" or 'literal' parts): (parts, end)."""
+    keys: list[str] = []
+    while True:
+        while pos < len(s) and s[pos] in " \t":
+            pos += 1
+        if pos < len(s) and s[pos] in "\"'":
+            q = s[pos]
+            end = pos + 1
+            while end < len(s) and s[end] != q:
+                end += 2 if (q == '"' and s[end] == "\\") else 1
+            part = s[pos + 1:end]
+            if q == '"':
+                part = part.encode().decode("unicode_escape") if "\\" in part else part
+            keys.append(part)
+            pos = end + 1
+        else:
+            m = _BARE_KEY.match(s, pos)
+            if not m:
+                return keys, pos
+            keys.append(m.group(0))
+            pos = m.end()
+        while pos < len(s) and s[pos] in " \t":
+            pos += 1
+        if pos < len(s) and s[pos] == ".":
+            pos += 1
+            continue
+        return keys, pos

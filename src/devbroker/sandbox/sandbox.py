@@ -1,0 +1,516 @@
+"""`devbroker exec`: run a command where the tenant's broker nodes are the only NVIDIA devices.
+
+Process tree (host pids on the left)::
+
+    caller ── exec_main(): forwards signals, waits, returns the status
+      └─ helper      unshare(NEWNS|NEWPID); forwards signals, waits
+           └─ init   pid 1 of the new pid namespace: builds /dev, /proc, /sys views,
+                │    forwards signals, reaps every zombie, exits with the command's status
+                └─ command   drops capabilities, sets no_new_privs, maybe uid/gid, execs
+
+The helper exists because unshare(CLONE_NEWPID) only moves the caller's *children*, and the
+caller (a CLI, a test, a broker) must not have its own namespaces changed. Mount work happens
+in init because a fresh procfs belongs to the pid namespace of the process that mounts it.
+
+See docs/sandbox.md for why each step is there and what this does not defend.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from devbroker.sandbox import linux
+from devbroker.sandbox.linux import (
+    MNT_DETACH, MS_BIND, MS_NODEV, MS_NOEXEC, MS_NOSUID, MS_PRIVATE, MS_RDONLY, MS_REC,
+    MS_STRICTATIME,
+)
+
+# Which files of a tenant directory become device nodes, and under which name. The GPU node
+# keeps the index it is named with: /dev/nvidia<N> is what NVML opens for the GPU whose
+# minor number the broker reports as N.
+TENANT_NODE_NAME = re.compile(r"^nvidia(ctl|[0-9]+|-uvm|-uvm-tools)$")
+
+# The FUSE front end's file-system type in /proc/self/mountinfo ("fuse." + its subtype).
+BROKER_FSTYPE = "fuse.devbroker"
+
+# The character devices every container gets (runc's default set), major:minor.
+SAFE_DEVICES = {
+    "null": (1, 3), "zero": (1, 5), "full": (1, 7), "random": (1, 8), "urandom": (1, 9),
+    "tty": (5, 0),
+}
+DEV_SYMLINKS = {
+    "fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
+    "stderr": "/proc/self/fd/2", "ptmx": "pts/ptmx",
+}
+
+# Kept when the command runs as root: Docker's default set minus mknod (a tenant must not
+# create a real 195:* node), net_raw, setfcap, setpcap and sys_chroot. Everything else, in
+# particular sys_admin (mount/umount, namespaces), sys_ptrace, sys_module, sys_rawio, is
+# dropped from the bounding set so that no exec (setuid binary, file capability) regains it.
+ROOT_CAPABILITIES = frozenset({
+    "chown", "dac_override", "fowner", "fsetid", "kill", "setgid", "setuid",
+    "net_bind_service", "audit_write",
+})
+
+# /proc entries a container runtime hides or freezes (runc/Docker defaults): kernel memory,
+# keyrings and timers leak host state; sysctls, sysrq and IRQ affinity are writable by uid 0
+# even without capabilities, and they act on the whole host.
+PROC_MASKED_FILES = ("kcore", "keys", "timer_list", "timer_stats", "latency_stats",
+                     "sched_debug")
+PROC_MASKED_DIRS = ("acpi", "asound", "scsi")
+PROC_READONLY = ("bus", "fs", "irq", "sys", "sysrq-trigger")
+
+# Signals passed on to the command; the synchronous ones (SEGV, ...) and job-control stops
+# are not: they are about the process that receives them.
+FORWARDED_SIGNALS = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM,
+                     signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH, signal.SIGCONT,
+                     signal.SIGALRM)
+_WAITED_SIGNALS = frozenset(FORWARDED_SIGNALS) | {signal.SIGCHLD}
+_SI_KERNEL = 0x80  # si_code of a signal the terminal sent to the whole foreground group
+
+# Exit codes for failures of the sandbox itself (the conventions of docker run / env).
+EXIT_SETUP_FAILED = 125
+EXIT_NOT_EXECUTABLE = 126
+EXIT_NOT_FOUND = 127
+
+
+class SandboxError(Exception):
+    """The sandbox could not be set up (bad arguments, not root, missing tenant dir)."""
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    tenant_dir: Path
+    argv: tuple[str, ...]
+    uid: int | None = None  # None: stay uid 0 with ROOT_CAPABILITIES only
+    gid: int | None = None  # None: the uid's (or 0)
+    groups: tuple[int, ...] = ()  # supplementary groups once uid/gid are set
+    cwd: str | None = None  # None: the caller's cwd
+    env: Mapping[str, str] | None = None  # None: the caller's environment
+    # Extra directories to cover with an empty read-only tmpfs (besides the FUSE mount that
+    # holds tenant_dir, which is always covered so other tenants' directories are out of reach).
+    hide: tuple[Path, ...] = ()
+    readonly: tuple[Path, ...] = ()  # mount points to remount read-only (e.g. "/")
+    capabilities: frozenset[str] = ROOT_CAPABILITIES
+    driver_version: str | None = None  # for /sys/module/nvidia/version; else from proc view
+    pass_fds: tuple[int, ...] = ()  # fds above 2 the command keeps (all others are closed)
+
+    def __post_init__(self):
+        object.__setattr__(self, "tenant_dir", Path(self.tenant_dir))
+        object.__setattr__(self, "argv", tuple(self.argv))
+        object.__setattr__(self, "hide", tuple(Path(p) for p in self.hide))
+        object.__setattr__(self, "readonly", tuple(Path(p) for p in self.readonly))
+        object.__setattr__(self, "capabilities", frozenset(self.capabilities))
+        object.__setattr__(self, "groups", tuple(self.groups))
+        object.__setattr__(self, "pass_fds", tuple(self.pass_fds))
+
+
+# ------------------------------------------------------------------------------ public API
+def exec_main(tenant_dir: Path, argv: Sequence[str], *, uid: int | None = None,
+              gid: int | None = None, groups: Sequence[int] = (), cwd: str | None = None,
+              env: Mapping[str, str] | None = None, hide: Sequence[Path] = (),
+              readonly: Sequence[Path] = (), driver_version: str | None = None) -> int:
+    """What `devbroker exec` runs: the command's exit status (128+N if killed by signal N;
+    125 if the sandbox failed, 126/127 if the command could not be executed).
+
+    Runs in the calling process's main thread (it forwards the signals this process gets);
+    from elsewhere use run_in_sandbox, which runs this in a child interpreter.
+    """
+    spec = SandboxSpec(tenant_dir=tenant_dir, argv=tuple(argv), uid=uid, gid=gid,
+                       groups=tuple(groups), cwd=cwd, env=env, hide=tuple(hide),
+                       readonly=tuple(readonly), driver_version=driver_version)
+    return run_here(spec)
+
+
+def run_in_sandbox(spec: SandboxSpec, *, stdin=None, stdout=None, stderr=None,
+                   timeout: float | None = None) -> int:
+    """Run spec in a child interpreter (`python -m devbroker.sandbox`) and return the
+    command's exit status. Safe from any thread and from async code; the calling process's
+    namespaces and signal handling are untouched. stdin/stdout/stderr as for subprocess."""
+    _preflight(spec)
+    cmd = [sys.executable, "-m", "devbroker.sandbox", *spec_to_args(spec), "--", *spec.argv]
+    proc = subprocess.run(cmd, stdin=stdin, stdout=stdout, stderr=stderr, timeout=timeout,
+                          env=dict(spec.env) if spec.env is not None else None,
+                          pass_fds=spec.pass_fds)
+    return proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+
+
+def spec_to_args(spec: SandboxSpec) -> list[str]:
+    """The `python -m devbroker.sandbox` options that reproduce spec (argv not included)."""
+    args = ["--tenant-dir", str(spec.tenant_dir)]
+    if spec.uid is not None:
+        args += ["--uid", str(spec.uid)]
+    if spec.gid is not None:
+        args += ["--gid", str(spec.gid)]
+    if spec.groups:
+        args += ["--groups", ",".join(map(str, spec.groups))]
+    if spec.cwd is not None:
+        args += ["--cwd", spec.cwd]
+    for p in spec.hide:
+        args += ["--hide", str(p)]
+    for p in spec.readonly:
+        args += ["--readonly", str(p)]
+    if spec.capabilities != ROOT_CAPABILITIES:
+        args += ["--caps", ",".join(sorted(spec.capabilities))]
+    if spec.driver_version:
+        args += ["--driver-version", spec.driver_version]
+    for fd in spec.pass_fds:
+        args += ["--pass-fd", str(fd)]
+    return args
+
+
+def run_here(spec: SandboxSpec) -> int:
+    """exec_main's body: fork the helper and supervise it from this (main) thread."""
+    _preflight(spec)
+    if threading.current_thread() is not threading.main_thread():
+        raise SandboxError("run_here/exec_main must run in the main thread; "
+                           "use run_in_sandbox from other threads")
+    spec = SandboxSpec(**{**spec.__dict__, "tenant_dir": spec.tenant_dir.resolve()})
+    # Blocked before fork so that no signal is lost between fork and the wait loop; the
+    # children inherit the mask and the command clears it just before exec.
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _WAITED_SIGNALS)
+    # With SIGCHLD ignored the kernel would reap our child itself and waitpid would fail.
+    old_chld = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _helper_main(spec)  # never returns
+        return _supervise(pid, reap_all=False)
+    finally:
+        signal.signal(signal.SIGCHLD, old_chld)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+# ------------------------------------------------------------------------------ processes
+def _preflight(spec: SandboxSpec) -> None:
+    if not spec.argv:
+        raise SandboxError("no command given")
+    if not spec.tenant_dir.is_dir():
+        raise SandboxError(f"tenant directory {spec.tenant_dir} does not exist")
+    if os.geteuid() != 0:
+        raise SandboxError("devbroker exec needs root (mount and pid namespaces, mounts)")
+    unknown = spec.capabilities - linux.CAPABILITY_NUMBERS.keys()
+    if unknown:
+        raise SandboxError(f"unknown capabilities: {', '.join(sorted(unknown))}")
+
+
+def _supervise(child: int, *, reap_all: bool) -> int:
+    """Wait for child, forwarding signals to it; with reap_all (pid 1) reap every zombie.
+
+    A signal the terminal sent (si_code SI_KERNEL) reached the whole foreground process
+    group, the command included: forwarding it too would deliver it twice.
+    """
+    while True:
+        info = signal.sigwaitinfo(_WAITED_SIGNALS)
+        if info.si_signo == signal.SIGCHLD:
+            status = _reap(child, reap_all)
+            if status is not None:
+                return status
+        elif info.si_code != _SI_KERNEL:
+            try:
+                os.kill(child, info.si_signo)
+            except ProcessLookupError:
+                pass
+
+
+def _reap(child: int, reap_all: bool) -> int | None:
+    status = None
+    while True:
+        try:
+            pid, wstatus = os.waitpid(-1 if reap_all else child, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            break
+        if pid == child:
+            code = os.waitstatus_to_exitcode(wstatus)
+            status = code if code >= 0 else 128 - code
+            if not reap_all:
+                break
+    return status
+
+
+def _fail(step: str, exc: BaseException) -> None:
+    try:
+        os.write(2, f"devbroker exec: {step}: {exc}\n".encode())
+    except OSError:
+        pass
+
+
+def _helper_main(spec: SandboxSpec) -> None:
+    code = EXIT_SETUP_FAILED
+    try:
+        # If the caller dies, so does the helper, and with it (pid 1 gone) the namespace.
+        linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)
+        linux.unshare(linux.CLONE_NEWNS | linux.CLONE_NEWPID)
+        # Nothing mounted from here on may propagate back to the host (or in from it).
+        linux.mount(None, "/", None, MS_REC | MS_PRIVATE)
+        pid = os.fork()
+        if pid == 0:
+            _init_main(spec)  # never returns
+        code = _supervise(pid, reap_all=False)
+    except BaseException as e:  # noqa: BLE001 - a forked child must never unwind into the caller
+        _fail("namespaces", e)
+    finally:
+        os._exit(code)
+
+
+def _init_main(spec: SandboxSpec) -> None:
+    code = EXIT_SETUP_FAILED
+    try:
+        linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)
+        build_view(spec)
+        pid = os.fork()
+        if pid == 0:
+            _command_main(spec)  # never returns
+        code = _supervise(pid, reap_all=True)
+    except BaseException as e:  # noqa: BLE001
+        _fail("setting up the tenant view", e)
+    finally:
+        os._exit(code)
+
+
+def _command_main(spec: SandboxSpec) -> None:
+    code = EXIT_SETUP_FAILED
+    step = "dropping privileges"
+    try:
+        drop_privileges(spec)
+        step = "changing directory"
+        os.chdir(spec.cwd or _caller_cwd())
+        step = "exec"
+        # Python ignores SIGPIPE and SIGXFSZ, and ignored dispositions survive exec.
+        for sig in (*_WAITED_SIGNALS, signal.SIGPIPE, signal.SIGXFSZ):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, ())
+        _close_fds(keep=spec.pass_fds)
+        env = dict(spec.env) if spec.env is not None else dict(os.environ)
+        os.execvpe(spec.argv[0], list(spec.argv), env)
+    except FileNotFoundError as e:
+        code = EXIT_NOT_FOUND if step == "exec" else EXIT_SETUP_FAILED
+        _fail(step, e)
+    except PermissionError as e:
+        code = EXIT_NOT_EXECUTABLE if step == "exec" else EXIT_SETUP_FAILED
+        _fail(step, e)
+    except BaseException as e:  # noqa: BLE001
+        _fail(step, e)
+    finally:
+        os._exit(code)
+
+
+def _caller_cwd() -> str:
+    try:
+        return os.getcwd()
+    except OSError:
+        return "/"
+
+
+def _close_fds(keep: Sequence[int]) -> None:
+    # Whatever the caller had open (a broker's /dev/fuse fd, a control socket) must not
+    # reach the tenant. Python opens fds close-on-exec, but a caller's C library may not.
+    lo = 3
+    for fd in sorted(k for k in keep if k >= 3):
+        os.closerange(lo, fd)
+        lo = fd + 1
+    os.closerange(lo, os.sysconf("SC_OPEN_MAX") if os.sysconf("SC_OPEN_MAX") > 0 else 65536)
+
+
+# ------------------------------------------------------------------------------ the view
+def tenant_nodes(tenant_dir: Path) -> list[str]:
+    """The node files of a tenant directory that become /dev entries (sorted)."""
+    return sorted(n for n in os.listdir(tenant_dir)
+                  if TENANT_NODE_NAME.match(n) and not (tenant_dir / n).is_dir())
+
+
+def build_view(spec: SandboxSpec) -> None:
+    """In the new mount namespace: /dev, /proc, /sys views, then hide what must be hidden."""
+    os.umask(0o022)
+    tenant = spec.tenant_dir
+    # Found before /proc is replaced and before anything is stacked on top of it.
+    fuse_root = fuse_mount_containing(tenant)
+    # Every devbroker mount on the host (other broker instances too), not only this one.
+    broker_mounts = [mp for mp, _root, fstype in linux.mountinfo()
+                     if fstype == BROKER_FSTYPE and mp != "/"]
+    _build_dev(tenant)
+    _build_proc(tenant)
+    _build_sys(tenant, spec.driver_version or _driver_version_from(tenant))
+    # The nodes are already bound (a bind holds the file, not its path), so the directory
+    # they came from can now be covered: the tenant cannot walk to its siblings.
+    covered: set[str] = set()
+    for path in (*spec.hide, *([fuse_root] if fuse_root else []), *broker_mounts):
+        if str(path) not in covered and os.path.isdir(path):
+            covered.add(str(path))
+            _cover(Path(path))
+    for path in spec.readonly:
+        linux.remount_bind(path, MS_RDONLY)
+
+
+def fuse_mount_containing(path: Path) -> str | None:
+    """Mount point of the FUSE file system that holds path, if it is on one."""
+    best = None
+    p = str(path)
+    for mp, _root, fstype in linux.mountinfo():
+        if (p == mp or p.startswith(mp.rstrip("/") + "/")) and (best is None or len(mp) >= len(best[0])):
+            best = (mp, fstype)
+    if best and best[0] != "/" and best[1].startswith("fuse"):
+        return best[0]
+    return None
+
+
+def _tty_gid() -> int | None:
+    try:
+        with open("/etc/group") as f:
+            for line in f:
+                parts = line.split(":")
+                if parts[0] == "tty":
+                    return int(parts[2])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _build_dev(tenant: Path) -> None:
+    linux.mount("tmpfs", "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC | MS_STRICTATIME,
+                "mode=0755,size=65536k")
+    for name, (major, minor) in SAFE_DEVICES.items():
+        path = f"/dev/{name}"
+        os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(major, minor))
+        os.chmod(path, 0o666)
+    for name, target in DEV_SYMLINKS.items():
+        os.symlink(target, f"/dev/{name}")
+    os.mkdir("/dev/pts", 0o755)
+    # A new devpts instance: the tenant's ptys are its own, the host's are not visible.
+    tty = _tty_gid()
+    linux.mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
+                "newinstance,ptmxmode=0666,mode=0620" + (f",gid={tty}" if tty is not None else ""))
+    os.mkdir("/dev/shm", 0o1777)
+    linux.mount("shm", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                "mode=1777,size=65536k")
+    for name in tenant_nodes(tenant):
+        target = f"/dev/{name}"
+        # A bind target must exist and be a non-directory like its source.
+        os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o666))
+        linux.mount(str(tenant / name), target, None, MS_BIND)
+        # nodev stays off: with the CUSE/kmod front ends these are real character devices.
+        linux.remount_bind(target, MS_NOSUID | MS_NOEXEC)
+    # Read-only: the tenant cannot plant its own nvidia* files, /dev/nvidia-caps, symlinks.
+    linux.remount_bind("/dev", MS_RDONLY)
+
+
+def _build_proc(tenant: Path) -> None:
+    # Detach the host's procfs (with its submounts) instead of stacking on it: nothing of
+    # it stays reachable, and /proc/<pid> now lists only this pid namespace.
+    linux.umount2("/proc", MNT_DETACH)
+    linux.mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    # procfs refuses mkdir, and /proc/driver is global (it shows the host's driver whatever
+    # the pid namespace): cover it with a tmpfs that holds only the tenant's view.
+    linux.mount("tmpfs", "/proc/driver", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                "mode=0755,size=64k")
+    os.mkdir("/proc/driver/nvidia", 0o555)
+    view = tenant / "proc" / "driver" / "nvidia"
+    if view.is_dir():
+        linux.mount(str(view), "/proc/driver/nvidia", None, MS_BIND | MS_REC)
+        linux.remount_bind("/proc/driver/nvidia", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    linux.remount_bind("/proc/driver", MS_RDONLY)
+    for name in PROC_MASKED_FILES:
+        if os.path.isfile(f"/proc/{name}"):
+            linux.mount("/dev/null", f"/proc/{name}", None, MS_BIND)
+    for name in PROC_MASKED_DIRS:
+        if os.path.isdir(f"/proc/{name}"):
+            _cover(Path(f"/proc/{name}"))
+    for name in PROC_READONLY:
+        path = f"/proc/{name}"
+        if os.path.exists(path):
+            linux.mount(path, path, None, MS_BIND | MS_REC)
+            linux.remount_bind(path, MS_RDONLY)
+
+
+def _driver_version_from(tenant: Path) -> str | None:
+    try:
+        text = (tenant / "proc" / "driver" / "nvidia" / "version").read_text()
+    except OSError:
+        return None
+    m = re.search(r"Kernel Module(?: for \S+)?\s+([0-9]+\.[0-9]+(?:\.[0-9]+)?)", text)
+    return m.group(1) if m else None
+
+
+def _build_sys(tenant: Path, driver_version: str | None) -> None:
+    # NVML checks access("/sys/module/nvidia/initstate") first: without it, it decides
+    # there is no driver and scans PCI config space for NVIDIA devices instead. sysfs
+    # refuses mkdir, so the tenant gets a tmpfs /sys/module with only the NVIDIA modules
+    # (which also stops the host's module parameters from leaking in).
+    linux.mount("tmpfs", "/sys/module", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                "mode=0755,size=64k")
+    for module in ("nvidia", "nvidia_uvm"):
+        target = f"/sys/module/{module}"
+        os.mkdir(target, 0o755)
+        given = tenant / "sys" / "module" / module
+        if given.is_dir():
+            linux.mount(str(given), target, None, MS_BIND | MS_REC)
+            continue
+        Path(target, "initstate").write_text("live\n")
+        if module == "nvidia" and driver_version:
+            Path(target, "version").write_text(driver_version + "\n")
+    if os.path.isdir("/sys/firmware"):
+        _cover(Path("/sys/firmware"))  # ACPI tables, EFI variables
+    # sysfs attributes are root-owned: uid 0 writes many of them (PCI remove/reset/rescan,
+    # cgroup files) without any capability. Every mount under /sys becomes read-only.
+    mounts = [mp for mp, _root, _fs in linux.mountinfo() if mp == "/sys" or mp.startswith("/sys/")]
+    for mp in sorted(set(mounts), key=len):
+        try:
+            linux.remount_bind(mp, MS_RDONLY)
+        except OSError:
+            # A mount hidden under a later one (e.g. the host's /sys/module/* submounts
+            # under our tmpfs) can no longer be reached by path; it is unreachable for the
+            # tenant too.
+            if os.path.ismount(mp):
+                raise
+
+
+def _cover(path: Path) -> None:
+    """Hide a directory under an empty read-only tmpfs."""
+    linux.mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                "mode=0555,size=4k")
+
+
+# ------------------------------------------------------------------------------ privileges
+def drop_privileges(spec: SandboxSpec) -> None:
+    """Bounding set, ambient set, uid/gid, effective/permitted set, no_new_privs — in the
+    order that each step still has the capability it needs (PR_CAPBSET_DROP needs setpcap,
+    setgroups/setgid/setuid need setgid/setuid)."""
+    as_root = spec.uid in (None, 0)
+    keep = {linux.CAPABILITY_NUMBERS[n] for n in spec.capabilities} if as_root else set()
+    # The bounding set limits what any later exec can gain: root's implicit full file
+    # capabilities, setuid-root binaries, file capabilities.
+    for cap in range(linux.last_cap() + 1):
+        if cap not in keep:
+            linux.prctl(linux.PR_CAPBSET_DROP, cap)
+    linux.prctl(linux.PR_CAP_AMBIENT, linux.PR_CAP_AMBIENT_CLEAR_ALL)
+    if spec.uid is not None or spec.gid is not None:
+        uid = 0 if spec.uid is None else spec.uid
+        gid = spec.gid if spec.gid is not None else _primary_gid(uid)
+        # Root's supplementary groups (0, disk, ...) would otherwise survive setuid.
+        os.setgroups(list(spec.groups))
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)  # clears permitted/effective for a non-zero uid
+    mask = sum(1 << c for c in keep)
+    linux.capset(effective=mask, permitted=mask, inheritable=0)
+    linux.prctl(linux.PR_SET_NO_NEW_PRIVS, 1)
+
+
+def _primary_gid(uid: int) -> int:
+    try:
+        import pwd
+
+        return pwd.getpwuid(uid).pw_gid
+    except (KeyError, ImportError):
+        return uid
