@@ -25,6 +25,12 @@ class DriverCall:
     nested: bytes | None = None  # the nested buffer (RM_CONTROL params, RM_ALLOC params, XFER)
     # fd arguments, translated: field name (e.g. "fd", "ctl_fd") -> the backend's DriverFile
     fd_files: dict[str, Any] = field(default_factory=dict)
+    abi: Any = None  # the DriverABI the call was decoded with (the client's version)
+    tgid: int = 0  # the calling process (the emulator reports it in GET_PIDS)
+    # Buffers that nested parameters point to ("embedded pointers", e.g. the strings of
+    # SYSTEM_GET_BUILD_VERSION): field name -> the bytes read from the tenant. A backend
+    # updates them in place (bytearray); the broker writes them back after the call.
+    embedded: dict[str, bytearray] = field(default_factory=dict)
 
 
 @dataclass

@@ -241,7 +241,7 @@ class EmulatedBackend:
             h = v.hObjectNew or (0xC1D00000 | next(self._client_ids))
             if h in self.clients:
                 return self._status(dc, nvs.NV_ERR_INSERT_DUPLICATE_NAME)
-            c = EmuClient(h, f.id, getattr(dc, "tgid", 0))
+            c = EmuClient(h, f.id, dc.tgid)
             c.objects[h] = EmuObject(h, cls, 0)
             self.clients[h] = c
             return self._status(dc, nvs.NV_OK, hObjectNew=h)
@@ -254,7 +254,7 @@ class EmulatedBackend:
         h = v.hObjectNew or (0xCAF00000 | next(self._object_ids))
         if h in c.objects:
             return self._status(dc, nvs.NV_ERR_INSERT_DUPLICATE_NAME)
-        spec = self.abi.rm_class(cls)
+        spec = (dc.abi or self.abi).rm_class(cls)
         params = spec.params.decode(dc.nested) if (spec and spec.params and dc.nested) else None
         alloc = self.CLASS_ALLOC.get(cls)
         if alloc is None:
@@ -374,13 +374,16 @@ class EmulatedBackend:
         if obj is None:
             return self._status(dc, nvs.NV_ERR_INVALID_OBJECT_HANDLE)
         handler = CONTROL_HANDLERS.get(v.cmd)
-        spec = self.abi.control(v.cmd)
+        spec = (dc.abi or self.abi).control(v.cmd)
         if handler is None or spec is None or spec.params is None or dc.nested is None:
             self._note(("control", v.cmd), f"emulator: control {self.abi.control_name(v.cmd)} "
                        f"({v.cmd:#x}) is not modelled: NV_ERR_NOT_SUPPORTED")
             return self._status(dc, nvs.NV_ERR_NOT_SUPPORTED)
         params = spec.params.decode(dc.nested)
-        status, params = handler(self, c, obj, params)
+        if getattr(handler, "wants_embedded", False):
+            status, params = handler(self, c, obj, params, dc.embedded)
+        else:
+            status, params = handler(self, c, obj, params)
         return self._status(dc, status, nested=params.encode())
 
     # ------------------------------------------------------------------ UVM
@@ -405,6 +408,11 @@ class EmulatedBackend:
             if g.gpu_id == gpu_id:
                 return g
         return None
+
+    def device_in_use(self, gpu: int) -> bool:
+        """A device object of this GPU exists in some client (GET_ID_INFO's IN_USE flag)."""
+        return any(o.rm_class == 0x80 and o.gpu == gpu
+                   for c in self.clients.values() for o in c.objects.values())
 
     def pids_on(self, gpu: int) -> list[int]:
         return sorted({c.tgid for c in self.clients.values()

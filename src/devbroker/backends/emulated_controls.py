@@ -7,6 +7,8 @@ are answered NV_ERR_NOT_SUPPORTED by EmulatedBackend.
 """
 from __future__ import annotations
 
+import time
+
 from devbroker.abi import status as nvs
 from devbroker.backends.emulated import CONTROL_HANDLERS, INVALID_GPU_ID, KiB
 
@@ -15,6 +17,7 @@ NV0000_CTRL_GPU_ATTACH_ALL_PROBED_IDS = 0x0000FFFF
 GID_FORMAT_BINARY = 0x2
 # The value the H200 reported in GET_ID_INFO_V2.sliStatus for a GPU without SLI.
 SLI_STATUS_NONE = 0x41
+GPU_ID_INFO_IN_USE = 0x1
 # NV2080_CTRL_GPU_GET_PIDS_ID_TYPE_*
 PIDS_ID_TYPE_CLASS = 0
 PIDS_ID_TYPE_VGPU_GUEST = 1
@@ -48,9 +51,24 @@ def _id_info(backend, p):
     g = backend.gpu_by_id(p.gpuId)
     if g is None:
         return nvs.NV_ERR_INVALID_ARGUMENT, p
-    return nvs.NV_OK, p.replace(gpuFlags=0, deviceInstance=g.index, subDeviceInstance=0,
+    # NV0000_CTRL_GPU_ID_INFO_IN_USE (bit 0): some client holds a device object of this GPU
+    # (the H200 answered 0 before NVML allocated its device, 1 after). No other flag
+    # (SLI, mobile, boot master, SoC, ATS) applies to an emulated PCIe H200.
+    flags = GPU_ID_INFO_IN_USE if backend.device_in_use(g.index) else 0
+    return nvs.NV_OK, p.replace(gpuFlags=flags, deviceInstance=g.index, subDeviceInstance=0,
                                 sliStatus=SLI_STATUS_NONE, boardId=g.gpu_id,
                                 gpuInstance=g.index, numaId=-1)
+
+
+@control(0x202)  # NV0000_CTRL_CMD_GPU_GET_ID_INFO
+def get_id_info(backend, client, obj, p):
+    if p.szName:
+        # The driver would write the name through this user pointer, which the emulator
+        # cannot reach (it gets only the parameter block). NVML passes NULL.
+        backend._note(("id_info_szName",), "emulator: GET_ID_INFO with szName set is not "
+                      "modelled: NV_ERR_NOT_SUPPORTED")
+        return nvs.NV_ERR_NOT_SUPPORTED, p
+    return _id_info(backend, p)
 
 
 @control(0x205)  # NV0000_CTRL_CMD_GPU_GET_ID_INFO_V2
@@ -69,8 +87,21 @@ def attach_ids(backend, client, obj, p):
     return nvs.NV_OK, p.replace(failedId=INVALID_GPU_ID)
 
 
+NV0000_CTRL_GPU_DETACH_ALL_ATTACHED_IDS = 0x0000FFFF
+
+
 @control(0x216)  # NV0000_CTRL_CMD_GPU_DETACH_IDS
 def detach_ids(backend, client, obj, p):
+    # Like cliresCtrlCmdGpuDetachIds: the list ends at the first INVALID id; every id
+    # before it must be an attached GPU (all of the emulator's GPUs are).
+    if p.gpuIds[0] == NV0000_CTRL_GPU_DETACH_ALL_ATTACHED_IDS:
+        return nvs.NV_OK, p
+    known = {g.gpu_id for g in backend.gpus()}
+    for i in p.gpuIds:
+        if i == INVALID_GPU_ID:
+            break
+        if i not in known:
+            return nvs.NV_ERR_INVALID_ARGUMENT, p
     return nvs.NV_OK, p
 
 
@@ -142,3 +173,177 @@ def get_pids(backend, client, obj, p):
     pids = backend.pids_on(obj.gpu)[: len(p.pidTbl)]
     return nvs.NV_OK, p.replace(pidTblCount=len(pids),
                                 pidTbl=pids + [0] * (len(p.pidTbl) - len(pids)))
+
+
+@control(0x21B)  # NV0000_CTRL_CMD_GPU_GET_PCI_INFO
+def get_pci_info(backend, client, obj, p):
+    g = backend.gpu_by_id(p.gpuId)
+    if g is None:
+        return nvs.NV_ERR_INVALID_ARGUMENT, p
+    return nvs.NV_OK, p.replace(domain=g.domain, bus=g.bus, slot=g.slot)
+
+
+NV0000_CTRL_GPU_DRAIN_STATE_DISABLED = 0
+
+
+@control(0x279)  # NV0000_CTRL_CMD_GPU_QUERY_DRAIN_STATE
+def query_drain_state(backend, client, obj, p):
+    # The emulator has no drain state (MODIFY_DRAIN_STATE is refused to tenants): a GPU of
+    # it is never being drained, which is what DISABLED means.
+    if backend.gpu_by_id(p.gpuId) is None:
+        return nvs.NV_ERR_INVALID_ARGUMENT, p
+    return nvs.NV_OK, p.replace(drainState=NV0000_CTRL_GPU_DRAIN_STATE_DISABLED, flags=0)
+
+
+# ------------------------------------------------------------------ device (0x0080) controls
+NV0080_CTRL_GPU_VIRTUALIZATION_MODE_NONE = 0
+
+
+@control(0x800289)  # NV0080_CTRL_CMD_GPU_GET_VIRTUALIZATION_MODE
+def get_virtualization_mode(backend, client, obj, p):
+    # NVML will not use a device whose virtualization mode it cannot read. The emulated GPU
+    # is neither a vGPU, nor a vGPU host, nor a device passed through to a VM: NONE. (The
+    # traced H200 said NMOS=1 because it is passed through to a Firecracker VM; that is a
+    # fact of that deployment, not of the emulated device.) 580 adds isGridBuild: 0, not a
+    # GRID driver build.
+    fields = {"virtualizationMode": NV0080_CTRL_GPU_VIRTUALIZATION_MODE_NONE}
+    if hasattr(p, "isGridBuild"):
+        fields["isGridBuild"] = 0
+    return nvs.NV_OK, p.replace(**fields)
+
+
+# ------------------------------------------------------------------ H200 hardware facts
+# What the real H200 (PCI device 0x2335) answered in ../shared/traces/h200-580.159.04-nvml:
+# they describe the chip and the board, so an emulated H200 answers the same. A GPU of
+# another PCI device id has no recorded facts: NOT_SUPPORTED.
+H200_FACTS = {
+    0x2335: {
+        # NV2080_CTRL_MC_ARCH_INFO_ARCHITECTURE_GH100 (0x180), implementation 0,
+        # revision 0xa1, subrevision 3 (NV2080_CTRL_MC_ARCH_INFO_SUBREVISION_R)
+        "arch": (0x180, 0x0, 0xA1, 0x3),
+        "subsystem": 0x18BF10DE,  # pciSubSystemId (board 0x18bf, vendor NVIDIA)
+        "revision": 0xA1,  # pciRevisionId
+    },
+}
+
+
+def _facts(backend, obj):
+    g = backend.gpus()[obj.gpu]
+    facts = H200_FACTS.get(g.pci_device_id)
+    if facts is None:
+        backend._note(("facts", g.pci_device_id), f"emulator: no recorded hardware facts for "
+                      f"PCI device {g.pci_device_id:#x}: NV_ERR_NOT_SUPPORTED")
+    return g, facts
+
+
+@control(0x20801701)  # NV2080_CTRL_CMD_MC_GET_ARCH_INFO
+def mc_get_arch_info(backend, client, obj, p):
+    g, facts = _facts(backend, obj)
+    if facts is None:
+        return nvs.NV_ERR_NOT_SUPPORTED, p
+    a, i, r, s = facts["arch"]
+    return nvs.NV_OK, p.replace(architecture=a, implementation=i, revision=r, subRevision=s)
+
+
+@control(0x20801801)  # NV2080_CTRL_CMD_BUS_GET_PCI_INFO
+def bus_get_pci_info(backend, client, obj, p):
+    g, facts = _facts(backend, obj)
+    if facts is None:
+        return nvs.NV_ERR_NOT_SUPPORTED, p
+    return nvs.NV_OK, p.replace(pciDeviceId=(g.pci_device_id << 16) | 0x10DE,
+                                pciSubSystemId=facts["subsystem"],
+                                pciRevisionId=facts["revision"],
+                                pciExtDeviceId=g.pci_device_id)
+
+
+# NV2080_CTRL_GPU_INFO_INDEX_* the emulation models.
+NV2080_CTRL_GPU_INFO_INDEX_UNPUBLISHED_0x11 = 0x11
+NV2080_CTRL_GPU_INFO_INDEX_GPU_SMC_MODE = 0x2A
+NV2080_CTRL_GPU_INFO_GPU_SMC_MODE_DISABLED = 2
+
+
+def _gpu_info_value(backend, gpu, index):
+    return {
+        # Index 0x11 is in no open header (GSP-side). NVML 535 reads it before it lists
+        # processes and gives up ("Not Supported") without it. The traced H200 answered 1 in
+        # the nvml trace, a static value of the chip: the emulated H200 answers the same.
+        NV2080_CTRL_GPU_INFO_INDEX_UNPUBLISHED_0x11: 1,
+        # MIG: the emulator never partitions a GPU, and MIG partitioning is refused to
+        # tenants; the traced H200 had MIG disabled too.
+        NV2080_CTRL_GPU_INFO_INDEX_GPU_SMC_MODE: NV2080_CTRL_GPU_INFO_GPU_SMC_MODE_DISABLED,
+    }.get(index)
+
+
+@control(0x20800102)  # NV2080_CTRL_CMD_GPU_GET_INFO_V2
+def gpu_get_info_v2(backend, client, obj, p):
+    n = p.gpuInfoListSize
+    if n > len(p.gpuInfoList):
+        return nvs.NV_ERR_INVALID_ARGUMENT, p
+    entries = list(p.gpuInfoList)
+    for i in range(n):
+        value = _gpu_info_value(backend, obj.gpu, entries[i].index)
+        if value is None:
+            backend._note(("gpuinfo", entries[i].index),
+                          f"emulator: GPU info index {entries[i].index:#x} is not modelled")
+            return nvs.NV_ERR_NOT_SUPPORTED, p
+        entries[i] = entries[i].replace(data=value)
+    return nvs.NV_OK, p.replace(gpuInfoList=entries)
+
+
+NV2080_TIMER_GPU_CPU_TIME_CPU_CLK_ID_OSTIME = 0x1
+NV2080_CTRL_TIMER_GPU_CPU_TIME_MAX_SAMPLES = 16
+
+
+@control(0x20800406)  # NV2080_CTRL_CMD_TIMER_GET_GPU_CPU_TIME_CORRELATION_INFO
+def timer_gpu_cpu_time_correlation(backend, client, obj, p):
+    # The real PTIMER counts wall-clock nanoseconds (the H200 trace: gpuTime == cpuTime*1000
+    # to within the call's latency). The emulated GPU has no clock of its own: its PTIMER *is*
+    # the host's wall clock, so both halves of each sample are read from it. Only the OSTIME
+    # source (microseconds since the epoch, processor CPU) is modelled; TSC, platform API and
+    # GSP sources are NOT_SUPPORTED.
+    if p.cpuClkId != NV2080_TIMER_GPU_CPU_TIME_CPU_CLK_ID_OSTIME:
+        backend._note(("timer_clk", p.cpuClkId), f"emulator: time correlation for CPU clock "
+                      f"id {p.cpuClkId:#x} is not modelled: NV_ERR_NOT_SUPPORTED")
+        return nvs.NV_ERR_NOT_SUPPORTED, p
+    n = p.sampleCount
+    if n > NV2080_CTRL_TIMER_GPU_CPU_TIME_MAX_SAMPLES:
+        return nvs.NV_ERR_INVALID_ARGUMENT, p
+    samples = list(p.samples)
+    for i in range(n):
+        ns = time.time_ns()
+        samples[i] = samples[i].replace(cpuTime=ns // 1000, gpuTime=ns)
+    return nvs.NV_OK, p.replace(samples=samples)
+
+
+NV2080_CTRL_GPU_COMPUTE_MODE_RULES_NONE = 0
+
+
+@control(0x20800131)  # NV2080_CTRL_CMD_GPU_QUERY_COMPUTE_MODE_RULES
+def query_compute_mode_rules(backend, client, obj, p):
+    # The emulator enforces no exclusive-compute or prohibited rule (SET_COMPUTE_MODE_RULES is
+    # not allowed to tenants): "Default" compute mode, RULES_NONE.
+    return nvs.NV_OK, p.replace(rules=NV2080_CTRL_GPU_COMPUTE_MODE_RULES_NONE)
+
+
+@control(0x101)  # NV0000_CTRL_CMD_SYSTEM_GET_BUILD_VERSION
+def get_build_version(backend, client, obj, p, embedded):
+    """The driver copies three strings to the caller's buffers (embedded pointers, carried
+    by the broker in `embedded`). Buffers of size 0 ask only for the size needed."""
+    version = backend.version.encode()
+    title = (f"NVIDIA UNIX Open Kernel Module for x86_64  {backend.version}  Release Build"
+             "  (devbroker emulation)").encode()
+    strings = {"pDriverVersionBuffer": version, "pVersionBuffer": version,
+               "pTitleBuffer": title}
+    need = max(len(x) for x in strings.values()) + 1
+    if p.sizeOfStrings == 0 or not embedded:
+        return nvs.NV_OK, p.replace(sizeOfStrings=need)
+    if p.sizeOfStrings < need:
+        return nvs.NV_ERR_BUFFER_TOO_SMALL, p
+    for name, buf in embedded.items():
+        text = strings[name]
+        buf[: len(text) + 1] = text + b"\0"
+    # The changelist numbers identify NVIDIA's internal build; the emulation has none.
+    return nvs.NV_OK, p.replace(changelistNumber=0, officialChangelistNumber=0)
+
+
+get_build_version.wants_embedded = True

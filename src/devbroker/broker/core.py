@@ -42,6 +42,8 @@ log = logging.getLogger("devbroker.broker")
 # The biggest nested buffer the broker will copy from a tenant. The largest real control
 # parameter block in the traces is under 8 KiB; anything near this is an attack.
 MAX_NESTED_BYTES = 1 << 20
+# Embedded buffers (pointers inside control parameters) are strings and small tables.
+MAX_EMBEDDED_BYTES = 64 << 10
 
 ROOT_CLIENT_CLASSES = frozenset({0x0, 0x41})  # NV01_ROOT, NV01_ROOT_CLIENT
 DEVICE_CLASS = 0x80  # NV01_DEVICE_0
@@ -335,9 +337,10 @@ class Broker:
         return IoctlReply(arg_out=value.encode())
 
     async def _call_backend(self, s: Session, call, nested: bytes | None = None,
-                            fd_files: dict | None = None) -> DriverResult:
-        dc = DriverCall(call, nested, fd_files or {})
-        dc.tgid = s.caller.pid  # type: ignore[attr-defined]
+                            fd_files: dict | None = None,
+                            embedded: dict | None = None) -> DriverResult:
+        dc = DriverCall(call, nested, fd_files or {}, abi=self._abi(s), tgid=s.caller.pid,
+                        embedded=embedded if embedded is not None else {})
         result = await self.backend.ioctl(s.file, dc)
         if self.recorder is not None:
             self.recorder.ioctl(s, call, nested, result)
@@ -460,7 +463,8 @@ class Broker:
             if pre is not None:
                 params = pre(self, s, abi, params)
                 nested = params.encode()
-        result = await self._call_backend(s, call, nested)
+        embedded = self._read_embedded(req, params, where)
+        result = await self._call_backend(s, call, nested, embedded=embedded)
         out_value = abi.decode_ioctl(s.node, req.cmd, result.arg).value
         out_nested = result.nested
         if not result.errno and out_value.status == nvstatus.NV_OK and out_nested is not None:
@@ -470,7 +474,28 @@ class Broker:
                 out_nested = post(self, s, abi, ref.spec.decode(out_nested), ctx).encode()
         if out_nested is not None and not result.errno:
             req.memory.write(ref.ptr, out_nested)
+            if out_value.status == nvstatus.NV_OK:
+                for name, buf in embedded.items():
+                    req.memory.write(getattr(params, name), bytes(buf))
         return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
+
+    def _read_embedded(self, req: IoctlRequest, params, where: str) -> dict[str, bytearray]:
+        """Copy in the buffers that pointer fields of the parameters point to, as the driver
+        does for the controls whose ABI marks them (ptr->bytes@sizeField)."""
+        out: dict[str, bytearray] = {}
+        if params is None:
+            return out
+        for f in params.spec.fields:
+            if f.kind != "ptr" or f.points_to != "bytes" or not f.size_field:
+                continue
+            ptr, size = getattr(params, f.name), getattr(params, f.size_field)
+            if ptr == 0:
+                continue
+            if size > MAX_EMBEDDED_BYTES:
+                raise Refusal(f"{where}: {f.size_field}={size} is absurd for {f.name}",
+                              status=nvstatus.NV_ERR_INVALID_ARGUMENT, what=where)
+            out[f.name] = bytearray(req.memory.read(ptr, size))
+        return out
 
     async def _esc_rm_alloc(self, s, abi, req, call, rule) -> IoctlReply:
         v = call.value

@@ -72,6 +72,11 @@ def require_own_gpu_id(broker, s, abi, params):
 def restrict_attach_ids(broker, s, abi, params):
     mine = tenant_gpu_ids(broker, s)
     ids = list(params.gpuIds)
+    # [emulator engineer, issue 4] The driver reads the list only up to the first
+    # INVALID_GPU_ID (client_resource.c, cliresCtrlCmdGpuAttachIds/DetachIds); NVML 535
+    # leaves the entries after it uninitialised (zeros), which must not be judged.
+    if INVALID_GPU_ID in ids:
+        ids = ids[: ids.index(INVALID_GPU_ID)] + [INVALID_GPU_ID] * (len(ids) - ids.index(INVALID_GPU_ID))
     if ATTACH_ALL_PROBED in ids:
         # "all probed GPUs" means all of the tenant's GPUs, never the host's.
         ids = mine + [INVALID_GPU_ID] * (len(ids) - len(mine))
@@ -103,6 +108,8 @@ def _pids_named(params) -> list[int]:
 CONTROL_PRE: dict[int, Callable] = {
     0x202: require_own_gpu_id,  # NV0000_CTRL_CMD_GPU_GET_ID_INFO
     0x205: require_own_gpu_id,  # NV0000_CTRL_CMD_GPU_GET_ID_INFO_V2
+    0x21B: require_own_gpu_id,  # NV0000_CTRL_CMD_GPU_GET_PCI_INFO
+    0x279: require_own_gpu_id,  # NV0000_CTRL_CMD_GPU_QUERY_DRAIN_STATE
     0x215: restrict_attach_ids,  # NV0000_CTRL_CMD_GPU_ATTACH_IDS
     0x216: restrict_attach_ids,  # NV0000_CTRL_CMD_GPU_DETACH_IDS
     0x2080018E: pid_info_to_host,  # NV2080_CTRL_CMD_GPU_GET_PID_INFO

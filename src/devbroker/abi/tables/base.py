@@ -107,6 +107,12 @@ ANNOTATIONS = {
     ("UVM_ALLOC_SEMAPHORE_POOL_PARAMS", "length"): "size64",
     ("UVM_CREATE_EXTERNAL_RANGE_PARAMS", "length"): "size64",
     ("UVM_MM_INITIALIZE_PARAMS", "uvmFd"): "fd",
+    # Embedded pointers: the driver copies these buffers in/out itself (embedded_param_copy.c),
+    # so the broker must carry them too. "bytes" = an opaque buffer of size_field bytes.
+    ("NV0000_CTRL_SYSTEM_GET_BUILD_VERSION_PARAMS", "sizeOfStrings"): "size",
+    ("NV0000_CTRL_SYSTEM_GET_BUILD_VERSION_PARAMS", "pDriverVersionBuffer"): "ptr->bytes@sizeOfStrings",
+    ("NV0000_CTRL_SYSTEM_GET_BUILD_VERSION_PARAMS", "pVersionBuffer"): "ptr->bytes@sizeOfStrings",
+    ("NV0000_CTRL_SYSTEM_GET_BUILD_VERSION_PARAMS", "pTitleBuffer"): "ptr->bytes@sizeOfStrings",
 }
 
 # cmd -> (name, observed params size).  Name: <class prefix>_CTRL_CMD_UNPUBLISHED_<cmd>.

@@ -1,0 +1,658 @@
+"""The real backend: relays the broker's decided calls to the host's NVIDIA driver.
+
+The broker process itself never holds a driver file. A relay process (backends/relay.py),
+started here, drops every capability and its root uid, opens /dev/nvidiactl, /dev/nvidiaN
+and /dev/nvidia-uvm, and runs each ioctl and mmap; this module speaks to it over socketpairs
+(backends/relaywire.py) and does the sans-IO part:
+
+- re-encodes the argument: fd fields become the relay's fd numbers of the target files
+  (the driver resolves fds in the caller's table, and the caller is the relay); fd fields
+  the broker did not translate become -1 (never a number the tenant chose);
+- places the nested buffer (and the few second-level buffers listed in DEEP_BUFFERS) in the
+  relay's memory: the relay patches the pointer fields with its own addresses;
+- refuses, without calling the driver, any other non-NULL pointer (it would make the driver
+  read or write the relay's memory at an address the tenant chose) and UVM commands that
+  act on the caller's address space (the relay's, not the tenant's: docs/real-backend.md);
+- restores the tenant's own fd numbers and pointers in what goes back.
+
+See docs/real-backend.md for the privilege design and what this path cannot serve.
+"""
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import os
+import re
+import socket
+import struct
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from devbroker.abi import registry
+from devbroker.abi import status as nvs
+from devbroker.abi.nodes import NodeKind
+from devbroker.abi.spec import StructSpec, StructValue
+from devbroker.backends import relaywire as w
+from devbroker.backends.base import DriverCall, DriverResult
+
+log = logging.getLogger("devbroker.real")
+
+PROC = Path("/proc/driver/nvidia")
+MEMBLOCK = Path("/sys/devices/system/memory/block_size_bytes")
+PAGE = 4096
+
+# Second-level buffers the driver copies itself (embedded_param_copy.c) for controls a
+# supported client sends. control -> [(pointer field, size field, element size)]. The
+# buffer is read from the calling process, relayed, and written back. Any other non-NULL
+# pointer inside a nested buffer is refused.
+DEEP_BUFFERS: dict[int, list[tuple[str, str, int]]] = {
+    0x101: [("pDriverVersionBuffer", "sizeOfStrings", 1),  # SYSTEM_GET_BUILD_VERSION
+            ("pVersionBuffer", "sizeOfStrings", 1),
+            ("pTitleBuffer", "sizeOfStrings", 1)],
+    0x20801802: [("busInfoList", "busInfoListSize", 8)],  # BUS_GET_INFO (index, data)
+    0x20801201: [("grInfoList", "grInfoListSize", 8)],  # GR_GET_INFO (index, data)
+}
+MAX_DEEP = 64 << 10
+
+# UVM commands that only bind or unbind a va space of the relay's own (harmless, and what
+# NVML sends). Everything else UVM does acts on the caller's mm, which here is the relay's:
+# refused (CUDA cannot run through a relay, docs/real-backend.md).
+UVM_RELAYED = frozenset({"UVM_INITIALIZE", "UVM_DEINITIALIZE", "UVM_MM_INITIALIZE",
+                         "UVM_PAGEABLE_MEM_ACCESS"})
+
+
+# Pointer-typed fields the driver never dereferences: mapping cookies it handed out itself.
+COOKIE_POINTERS = frozenset({("NV_ESC_RM_MAP_MEMORY", "params.pLinearAddress"),
+                             ("NV_ESC_RM_UNMAP_MEMORY", "pLinearAddress")})
+
+
+class Unrelayable(Exception):
+    """The call cannot be relayed safely; answered NOT_SUPPORTED without the driver."""
+
+
+# --------------------------------------------------------------------------- files, GPUs
+@dataclass(eq=False)
+class RealFile:
+    node: NodeKind
+    minor: int
+    rfd: int  # the relay's fd number
+    path: str
+    map_length: int = 0  # set by a successful RM_MAP_MEMORY naming this file
+    closed: bool = False
+
+
+@dataclass(frozen=True)
+class RealGpu:
+    index: int  # device minor number
+    name: str
+    uuid: str
+    pci_bus_id: str
+    gpu_id: int
+    memory_bytes: int = 0
+
+    @property
+    def domain(self) -> int:
+        return int(self.pci_bus_id.split(":")[0], 16)
+
+    @property
+    def bus(self) -> int:
+        return int(self.pci_bus_id.split(":")[1], 16)
+
+    @property
+    def slot(self) -> int:
+        return int(self.pci_bus_id.split(":")[2].split(".")[0], 16)
+
+    @property
+    def function(self) -> int:
+        return int(self.pci_bus_id.split(".")[1], 16)
+
+
+def parse_information(text: str) -> dict[str, str]:
+    """/proc/driver/nvidia/gpus/<bus>/information: 'Key: \\t value' lines."""
+    out = {}
+    for line in text.splitlines():
+        k, sep, v = line.partition(":")
+        if sep:
+            out[k.strip()] = v.strip()
+    return out
+
+
+def parse_version(text: str) -> str | None:
+    m = re.search(r"Kernel Module(?: for \S+)?\s+(\d+\.\d+(?:\.\d+)?)\s", text)
+    if m is None:
+        m = re.search(r"\s(\d{3}\.\d+(?:\.\d+)?)\s", text)
+    return m.group(1) if m else None
+
+
+def gpu_id_of(pci_bus_id: str) -> int:
+    """The driver's GPU id for a PCI address (domain<<16 | bus<<8 | device): 0x6 for the
+    H200 at 0000:00:06.0 (BRIEF §2); checked against GET_ATTACHED_IDS at start."""
+    dom, bus, rest = pci_bus_id.split(":")
+    return (int(dom, 16) << 16) | (int(bus, 16) << 8) | int(rest.split(".")[0], 16)
+
+
+def discover_proc(proc: Path = PROC) -> list[RealGpu]:
+    gpus = []
+    for info in sorted((proc / "gpus").glob("*/information")):
+        d = parse_information(info.read_text())
+        bus = d.get("Bus Location", info.parent.name)
+        gpus.append(RealGpu(index=int(d.get("Device Minor", len(gpus))),
+                            name=d.get("Model", "NVIDIA GPU"), uuid=d.get("GPU UUID", ""),
+                            pci_bus_id=bus.lower(), gpu_id=gpu_id_of(bus)))
+    return sorted(gpus, key=lambda g: g.index)
+
+
+# --------------------------------------------------------------------------- sans-IO part
+def _walk_ptrs(spec: StructSpec, value: StructValue, base: int = 0, path: str = ""):
+    """(path, absolute offset, value) of every pointer field, through structs and arrays."""
+    for f in spec.fields:
+        if f.kind == "ptr":
+            yield path + f.name, base + f.offset, value._get(f)
+        elif f.kind == "struct" and f.spec is not None:
+            yield from _walk_ptrs(f.spec, value._get(f), base + f.offset, path + f.name + ".")
+        elif f.kind == "array" and isinstance(f.elem, StructSpec):
+            for i, e in enumerate(value._get(f)):
+                yield from _walk_ptrs(f.elem, e, base + f.offset + i * f.elem.size,
+                                      f"{path}{f.name}[{i}].")
+
+
+def _walk_fds(spec: StructSpec, base: int = 0, path: str = ""):
+    for f in spec.fields:
+        if f.kind == "fd":
+            yield path + f.name, base + f.offset
+        elif f.kind == "struct" and f.spec is not None:
+            yield from _walk_fds(f.spec, base + f.offset, path + f.name + ".")
+
+
+@dataclass
+class Prepared:
+    """An ioctl ready for the relay, and how to give its answer back to the tenant."""
+
+    request: w.IoctlRequest
+    arg_in: bytes  # the tenant's argument as the broker decided it
+    restore: list[tuple[int, bytes]] = field(default_factory=list)  # (offset, tenant bytes)
+    nested_index: int = -1
+    nested_restore: list[tuple[int, bytes]] = field(default_factory=list)
+    deep: list[tuple[int, int]] = field(default_factory=list)  # (tenant address, buf index)
+
+
+def prepare_ioctl(file: Any, dc: DriverCall, *,
+                  read_memory: Callable[[int, int], bytes] | None = None) -> Prepared:
+    """Build the relay request for `dc` on `file` (sans-IO but for read_memory, which reads
+    the caller's second-level buffers). Raises Unrelayable."""
+    call = dc.call
+    abi = dc.abi or registry.get("580.159.04")
+    arg = bytearray(call.encode())
+    if call.kind == "uvm" and call.name not in UVM_RELAYED:
+        raise Unrelayable(f"{call.name} acts on the caller's address space; through the relay "
+                          "that would be the relay's")
+    value = call.value
+    spec = value.spec if value is not None else None
+    ref = abi.nested(call) if value is not None else None
+    prep = Prepared(w.IoctlRequest(file.rfd, call.cmd, [w.Buffer(b"")]), bytes(arg))
+    if spec is not None:
+        for path, off in _walk_fds(spec):
+            tenant_fd = struct.unpack_from("<i", arg, off)[0]
+            target = dc.fd_files.get(path)
+            real = target.rfd if target is not None else -1
+            prep.restore.append((off, struct.pack("<i", tenant_fd)))
+            struct.pack_into("<i", arg, off, real)
+        for path, off, ptr in _walk_ptrs(spec, value):
+            if ref is not None and path == ref.field:
+                continue
+            if ptr and (call.name, path) not in COOKIE_POINTERS:
+                raise Unrelayable(f"{call.name}: pointer {path} is not relayed")
+    nested = dc.nested
+    if ref is not None:
+        off = spec.by_name[ref.field].offset
+        prep.restore.append((off, struct.pack("<Q", ref.ptr)))
+        struct.pack_into("<Q", arg, off, 0)
+        if nested is not None:
+            nested = bytearray(nested)
+            prep.nested_index = 1
+            prep.request.buffers.append(w.Buffer(b"", 0, off))
+            _prepare_deep(prep, call, ref, nested, read_memory)
+            prep.request.buffers[1].data = bytes(nested)
+    prep.request.buffers[0].data = bytes(arg)
+    return prep
+
+
+def _prepare_deep(prep: Prepared, call, ref, nested: bytearray, read_memory) -> None:
+    if ref.spec is None:
+        return
+    params = ref.spec.decode(bytes(nested[:ref.spec.size]))
+    wanted = {}
+    if call.name == "NV_ESC_RM_CONTROL":
+        wanted = {p: (sf, es) for p, sf, es in DEEP_BUFFERS.get(call.value.cmd, [])}
+    for path, off, ptr in _walk_ptrs(ref.spec, params):
+        if not ptr:
+            continue
+        if path not in wanted:
+            raise Unrelayable(f"{ref.op.name if ref.op else call.name}: nested pointer "
+                              f"{path} is not relayed")
+        size_field, elem = wanted[path]
+        n = getattr(params, size_field) * elem
+        if n > MAX_DEEP:
+            raise Unrelayable(f"{path}: {n} bytes is more than the relay copies")
+        if read_memory is None:
+            raise Unrelayable(f"{path}: no access to the caller's memory")
+        data = read_memory(ptr, n) if n else b""
+        prep.nested_restore.append((off, struct.pack("<Q", ptr)))
+        struct.pack_into("<Q", nested, off, 0)
+        prep.deep.append((ptr, len(prep.request.buffers)))
+        prep.request.buffers.append(w.Buffer(data, 1, off))
+
+
+def finish_ioctl(prep: Prepared, rep: w.IoctlReply) -> tuple[bytes, bytes | None]:
+    """The argument and nested buffer as the tenant must see them (its own fds/pointers)."""
+    arg = bytearray(rep.buffers[0])
+    for off, b in prep.restore:
+        arg[off:off + len(b)] = b
+    nested = None
+    if prep.nested_index >= 0:
+        nested = bytearray(rep.buffers[prep.nested_index])
+        for off, b in prep.nested_restore:
+            nested[off:off + len(b)] = b
+        nested = bytes(nested)
+    return bytes(arg), nested
+
+
+def not_supported(dc: DriverCall) -> DriverResult:
+    """The driver's own answer to what it does not support: status in the argument."""
+    call = dc.call
+    v = call.value
+    if v is None:
+        return DriverResult(arg=call.encode(), errno=errno.EINVAL)
+    name = "rmStatus" if call.kind == "uvm" else "status"
+    if hasattr(v, name):
+        return DriverResult(arg=v.replace(**{name: nvs.NV_ERR_NOT_SUPPORTED}).encode(),
+                            nested=dc.nested)
+    if hasattr(v, "params") and hasattr(v.params, "status"):
+        return DriverResult(arg=v.replace(params=v.params.replace(
+            status=nvs.NV_ERR_NOT_SUPPORTED)).encode(), nested=dc.nested)
+    return DriverResult(arg=call.encode(), errno=errno.EINVAL)
+
+
+# --------------------------------------------------------------------------- the relay
+class RelayError(OSError):
+    pass
+
+
+class Channel:
+    """One socket to the relay; one request at a time (blocking; call from a thread)."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.dec = w.FrameDecoder()
+        self.lock = threading.Lock()
+        self.ids = itertools.count(1)
+
+    def call(self, build: Callable[[int], bytes], want: int) -> bytes:
+        with self.lock:
+            rid = next(self.ids)
+            self.sock.sendall(build(rid))
+            while True:
+                data = self.sock.recv(1 << 16)
+                if not data:
+                    raise RelayError(errno.EPIPE, "the relay process is gone")
+                frames = self.dec.feed(data)
+                if frames:
+                    f = frames[0]
+                    if f.id != rid:
+                        raise RelayError(errno.EPROTO, f"reply {f.id} to request {rid}")
+                    if f.type == w.ERROR:
+                        raise RelayError(errno.EPROTO, "relay: " + f.payload.decode())
+                    if f.type != want | w.REPLY:
+                        raise RelayError(errno.EPROTO, f"reply type {f.type:#x}")
+                    return f.payload
+
+
+class AsyncChannel:
+    """A pool channel driven from the trio loop: the broker awaits the reply on the socket
+    and blocks no thread (the ioctl blocks only the relay's thread for this channel)."""
+
+    def __init__(self, sock: socket.socket):
+        import trio
+
+        self.sock = trio.socket.from_stdlib_socket(sock)
+        self.dec = w.FrameDecoder()
+        self.ids = itertools.count(1)
+
+    async def call(self, data_for: Callable[[int], bytes], want: int) -> bytes:
+        rid = next(self.ids)
+        data = memoryview(data_for(rid))
+        while data:
+            n = await self.sock.send(data)
+            data = data[n:]
+        while True:
+            chunk = await self.sock.recv(1 << 16)
+            if not chunk:
+                raise RelayError(errno.EPIPE, "the relay process is gone")
+            frames = self.dec.feed(chunk)
+            if frames:
+                f = frames[0]
+                if f.id != rid or f.type != want | w.REPLY:
+                    msg = f.payload.decode("utf-8", "replace") if f.type == w.ERROR else ""
+                    raise RelayError(errno.EPROTO, f"relay reply {f.id}/{f.type:#x} to "
+                                                   f"request {rid}: {msg}")
+                return f.payload
+
+
+class RelayProcess:
+    """Starts the relay with `n` channels (+1 for the synchronous calls)."""
+
+    def __init__(self, n: int = 8, *, uid: int | None = 65534, gid: int | None = 65534,
+                 python: str | None = None):
+        pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(n + 1)]
+        theirs = [b for _, b in pairs]
+        cmd = [python or sys.executable, "-m", "devbroker.backends.relay",
+               "--fds", ",".join(str(s.fileno()) for s in theirs)]
+        if uid is None or os.geteuid() != 0:
+            cmd.append("--keep-uid")
+        else:
+            cmd += ["--uid", str(uid), "--gid", str(gid if gid is not None else uid)]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+        self.proc = subprocess.Popen(cmd, pass_fds=[s.fileno() for s in theirs], env=env,
+                                     stdin=subprocess.DEVNULL, close_fds=True)
+        for s in theirs:
+            s.close()
+        chans = [Channel(a) for a, _ in pairs]
+        self.sync = chans[0]
+        self.pool = chans[1:]
+        self.idle = list(self.pool)
+        self._free = None
+        self._achans: list = []
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def info(self) -> w.Info:
+        return w.parse_info_reply(self.sync.call(w.encode_info, w.INFO))
+
+    def open(self, path: str, flags: int = os.O_RDWR) -> int:
+        fd, err = w.parse_open_reply(self.sync.call(
+            lambda rid: w.encode_open(rid, path, flags), w.OPEN))
+        if fd < 0:
+            raise OSError(err, f"{path}: {os.strerror(err)}")
+        return fd
+
+    def close(self, fd: int) -> None:
+        err = w.parse_close_reply(self.sync.call(lambda rid: w.encode_close(rid, fd), w.CLOSE))
+        if err:
+            raise OSError(err, os.strerror(err))
+
+    def ioctl(self, chan: Channel, req: w.IoctlRequest) -> w.IoctlReply:
+        return w.parse_ioctl_reply(chan.call(lambda rid: w.encode_ioctl(rid, req), w.IOCTL))
+
+    async def aioctl(self, req: w.IoctlRequest) -> w.IoctlReply:
+        """From the trio loop: take an idle pool channel (waiting if all are busy)."""
+        import trio
+
+        if self._free is None:
+            self._free = trio.Semaphore(len(self.pool))
+            self._achans = [AsyncChannel(c.sock) for c in self.pool]
+        async with self._free:
+            if not self._achans:
+                raise RelayError(errno.EPIPE, "no working channel to the relay is left")
+            chan = self._achans.pop()
+            # A broken exchange leaves the channel out of step: it is not put back.
+            payload = await chan.call(lambda rid: w.encode_ioctl(rid, req), w.IOCTL)
+            self._achans.append(chan)
+        return w.parse_ioctl_reply(payload)
+
+    def mapread(self, fd: int, maplen: int, offset: int, length: int) -> bytes:
+        err, data = w.parse_mapread_reply(self.sync.call(
+            lambda rid: w.encode_mapread(rid, fd, maplen, offset, length), w.MAPREAD))
+        if err:
+            raise OSError(err, f"mmap in the relay: {os.strerror(err)}")
+        return data
+
+    def stop(self) -> None:
+        for c in [self.sync, *self.pool]:
+            try:
+                c.sock.close()
+            except OSError:
+                pass
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# --------------------------------------------------------------------------- the backend
+class RealBackend:
+    name = "real"
+
+    def __init__(self, notice: Callable[[str], None] | None = None, *, dev: str = "/dev",
+                 proc: Path = PROC, relay_uid: int | None = 65534, channels: int = 8,
+                 discover: bool = True):
+        self.notice = notice or (lambda m: log.info("%s", m))
+        self.dev = dev
+        self.proc = Path(proc)
+        try:
+            self.version = parse_version((self.proc / "version").read_text()) or "580.159.04"
+        except OSError as e:
+            raise OSError(e.errno, f"no NVIDIA driver on this host ({self.proc}/version: "
+                          f"{e.strerror})") from None
+        if self.version not in registry.versions():
+            self.notice(f"real backend: driver {self.version} has no ABI tables here; "
+                        f"decoding with 580.159.04")
+        self.abi = registry.get(self.version if self.version in registry.versions()
+                                else "580.159.04")
+        self.memblock_size = _memblock_size()
+        self._gpus = discover_proc(self.proc)
+        self.relay = RelayProcess(channels, uid=relay_uid)
+        self._limiter = None
+        self._noticed: set = set()
+        self._keep: list[int] = []  # GPU fds held open so that tenant opens find it ready
+        info = self.relay.info()
+        self.relay_info = info
+        self.notice(f"real backend: driver {self.version}, relay pid {info.pid} uid {info.uid} "
+                    f"CapEff {info.cap_eff:#x} CapPrm {info.cap_prm:#x} CapBnd {info.cap_bnd:#x} "
+                    f"no_new_privs {info.no_new_privs}")
+        if info.cap_eff or info.cap_prm:
+            self.relay.stop()
+            raise OSError(errno.EPERM, "the relay process kept capabilities; refusing to run")
+        if discover:
+            self._discover()
+
+    # -- discovery through the driver (also a self-test of the relay)
+    def _discover(self) -> None:
+        try:
+            found = query_gpus(self)
+        except Exception as e:  # discovery is informative; /proc already gave the GPUs
+            self.notice(f"real backend: driver query at start failed: {e}")
+            return
+        by_id = {g.gpu_id: g for g in self._gpus}
+        out = []
+        for q in found:
+            g = by_id.get(q["gpu_id"])
+            if g is None:
+                self.notice(f"real backend: GPU id {q['gpu_id']:#x} from the driver is not in "
+                            f"{self.proc}/gpus (ids there: {[hex(i) for i in by_id]})")
+                continue
+            out.append(RealGpu(g.index, q.get("name") or g.name, q.get("uuid") or g.uuid,
+                               g.pci_bus_id, g.gpu_id, q.get("memory_bytes", 0)))
+        if out:
+            self._gpus = sorted(out, key=lambda g: g.index)
+        self.notice("real backend: GPUs " + "; ".join(
+            f"{g.index}: {g.name} {g.uuid} {g.pci_bus_id} id {g.gpu_id:#x} "
+            f"{g.memory_bytes} bytes" for g in self._gpus))
+
+    # -- Backend API
+    def gpus(self) -> list[RealGpu]:
+        return self._gpus
+
+    def node_path(self, node: NodeKind, minor: int) -> str:
+        if node is NodeKind.CTL:
+            return f"{self.dev}/nvidiactl"
+        if node is NodeKind.GPU:
+            if not any(g.index == minor for g in self._gpus):
+                raise OSError(errno.ENODEV, f"no GPU with minor {minor}")
+            return f"{self.dev}/nvidia{minor}"
+        if node is NodeKind.UVM:
+            return f"{self.dev}/nvidia-uvm"
+        raise OSError(errno.ENODEV, f"the real backend does not relay {node.name} nodes")
+
+    def open(self, node: NodeKind, minor: int) -> RealFile:
+        path = self.node_path(node, minor)
+        return RealFile(node, minor, self.relay.open(path), path)
+
+    def close(self, file: RealFile) -> None:
+        if not file.closed:
+            file.closed = True
+            self.relay.close(file.rfd)
+
+    def map_read(self, file: RealFile, offset: int, length: int) -> bytes:
+        if not file.map_length:
+            raise OSError(errno.EINVAL, "no mapping context on this file")
+        return self.relay.mapread(file.rfd, file.map_length, offset, length)
+
+    async def ioctl(self, file: RealFile, dc: DriverCall) -> DriverResult:
+        import trio
+
+        try:
+            prep = prepare_ioctl(file, dc, read_memory=_memory_reader(dc.tgid))
+        except Unrelayable as e:
+            self._note(("unrelayable", str(e)), f"real backend: {e}: NV_ERR_NOT_SUPPORTED "
+                                                "(the driver was not called)")
+            return not_supported(dc)
+        except OSError as e:
+            return DriverResult(arg=dc.call.encode(), errno=e.errno or errno.EFAULT)
+        with trio.CancelScope(shield=True):  # a half-done exchange would desync a channel
+            rep = await self.relay.aioctl(prep.request)
+        arg, nested = finish_ioctl(prep, rep)
+        if prep.deep and rep.ret >= 0:
+            writer = _memory_writer(dc.tgid)
+            for addr, i in prep.deep:
+                writer(addr, rep.buffers[i])
+        if dc.call.name == "NV_ESC_RM_MAP_MEMORY" and rep.ret >= 0:
+            self._after_map(dc, arg)
+        self.last_ns = rep.ns
+        return DriverResult(arg=arg, nested=nested, result=rep.ret, errno=rep.errno)
+
+    def _after_map(self, dc: DriverCall, arg: bytes) -> None:
+        out = dc.call.spec.params.decode(arg) if dc.call.spec.params else None
+        target = dc.fd_files.get("fd")
+        if out is None or target is None or out.params.status != nvs.NV_OK:
+            return
+        target.map_length = (int(out.params.length) + PAGE - 1) // PAGE * PAGE or PAGE
+
+    def _note(self, key, msg: str) -> None:
+        if key not in self._noticed:
+            self._noticed.add(key)
+            self.notice(msg)
+
+    def stop(self) -> None:
+        self.relay.stop()
+
+
+# --------------------------------------------------------------------------- discovery
+def query_gpus(backend: "RealBackend") -> list[dict]:
+    """Ask the driver, through the relay, which GPUs it has: GET_ATTACHED_IDS, then per GPU
+    its name, UUID and memory (FB_GET_INFO_V2 TOTAL_RAM_SIZE). The GPU files opened for
+    this stay open (like the persistence daemon), so tenants' opens find the GPU ready."""
+    from devbroker.abi import iowr
+
+    abi, relay = backend.abi, backend.relay
+    handles = itertools.count(0xDB000010, 0x10)
+
+    def esc(fd: int, name: str, value, nested: bytes | None = None, ptr_field: str = ""):
+        spec = abi.escape(name)
+        bufs = [w.Buffer(value.encode())]
+        if nested is not None:
+            bufs.append(w.Buffer(nested, 0, value.spec.by_name[ptr_field].offset))
+        rep = relay.ioctl(relay.sync, w.IoctlRequest(fd, iowr(spec.number, len(bufs[0].data)),
+                                                     bufs))
+        if rep.ret < 0:
+            raise OSError(rep.errno, f"{name}: {os.strerror(rep.errno)}")
+        out = value.spec.decode(rep.buffers[0])
+        return out, (rep.buffers[1] if nested is not None else None)
+
+    def new(struct_name: str, **kw):
+        spec = abi.struct(struct_name)
+        return spec.decode(bytes(spec.size)).replace(**kw)
+
+    def alloc(ctl, root, parent, cls, params=None):
+        v = new("NVOS64_PARAMETERS", hRoot=root, hObjectParent=parent,
+                hObjectNew=0 if cls == 0x41 else next(handles), hClass=cls)
+        out, _ = esc(ctl, "NV_ESC_RM_ALLOC", v, params.encode() if params is not None else None,
+                     "pAllocParms")
+        if out.status != nvs.NV_OK:
+            raise OSError(errno.EIO, f"RM_ALLOC {cls:#x}: {nvs.name(out.status)}")
+        return out.hObjectNew
+
+    def control(ctl, client, obj, cmd, **kw):
+        pspec = abi.control(cmd).params
+        p = pspec.decode(bytes(pspec.size)).replace(**kw)
+        v = new("NVOS54_PARAMETERS", hClient=client, hObject=obj, cmd=cmd,
+                paramsSize=pspec.size)
+        out, nested = esc(ctl, "NV_ESC_RM_CONTROL", v, p.encode(), "params")
+        if out.status != nvs.NV_OK:
+            raise OSError(errno.EIO, f"control {abi.control_name(cmd)}: {nvs.name(out.status)}")
+        return pspec.decode(nested)
+
+    ctl = relay.open(f"{backend.dev}/nvidiactl")
+    found = []
+    try:
+        client = alloc(ctl, 0, 0, 0x41)
+        ids = [i for i in control(ctl, client, client, 0x201).gpuIds if i != 0xFFFFFFFF]
+        by_id = {g.gpu_id: g for g in backend._gpus}
+        for gid in ids:
+            info = control(ctl, client, client, 0x205, gpuId=gid)
+            g = by_id.get(gid)
+            q = {"gpu_id": gid, "device_instance": info.deviceInstance}
+            found.append(q)
+            if g is None:
+                continue
+            gfd = relay.open(f"{backend.dev}/nvidia{g.index}")
+            backend._keep.append(gfd)
+            esc(gfd, "NV_ESC_REGISTER_FD", new("nv_ioctl_register_fd_t", ctl_fd=ctl))
+            hdev = alloc(ctl, client, client, 0x80,
+                         new("NV0080_ALLOC_PARAMETERS", deviceId=info.deviceInstance))
+            hsub = alloc(ctl, client, hdev, 0x2080, new("NV2080_ALLOC_PARAMETERS"))
+            name = control(ctl, client, hsub, 0x20800110)
+            q["name"] = bytes(name.gpuNameString.raw).split(b"\0", 1)[0].decode("ascii", "replace")
+            fb = abi.control(0x20801303).params
+            p = fb.decode(bytes(fb.size))
+            entries = list(p.fbInfoList)
+            entries[0] = entries[0].replace(index=0x08)  # TOTAL_RAM_SIZE (KiB)
+            out = control(ctl, client, hsub, 0x20801303, fbInfoListSize=1, fbInfoList=entries)
+            q["memory_bytes"] = int(list(out.fbInfoList)[0].data) * 1024
+        v = new("NVOS00_PARAMETERS", hRoot=client, hObjectParent=0, hObjectOld=client)
+        esc(ctl, "NV_ESC_RM_FREE", v)
+    finally:
+        relay.close(ctl)
+    return found
+
+
+def _memory_reader(pid: int):
+    def read(addr: int, n: int) -> bytes:
+        from devbroker.frontends.procmem import vm_read
+
+        return vm_read(pid, addr, n)
+    return read if pid else None
+
+
+def _memory_writer(pid: int):
+    def write(addr: int, data: bytes) -> None:
+        from devbroker.frontends.procmem import vm_write
+
+        if data:
+            vm_write(pid, addr, data)
+    return write
+
+
+def _memblock_size() -> int | None:
+    try:
+        return int(MEMBLOCK.read_text().strip(), 16)
+    except (OSError, ValueError):
+        return None
