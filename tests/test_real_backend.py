@@ -130,7 +130,7 @@ def test_control_params_pointer_becomes_a_relay_buffer():
     assert arg == rec.out and out_nested == rec.xout
 
 
-def test_second_level_buffers_listed_are_relayed_others_refused():
+def test_second_level_buffers_the_core_copied_are_relayed_others_refused():
     spec = ABI.control(0x101).params
     strings = ctypes.create_string_buffer(b"abc", 32)
     params = spec.decode(bytes(spec.size)).replace(sizeOfStrings=32,
@@ -139,12 +139,17 @@ def test_second_level_buffers_listed_are_relayed_others_refused():
     v = top.decode(bytes(top.size)).replace(hClient=1, hObject=1, cmd=0x101, params=0x1000,
                                             paramsSize=spec.size)
     call = ABI.decode_ioctl(NodeKind.CTL, iowr(0x2A, top.size), v.encode())
-    prep = prepare_ioctl(_file(3), DriverCall(call, params.encode(), {}, abi=ABI),
-                         read_memory=lambda a, n: ctypes.string_at(a, n))
+    # The core copies the buffers the ABI marks (core.embedded_buffers) into dc.embedded.
+    from devbroker.broker.core import embedded_buffers
+
+    assert embedded_buffers(ABI, params) == [("pVersionBuffer", 32)]
+    embedded = {"pVersionBuffer": bytearray(ctypes.string_at(ctypes.addressof(strings), 32))}
+    dc = DriverCall(call, params.encode(), {}, abi=ABI, embedded=embedded)
+    prep = prepare_ioctl(_file(3), dc)
     deep = prep.request.buffers[2]
     off = spec.by_name["pVersionBuffer"].offset
     assert (deep.parent, deep.ptr_offset, deep.data[:3], len(deep.data)) == (1, off, b"abc", 32)
-    assert prep.deep == [(ctypes.addressof(strings), 2)]
+    assert prep.deep == [("pVersionBuffer", 2)]
     # the same pointer in a control not listed: refused before the driver
     name_spec = ABI.control(0x20800110).params
     v2 = v.replace(cmd=0x208F0703 if ABI.control(0x208F0703) else 0x20800110)

@@ -8,7 +8,7 @@ and /dev/nvidia-uvm, and runs each ioctl and mmap; this module speaks to it over
 - re-encodes the argument: fd fields become the relay's fd numbers of the target files
   (the driver resolves fds in the caller's table, and the caller is the relay); fd fields
   the broker did not translate become -1 (never a number the tenant chose);
-- places the nested buffer (and the few second-level buffers listed in DEEP_BUFFERS) in the
+- places the nested buffer (and the second-level buffers the core copied, dc.embedded) in the
   relay's memory: the relay patches the pointer fields with its own addresses;
 - refuses, without calling the driver, any other non-NULL pointer (it would make the driver
   read or write the relay's memory at an address the tenant chose) and UVM commands that
@@ -46,17 +46,6 @@ PROC = Path("/proc/driver/nvidia")
 MEMBLOCK = Path("/sys/devices/system/memory/block_size_bytes")
 PAGE = 4096
 
-# Second-level buffers the driver copies itself (embedded_param_copy.c) for controls a
-# supported client sends. control -> [(pointer field, size field, element size)]. The
-# buffer is read from the calling process, relayed, and written back. Any other non-NULL
-# pointer inside a nested buffer is refused.
-DEEP_BUFFERS: dict[int, list[tuple[str, str, int]]] = {
-    0x101: [("pDriverVersionBuffer", "sizeOfStrings", 1),  # SYSTEM_GET_BUILD_VERSION
-            ("pVersionBuffer", "sizeOfStrings", 1),
-            ("pTitleBuffer", "sizeOfStrings", 1)],
-    0x20801802: [("busInfoList", "busInfoListSize", 8)],  # BUS_GET_INFO (index, data)
-    0x20801201: [("grInfoList", "grInfoListSize", 8)],  # GR_GET_INFO (index, data)
-}
 MAX_DEEP = 64 << 10
 
 # UVM commands that only bind or unbind a va space of the relay's own (harmless, and what
@@ -178,13 +167,12 @@ class Prepared:
     restore: list[tuple[int, bytes]] = field(default_factory=list)  # (offset, tenant bytes)
     nested_index: int = -1
     nested_restore: list[tuple[int, bytes]] = field(default_factory=list)
-    deep: list[tuple[int, int]] = field(default_factory=list)  # (tenant address, buf index)
+    deep: list[tuple[str, int]] = field(default_factory=list)  # (pointer field, buf index)
 
 
-def prepare_ioctl(file: Any, dc: DriverCall, *,
-                  read_memory: Callable[[int, int], bytes] | None = None) -> Prepared:
-    """Build the relay request for `dc` on `file` (sans-IO but for read_memory, which reads
-    the caller's second-level buffers). Raises Unrelayable."""
+def prepare_ioctl(file: Any, dc: DriverCall) -> Prepared:
+    """Build the relay request for `dc` on `file` (sans-IO). Second-level buffers come from
+    `dc.embedded` (the core copied the ones the ABI marks). Raises Unrelayable."""
     call = dc.call
     abi = dc.abi or registry.get("580.159.04")
     arg = bytearray(call.encode())
@@ -216,35 +204,28 @@ def prepare_ioctl(file: Any, dc: DriverCall, *,
             nested = bytearray(nested)
             prep.nested_index = 1
             prep.request.buffers.append(w.Buffer(b"", 0, off))
-            _prepare_deep(prep, call, ref, nested, read_memory)
+            _prepare_deep(prep, call, ref, nested, dc.embedded)
             prep.request.buffers[1].data = bytes(nested)
     prep.request.buffers[0].data = bytes(arg)
     return prep
 
 
-def _prepare_deep(prep: Prepared, call, ref, nested: bytearray, read_memory) -> None:
+def _prepare_deep(prep: Prepared, call, ref, nested: bytearray, embedded: dict) -> None:
     if ref.spec is None:
         return
     params = ref.spec.decode(bytes(nested[:ref.spec.size]))
-    wanted = {}
-    if call.name == "NV_ESC_RM_CONTROL":
-        wanted = {p: (sf, es) for p, sf, es in DEEP_BUFFERS.get(call.value.cmd, [])}
     for path, off, ptr in _walk_ptrs(ref.spec, params):
         if not ptr:
             continue
-        if path not in wanted:
+        if path not in embedded:
             raise Unrelayable(f"{ref.op.name if ref.op else call.name}: nested pointer "
                               f"{path} is not relayed")
-        size_field, elem = wanted[path]
-        n = getattr(params, size_field) * elem
-        if n > MAX_DEEP:
-            raise Unrelayable(f"{path}: {n} bytes is more than the relay copies")
-        if read_memory is None:
-            raise Unrelayable(f"{path}: no access to the caller's memory")
-        data = read_memory(ptr, n) if n else b""
+        data = bytes(embedded[path])
+        if len(data) > MAX_DEEP:
+            raise Unrelayable(f"{path}: {len(data)} bytes is more than the relay copies")
         prep.nested_restore.append((off, struct.pack("<Q", ptr)))
         struct.pack_into("<Q", nested, off, 0)
-        prep.deep.append((ptr, len(prep.request.buffers)))
+        prep.deep.append((path, len(prep.request.buffers)))
         prep.request.buffers.append(w.Buffer(data, 1, off))
 
 
@@ -520,7 +501,7 @@ class RealBackend:
         import trio
 
         try:
-            prep = prepare_ioctl(file, dc, read_memory=_memory_reader(dc.tgid))
+            prep = prepare_ioctl(file, dc)
         except Unrelayable as e:
             self._note(("unrelayable", str(e)), f"real backend: {e}: NV_ERR_NOT_SUPPORTED "
                                                 "(the driver was not called)")
@@ -530,10 +511,9 @@ class RealBackend:
         with trio.CancelScope(shield=True):  # a half-done exchange would desync a channel
             rep = await self.relay.aioctl(prep.request)
         arg, nested = finish_ioctl(prep, rep)
-        if prep.deep and rep.ret >= 0:
-            writer = _memory_writer(dc.tgid)
-            for addr, i in prep.deep:
-                writer(addr, rep.buffers[i])
+        if rep.ret >= 0:
+            for path, i in prep.deep:  # the core writes them back to the tenant
+                dc.embedded[path][:] = rep.buffers[i]
         if dc.call.name == "NV_ESC_RM_MAP_MEMORY" and rep.ret >= 0:
             self._after_map(dc, arg)
         self.last_ns = rep.ns
@@ -632,23 +612,6 @@ def query_gpus(backend: "RealBackend") -> list[dict]:
     finally:
         relay.close(ctl)
     return found
-
-
-def _memory_reader(pid: int):
-    def read(addr: int, n: int) -> bytes:
-        from devbroker.frontends.procmem import vm_read
-
-        return vm_read(pid, addr, n)
-    return read if pid else None
-
-
-def _memory_writer(pid: int):
-    def write(addr: int, data: bytes) -> None:
-        from devbroker.frontends.procmem import vm_write
-
-        if data:
-            vm_write(pid, addr, data)
-    return write
 
 
 def _memblock_size() -> int | None:

@@ -77,8 +77,9 @@ ESCAPES: dict[str, Rule] = {
                            handler="uvm", nodes=UVM_NODES),
     "UVM_DEINITIALIZE": Rule("nvml", "tears down the caller's own va space",
                              handler="uvm", nodes=UVM_NODES),
-    "UVM_MM_INITIALIZE": Rule("nvml", "binds the caller's mm to its va space",
-                              handler="uvm", nodes=UVM_NODES),
+    "UVM_MM_INITIALIZE": Rule("nvml", "binds the caller's mm to its va space (uvmFd checked "
+                              "to be the tenant's own UVM file)", handler="uvm", nodes=UVM_NODES,
+                              fd_fields=("uvmFd",)),
 }
 
 # UVM calls CUDA makes; each acts on the caller's own va space, and those naming an RM

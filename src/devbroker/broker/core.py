@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -213,6 +214,8 @@ class Broker:
         s = Session(sid, tenant, req.node, req.minor, req.caller, file)
         self.sessions[sid] = s
         tenant.sessions[sid] = s
+        if self.recorder is not None:
+            self.recorder.open(s)
         return OpenReply(session=sid)
 
     # ------------------------------------------------------------------ release
@@ -222,6 +225,8 @@ class Broker:
             return
         s.closed = True
         s.tenant.sessions.pop(s.id, None)
+        if self.recorder is not None:
+            self.recorder.close(s)
         # Closing the ctl file frees every client allocated through it (driver semantics),
         # and with them the quota they held.
         for h in list(s.clients):
@@ -242,7 +247,11 @@ class Broker:
         try:
             data = self.backend.map_read(s.file, req.offset, req.length)
         except OSError as e:
+            if self.recorder is not None:
+                self.recorder.map_read(s, req.offset, req.length, ok=False)
             return MapReadReply(errno=e.errno or errno.EIO)
+        if self.recorder is not None:
+            self.recorder.map_read(s, req.offset, req.length)
         return MapReadReply(data=data)
 
     # ------------------------------------------------------------------ ioctl
@@ -341,9 +350,11 @@ class Broker:
                             embedded: dict | None = None) -> DriverResult:
         dc = DriverCall(call, nested, fd_files or {}, abi=self._abi(s), tgid=s.caller.pid,
                         embedded=embedded if embedded is not None else {})
+        started = time.monotonic_ns()
         result = await self.backend.ioctl(s.file, dc)
         if self.recorder is not None:
-            self.recorder.ioctl(s, call, nested, result)
+            self.recorder.ioctl(s, call, nested, result,
+                                duration_ns=time.monotonic_ns() - started)
         return result
 
     def _check_clients(self, s: Session, value: Any, *, where: str) -> int | None:
@@ -463,7 +474,7 @@ class Broker:
             if pre is not None:
                 params = pre(self, s, abi, params)
                 nested = params.encode()
-        embedded = self._read_embedded(req, params, where)
+        embedded = self._read_embedded(req, abi, params, where)
         result = await self._call_backend(s, call, nested, embedded=embedded)
         out_value = abi.decode_ioctl(s.node, req.cmd, result.arg).value
         out_nested = result.nested
@@ -479,12 +490,19 @@ class Broker:
                     req.memory.write(getattr(params, name), bytes(buf))
         return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
-    def _read_embedded(self, req: IoctlRequest, params, where: str) -> dict[str, bytearray]:
+    def _read_embedded(self, req: IoctlRequest, abi, params, where: str) -> dict[str, bytearray]:
         """Copy in the buffers that pointer fields of the parameters point to, as the driver
-        does for the controls whose ABI marks them (ptr->bytes@sizeField)."""
+        does for the controls whose ABI marks them: `ptr->bytes@sizeField` (sizeField bytes)
+        or `ptr->STRUCT@countField` (countField entries of STRUCT)."""
         out: dict[str, bytearray] = {}
         if params is None:
             return out
+        for name, size in embedded_buffers(abi, params):
+            if size > MAX_EMBEDDED_BYTES:
+                raise Refusal(f"{where}: {size} bytes behind {name} is absurd",
+                              status=nvstatus.NV_ERR_INVALID_ARGUMENT, what=where)
+            out[name] = bytearray(req.memory.read(getattr(params, name), size))
+        return out
         for f in params.spec.fields:
             if f.kind != "ptr" or f.points_to != "bytes" or not f.size_field:
                 continue
@@ -618,7 +636,8 @@ class Broker:
 
     async def _esc_uvm(self, s, abi, req, call, rule) -> IoctlReply:
         self._check_clients(s, call.value, where=call.name)
-        result = await self._call_backend(s, call)
+        fd_files = await self._translate_fds(s, req, call.value, rule.fd_fields, call.name)
+        result = await self._call_backend(s, call, fd_files=fd_files)
         return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
     # ------------------------------------------------------------------ status
@@ -648,6 +667,22 @@ class _RevokedTenant:
     memory_quota = 0
     uids = None
     rate_limit = None
+
+
+def embedded_buffers(abi, params) -> list[tuple[str, int]]:
+    """(pointer field, byte size) of each non-NULL embedded buffer the ABI marks in params."""
+    out = []
+    for f in params.spec.fields:
+        if f.kind != "ptr" or not f.size_field or not isinstance(f.points_to, str):
+            continue
+        if f.points_to in ("control", "class", "xfer"):
+            continue  # first-level nested buffers: handled by DriverABI.nested
+        if getattr(params, f.name) == 0:
+            continue
+        count = int(getattr(params, f.size_field))
+        elem = 1 if f.points_to == "bytes" else abi.struct(f.points_to).size
+        out.append((f.name, count * elem))
+    return out
 
 
 def _cstr(b: bytes) -> str:

@@ -162,7 +162,14 @@ def gpu_pids(broker, s, abi, out, ctx):
     """GET_PIDS: only the tenant's own processes, as its own pid namespace numbers them."""
     mine = s.tenant.tgids()
     count = out.pidTblCount
-    kept = [p for p in list(out.pidTbl)[:count] if p in mine]
+    if broker.backend.name == "real":
+        # The real driver credits every relayed object to the relay process, so the
+        # driver's list says nothing about tenants: answer from the broker's own books
+        # (processes of this tenant holding objects on this GPU).
+        kept = sorted({c.tgid for c in s.tenant.clients.values()
+                       if any(o.gpu == ctx.gpu for o in c.objects.values())})
+    else:
+        kept = [p for p in list(out.pidTbl)[:count] if p in mine]
     kept = [_pid_in_tenant_ns(p) for p in kept]
     table = kept + [0] * (len(out.pidTbl) - len(kept))
     return out.replace(pidTblCount=len(kept), pidTbl=table)

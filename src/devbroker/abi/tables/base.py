@@ -113,6 +113,9 @@ ANNOTATIONS = {
     ("NV0000_CTRL_SYSTEM_GET_BUILD_VERSION_PARAMS", "pDriverVersionBuffer"): "ptr->bytes@sizeOfStrings",
     ("NV0000_CTRL_SYSTEM_GET_BUILD_VERSION_PARAMS", "pVersionBuffer"): "ptr->bytes@sizeOfStrings",
     ("NV0000_CTRL_SYSTEM_GET_BUILD_VERSION_PARAMS", "pTitleBuffer"): "ptr->bytes@sizeOfStrings",
+    # A list of {index, data} entries, sizeField entries long.
+    ("NV2080_CTRL_BUS_GET_INFO_PARAMS", "busInfoList"): "ptr->NVXXXX_CTRL_XXX_INFO@busInfoListSize",
+    ("NV2080_CTRL_GR_GET_INFO_PARAMS", "grInfoList"): "ptr->NVXXXX_CTRL_XXX_INFO@grInfoListSize",
 }
 
 # cmd -> (name, observed params size).  Name: <class prefix>_CTRL_CMD_UNPUBLISHED_<cmd>.
