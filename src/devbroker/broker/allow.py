@@ -69,9 +69,9 @@ ESCAPES: dict[str, Rule] = {
                                    handler="rm_objects"),
     "NV_ESC_RM_UPDATE_DEVICE_MAPPING_INFO": Rule("compute", "updates the tenant's own mapping",
                                                  handler="rm_objects"),
-    "NV_ESC_RM_ALLOC_MEMORY": Rule("compute", "system memory for the tenant's own client "
-                                   "(device-memory classes are refused by the class table)",
-                                   handler="rm_objects", fd_fields=("fd",)),
+    "NV_ESC_RM_ALLOC_MEMORY": Rule("compute", "memory for the tenant's own client: same class "
+                                   "allowlist and quota as RM_ALLOC",
+                                   handler="rm_alloc_memory", fd_fields=("fd",)),
     # UVM commands (raw numbers, /dev/nvidia-uvm)
     "UVM_INITIALIZE": Rule("nvml", "binds a UVM va space to the calling process",
                            handler="uvm", nodes=UVM_NODES),
@@ -199,6 +199,11 @@ REFUSED_CLASSES: dict[int, str] = {
     0x42: "privileged local memory",
     0xF8: "fabric memory (cross-node; not accounted)",
     0xFD: "fabric memory (cross-node; not accounted)",
+    # issue 4: objects nvidia-smi allocates that a tenant must not get.
+    0x208F: "NV20_SUBDEVICE_DIAG: diagnostics object whose controls access registers",
+    0x73: "NV04_DISPLAY_COMMON: display object; no display is shared with tenants",
+    0x90E7: "GF100_SUBDEVICE_INFOROM: inforom object (its controls include inforom writes)",
+    0xA083: "GRID displayless virtual display (vGPU); not a tenant's object",
 }
 
 
@@ -248,7 +253,8 @@ _NVML_CONTROLS = {
     # them instead would make nvidia-smi print ERR! (issue 4, docs/emulator.md).
     0x800288: "software state persistence query (read-only)",
     0x2080013F: "OEM board info: part/serial numbers of the tenant's own GPU (read-only)",
-    0x20800802: "VBIOS version of the tenant's own GPU (read-only)",
+    0x20800802: "VBIOS info of the tenant's own GPU (read-only; its list pointer is carried "
+                "by the ABI as an embedded buffer)",
     0x208001A4: "chip details of the tenant's own GPU (read-only)",
     0x208001AB: "reset-required status of the tenant's own GPU (read-only)",
     0x208001AE: "drain-and-reset recommendation of the tenant's own GPU (read-only)",
@@ -259,6 +265,17 @@ _NVML_CONTROLS = {
     0x20802609: "power-management module info of the tenant's own GPU (read-only)",
     0x20803401: "volatile ECC counts of the tenant's own GPU (read-only; ECC config stays "
                 "refused)",
+    # issue 4: the rest of nvidia-smi's read-only queries (535 here, 580 on the H200); each
+    # reads a fact of the tenant's own GPU object and carries no handle, pointer or GPU id.
+    0x2080014B: "inforom object version of the tenant's own GPU (read-only)",
+    0x20800156: "inforom image version of the tenant's own GPU (read-only)",
+    0x20800157: "whether the tenant's own GPU's inforom holds ECC data (read-only, no params)",
+    0x20801322: "retired (offlined) pages of the tenant's own GPU (read-only)",
+    0x20801357: "DRAM-encryption inforom support of the tenant's own GPU (read-only)",
+    0x20802068: "current performance state of the tenant's own GPU (read-only; setting it "
+                "stays refused)",
+    0x208001B2: "recovery action the driver recommends for the tenant's own GPU (read-only; "
+                "the number is GET_RECOVERY_ACTION in the 580 driver the broker relays to)",
     # Unpublished (GSP) queries nvidia-smi sends for clocks/thermal/power/perf; their layout is
     # in no open header, so they carry no handle the broker could check: with the real
     # backend they need a look before they are relayed (lead: see the issue-4 report).
@@ -301,6 +318,27 @@ REFUSED_CONTROLS: dict[int, str] = {
     0x20800174: "MIG partitioning", 0xC6370101: "MIG partitioning",
     0xC6370102: "MIG partitioning",
     0x83DE0309: "debugger control",
+    # issue 4: queries nvidia-smi/NVML send that a tenant must not get (nvidia-smi then shows
+    # "Insufficient Permissions" for that field: correct, see docs/emulator.md).
+    0x127: "P2P caps between GPU ids the caller names (not restricted to the tenant's) with "
+           "an embedded busPeerIds pointer whose size (gpuCount squared) the ABI cannot express",
+    0xB02: "accounting state of a GPU id the caller names (no rewrite hook restricts it to the "
+           "tenant's GPUs) and of a vGPU guest pid",
+    0x2080016D: "encoder session stats aggregate every process's sessions on the GPU, other "
+                "tenants' included",
+    0x2080017B: "frame-buffer-capture session stats aggregate every process's sessions on the "
+                "GPU, other tenants' included",
+    0x20803083: "the host's rack/InfiniBand GUIDs and chassis slot: facts of the machine, not of "
+                "the tenant's GPU",
+    0x20800152: "unpublished (no header names it): layout unknown, may hide handles/pointers",
+    0x20808546: "unpublished (no header names it): layout unknown, may hide handles/pointers",
+    0x2080A080: "unpublished (no header names it): layout unknown, may hide handles/pointers",
+    0x2080A087: "unpublished (no header names it): layout unknown, may hide handles/pointers",
+    0x2080A618: "unpublished (no header names it): layout unknown, may hide handles/pointers",
+    0x2080852F: "unpublished (no header names it): layout unknown, may hide handles/pointers",
+    0x2080A097: "unpublished (no header names it): layout unknown, may hide handles/pointers",
+    0x20810110: "unpublished BINAPI control (no header names it): layout unknown",
+    0x20810111: "unpublished BINAPI control (no header names it): layout unknown",
 }
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -77,6 +78,7 @@ class Session:
     file: Any  # the backend's DriverFile
     clients: set[int] = field(default_factory=set)  # root clients owned through this file
     closed: bool = False
+    pidns: str | None = None  # the opener's pid namespace (an fd passed out of it is refused)
 
     @property
     def node_name(self) -> str:
@@ -183,6 +185,19 @@ class Broker:
                         node=session.node_name if session else None,
                         what=what, reason=reason, **extra)
 
+    def _same_sandbox(self, s: Session, caller: Caller) -> bool:
+        """A file is usable only from the pid namespace that opened it: a tenant that passes
+        its fd to another (over a Unix socket, say) hands over nothing."""
+        if s.pidns is None:  # the opener's namespace could not be read: nothing to compare
+            return True
+        mine = pid_namespace(caller.pid)
+        if mine == s.pidns:
+            return True
+        self._deny(s, f"{s.node_name} used by pid {caller.pid}",
+                   f"file opened in pid namespace {s.pidns} used from "
+                   f"{mine or 'a vanished process'} (fd passed between sandboxes)")
+        return False
+
     def _once(self, key: tuple, msg: str) -> None:
         if key not in self._logged_once:
             self._logged_once.add(key)
@@ -211,7 +226,8 @@ class Broker:
         except OSError as e:
             return OpenReply(errno=e.errno or errno.EIO)
         sid = next(self._ids)
-        s = Session(sid, tenant, req.node, req.minor, req.caller, file)
+        s = Session(sid, tenant, req.node, req.minor, req.caller, file,
+                    pidns=pid_namespace(req.caller.pid))
         self.sessions[sid] = s
         tenant.sessions[sid] = s
         if self.recorder is not None:
@@ -244,6 +260,8 @@ class Broker:
         s = self.sessions.get(req.session)
         if s is None:
             return MapReadReply(errno=errno.EBADF)
+        if not self._same_sandbox(s, req.caller):
+            return MapReadReply(errno=errno.EACCES)
         try:
             data = self.backend.map_read(s.file, req.offset, req.length)
         except OSError as e:
@@ -263,6 +281,11 @@ class Broker:
         if isinstance(tenant.policy, _RevokedTenant):
             self._deny(s, f"ioctl {req.cmd:#x}", "tenant removed from the running policy")
             return IoctlReply(errno=errno.EACCES)
+        if not self._same_sandbox(s, req.caller):
+            return IoctlReply(errno=errno.EACCES)
+        if tenant.limiter.would_wait():
+            self._once(("rate", tenant.name), f"tenant {tenant.name} reached its rate limit: "
+                       "its requests are being delayed")
         await tenant.limiter.acquire()
         tenant.requests += 1
         abi = self._abi(s)
@@ -298,7 +321,7 @@ class Broker:
         except Refusal as r:
             self._deny(s, r.what or call.name, r.reason)
             if r.status is not None:
-                reply = self._status_reply(abi, call, r.status)
+                reply = self._status_reply(abi, call, r.status, r.errno)
             else:
                 reply = IoctlReply(errno=r.errno)
         except DecodeError as e:
@@ -334,10 +357,14 @@ class Broker:
             return req.memory.read(req.arg_ptr, spec.size) if spec.size else b""
         return req.arg or b""
 
-    def _status_reply(self, abi, call, status: int) -> IoctlReply:
-        """Answer with the driver's status in the argument and ioctl() == 0."""
+    def _status_reply(self, abi, call, status: int, errno_: int = errno.EINVAL) -> IoctlReply:
+        """Answer with the driver's status in the argument and ioctl() == 0; arguments
+        without a status field (REGISTER_FD, …) are refused with errno_ instead."""
         field_name = "rmStatus" if call.kind == "uvm" else "status"
         value = call.value
+        inner = getattr(value, "params", None)
+        if value is None or not (hasattr(value, field_name) or hasattr(inner, field_name)):
+            return IoctlReply(errno=errno_)
         if hasattr(value, "params") and not hasattr(value, field_name):
             # nv_ioctl_nvos33_parameters_with_fd and similar wrap the NVOS struct.
             value = value.replace(params=value.params.replace(**{field_name: status}))
@@ -624,6 +651,49 @@ class Broker:
         result = await self._call_backend(s, call, fd_files=fd_files)
         return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
+    async def _esc_rm_alloc_memory(self, s, abi, req, call, rule) -> IoctlReply:
+        """NV_ESC_RM_ALLOC_MEMORY (NVOS02): the older memory allocator. Same class allowlist
+        and quota as RM_ALLOC: the size is limit + 1."""
+        p = call.value.params
+        where = f"NV_ESC_RM_ALLOC_MEMORY {abi.class_name(p.hClass)}"
+        client = self._client(s, p.hRoot, where)
+        if p.hObjectParent not in client.objects:
+            raise Refusal(f"{where}: parent {p.hObjectParent:#x} is not in client {p.hRoot:#x}",
+                          status=nvstatus.NV_ERR_INVALID_OBJECT_PARENT, what=where)
+        cls_rule = allow.class_rule(p.hClass)
+        if cls_rule is None or not cls_rule.granted(s.tenant.capabilities()):
+            raise Refusal(f"{where} ({p.hClass:#x}): not on the class allowlist",
+                          status=nvstatus.NV_ERR_INSUFFICIENT_PERMISSIONS, what=where)
+        if p.hObjectNew in client.objects:
+            raise Refusal(f"{where}: handle {p.hObjectNew:#x} already exists",
+                          status=nvstatus.NV_ERR_INSERT_DUPLICATE_NAME, what=where)
+        gpu = client.objects[p.hObjectParent].gpu
+        charge = 0
+        if p.hClass in allow.DEVICE_MEMORY_CLASSES:
+            charge = int(p.limit) + 1
+            if gpu is None:
+                raise Refusal(f"{where}: device memory needs a device parent",
+                              status=nvstatus.NV_ERR_INVALID_OBJECT_PARENT, what=where)
+            used = s.tenant.used().get(gpu, 0)
+            if used + charge > s.tenant.quota(gpu):
+                raise Refusal(f"{where}: {charge} bytes on GPU {gpu} would exceed the quota "
+                              f"({used} of {s.tenant.quota(gpu)} used)",
+                              status=nvstatus.NV_ERR_NO_MEMORY, what=where)
+        fd_files = await self._translate_fds(s, req, call.value, rule.fd_fields, where)
+        placeholder = None
+        if charge:
+            placeholder = client.add(-next(self._ids), p.hClass, p.hObjectParent, gpu=gpu,
+                                     charged=charge)
+        try:
+            result = await self._call_backend(s, call, fd_files=fd_files)
+        finally:
+            if placeholder is not None:
+                client.remove(placeholder.handle)
+        out = abi.decode_ioctl(s.node, req.cmd, result.arg).value.params
+        if not result.errno and out.status == nvstatus.NV_OK:
+            client.add(out.hObjectNew, p.hClass, p.hObjectParent, gpu=gpu, charged=charge)
+        return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
+
     async def _esc_rm_objects(self, s, abi, req, call, rule) -> IoctlReply:
         """Escapes naming a client and objects in it (UNMAP, DUP within the tenant, …)."""
         self._check_clients(s, call.value, where=call.name)
@@ -683,6 +753,13 @@ def embedded_buffers(abi, params) -> list[tuple[str, int]]:
         elem = 1 if f.points_to == "bytes" else abi.struct(f.points_to).size
         out.append((f.name, count * elem))
     return out
+
+
+def pid_namespace(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
 
 
 def _cstr(b: bytes) -> str:

@@ -23,6 +23,12 @@ class TokenBucket:
         self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
         self.updated = now
 
+    def would_wait(self) -> bool:
+        if self.rate <= 0:
+            return False
+        now = trio.current_time()
+        return min(self.burst, self.tokens + (now - self.updated) * self.rate) < 1.0
+
     async def acquire(self) -> None:
         if self.rate <= 0:  # unlimited
             return

@@ -154,8 +154,12 @@ def parse_verdict(buf: bytes) -> VerdictRecord:
         raise ProtocolError("bad verdict magic/version")
     if len(buf) != VERDICT_SIZE + f["data_size"]:
         raise ProtocolError("verdict length does not match data_size")
+    try:
+        kind = Verdict(f["verdict"])
+    except ValueError:
+        raise ProtocolError(f"unknown verdict code {f['verdict']}") from None
     return VerdictRecord(
-        Verdict(f["verdict"]), f["id"], f["result"], f["offset"], f["fd"], f["error"],
+        kind, f["id"], f["result"], f["offset"], f["fd"], f["error"],
         bytes(buf[VERDICT_SIZE:]),
     )  # fmt: skip
 

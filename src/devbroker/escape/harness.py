@@ -1,0 +1,455 @@
+"""The host side of the escape tests: a broker, a victim tenant, an attacker tenant, a
+flooding tenant; every attack's result matched to the audit log; a table.
+
+    report = run_escape_tests("fuse")        # or "seccomp"
+    print(format_table(report)); sys.exit(0 if report.ok else 1)
+
+FUSE: ``devbroker run`` in a subprocess (temp run dir, the two-tenant policy below) and the
+tenants in ``devbroker exec --tenant`` sandboxes. seccomp: the broker core in this process
+(``Broker(policy, EmulatedBackend, AuditLog)``) and the tenants under
+``frontends.seccomp.run_tenant`` (no sandbox: the sandbox-only attacks are listed as n/a).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from devbroker.escape.attacks import ATTACKS, FLOOD, Attack
+
+MiB = 1 << 20
+ATTACKER, VICTIM, FLOODER = "bob", "alice", "mallory"
+ATTACKER_QUOTA = 256 * MiB
+FLOOD_N, FLOOD_RATE, CALLS_N = 400, 100, 100
+
+POLICY = f"""
+# written by devbroker escape-test: a victim (alice, GPUs 0 and 1), an attacker (bob, GPU 0
+# shared with alice) and a flooder (mallory, GPU 0, rate-limited).
+[broker]
+backend = "emulated"
+driver_version = "580.159.04"
+
+[[broker.gpu]]
+name = "NVIDIA H200"
+uuid = "GPU-e5ca9e00-0000-4000-8000-000000000000"
+pci_bus_id = "0000:00:06.0"
+memory = "141GiB"
+
+[[broker.gpu]]
+name = "NVIDIA H200"
+uuid = "GPU-e5ca9e00-0000-4000-8000-000000000001"
+pci_bus_id = "0000:00:07.0"
+memory = "141GiB"
+
+[tenant.{VICTIM}]
+gpus = [0, 1]
+memory_quota = "1GiB"
+
+[tenant.{ATTACKER}]
+gpus = [0]
+memory_quota = "{ATTACKER_QUOTA >> 20}MiB"
+
+[tenant.{FLOODER}]
+gpus = [0]
+memory_quota = "64MiB"
+rate_limit = {{ requests_per_second = {FLOOD_RATE}, burst = 10 }}
+"""
+
+SRC = str(Path(__file__).resolve().parents[2])
+
+
+@dataclass
+class Row:
+    attack: Attack
+    verdict: str  # REFUSED | ESCAPED | NO-AUDIT | ERROR | N/A
+    got: str = ""
+    layer: str = ""
+    audit: str = ""
+    detail: str = ""
+    as_expected: bool = True
+
+    @property
+    def failed(self) -> bool:
+        return self.verdict in ("ESCAPED", "NO-AUDIT", "ERROR")
+
+    def to_dict(self) -> dict:
+        a = self.attack
+        return {"id": a.id, "title": a.title, "category": a.category, "std": a.std,
+                "expect": list(a.expect), "layer": self.layer, "verdict": self.verdict,
+                "got": self.got, "as_expected": self.as_expected, "audit": self.audit,
+                "detail": self.detail}
+
+
+@dataclass
+class Report:
+    front_end: str
+    rows: list[Row] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.rows) and not any(r.failed for r in self.rows)
+
+    def to_dict(self) -> dict:
+        return {"front_end": self.front_end, "ok": self.ok,
+                "rows": [r.to_dict() for r in self.rows], "notes": self.notes}
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = SRC + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _tenant_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "devbroker.escape.tenant", *args]
+
+
+def _victim_argv(sock: str) -> list[str]:
+    # Through sh, so the victim is not pid 2 of its namespace like the attacker is: a leaked
+    # victim pid must not look like the attacker's own.
+    return ["/bin/sh", "-c", '/bin/true; /bin/true; exec "$@"', "sh", *_tenant_argv("--victim", sock)]
+
+
+def _lines(text: str) -> list[dict]:
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out
+
+
+# --------------------------------------------------------------------------- judging
+def _match_audit(attack: Attack, res: dict, audit: list[dict]) -> dict | None:
+    t0, t1 = res.get("t0", 0) - 0.05, res.get("t1", 0) + 0.5
+    needle = re.compile(attack.audit or "", re.I)
+    for rec in audit:
+        if rec.get("event") != "deny" or rec.get("tenant") != ATTACKER:
+            continue
+        if not (t0 <= rec.get("ts", 0) <= t1):
+            continue
+        text = f"{rec.get('what', '')} {rec.get('reason', '')}"
+        if needle.search(text):
+            return rec
+    return None
+
+
+def judge(attack: Attack, res: dict | None, audit: list[dict]) -> Row:
+    if res is None:
+        return Row(attack, "ERROR", detail="the tenant printed no result (crashed?)")
+    got = res.get("got", "")
+    expected = all(g in attack.expect for g in got.split("/") if g)
+    row = Row(attack, "", got, attack.layer, detail=res.get("detail", ""), as_expected=expected)
+    if res["result"] == "escaped":
+        row.verdict = "ESCAPED"
+        return row
+    if res["result"] != "refused":
+        row.verdict = "ERROR"
+        return row
+    if attack.audit is None:
+        row.verdict = "REFUSED"
+        row.audit = f"(none) {attack.no_audit}"
+        return row
+    rec = _match_audit(attack, res, audit)
+    if rec is None:
+        # Refused, but not by the broker (no deny record): e.g. the emulator said no.
+        row.verdict = "NO-AUDIT"
+        row.audit = f"no deny record containing {attack.audit!r}"
+        return row
+    row.verdict = "REFUSED"
+    row.audit = f"{rec.get('what')}: {rec.get('reason')}"
+    return row
+
+
+def judge_flood(front_end: str, flood_done: dict | None, calls_done: dict | None,
+                snap: dict) -> Row:
+    t = {x["name"]: x for x in snap.get("tenants", [])}
+    fl, vi = t.get(FLOODER, {}), t.get(VICTIM, {})
+    row = Row(FLOOD, "", layer=FLOOD.layer)
+    if not flood_done or not calls_done:
+        row.verdict = "ERROR"
+        row.detail = f"flood={flood_done} calls={calls_done}"
+        return row
+    waited = fl.get("rate_limited", 0)
+    row.got = "delayed" if waited else "not delayed"
+    row.audit = (f"(none) status: {FLOODER} rate_limited={waited} requests={fl.get('requests')};"
+                 f" {VICTIM} rate_limited={vi.get('rate_limited')}")
+    row.detail = (f"{VICTIM}'s {CALLS_N} calls finished before {FLOODER}'s {FLOOD_N}-request "
+                  f"flood: {calls_done['t'] < flood_done['t']}; flood completed (delayed, "
+                  f"not dropped): {flood_done.get('n') == FLOOD_N}")
+    ok = (waited > 0 and calls_done["t"] < flood_done["t"] and vi.get("rate_limited", 0) == 0
+          and flood_done.get("n") == FLOOD_N)
+    row.verdict = "REFUSED" if ok else "ESCAPED"
+    return row
+
+
+def _select(front_end: str, ids: list[str] | None) -> tuple[list[Attack], list[Attack]]:
+    run, skip = [], []
+    for a in ATTACKS:
+        if ids and a.id not in ids:
+            continue
+        (run if front_end in a.frontends else skip).append(a.for_frontend(front_end))
+    return run, skip
+
+
+def _na_rows(front_end: str, skip: list[Attack]) -> list[Row]:
+    why = {"seccomp": "needs the sandbox (seccomp alone is not a boundary, docs/seccomp.md)",
+           "fuse": "seccomp-filter specific"}[front_end]
+    return [Row(a, "N/A", layer=a.layer, detail=why) for a in skip]
+
+
+def _read_audit(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return _lines(path.read_text())
+
+
+# --------------------------------------------------------------------------- FUSE
+class _FuseBroker:
+    def __init__(self, work: Path):
+        self.run_dir = work / "run"
+        self.policy = work / "policy.toml"
+        self.policy.write_text(POLICY)
+        self.log = open(work / "broker.log", "w+")
+        self.proc = subprocess.Popen(
+            self.cli("run", "--policy", str(self.policy)), stdout=self.log,
+            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            env=_env())
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"broker exited {self.proc.returncode}: {self.output()}")
+            try:
+                if self.control({"op": "status"}).get("ok"):
+                    return
+            except Exception:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"broker did not start: {self.output()}")
+
+    def cli(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "devbroker.cli.main", "--run-dir", str(self.run_dir), *args]
+
+    def exec_argv(self, tenant: str, argv: list[str]) -> list[str]:
+        return self.cli("exec", "--tenant", tenant, "--", *argv)
+
+    def control(self, req: dict) -> dict:
+        from devbroker.broker.control import call
+
+        return call(self.run_dir / "control.sock", req, timeout=10)
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        subprocess.run(["umount", "-l", str(self.run_dir / "nodes")], capture_output=True)
+        self.log.close()
+
+
+def _run_fuse(attacks: list[Attack], work: Path, flood: bool, report: Report) -> None:
+    b = _FuseBroker(work)
+    victim = None
+    try:
+        sock = f"devbroker-escape-{uuid.uuid4().hex[:12]}"
+        victim = subprocess.Popen(b.exec_argv(VICTIM, _victim_argv(sock)), stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=_env())
+        line = victim.stdout.readline()
+        if not line:
+            raise RuntimeError(f"victim failed: {victim.stderr.read()}")
+        vinfo = json.loads(line)
+        procs = next(t for t in b.control({"op": "status"})["tenants"]
+                     if t["name"] == VICTIM)["processes"]
+        vinfo["host_pid"] = procs[0] if procs else None
+        vinfo["tenant"] = VICTIM
+        ctx = {"frontend": "fuse", "run_dir": str(b.run_dir), "broker_pid": b.proc.pid,
+               "own_gpu": 0, "victim_gpu": 1, "quota": ATTACKER_QUOTA, "victim": vinfo}
+        env = _env()
+        env["DEVBROKER_ESCAPE_CTX"] = json.dumps(ctx)
+        r = subprocess.run(b.exec_argv(ATTACKER, _tenant_argv(*[a.id for a in attacks])),
+                           capture_output=True, text=True, env=env, timeout=300)
+        results = {x["id"]: x for x in _lines(r.stdout) if "id" in x}
+        if r.returncode != 0:
+            report.notes.append(f"attacker exited {r.returncode}: {r.stderr[-2000:]}")
+        audit = _read_audit(b.run_dir / "audit.log")
+        report.rows += [judge(a, results.get(a.id), audit) for a in attacks]
+
+        if flood:
+            fl = subprocess.Popen(b.exec_argv(FLOODER, _tenant_argv("--flood", str(FLOOD_N))),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=_env())
+            start = fl.stdout.readline()
+            calls = subprocess.run(b.exec_argv(VICTIM, _tenant_argv("--calls", str(CALLS_N))),
+                                   capture_output=True, text=True, env=_env(), timeout=120)
+            rest, err = fl.communicate(timeout=120)
+            fdone = next((x for x in _lines(start + rest) if x.get("what") == "flood-done"), None)
+            cdone = next((x for x in _lines(calls.stdout) if x.get("what") == "calls-done"),
+                         None)
+            if fdone is None or cdone is None:
+                report.notes.append(f"flood stderr: {err[-500:]} calls: {calls.stderr[-500:]}")
+            report.rows.append(judge_flood("fuse", fdone, cdone, b.control({"op": "status"})))
+    finally:
+        if victim is not None:
+            try:
+                victim.stdin.close()
+                victim.wait(timeout=20)
+            except Exception:
+                victim.kill()
+        b.stop()
+
+
+# --------------------------------------------------------------------------- seccomp
+def _run_seccomp(attacks: list[Attack], work: Path, flood: bool, report: Report) -> None:
+    import trio
+
+    from devbroker.broker.audit import AuditLog
+    from devbroker.broker.core import Broker
+    from devbroker.broker.policy import load_policy_text
+    from devbroker.daemon import make_backend
+    from devbroker.frontends.seccomp import default_nodes, run_tenant
+
+    policy = load_policy_text(POLICY, "escape-test policy")
+    audit_path = work / "audit.log"
+    audit = AuditLog(audit_path)
+    broker = Broker(policy, make_backend(policy, notice=lambda m: audit.write("notice",
+                                                                              message=m)), audit)
+
+    def nodes(tenant: str):
+        return default_nodes(gpus=list(policy.tenants[tenant].gpus))
+
+    async def read_line(path: Path, timeout: float = 60) -> dict | None:
+        with trio.move_on_after(timeout):
+            while True:
+                lines = _lines(path.read_text()) if path.exists() else []
+                if lines:
+                    return lines[0]
+                await trio.sleep(0.05)
+        return None
+
+    async def main() -> None:
+        env = _env()
+        sock = f"devbroker-escape-{uuid.uuid4().hex[:12]}"
+        vout = open(work / "victim.out", "w")
+        async with trio.open_nursery() as nursery:
+            v = await nursery.start(lambda task_status=trio.TASK_STATUS_IGNORED: run_tenant(
+                _victim_argv(sock), broker=broker, tenant=VICTIM, nodes=nodes(VICTIM),
+                stdin=subprocess.PIPE, stdout=vout, stderr=subprocess.DEVNULL, env=env,
+                task_status=task_status))
+            vinfo = await read_line(work / "victim.out")
+            if vinfo is None:
+                raise RuntimeError("victim under seccomp printed nothing")
+            vinfo["host_pid"] = vinfo["pid"]
+            vinfo["tenant"] = VICTIM
+            ctx = {"frontend": "seccomp", "run_dir": "", "broker_pid": os.getpid(),
+                   "own_gpu": 0, "victim_gpu": 1, "quota": ATTACKER_QUOTA, "victim": vinfo}
+            aenv = dict(env, DEVBROKER_ESCAPE_CTX=json.dumps(ctx))
+            with open(work / "attacker.out", "w") as aout, open(work / "attacker.err", "w") as aerr:
+                with trio.fail_after(300):
+                    rc = await run_tenant(_tenant_argv(*[a.id for a in attacks]), broker=broker,
+                                          tenant=ATTACKER, nodes=nodes(ATTACKER), stdout=aout,
+                                          stderr=aerr, stdin=subprocess.DEVNULL, env=aenv)
+            if rc != 0:
+                report.notes.append(f"attacker exited {rc}: "
+                                    f"{(work / 'attacker.err').read_text()[-2000:]}")
+            results = {x["id"]: x for x in _lines((work / "attacker.out").read_text())
+                       if "id" in x}
+            rows = [judge(a, results.get(a.id), _read_audit(audit_path)) for a in attacks]
+            report.rows += rows
+            if flood:
+                fo, co = work / "flood.out", work / "calls.out"
+                async with trio.open_nursery() as n2:
+                    async def flooder():
+                        with open(fo, "w") as f:
+                            await run_tenant(_tenant_argv("--flood", str(FLOOD_N)), broker=broker,
+                                             tenant=FLOODER, nodes=nodes(FLOODER), stdout=f,
+                                             stderr=subprocess.DEVNULL, env=env)
+                    n2.start_soon(flooder)
+                    await read_line(fo)
+                    with open(co, "w") as f:
+                        await run_tenant(_tenant_argv("--calls", str(CALLS_N)), broker=broker,
+                                         tenant=VICTIM, nodes=nodes(VICTIM), stdout=f,
+                                         stderr=subprocess.DEVNULL, env=env)
+                fdone = next((x for x in _lines(fo.read_text()) if x.get("what") == "flood-done"),
+                             None)
+                cdone = next((x for x in _lines(co.read_text()) if x.get("what") == "calls-done"),
+                             None)
+                report.rows.append(judge_flood("seccomp", fdone, cdone, broker.snapshot()))
+            await v.process.stdin.aclose()
+        vout.close()
+
+    trio.run(main)
+    audit.close()
+
+
+# --------------------------------------------------------------------------- entry
+def run_escape_tests(front_end: str = "fuse", *, ids: list[str] | None = None,
+                     flood: bool = True, workdir: str | Path | None = None) -> Report:
+    if front_end not in ("fuse", "seccomp"):
+        raise ValueError(f"front end {front_end!r}: fuse or seccomp (kmod/CUSE run in the "
+                         "QEMU guest, not here)")
+    if os.geteuid() != 0:
+        raise PermissionError("escape-test needs root (FUSE mounts, namespaces, seccomp)")
+    report = Report(front_end)
+    attacks, skip = _select(front_end, ids)
+    flood = flood and (not ids or "flood" in ids)
+    tmp = None
+    if workdir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="devbroker-escape-")
+        work = Path(tmp.name)
+    else:
+        work = Path(workdir)
+        work.mkdir(parents=True, exist_ok=True)
+    try:
+        if front_end == "fuse":
+            _run_fuse(attacks, work, flood, report)
+        else:
+            _run_seccomp(attacks, work, flood, report)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    report.rows += _na_rows(front_end, skip)
+    return report
+
+
+def format_table(report: Report, width: int = 70) -> str:
+    head = ("attack", "result", "refused by", "got (expected)", "audit record / evidence")
+    rows = []
+    for r in report.rows:
+        exp = "" if r.as_expected or r.verdict == "N/A" else f" (want {'/'.join(r.attack.expect)})"
+        audit = r.audit if r.verdict != "N/A" else r.detail
+        if r.verdict in ("ESCAPED", "ERROR") and r.detail:
+            audit = f"{r.detail} | {audit}" if audit else r.detail
+        rows.append((r.attack.id, r.verdict, r.layer, (r.got + exp)[:40],
+                     audit if len(audit) <= width else audit[: width - 1] + "…"))
+    widths = [max(len(str(x[i])) for x in rows + [head]) for i in range(4)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths) + "  {}"
+    lines = [f"devbroker escape-test, front end: {report.front_end}", "",
+             fmt.format(*head), fmt.format(*("-" * w for w in widths), "-" * 24)]
+    lines += [fmt.format(*r) for r in rows]
+    n = {v: sum(1 for r in report.rows if r.verdict == v)
+         for v in ("REFUSED", "ESCAPED", "NO-AUDIT", "ERROR", "N/A")}
+    lines += ["", "  ".join(f"{k}: {v}" for k, v in n.items()),
+              "RESULT: " + ("every attack refused" if report.ok else "FAILED")]
+    lines += [f"note: {x}" for x in report.notes]
+    return "\n".join(lines)

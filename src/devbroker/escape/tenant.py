@@ -1,0 +1,150 @@
+"""The tenant side of the escape tests; runs inside a tenant sandbox.
+
+    python -m devbroker.escape.tenant ATTACK_ID...     one JSON line per attack
+    python -m devbroker.escape.tenant --victim         hold a client + memory, hand out fds
+    python -m devbroker.escape.tenant --flood N [--threads T]
+    python -m devbroker.escape.tenant --calls N
+
+The attacker's context (the victim's handles, the broker's pid, ...) comes as JSON in the
+environment variable DEVBROKER_ESCAPE_CTX (see attacks.Ctx).
+"""
+from __future__ import annotations
+
+import argparse
+import array
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+
+
+def out(**kw) -> None:
+    print(json.dumps(kw), flush=True)
+
+
+def run_attacks(ids: list[str]) -> int:
+    from devbroker.escape.attacks import BY_ID, Ctx, Outcome
+
+    ctx = Ctx.from_json(os.environ.get("DEVBROKER_ESCAPE_CTX", ""))
+    for aid in ids:
+        attack = BY_ID.get(aid)
+        t0 = time.time()
+        if attack is None:
+            o = Outcome("error", "", f"no attack {aid!r}")
+        else:
+            try:
+                o = attack.fn(ctx)
+            except Exception as e:  # an attack that crashes is a harness error, not a refusal
+                o = Outcome("error", type(e).__name__,
+                            f"{e}: {traceback.format_exc(limit=3)[-400:]}")
+        out(id=aid, t0=t0, t1=time.time(), pid=os.getpid(), **o.to_dict())
+    return 0
+
+
+def victim(sock_name: str, alloc: int) -> int:
+    """Hold a client, a device-memory allocation on every GPU, and hand the fds out."""
+    from devbroker.tools.probe import Client
+
+    c = Client()
+    # Handles of its own numbering: the attacker's Client counts from 0xA55A0000, and the
+    # same number in the attacker's own client would be the attacker's own object.
+    c._next = 0xB1C70000
+    c.check_version()
+    c.open_root()
+    gpus = {}
+    first = None
+    for gid in c.attached_ids():
+        g = c.open_gpu(gid)
+        hmem = c.alloc_device_memory(g["hdevice"], alloc)
+        gpus[str(g["minor"])] = gid
+        if first is None:
+            first = dict(g, hmemory=hmem)
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind("\0" + sock_name)
+    srv.listen(8)
+
+    def serve():
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            fds = array.array("i", [c.ctl, *c.gpu_fds.values()])
+            try:
+                conn.sendmsg([b"F"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds.tobytes())])
+            finally:
+                conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    out(what="victim", pid=os.getpid(), client=c.hclient, hdevice=first["hdevice"],
+        hsubdevice=first["hsubdevice"], hmemory=first["hmemory"], gpu_ids=gpus,
+        sock=sock_name)
+    sys.stdin.read()
+    return 0
+
+
+def _client():
+    from devbroker.tools.probe import Client
+
+    c = Client()
+    c.check_version()
+    c.open_root()
+    return c
+
+
+def flood(n: int, threads: int) -> int:
+    """n cheap controls from `threads` threads as fast as the broker answers."""
+    c = _client()
+    left = [n]
+    lock = threading.Lock()
+    out(what="flood-start", t=time.time())
+
+    def go():
+        while True:
+            with lock:
+                if left[0] <= 0:
+                    return
+                left[0] -= 1
+            c.attached_ids()
+
+    ts = [threading.Thread(target=go) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    out(what="flood-done", t=time.time(), n=n)
+    return 0
+
+
+def calls(n: int) -> int:
+    c = _client()
+    t0 = time.time()
+    for _ in range(n):
+        c.attached_ids()
+    out(what="calls-done", t0=t0, t=time.time(), n=n)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m devbroker.escape.tenant")
+    ap.add_argument("--victim", metavar="SOCK", help="run as the victim (abstract socket name)")
+    ap.add_argument("--alloc", type=int, default=64 << 20)
+    ap.add_argument("--flood", type=int, metavar="N")
+    ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--calls", type=int, metavar="N")
+    ap.add_argument("ids", nargs="*")
+    a = ap.parse_args(argv)
+    if a.victim:
+        return victim(a.victim, a.alloc)
+    if a.flood:
+        return flood(a.flood, a.threads)
+    if a.calls:
+        return calls(a.calls)
+    return run_attacks(a.ids)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
