@@ -20,13 +20,24 @@ Mapping of the wire onto the interface:
   may touch the caller's memory while answering it.
 - RELEASE -> ``broker.release`` (a notification; the module does not wait).
 The interface has no "pass"; a real-driver backend would add it (kmodwire.pass_).
+
+Shared with the CUSE front end (frontends/cuse.py), whose nodes are real character devices
+too: :func:`tenant_by_uid` (callers mapped to tenants by the policy's ``uids``) and
+:func:`resolve_chardev_fd` (a tenant's fd argument -> broker session: pidfd_getfd, a
+device-number check, then the private WHOAMI ioctl on the duplicate, answered by the
+front end itself only for the broker's own process; docs/kmod.md "CUSE").
 """
 from __future__ import annotations
 
 import errno
+import fcntl
+import functools
+import glob
+import logging
 import os
+import stat
 from contextlib import AsyncExitStack
-from typing import Callable
+from typing import Any, Callable, Iterable
 
 import trio
 
@@ -41,8 +52,85 @@ from devbroker.broker.interface import (
     ReleaseRequest,
 )
 from devbroker.frontends import kmodwire as w
+from devbroker.frontends.procmem import pidfd_getfd
+
+log = logging.getLogger(__name__)
 
 CTL_PATH = "/dev/devbroker-ctl"
+
+# The private "which session is this file?" ioctl (same number as the FUSE front end's):
+# type 0xDB is not NVIDIA's 'F', so the module forwards it without argument bytes, and the
+# answer is the ioctl's return value. Only the broker's own process gets an answer; from
+# anyone else it is an ordinary unknown command, refused by the broker.
+WHOAMI_IOCTL = (2 << 30) | (8 << 16) | (0xDB << 8) | 1
+
+
+def tenant_by_uid(policy_of: Callable[[], Any] | Any, default: str | None = None
+                  ) -> Callable[[Any], "str | None"]:
+    """``tenant_of`` for front ends whose nodes are shared by every tenant (kmod, CUSE).
+
+    ``policy_of`` is the broker (its ``.policy`` is read at each call, so a policy reload
+    takes effect at the next open) or a callable returning the policy. The caller (a
+    ``Caller`` or a kmodwire ``Request``: anything with ``.uid``) belongs to the one tenant
+    whose ``uids`` list its uid; a uid listed by no tenant gets ``default`` (None: the open
+    is refused with EACCES), a uid listed by two tenants is refused (ambiguous).
+    """
+    def current():
+        return policy_of() if callable(policy_of) else policy_of.policy
+
+    def tenant_of(who: Any) -> str | None:
+        policy = current()
+        names = [name for name, t in policy.tenants.items()
+                 if who.uid in (getattr(t, "uids", None) or ())]
+        if len(names) == 1:
+            return names[0]
+        if len(names) > 1:
+            log.warning("uid %d is listed by tenants %s: refusing", who.uid, names)
+            return None
+        return default
+    return tenant_of
+
+
+def kmod_node_rdevs(class_dir: str = "/sys/class/devbroker") -> set[int]:
+    """Device numbers of the module's tenant nodes (from sysfs: <class>/<node>/dev)."""
+    out = set()
+    for path in glob.glob(os.path.join(class_dir, "*", "dev")):
+        try:
+            major, minor = open(path).read().strip().split(":")
+            out.add(os.makedev(int(major), int(minor)))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def resolve_chardev_fd(pid: int, fd: int, rdevs: Iterable[int]) -> int | None:
+    """Blocking: the broker session behind fd ``fd`` of process ``pid``, or None.
+
+    1. ``pidfd_getfd`` duplicates the tenant's open file (the same ``struct file``).
+    2. It must be a character device whose number is one of ``rdevs`` (ours): the WHOAMI
+       ioctl is never sent to anybody else's device.
+    3. WHOAMI on the duplicate reaches this broker as an ordinary ioctl of that very open
+       file; the front end answers with the session id as the return value.
+    4. The duplicate is closed (if the tenant closed its fd meanwhile, this is the last
+       reference and the front end gets the release, as it should).
+    Run it in a worker thread: step 3 is answered by the front end's own event loop.
+    """
+    try:
+        dup = pidfd_getfd(pid, fd)
+    except OSError as e:
+        log.debug("resolve_fd(%d, %d): %s", pid, fd, e)
+        return None
+    try:
+        st = os.fstat(dup)
+        if not stat.S_ISCHR(st.st_mode) or st.st_rdev not in set(rdevs):
+            return None
+        session = fcntl.ioctl(dup, WHOAMI_IOCTL, 0)
+        return session if session > 0 else None
+    except OSError as e:
+        log.debug("resolve_fd(%d, %d): %s", pid, fd, e)
+        return None
+    finally:
+        os.close(dup)
 
 # Maps a request to its tenant name, or None to refuse the open (EACCES). The module
 # reports uid/gid, the cgroup v2 id and the pid-namespace inode; a policy usually keys
@@ -99,6 +187,11 @@ class KmodFrontend:
                 # not hold up other tenants.
                 nursery.start_soon(self._handle, req)
 
+    async def resolve_fd(self, pid: int, fd: int) -> int | None:
+        """The broker session behind fd ``fd`` of process ``pid`` (None: not one of ours)."""
+        return await trio.to_thread.run_sync(
+            resolve_chardev_fd, pid, fd, kmod_node_rdevs())
+
     def _send(self, v: w.VerdictRecord) -> bool:
         """Write a verdict; False when the caller is gone (killed or timed out: ENOENT)."""
         try:
@@ -132,9 +225,13 @@ class KmodFrontend:
             self._send(w.deny(req.id, errno.EBADF))
             return
         if req.op == w.Op.IOCTL:
+            if req.cmd == WHOAMI_IOCTL and req.tgid == os.getpid():
+                self._send(w.reply(req.id, result=session))  # resolve_fd asking
+                return
             r = await self.broker.ioctl(IoctlRequest(
                 caller, session, req.cmd, arg_ptr=req.arg, arg=req.data or None,
-                memory=ProcessMemory(req.tgid)))  # fmt: skip
+                memory=ProcessMemory(req.tgid),
+                resolve_fd=functools.partial(self.resolve_fd, req.tgid)))  # fmt: skip
             if r.errno:
                 self._send(w.deny(req.id, r.errno))
             else:
