@@ -53,31 +53,14 @@ put native_bench_control "$("$PY" scripts/gpu/tenant_checks.py bench-control 500
 
 step "start the broker: real backend, FUSE front end, record mode"
 rm -rf "$RUN"; mkdir -p "$RUN"
-BROKER_CMD=("$PY" scripts/gpu/launch_broker.py --run-dir "$RUN" --backend real
+BROKER_CMD=("$PY" -m devbroker.cli.main --run-dir "$RUN" run --backend real
             --policy scripts/gpu/h200-policy.toml --record "$OUT/session.nvtrace"
             --audit "$OUT/audit.log")
-if "$PY" -c 'import devbroker.broker.policy' 2>/dev/null; then
-  BROKER_CMD=("$PY" -m devbroker.cli.main --run-dir "$RUN" run --backend real
-              --policy scripts/gpu/h200-policy.toml --record "$OUT/session.nvtrace"
-              --audit "$OUT/audit.log")
-fi
 echo "broker command: ${BROKER_CMD[*]}"
 "${BROKER_CMD[@]}" > "$OUT/broker.log" 2>&1 &
 BROKER=$!
 for i in $(seq 1 100); do [ -S "$RUN/control.sock" ] && break; sleep 0.2
   kill -0 $BROKER 2>/dev/null || break; done
-if ! [ -S "$RUN/control.sock" ] && "${BROKER_CMD[0]}" -c 1 2>/dev/null; then :; fi
-if ! [ -S "$RUN/control.sock" ]; then
-  echo "broker did not start"; cat "$OUT/broker.log"
-  if [ "${BROKER_CMD[1]}" = "-m" ]; then  # devbroker run failed: try the launcher
-    BROKER_CMD=("$PY" scripts/gpu/launch_broker.py --run-dir "$RUN" --backend real
-                --policy scripts/gpu/h200-policy.toml --record "$OUT/session.nvtrace"
-                --audit "$OUT/audit.log")
-    "${BROKER_CMD[@]}" >> "$OUT/broker.log" 2>&1 &
-    BROKER=$!
-    for i in $(seq 1 100); do [ -S "$RUN/control.sock" ] && break; sleep 0.2; done
-  fi
-fi
 [ -S "$RUN/control.sock" ] || { echo "broker did not start"; cat "$OUT/broker.log"; exit 1; }
 cat "$OUT/broker.log"
 RELAY=$(pgrep -P $BROKER -f devbroker.backends.relay | head -1)
@@ -90,47 +73,16 @@ DB=("$PY" -m devbroker.cli.main --run-dir "$RUN")
 "${DB[@]}" status
 ls -la "$RUN/nodes" "$RUN/nodes/t16" 2>&1 | head -20
 
-# Sandbox: devbroker exec (src/devbroker/sandbox); if it cannot run here, a minimal
-# unshare + bind-mount view of the tenant's nodes (said so in the log).
-SANDBOX=exec
-SHIMENV=()
+# Tenants run in `devbroker exec` sandboxes, as a user would: the broker's FUSE nodes at
+# /dev/nvidia*, the tenant's /proc/driver/nvidia view, and the seccomp stat shim that makes
+# NVML see character devices 195:N (docs/sandbox.md).
 texec() { # texec TENANT CMD...
   local t=$1; shift
-  if [ $SANDBOX = exec ]; then
-    "${DB[@]}" exec --tenant "$t" -- env PYTHONPATH="$PYTHONPATH" PYTHONUNBUFFERED=1 "${SHIMENV[@]}" "$@"
-  else
-    local d="$RUN/nodes/$t"
-    unshare -m -p -f --mount-proc /bin/sh -c '
-      set -e; d=$0; v=/tmp/devview.$$; mkdir -p $v; mount --make-rprivate /
-      mount -t tmpfs tmpfs $v
-      for n in null zero urandom random full tty; do touch $v/$n; mount --bind /dev/$n $v/$n; done
-      for f in $d/nvidia*; do [ -e "$f" ] || continue; touch $v/${f##*/}; mount --bind $f $v/${f##*/}; done
-      mkdir -p $v/shm $v/pts; mount --bind $v /dev
-      mount --bind $d/proc/driver/nvidia /proc/driver/nvidia
-      exec "$@"' "$d" env PYTHONPATH="$PYTHONPATH" PYTHONUNBUFFERED=1 "${SHIMENV[@]}" "$@"
-  fi
+  "${DB[@]}" exec --tenant "$t" -- env PYTHONPATH="$PYTHONPATH" PYTHONUNBUFFERED=1 "$@"
 }
 step "sandbox smoke test"
-if ! texec t16 /bin/sh -c 'ls -l /dev/nvidia*; cat /proc/driver/nvidia/params | head -3'; then
-  echo "devbroker exec failed: falling back to unshare + bind mounts"; SANDBOX=unshare
-  texec t16 /bin/sh -c 'ls -l /dev/nvidia*; cat /proc/driver/nvidia/params | head -3'
-fi
-put sandbox "$SANDBOX"
-
-step "UNMODIFIED clients in tenant t16 / nogpu (no shim)"
-put unmod_t16_nvml "$(texec t16 "$PY" scripts/gpu/tenant_checks.py nvml)"
-texec t16 nvidia-smi; put unmod_t16_smi_rc $?
-texec nogpu nvidia-smi; put unmod_nogpu_smi_rc $?
-
-# NVML refuses a /dev/nvidiactl that does not stat() as char 195:255 (docs/sandbox.md; the
-# FUSE nodes are regular files). Until the sandbox fakes stat, the rest runs with the team's
-# stopgap tests/nvidia_stat_shim.c preloaded: it changes stat() results only; every open,
-# ioctl and mmap still goes through the FUSE nodes, the broker and the relay.
-step "build the stat shim (stopgap, tests/nvidia_stat_shim.c)"
-if gcc -shared -fPIC -O2 -o /tmp/nvidia_stat_shim.so tests/nvidia_stat_shim.c -ldl; then
-  chmod a+r /tmp/nvidia_stat_shim.so; SHIMENV=(LD_PRELOAD=/tmp/nvidia_stat_shim.so)
-fi
-put shim "${SHIMENV[*]:-none}"
+texec t16 /bin/sh -c 'ls -l /dev/nvidia*; cat /proc/driver/nvidia/params | head -3'
+put sandbox exec
 
 step "tenant t16 (16 GiB on GPU 0): pynvml"
 put t16_nvml "$(texec t16 "$PY" scripts/gpu/tenant_checks.py nvml)"

@@ -73,11 +73,7 @@ def main(res_path: str, rec_path: str, audit_path: str) -> int:
     except OSError:
         pass
     rows = [
-        ("sandbox used", r.get("sandbox")),
-        ("UNMODIFIED t16 pynvml / nvidia-smi rc / nogpu nvidia-smi rc",
-         f"{gpus(r.get('unmod_t16_nvml'))} / {r.get('unmod_t16_smi_rc')} / "
-         f"{r.get('unmod_nogpu_smi_rc')}"),
-        ("stat shim for the rows below", r.get("shim")),
+        ("tenant sandbox (devbroker exec, seccomp stat shim)", r.get("sandbox")),
         ("relay process", r.get("relay_status")),
         ("broker CapEff", r.get("broker_capeff")),
         ("host nvidia-smi", r.get("host_smi_csv")),

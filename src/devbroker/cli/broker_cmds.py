@@ -25,6 +25,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--tenant", required=True)
     p.add_argument("--uid", type=int, help="run the command as this uid")
     p.add_argument("--gid", type=int, help="run the command as this gid")
+    p.add_argument("--no-stat-shim", dest="stat_shim", action="store_false",
+                   help="do not make stat() report the node files as NVIDIA character "
+                        "devices (seccomp user notification; see docs/sandbox.md)")
     p.add_argument("argv", nargs="+", metavar="CMD", help="command and arguments (after --)")
     p.set_defaults(func=cmd_exec)
 
@@ -92,7 +95,7 @@ def cmd_run(args) -> int:
 # --------------------------------------------------------------------------- exec
 def cmd_exec(args) -> int:
     from devbroker.broker.control import ControlError, call
-    from devbroker.sandbox import exec_main
+    from devbroker.sandbox import SandboxError, exec_main
 
     _require_root("exec")
     argv = list(args.argv)
@@ -108,8 +111,12 @@ def cmd_exec(args) -> int:
         return 125
     # The run dir holds the control socket (root may apply policies through it) and the
     # audit log: a tenant must not reach either, so the sandbox covers it.
-    return exec_main(Path(info["dir"]), argv, uid=args.uid, gid=args.gid,
-                     hide=[Path(args.run_dir)])
+    try:
+        return exec_main(Path(info["dir"]), argv, uid=args.uid, gid=args.gid,
+                         hide=[Path(args.run_dir)], stat_shim=args.stat_shim)
+    except SandboxError as e:
+        print(f"devbroker exec: cannot set up the sandbox: {e}", file=sys.stderr)
+        return 125
 
 
 # --------------------------------------------------------------------------- status

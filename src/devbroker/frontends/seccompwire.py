@@ -58,14 +58,19 @@ NR = {
     "read": 0,
     "open": 2,
     "close": 3,
+    "stat": 4,
+    "fstat": 5,
+    "lstat": 6,
     "mmap": 9,
     "ioctl": 16,
     "mknod": 133,
     "openat": 257,
     "mknodat": 259,
+    "newfstatat": 262,
     "name_to_handle_at": 303,
     "open_by_handle_at": 304,
     "seccomp": 317,
+    "statx": 332,
     "io_uring_setup": 425,
     "io_uring_enter": 426,
     "io_uring_register": 427,
@@ -79,6 +84,15 @@ S_IFMT = 0o170000
 S_IFCHR = 0o020000
 S_IFBLK = 0o060000
 AT_FDCWD = -100
+AT_SYMLINK_NOFOLLOW = 0x100
+AT_NO_AUTOMOUNT = 0x800
+AT_EMPTY_PATH = 0x1000
+AT_STATX_SYNC_TYPE = 0x6000
+
+# The system calls that report a file's type and device number (x86_64). NVML 535 uses
+# stat(2) on /dev/nvidiactl and /dev/nvidia<N>; glibc's stat/lstat/fstat are newfstatat,
+# coreutils and newer libcs use statx. access/faccessat* only check permissions.
+STAT_SYSCALLS = ("stat", "fstat", "lstat", "newfstatat", "statx")
 
 # ---------------------------------------------------------------------------------------
 # ioctl numbers (asm-generic encoding: nr 8 bits, type 8, size 14, dir 2)
@@ -286,6 +300,8 @@ class NotifAddfd:
 
     @classmethod
     def decode(cls, buf: bytes) -> "NotifAddfd":
+        if len(buf) < _ADDFD.size:
+            raise WireError(f"seccomp_notif_addfd needs {_ADDFD.size} bytes, got {len(buf)}")
         nid, flags, srcfd, newfd, newfd_flags = _ADDFD.unpack_from(buf)
         return cls(nid, srcfd, flags, newfd, newfd_flags)
 
@@ -400,6 +416,7 @@ class FilterOptions:
     deny_open_by_handle: bool = True  # open_by_handle_at -> EPERM (bypasses path checks)
     deny_io_uring: bool = True  # io_uring_* -> ENOSYS (its openat bypasses seccomp)
     uvm_raw_max: int = UVM_RAW_MAX
+    notify_stat: bool = False  # STAT_SYSCALLS -> USER_NOTIF (the stat shim, statshim.py)
 
 
 def build_filter(opts: FilterOptions = FilterOptions()) -> bytes:
@@ -416,6 +433,7 @@ def build_filter(opts: FilterOptions = FilterOptions()) -> bytes:
     mknod/mknodat         ERRNO(EPERM) for S_IFCHR/S_IFBLK, else ALLOW
     open_by_handle_at     ERRNO(EPERM)
     io_uring_*            ERRNO(ENOSYS)
+    STAT_SYSCALLS         USER_NOTIF, only with notify_stat (off by default)
     anything else         ALLOW
     ===================== ===================================================================
     """
@@ -432,6 +450,9 @@ def build_filter(opts: FilterOptions = FilterOptions()) -> bytes:
         a.jmp(BPF_JEQ, NR["ioctl"], "ioctl", 0)
     if opts.notify_mmap:
         a.jmp(BPF_JEQ, NR["mmap"], "mmap", 0)
+    if opts.notify_stat:
+        for name in STAT_SYSCALLS:
+            a.jmp(BPF_JEQ, NR[name], "notify", 0)
     if opts.deny_device_mknod:
         a.jmp(BPF_JEQ, NR["mknod"], "mknod", 0)
         a.jmp(BPF_JEQ, NR["mknodat"], "mknodat", 0)
@@ -477,6 +498,136 @@ def build_filter(opts: FilterOptions = FilterOptions()) -> bytes:
     a.label("kill")
     a.ret(SECCOMP_RET_KILL_PROCESS)
     return a.assemble()
+
+
+def build_stat_shim_filter() -> bytes:
+    """The sandbox's stat shim filter: the stat family goes to the supervisor, everything else
+    is allowed.
+
+    ===================== ===================================================================
+    STAT_SYSCALLS         USER_NOTIF (x86_64 numbers, audit arch x86_64)
+    anything else         ALLOW, other audit archs (i386 ``int 0x80``) and x32 included
+    ===================== ===================================================================
+
+    Unlike :func:`build_filter` this filter is not a boundary: faking a stat result grants
+    nothing (the open still goes to the broker's node), so a stat the filter does not see
+    (an i386 or x32 ``stat``) merely reports the node as what it really is, a regular file.
+    """
+    a = _Asm()
+    a.ld(OFF_ARCH)
+    a.jmp(BPF_JEQ, AUDIT_ARCH_X86_64, 0, "allow")
+    a.ld(OFF_NR)
+    for name in STAT_SYSCALLS:
+        a.jmp(BPF_JEQ, NR[name], "notify", 0)
+    a.label("allow")
+    a.ret(SECCOMP_RET_ALLOW)
+    a.label("notify")
+    a.ret(SECCOMP_RET_USER_NOTIF)
+    return a.assemble()
+
+
+# ---------------------------------------------------------------------------------------
+# struct stat / struct statx (x86_64), for the stat shim
+# ---------------------------------------------------------------------------------------
+#
+#   struct stat (asm/stat.h, x86_64)                      144 bytes
+#     u64 st_dev @0, u64 st_ino @8, u64 st_nlink @16, u32 st_mode @24, u32 st_uid @28,
+#     u32 st_gid @32, pad @36, u64 st_rdev @40, s64 st_size @48, s64 st_blksize @56,
+#     s64 st_blocks @64, {s64 sec, u64 nsec} atime @72, mtime @88, ctime @104, s64[3] @120
+#   struct statx (linux/stat.h)                           256 bytes
+#     u32 stx_mask @0, u32 stx_blksize @4, u64 stx_attributes @8, u32 stx_nlink @16,
+#     u32 stx_uid @20, u32 stx_gid @24, u16 stx_mode @28, u64 stx_ino @32, u64 stx_size @40,
+#     u64 stx_blocks @48, u64 stx_attributes_mask @56, timestamps @64/@80/@96/@112,
+#     u32 stx_rdev_major @128, u32 stx_rdev_minor @132, u32 stx_dev_major @136,
+#     u32 stx_dev_minor @140, …
+
+STAT_SIZE = 144
+STATX_SIZE = 256
+STATX_TYPE = 0x1
+STATX_MODE = 0x2
+STATX_INO = 0x100
+STATX_BASIC_STATS = 0x7FF
+
+_STAT_HEAD = struct.Struct("=QQQIII4xQqqq")
+_STAT_MODE = struct.Struct("=I")
+_STAT_RDEV = struct.Struct("=Q")
+_STAT_OFF_MODE, _STAT_OFF_RDEV = 24, 40
+_STATX_HEAD = struct.Struct("=IIQIIIH2xQQQQ")
+_STATX_MODE = struct.Struct("=H")
+_STATX_DEVS = struct.Struct("=IIII")
+_STATX_OFF_MODE, _STATX_OFF_DEVS = 28, 128
+
+
+def makedev(major: int, minor: int) -> int:
+    """glibc's makedev (and the kernel's new_encode_dev for 32-bit dev_t)."""
+    return ((major & 0xFFF) << 8) | ((major & ~0xFFF) << 32) | (minor & 0xFF) | ((minor & ~0xFF) << 12)
+
+
+def dev_major(dev: int) -> int:
+    return ((dev & 0x00000000000FFF00) >> 8) | ((dev & 0xFFFFF00000000000) >> 32)
+
+
+def dev_minor(dev: int) -> int:
+    return (dev & 0xFF) | ((dev & 0x00000FFFFFF00000) >> 12)
+
+
+@dataclass(frozen=True)
+class StatFields:
+    """The fields of a struct stat / struct statx the stat shim and its tests look at."""
+
+    dev: int
+    ino: int
+    mode: int
+    rdev_major: int
+    rdev_minor: int
+    size: int
+    uid: int
+    gid: int
+
+
+def decode_stat(buf: bytes) -> StatFields:
+    if len(buf) < STAT_SIZE:
+        raise WireError(f"struct stat needs {STAT_SIZE} bytes, got {len(buf)}")
+    dev, ino, _nlink, mode, uid, gid, rdev, size, _blksize, _blocks = _STAT_HEAD.unpack_from(buf)
+    return StatFields(dev, ino, mode, dev_major(rdev), dev_minor(rdev), size, uid, gid)
+
+
+def decode_statx(buf: bytes) -> StatFields:
+    if len(buf) < STATX_SIZE:
+        raise WireError(f"struct statx needs {STATX_SIZE} bytes, got {len(buf)}")
+    (_mask, _blksize, _attrs, _nlink, uid, gid, mode, ino, size, _blocks,
+     _amask) = _STATX_HEAD.unpack_from(buf)
+    rmaj, rmin, dmaj, dmin = _STATX_DEVS.unpack_from(buf, _STATX_OFF_DEVS)
+    return StatFields(makedev(dmaj, dmin), ino, mode, rmaj, rmin, size, uid, gid)
+
+
+def _chr_mode(mode: int) -> int:
+    return S_IFCHR | (mode & 0o7777)
+
+
+def fake_chr_stat(buf: bytes, major: int, minor: int) -> bytes:
+    """A struct stat with the file type set to S_IFCHR (permission bits kept) and st_rdev set
+    to major:minor; every other field is buf's."""
+    if len(buf) < STAT_SIZE:
+        raise WireError(f"struct stat needs {STAT_SIZE} bytes, got {len(buf)}")
+    out = bytearray(buf[:STAT_SIZE])
+    (mode,) = _STAT_MODE.unpack_from(out, _STAT_OFF_MODE)
+    _STAT_MODE.pack_into(out, _STAT_OFF_MODE, _chr_mode(mode))
+    _STAT_RDEV.pack_into(out, _STAT_OFF_RDEV, makedev(major, minor))
+    return bytes(out)
+
+
+def fake_chr_statx(buf: bytes, major: int, minor: int) -> bytes:
+    """A struct statx with stx_mode's type set to S_IFCHR and stx_rdev_* to major:minor
+    (stx_mask is the kernel's: the rdev fields are always filled, whatever the mask)."""
+    if len(buf) < STATX_SIZE:
+        raise WireError(f"struct statx needs {STATX_SIZE} bytes, got {len(buf)}")
+    out = bytearray(buf[:STATX_SIZE])
+    (mode,) = _STATX_MODE.unpack_from(out, _STATX_OFF_MODE)
+    _STATX_MODE.pack_into(out, _STATX_OFF_MODE, _chr_mode(mode))
+    rmaj, rmin, dmaj, dmin = _STATX_DEVS.unpack_from(out, _STATX_OFF_DEVS)
+    _STATX_DEVS.pack_into(out, _STATX_OFF_DEVS, major, minor, dmaj, dmin)
+    return bytes(out)
 
 
 def run_filter(prog: bytes, data: SeccompData) -> int:

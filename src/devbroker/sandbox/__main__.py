@@ -31,6 +31,8 @@ def parse_args(argv: list[str]) -> SandboxSpec:
     ap.add_argument("--caps", help="comma-separated capabilities kept when running as root")
     ap.add_argument("--driver-version")
     ap.add_argument("--pass-fd", action="append", type=int, default=[])
+    ap.add_argument("--no-stat-shim", dest="stat_shim", action="store_false",
+                    help="do not fake stat() of the node files as NVIDIA character devices")
     ap.add_argument("command", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
@@ -38,7 +40,8 @@ def parse_args(argv: list[str]) -> SandboxSpec:
     return SandboxSpec(tenant_dir=a.tenant_dir, argv=tuple(command), uid=a.uid, gid=a.gid,
                        groups=a.groups, cwd=a.cwd, hide=tuple(a.hide),
                        readonly=tuple(a.readonly), capabilities=caps,
-                       driver_version=a.driver_version, pass_fds=tuple(a.pass_fd))
+                       driver_version=a.driver_version, pass_fds=tuple(a.pass_fd),
+                       stat_shim=a.stat_shim)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,12 @@ Process tree (host pids on the left)::
       └─ helper      unshare(NEWNS|NEWPID); forwards signals, waits
            └─ init   pid 1 of the new pid namespace: builds /dev, /proc, /sys views,
                 │    forwards signals, reaps every zombie, exits with the command's status
-                └─ command   drops capabilities, sets no_new_privs, maybe uid/gid, execs
+                └─ command   drops capabilities, sets no_new_privs, maybe uid/gid,
+                             installs the stat shim's seccomp filter, execs
+
+With the stat shim (on by default), the caller also runs a thread that answers the tenant's
+stat-family system calls (devbroker.frontends.statshim): the broker's node files are regular
+FUSE files, and NVML refuses a /dev/nvidiactl that does not stat as char 195:255.
 
 The helper exists because unshare(CLONE_NEWPID) only moves the caller's *children*, and the
 caller (a CLI, a test, a broker) must not have its own namespaces changed. Mount work happens
@@ -16,9 +21,11 @@ See docs/sandbox.md for why each step is there and what this does not defend.
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -102,6 +109,8 @@ class SandboxSpec:
     capabilities: frozenset[str] = ROOT_CAPABILITIES
     driver_version: str | None = None  # for /sys/module/nvidia/version; else from proc view
     pass_fds: tuple[int, ...] = ()  # fds above 2 the command keeps (all others are closed)
+    # Fake stat results for the node files (S_IFCHR 195:N, see statshim.py and docs).
+    stat_shim: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "tenant_dir", Path(self.tenant_dir))
@@ -117,7 +126,8 @@ class SandboxSpec:
 def exec_main(tenant_dir: Path, argv: Sequence[str], *, uid: int | None = None,
               gid: int | None = None, groups: Sequence[int] = (), cwd: str | None = None,
               env: Mapping[str, str] | None = None, hide: Sequence[Path] = (),
-              readonly: Sequence[Path] = (), driver_version: str | None = None) -> int:
+              readonly: Sequence[Path] = (), driver_version: str | None = None,
+              stat_shim: bool = True) -> int:
     """What `devbroker exec` runs: the command's exit status (128+N if killed by signal N;
     125 if the sandbox failed, 126/127 if the command could not be executed).
 
@@ -126,7 +136,8 @@ def exec_main(tenant_dir: Path, argv: Sequence[str], *, uid: int | None = None,
     """
     spec = SandboxSpec(tenant_dir=tenant_dir, argv=tuple(argv), uid=uid, gid=gid,
                        groups=tuple(groups), cwd=cwd, env=env, hide=tuple(hide),
-                       readonly=tuple(readonly), driver_version=driver_version)
+                       readonly=tuple(readonly), driver_version=driver_version,
+                       stat_shim=stat_shim)
     return run_here(spec)
 
 
@@ -164,6 +175,8 @@ def spec_to_args(spec: SandboxSpec) -> list[str]:
         args += ["--driver-version", spec.driver_version]
     for fd in spec.pass_fds:
         args += ["--pass-fd", str(fd)]
+    if not spec.stat_shim:
+        args += ["--no-stat-shim"]
     return args
 
 
@@ -174,8 +187,11 @@ def run_here(spec: SandboxSpec) -> int:
         raise SandboxError("run_here/exec_main must run in the main thread; "
                            "use run_in_sandbox from other threads")
     spec = SandboxSpec(**{**spec.__dict__, "tenant_dir": spec.tenant_dir.resolve()})
+    plan = _plan(spec)
+    shim = _ShimThread(spec, plan) if spec.stat_shim else None
     # Blocked before fork so that no signal is lost between fork and the wait loop; the
-    # children inherit the mask and the command clears it just before exec.
+    # children inherit the mask and the command clears it just before exec. (The stat shim
+    # thread, started afterwards, inherits it too: these signals reach only sigwaitinfo.)
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _WAITED_SIGNALS)
     # With SIGCHLD ignored the kernel would reap our child itself and waitpid would fail.
     old_chld = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -184,11 +200,110 @@ def run_here(spec: SandboxSpec) -> int:
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            _helper_main(spec)  # never returns
-        return _supervise(pid, reap_all=False)
+            _helper_main(spec, plan, shim.child_fd if shim else None)  # never returns
+        if shim:
+            shim.start()  # after the fork: the children are forked from a one-thread process
+        try:
+            return _supervise(pid, reap_all=False)
+        finally:
+            if shim:
+                shim.stop()
     finally:
+        if shim:
+            shim.close()
         signal.signal(signal.SIGCHLD, old_chld)
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What the caller works out before forking, for init (the view) and the stat shim."""
+
+    proc_devices: str | None  # the tenant's /proc/devices (None: leave the host's)
+    uvm_major: int
+
+
+def _plan(spec: SandboxSpec) -> _Plan:
+    from devbroker.frontends.statshim import proc_devices_view
+
+    try:
+        with open("/proc/devices") as f:
+            text, uvm = proc_devices_view(f.read())
+    except (OSError, ValueError) as e:
+        _fail("/proc/devices (the tenant sees the host's)", e)
+        return _Plan(None, 238)
+    return _Plan(text, uvm)
+
+
+class _ShimThread:
+    """The stat shim's supervisor, as a thread of the caller (outside the tenant's pid and
+    mount namespaces: it reads /proc/<host tid>/…). It gets the listener from the command over
+    a socketpair, answers until no tenant task is left, and is joined before run_here
+    returns. If it fails, the listener closes and the tenant's stat calls get ENOSYS."""
+
+    JOIN_TIMEOUT = 10.0
+
+    def __init__(self, spec: SandboxSpec, plan: _Plan):
+        from devbroker.frontends import statshim
+
+        self._statshim = statshim
+        names = tenant_nodes(spec.tenant_dir)
+        # Identities of the files that will be bound at /dev/<name>, taken now (a bind holds
+        # the same inode). Fails early (SandboxError) when the kernel lacks user notification.
+        try:
+            self.shim = statshim.StatShim(
+                statshim.node_table(spec.tenant_dir, names, plan.uvm_major), names)
+        except OSError as e:
+            raise SandboxError(f"stat shim: {e} (use --no-stat-shim to run without it)") from e
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # Above 2 whatever the caller's stdio is, so the command's _close_fds keeps it apart.
+        self.child_fd = fcntl.fcntl(child.fileno(), fcntl.F_DUPFD_CLOEXEC, 3)
+        child.close()
+        self._sock = parent
+        self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.killable: bool | None = None
+
+    def start(self) -> None:
+        os.close(self.child_fd)  # the command holds it now; EOF if it dies before sending
+        self.child_fd = -1
+        self._thread = threading.Thread(target=self._run, name="devbroker-stat-shim",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            got = self._statshim.recv_listener(self._sock, self._stop_r)
+            if got is None:
+                return  # the command failed before installing the filter
+            listener, self.killable = got
+            try:
+                self.shim.serve(listener, self._stop_r)
+            finally:
+                os.close(listener)  # from here on, a tenant stat would get ENOSYS
+        except BaseException as e:  # noqa: BLE001 - a thread must not die silently
+            self.error = e
+            _fail("stat shim failed; the tenant's stat calls now fail with ENOSYS", e)
+
+    def stop(self) -> None:
+        """The tenant is gone (pid 1 of its namespace has exited, so every task has): end
+        the thread."""
+        if self._thread is None:
+            return
+        os.write(self._stop_w, b"x")
+        self._thread.join(self.JOIN_TIMEOUT)
+        if self._thread.is_alive():
+            _fail("stat shim", TimeoutError("its thread did not stop; left behind"))
+
+    def close(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return  # stuck (reported by stop()); leave its fds alone
+        for fd in (self.child_fd, self._stop_r, self._stop_w):
+            if fd >= 0:
+                os.close(fd)
+        self.child_fd = self._stop_r = self._stop_w = -1
+        self._sock.close()
 
 
 # ------------------------------------------------------------------------------ processes
@@ -247,7 +362,7 @@ def _fail(step: str, exc: BaseException) -> None:
         pass
 
 
-def _helper_main(spec: SandboxSpec) -> None:
+def _helper_main(spec: SandboxSpec, plan: _Plan, shim_fd: int | None) -> None:
     code = EXIT_SETUP_FAILED
     try:
         # If the caller dies, so does the helper, and with it (pid 1 gone) the namespace.
@@ -257,7 +372,9 @@ def _helper_main(spec: SandboxSpec) -> None:
         linux.mount(None, "/", None, MS_REC | MS_PRIVATE)
         pid = os.fork()
         if pid == 0:
-            _init_main(spec)  # never returns
+            _init_main(spec, plan, shim_fd)  # never returns
+        if shim_fd is not None:
+            os.close(shim_fd)  # only the command sends on it
         code = _supervise(pid, reap_all=False)
     except BaseException as e:  # noqa: BLE001 - a forked child must never unwind into the caller
         _fail("namespaces", e)
@@ -265,14 +382,16 @@ def _helper_main(spec: SandboxSpec) -> None:
         os._exit(code)
 
 
-def _init_main(spec: SandboxSpec) -> None:
+def _init_main(spec: SandboxSpec, plan: _Plan, shim_fd: int | None) -> None:
     code = EXIT_SETUP_FAILED
     try:
         linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)
-        build_view(spec)
+        build_view(spec, proc_devices=plan.proc_devices)
         pid = os.fork()
         if pid == 0:
-            _command_main(spec)  # never returns
+            _command_main(spec, shim_fd)  # never returns
+        if shim_fd is not None:
+            os.close(shim_fd)  # only the command sends on it
         code = _supervise(pid, reap_all=True)
     except BaseException as e:  # noqa: BLE001
         _fail("setting up the tenant view", e)
@@ -280,7 +399,7 @@ def _init_main(spec: SandboxSpec) -> None:
         os._exit(code)
 
 
-def _command_main(spec: SandboxSpec) -> None:
+def _command_main(spec: SandboxSpec, shim_fd: int | None = None) -> None:
     code = EXIT_SETUP_FAILED
     step = "dropping privileges"
     try:
@@ -292,8 +411,17 @@ def _command_main(spec: SandboxSpec) -> None:
         for sig in (*_WAITED_SIGNALS, signal.SIGPIPE, signal.SIGXFSZ):
             signal.signal(sig, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, ())
-        _close_fds(keep=spec.pass_fds)
+        _close_fds(keep=spec.pass_fds + ((shim_fd,) if shim_fd is not None else ()))
         env = dict(spec.env) if spec.env is not None else dict(os.environ)
+        if shim_fd is not None:
+            step = "installing the stat shim"
+            # Last, after no_new_privs: from here every stat of this process and of all its
+            # descendants goes to the caller's shim thread. Nothing between the install and
+            # the send stats a file (the send hands the listener to that thread).
+            from devbroker.frontends.statshim import install_and_send
+
+            install_and_send(shim_fd)
+            step = "exec"
         os.execvpe(spec.argv[0], list(spec.argv), env)
     except FileNotFoundError as e:
         code = EXIT_NOT_FOUND if step == "exec" else EXIT_SETUP_FAILED
@@ -331,8 +459,9 @@ def tenant_nodes(tenant_dir: Path) -> list[str]:
                   if TENANT_NODE_NAME.match(n) and not (tenant_dir / n).is_dir())
 
 
-def build_view(spec: SandboxSpec) -> None:
-    """In the new mount namespace: /dev, /proc, /sys views, then hide what must be hidden."""
+def build_view(spec: SandboxSpec, *, proc_devices: str | None = None) -> None:
+    """In the new mount namespace: /dev, /proc, /sys views, then hide what must be hidden.
+    ``proc_devices``: the text the tenant's /proc/devices shows (None: the host's)."""
     os.umask(0o022)
     tenant = spec.tenant_dir
     # Found before /proc is replaced and before anything is stacked on top of it.
@@ -341,7 +470,7 @@ def build_view(spec: SandboxSpec) -> None:
     broker_mounts = [mp for mp, _root, fstype in linux.mountinfo()
                      if fstype == BROKER_FSTYPE and mp != "/"]
     _build_dev(tenant)
-    _build_proc(tenant)
+    _build_proc(tenant, proc_devices)
     _build_sys(tenant, spec.driver_version or _driver_version_from(tenant))
     # The nodes are already bound (a bind holds the file, not its path), so the directory
     # they came from can now be covered: the tenant cannot walk to its siblings.
@@ -406,7 +535,7 @@ def _build_dev(tenant: Path) -> None:
     linux.remount_bind("/dev", MS_RDONLY)
 
 
-def _build_proc(tenant: Path) -> None:
+def _build_proc(tenant: Path, proc_devices: str | None = None) -> None:
     # Detach the host's procfs (with its submounts) instead of stacking on it: nothing of
     # it stays reachable, and /proc/<pid> now lists only this pid namespace.
     linux.umount2("/proc", MNT_DETACH)
@@ -420,6 +549,17 @@ def _build_proc(tenant: Path) -> None:
     if view.is_dir():
         linux.mount(str(view), "/proc/driver/nvidia", None, MS_BIND | MS_REC)
         linux.remount_bind("/proc/driver/nvidia", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    if proc_devices is not None:
+        # /proc/devices with the NVIDIA majors NVML looks up (nvidia-uvm's must match what the
+        # stat shim reports for /dev/nvidia-uvm). Written into the /proc/driver tmpfs while it
+        # is still writable, bound, and unlinked: the bind keeps the inode, nothing shows.
+        tmp = "/proc/driver/.devices"
+        with open(tmp, "w") as f:
+            f.write(proc_devices)
+        os.chmod(tmp, 0o444)
+        linux.mount(tmp, "/proc/devices", None, MS_BIND)
+        linux.remount_bind("/proc/devices", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        os.unlink(tmp)
     linux.remount_bind("/proc/driver", MS_RDONLY)
     for name in PROC_MASKED_FILES:
         if os.path.isfile(f"/proc/{name}"):
