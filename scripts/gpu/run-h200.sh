@@ -124,6 +124,9 @@ put relay_fds_after_kill "$(relay_fds)"
 "${DB[@]}" status
 put status_after_kill "$("${DB[@]}" status --json)"
 kill $HOLD 2>/dev/null
+# The holder's stdin came from `sleep 600`: end it too, or it keeps this script's output
+# pipe open until the device tool's limit.
+pkill -P $$ -x sleep 2>/dev/null
 
 step "host: nvidia-smi after SIGKILL"
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv
