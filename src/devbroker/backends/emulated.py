@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
-import os
 import time
 import uuid as uuidlib
 from dataclasses import dataclass, field
@@ -381,7 +380,7 @@ class EmulatedBackend:
             return self._status(dc, nvs.NV_ERR_NOT_SUPPORTED)
         params = spec.params.decode(dc.nested)
         if getattr(handler, "wants_embedded", False):
-            status, params = handler(self, c, obj, params, dc.embedded)
+            status, params = handler(self, c, obj, params, dc.embedded, abi=dc.abi or self.abi)
         else:
             status, params = handler(self, c, obj, params)
         return self._status(dc, status, nested=params.encode())
@@ -413,6 +412,15 @@ class EmulatedBackend:
         """A device object of this GPU exists in some client (GET_ID_INFO's IN_USE flag)."""
         return any(o.rm_class == 0x80 and o.gpu == gpu
                    for c in self.clients.values() for o in c.objects.values())
+
+    def memory_by_pid(self, gpu: int) -> dict[int, int]:
+        """Device memory each process (tgid) holds on this GPU through its clients."""
+        out: dict[int, int] = {}
+        for c in self.clients.values():
+            n = sum(o.size for o in c.objects.values() if o.gpu == gpu)
+            if n:
+                out[c.tgid] = out.get(c.tgid, 0) + n
+        return out
 
     def pids_on(self, gpu: int) -> list[int]:
         return sorted({c.tgid for c in self.clients.values()

@@ -168,9 +168,17 @@ def get_gid_info(backend, client, obj, p):
 def get_pids(backend, client, obj, p):
     # The emulation runs no GPU work, so "a process using the GPU" is one holding device
     # memory on it — for every id type the driver knows (class, vGPU guest, MIG instance).
+    # With ID_TYPE_CLASS NVML names a class: the chip's compute class (HOPPER_COMPUTE_A on
+    # an H200) asks for compute processes, which is what memory holders stand for; no
+    # process of the emulation has a graphics (or any other) engine object, so any other
+    # class lists none (nvidia-smi shows type "C", not "C+G").
     if p.idType not in (PIDS_ID_TYPE_CLASS, PIDS_ID_TYPE_VGPU_GUEST, PIDS_ID_TYPE_MIG_GPU):
         return nvs.NV_ERR_INVALID_ARGUMENT, p
     pids = backend.pids_on(obj.gpu)[: len(p.pidTbl)]
+    if p.idType == PIDS_ID_TYPE_CLASS:
+        facts = H200_FACTS.get(backend.gpus()[obj.gpu].pci_device_id, {})
+        if p.id != facts.get("compute_class"):
+            pids = []
     return nvs.NV_OK, p.replace(pidTblCount=len(pids),
                                 pidTbl=pids + [0] * (len(p.pidTbl) - len(pids)))
 
@@ -223,6 +231,24 @@ H200_FACTS = {
         "arch": (0x180, 0x0, 0xA1, 0x3),
         "subsystem": 0x18BF10DE,  # pciSubSystemId (board 0x18bf, vendor NVIDIA)
         "revision": 0xA1,  # pciRevisionId
+        "compute_class": 0xCBC0,  # HOPPER_COMPUTE_A, the class NVML named in GET_PIDS
+        # NV0080_CTRL_CMD_GPU_GET_CLASSLIST_V2: the 103 classes the H200 listed (nvml trace,
+        # record #109), in its order. NVML 535 looks for the compute class (HOPPER_COMPUTE_A,
+        # 0xcbc0) in it and names that class in GET_PIDS (ID_TYPE_CLASS) to list running
+        # processes; without it, "Not Supported". Listing a class is a fact of the chip;
+        # allocating one the emulator does not model stays NOT_SUPPORTED.
+        "classes": (
+            0x100, 0x101, 0x2, 0x80, 0x5, 0x78, 0x7E, 0x79, 0x81, 0x3E, 0x71, 0x0, 0x41, 0x1,
+            0x2080, 0xC639, 0xC638, 0xC640, 0xC637, 0xF, 0x906F, 0x90CC, 0x83DE, 0xC863, 0x90,
+            0xB1CC, 0xB2CC, 0xC763, 0x900E, 0x20, 0x92, 0x90CE, 0xF3, 0x76, 0xB1, 0x82, 0x83,
+            0xC2, 0x3F, 0x4, 0x2081, 0x2082, 0x208F, 0x30F1, 0xDB, 0x402C, 0x9010, 0xA0BC,
+            0xA0BD, 0x50, 0xCBCA, 0x90CD, 0xF1, 0xE0, 0x42, 0xF8, 0xFB, 0xF9, 0xFE, 0xFD, 0xDA,
+            0xC574, 0xC365, 0xC56F, 0xC561, 0x9067, 0x902D, 0x90F1, 0x844C, 0x90E7, 0x90E6,
+            0x9074, 0x9096, 0xC076, 0xCB97, 0xC86F, 0xCBC0, 0xC8B5, 0xCBA2, 0xC661, 0xA06C,
+            0xA080, 0xA140, 0xC369, 0x60, 0x40, 0x70, 0x7D, 0x5080, 0x50A0, 0x503B, 0x503C,
+            0xA081, 0xA084, 0xB8B0, 0xB8D1, 0xB8FA, 0xCB33, 0xDE, 0xC46F, 0xC461, 0xC36F,
+            0xC361,
+        ),
     },
 }
 
@@ -326,19 +352,25 @@ def query_compute_mode_rules(backend, client, obj, p):
 
 
 @control(0x101)  # NV0000_CTRL_CMD_SYSTEM_GET_BUILD_VERSION
-def get_build_version(backend, client, obj, p, embedded):
+def get_build_version(backend, client, obj, p, embedded, abi=None):
     """The driver copies three strings to the caller's buffers (embedded pointers, carried
-    by the broker in `embedded`). Buffers of size 0 ask only for the size needed."""
-    version = backend.version.encode()
-    title = (f"NVIDIA UNIX Open Kernel Module for x86_64  {backend.version}  Release Build"
-             "  (devbroker emulation)").encode()
-    strings = {"pDriverVersionBuffer": version, "pVersionBuffer": version,
-               "pTitleBuffer": title}
+    by the broker in `embedded`), as rmapi_deprecated_control.c's converter does: if any of
+    the three pointers is NULL it only reports the size needed (sizeOfStrings = the longest
+    string + 1, NV_OK); a sizeOfStrings below that is NV_ERR_INVALID_PARAM_STRUCT.
+
+    The version is the one this client's handshake (CHECK_VERSION_STR) agreed on: the
+    emulator speaks that version's ABI to the process, so it is that driver to it. The
+    branch (versionBuffer) and title of a real build are NVIDIA's; the emulator has none
+    and says what it is instead."""
+    version = (abi.version if abi is not None else backend.version).encode()
+    strings = {"pDriverVersionBuffer": version,
+               "pVersionBuffer": version,
+               "pTitleBuffer": b"devbroker emulated driver " + version}
     need = max(len(x) for x in strings.values()) + 1
-    if p.sizeOfStrings == 0 or not embedded:
+    if any(name not in embedded for name in strings):
         return nvs.NV_OK, p.replace(sizeOfStrings=need)
     if p.sizeOfStrings < need:
-        return nvs.NV_ERR_BUFFER_TOO_SMALL, p
+        return nvs.NV_ERR_INVALID_PARAM_STRUCT, p
     for name, buf in embedded.items():
         text = strings[name]
         buf[: len(text) + 1] = text + b"\0"
@@ -347,3 +379,45 @@ def get_build_version(backend, client, obj, p, embedded):
 
 
 get_build_version.wants_embedded = True
+
+
+@control(0x800292)  # NV0080_CTRL_CMD_GPU_GET_CLASSLIST_V2
+def get_classlist_v2(backend, client, obj, p):
+    g, facts = _facts(backend, obj)
+    if facts is None or "classes" not in facts:
+        return nvs.NV_ERR_NOT_SUPPORTED, p
+    classes = list(facts["classes"])
+    cap = len(p.classList)  # 200 at 580, 160 at 535
+    if len(classes) > cap:
+        return nvs.NV_ERR_INVALID_PARAM_STRUCT, p
+    return nvs.NV_OK, p.replace(numClasses=len(classes),
+                                classList=classes + [0] * (cap - len(classes)))
+
+
+NV2080_CTRL_GPU_PID_INFO_INDEX_VIDEO_MEMORY_USAGE = 0
+NV2080_CTRL_GPU_PARTITION_ID_INVALID = 0xFFFFFFFF
+
+
+@control(0x2080018E)  # NV2080_CTRL_CMD_GPU_GET_PID_INFO
+def get_pid_info(backend, client, obj, p):
+    """Per-process video memory: what the process's clients hold on this GPU (the emulator's
+    own accounting; nothing is shared or duped, no protected memory). A pid that holds
+    nothing here gets the driver's per-entry NV_ERR_INVALID_ARGUMENT (no such process on
+    this GPU); an unknown index NV_ERR_INVALID_ARGUMENT too. No MIG: subscription INVALID."""
+    n = p.pidInfoListCount
+    if n > len(p.pidInfoList):
+        return nvs.NV_ERR_INVALID_ARGUMENT, p
+    held = backend.memory_by_pid(obj.gpu)
+    entries = list(p.pidInfoList)
+    for i in range(n):
+        e = entries[i]
+        sub = e.smcSubscription.replace(computeInstanceId=NV2080_CTRL_GPU_PARTITION_ID_INVALID,
+                                        gpuInstanceId=NV2080_CTRL_GPU_PARTITION_ID_INVALID)
+        if e.index != NV2080_CTRL_GPU_PID_INFO_INDEX_VIDEO_MEMORY_USAGE or e.pid not in held:
+            entries[i] = e.replace(result=nvs.NV_ERR_INVALID_ARGUMENT, smcSubscription=sub)
+            continue
+        raw = len(bytes(e.data.raw))
+        data = held[e.pid].to_bytes(8, "little").ljust(raw, b"\0")  # memPrivate, rest 0
+        entries[i] = e.replace(result=nvs.NV_OK, data=e.data.replace(raw=data),
+                               smcSubscription=sub)
+    return nvs.NV_OK, p.replace(pidInfoList=entries)

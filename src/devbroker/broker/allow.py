@@ -12,7 +12,7 @@ Capabilities are named sets a policy grants per tenant:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from devbroker.abi.nodes import NodeKind
 

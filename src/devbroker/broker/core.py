@@ -13,12 +13,10 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import trio
 
 from devbroker.abi import DecodeError, registry
 from devbroker.abi import status as nvstatus
@@ -37,6 +35,7 @@ from devbroker.broker.interface import (
     ReleaseRequest,
 )
 from devbroker.broker.objects import RmClient
+from devbroker.broker.procinfo import pid_namespace
 from devbroker.broker.ratelimit import TokenBucket
 
 log = logging.getLogger("devbroker.broker")
@@ -753,13 +752,6 @@ def embedded_buffers(abi, params) -> list[tuple[str, int]]:
         elem = 1 if f.points_to == "bytes" else abi.struct(f.points_to).size
         out.append((f.name, count * elem))
     return out
-
-
-def pid_namespace(pid: int) -> str | None:
-    try:
-        return os.readlink(f"/proc/{pid}/ns/pid")
-    except OSError:
-        return None
 
 
 def _cstr(b: bytes) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import errno as _errno
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Awaitable, Callable, Protocol
 
 from devbroker.abi.nodes import NodeKind

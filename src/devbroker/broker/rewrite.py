@@ -8,10 +8,10 @@ of the object the control was sent to).
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 from devbroker.abi import status as nvs
+from devbroker.broker.procinfo import pid_in_own_namespace, pid_namespace
 
 INVALID_GPU_ID = 0xFFFFFFFF
 ATTACH_ALL_PROBED = 0x0000FFFF  # NV0000_CTRL_GPU_ATTACH_ALL_PROBED_IDS
@@ -89,13 +89,34 @@ def restrict_attach_ids(broker, s, abi, params):
 
 
 def pid_info_to_host(broker, s, abi, params):
-    """GET_PID_INFO names pids: the tenant's own processes only."""
-    mine = s.tenant.tgids()
-    for entry_pid in _pids_named(params):
-        if entry_pid not in mine:
-            raise _refusal(f"GET_PID_INFO for pid {entry_pid}, not the tenant's",
+    """GET_PID_INFO names pids: the tenant's own processes only.
+
+    [emulator engineer, issue 4] The pids come from GET_PIDS, which hands them out in the
+    caller's pid namespace (gpu_pids below): translate them back to the broker's numbering
+    here (and forward again in pid_info_to_tenant), else NVML's process list is refused."""
+    view = _tenant_pids_in_callers_ns(s)  # broker pid -> pid as the caller sees it
+    to_host = {ns: host for host, ns in view.items()}
+    n = getattr(params, "pidInfoListCount", 0)
+    entries = list(params.pidInfoList)
+    for i, e in enumerate(entries[:n]):
+        if e.pid not in to_host:
+            raise _refusal(f"GET_PID_INFO for pid {e.pid}, not the tenant's",
                            status=nvs.NV_ERR_INSUFFICIENT_PERMISSIONS, what="GET_PID_INFO")
-    return params
+        entries[i] = e.replace(pid=to_host[e.pid])
+    return params.replace(pidInfoList=entries)
+
+
+def _tenant_pids_in_callers_ns(s) -> dict[int, int]:
+    """[emulator engineer, issue 4] The tenant's processes that live in the caller's pid
+    namespace, as {broker pid: pid in that namespace}. Processes of another `devbroker
+    exec` (another pid namespace) are not visible to the caller, as with containers."""
+    caller_ns = pid_namespace(s.caller.pid)
+    out = {}
+    for pid in s.tenant.tgids():
+        if caller_ns is not None and pid_namespace(pid) != caller_ns:
+            continue
+        out[pid] = pid_in_own_namespace(pid)
+    return out
 
 
 def _pids_named(params) -> list[int]:
@@ -170,24 +191,27 @@ def gpu_pids(broker, s, abi, out, ctx):
                        if any(o.gpu == ctx.gpu for o in c.objects.values())})
     else:
         kept = [p for p in list(out.pidTbl)[:count] if p in mine]
-    kept = [_pid_in_tenant_ns(p) for p in kept]
+    # [emulator engineer, issue 4] only processes in the caller's pid namespace, numbered
+    # as the caller sees them (was: every tenant process, by its innermost NSpid).
+    view = _tenant_pids_in_callers_ns(s)
+    kept = [view[p] for p in kept if p in view]
     table = kept + [0] * (len(out.pidTbl) - len(kept))
     return out.replace(pidTblCount=len(kept), pidTbl=table)
 
 
-def _pid_in_tenant_ns(pid: int) -> int:
-    """The innermost pid of a process (NSpid's last field), as the tenant itself sees it."""
-    try:
-        with open(f"/proc/{pid}/status") as fh:
-            for line in fh:
-                if line.startswith("NSpid:"):
-                    return int(line.split()[-1])
-    except OSError:
-        pass
-    return pid
+def pid_info_to_tenant(broker, s, abi, out, ctx):
+    """[emulator engineer, issue 4] GET_PID_INFO's answer names the pids the pre-hook
+    translated: give them back in the caller's numbering."""
+    view = _tenant_pids_in_callers_ns(s)
+    n = out.pidInfoListCount
+    entries = list(out.pidInfoList)
+    for i, e in enumerate(entries[:n]):
+        entries[i] = e.replace(pid=view.get(e.pid, 0))
+    return out.replace(pidInfoList=entries)
 
 
 CONTROL_POST: dict[int, Callable] = {
+    0x2080018E: pid_info_to_tenant,  # NV2080_CTRL_CMD_GPU_GET_PID_INFO [issue 4]
     0x201: attached_ids,  # NV0000_CTRL_CMD_GPU_GET_ATTACHED_IDS
     0x214: probed_ids,  # NV0000_CTRL_CMD_GPU_GET_PROBED_IDS
     0x20801303: fb_info,  # NV2080_CTRL_CMD_FB_GET_INFO_V2

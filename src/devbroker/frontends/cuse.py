@@ -35,7 +35,7 @@ import select
 import stat
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 import trio
 

@@ -116,6 +116,9 @@ ANNOTATIONS = {
     # A list of {index, data} entries, sizeField entries long.
     ("NV2080_CTRL_BUS_GET_INFO_PARAMS", "busInfoList"): "ptr->NVXXXX_CTRL_XXX_INFO@busInfoListSize",
     ("NV2080_CTRL_GR_GET_INFO_PARAMS", "grInfoList"): "ptr->NVXXXX_CTRL_XXX_INFO@grInfoListSize",
+    # NV2080_CTRL_BIOS_INFO is {index, data}, the same two NvU32 as NVXXXX_CTRL_XXX_INFO
+    # (ctrl2080bios.h); the header declares the params without a MESSAGE_ID.
+    ("NV2080_CTRL_BIOS_GET_INFO_PARAMS", "biosInfoList"): "ptr->NVXXXX_CTRL_XXX_INFO@biosInfoListSize",
 }
 
 # cmd -> (name, observed params size).  Name: <class prefix>_CTRL_CMD_UNPUBLISHED_<cmd>.
@@ -129,7 +132,12 @@ UNPUBLISHED_CONTROLS = {
     0x2080A026: 532,
     0x2080A084: 4,
     0x20810108: 992,
+    # issue 4: nvidia-smi's queries (535.309.01 run here and the 580.159.04 relay run on the
+    # H200, tests/data/h200-580.159.04-relay.nvtrace: the same size in both).
+    0x2080852E: 528,
 }
+# Unpublished controls whose size differs between versions are left unnamed until the
+# registry can take per-version sizes: 0x2080A612 (3608 bytes from NVML 535, 11680 from 580).
 # 0x20800145 is in src/nvidia/generated/g_subdevice_nvoc.c's exported method table as
 # subdeviceCtrlCmdGpuAcquireComputeModeReservation with paramSize 0 (580.142); the header
 # name follows the driver's naming of that function.
