@@ -12,6 +12,28 @@ from typing import Any, Protocol
 from devbroker.abi.nodes import NodeKind
 
 
+class PciLocation:
+    """Domain/bus/slot/function of a GPU, from its `pci_bus_id` ("0000:00:06.0")."""
+
+    pci_bus_id: str
+
+    @property
+    def domain(self) -> int:
+        return int(self.pci_bus_id.split(":")[0], 16)
+
+    @property
+    def bus(self) -> int:
+        return int(self.pci_bus_id.split(":")[1], 16)
+
+    @property
+    def slot(self) -> int:
+        return int(self.pci_bus_id.split(":")[2].split(".")[0], 16)
+
+    @property
+    def function(self) -> int:
+        return int(self.pci_bus_id.split(".")[1], 16)
+
+
 class DriverFile(Protocol):
     """An open file of the backend's driver (opaque to the broker)."""
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 from devbroker.abi import registry
 from devbroker.abi import status as nvs
 from devbroker.abi.nodes import NodeKind
-from devbroker.backends.base import DriverCall, DriverResult
+from devbroker.backends.base import DriverCall, DriverResult, PciLocation
 
 log = logging.getLogger("devbroker.emulated")
 
@@ -34,29 +34,13 @@ NV_PCI_VENDOR_NVIDIA = 0x10DE
 
 
 @dataclass(frozen=True)
-class EmulatedGpu:
+class EmulatedGpu(PciLocation):
     index: int
     name: str = "NVIDIA H200"
     uuid: str = ""
     pci_bus_id: str = "0000:00:06.0"
     memory_bytes: int = 141 * GiB
     pci_device_id: int = 0x2335  # H200 (GH100)
-
-    @property
-    def domain(self) -> int:
-        return int(self.pci_bus_id.split(":")[0], 16)
-
-    @property
-    def bus(self) -> int:
-        return int(self.pci_bus_id.split(":")[1], 16)
-
-    @property
-    def slot(self) -> int:
-        return int(self.pci_bus_id.split(":")[2].split(".")[0], 16)
-
-    @property
-    def function(self) -> int:
-        return int(self.pci_bus_id.split(".")[1], 16)
 
     @property
     def gpu_id(self) -> int:

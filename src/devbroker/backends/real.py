@@ -38,7 +38,7 @@ from devbroker.abi import status as nvs
 from devbroker.abi.nodes import NodeKind
 from devbroker.abi.spec import StructSpec, StructValue
 from devbroker.backends import relaywire as w
-from devbroker.backends.base import DriverCall, DriverResult
+from devbroker.backends.base import DriverCall, DriverResult, PciLocation
 
 log = logging.getLogger("devbroker.real")
 
@@ -76,29 +76,13 @@ class RealFile:
 
 
 @dataclass(frozen=True)
-class RealGpu:
+class RealGpu(PciLocation):
     index: int  # device minor number
     name: str
     uuid: str
     pci_bus_id: str
     gpu_id: int
     memory_bytes: int = 0
-
-    @property
-    def domain(self) -> int:
-        return int(self.pci_bus_id.split(":")[0], 16)
-
-    @property
-    def bus(self) -> int:
-        return int(self.pci_bus_id.split(":")[1], 16)
-
-    @property
-    def slot(self) -> int:
-        return int(self.pci_bus_id.split(":")[2].split(".")[0], 16)
-
-    @property
-    def function(self) -> int:
-        return int(self.pci_bus_id.split(".")[1], 16)
 
 
 def parse_information(text: str) -> dict[str, str]:

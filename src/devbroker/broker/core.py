@@ -11,6 +11,7 @@ NV_STATUS in the argument for a class or control.
 from __future__ import annotations
 
 import errno
+import contextlib
 import itertools
 import logging
 import time
@@ -586,28 +587,9 @@ class Broker:
                 raise Refusal(f"{where}: device {gpu} is not one of the tenant's GPUs "
                               f"{list(s.tenant.gpus)}", status=nvstatus.NV_ERR_INVALID_ARGUMENT,
                               what=where)
-        charge = 0
-        if cls in allow.DEVICE_MEMORY_CLASSES:
-            charge = _alloc_size(params)
-            if gpu is None:
-                raise Refusal(f"{where}: device memory needs a device parent",
-                              status=nvstatus.NV_ERR_INVALID_OBJECT_PARENT, what=where)
-            used = s.tenant.used().get(gpu, 0)
-            if used + charge > s.tenant.quota(gpu):
-                raise Refusal(f"{where}: {charge} bytes on GPU {gpu} would exceed the quota "
-                              f"({used} of {s.tenant.quota(gpu)} used)",
-                              status=nvstatus.NV_ERR_NO_MEMORY, what=where)
-        # Reserve before the backend runs (the await may interleave with a racing
-        # allocation of the same tenant); give it back if the driver refuses.
-        placeholder = None
-        if charge:
-            placeholder = client.add(-next(self._ids), cls, v.hObjectParent, gpu=gpu,
-                                     charged=charge)
-        try:
+        charge = _alloc_size(params) if cls in allow.DEVICE_MEMORY_CLASSES else 0
+        with self._reserved(s, client, cls, v.hObjectParent, gpu, charge, where):
             result = await self._call_backend(s, call, nested)
-        finally:
-            if placeholder is not None:
-                client.remove(placeholder.handle)
         out = abi.decode_ioctl(s.node, req.cmd, result.arg).value
         if not result.errno and out.status == nvstatus.NV_OK:
             if result.nested is not None and ref is not None and ref.spec is not None:
@@ -616,6 +598,30 @@ class Broker:
                 req.memory.write(ref.ptr, result.nested)
             client.add(out.hObjectNew, cls, v.hObjectParent, gpu=gpu, charged=charge)
         return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
+
+    @contextlib.contextmanager
+    def _reserved(self, s: Session, client: RmClient, cls: int, parent: int,
+                  gpu: int | None, charge: int, where: str):
+        """Check `charge` bytes of device memory against the tenant's quota on `gpu` and hold
+        them while the driver runs: the await may interleave with a racing allocation of the
+        same tenant, which must see this one. Released afterwards either way; the caller
+        records the object with its charge when the driver succeeded."""
+        if not charge:
+            yield
+            return
+        if gpu is None:
+            raise Refusal(f"{where}: device memory needs a device parent",
+                          status=nvstatus.NV_ERR_INVALID_OBJECT_PARENT, what=where)
+        used = s.tenant.used().get(gpu, 0)
+        if used + charge > s.tenant.quota(gpu):
+            raise Refusal(f"{where}: {charge} bytes on GPU {gpu} would exceed the quota "
+                          f"({used} of {s.tenant.quota(gpu)} used)",
+                          status=nvstatus.NV_ERR_NO_MEMORY, what=where)
+        placeholder = client.add(-next(self._ids), cls, parent, gpu=gpu, charged=charge)
+        try:
+            yield
+        finally:
+            client.remove(placeholder.handle)
 
     async def _esc_rm_free(self, s, abi, req, call, rule) -> IoctlReply:
         v = call.value
@@ -667,27 +673,10 @@ class Broker:
             raise Refusal(f"{where}: handle {p.hObjectNew:#x} already exists",
                           status=nvstatus.NV_ERR_INSERT_DUPLICATE_NAME, what=where)
         gpu = client.objects[p.hObjectParent].gpu
-        charge = 0
-        if p.hClass in allow.DEVICE_MEMORY_CLASSES:
-            charge = int(p.limit) + 1
-            if gpu is None:
-                raise Refusal(f"{where}: device memory needs a device parent",
-                              status=nvstatus.NV_ERR_INVALID_OBJECT_PARENT, what=where)
-            used = s.tenant.used().get(gpu, 0)
-            if used + charge > s.tenant.quota(gpu):
-                raise Refusal(f"{where}: {charge} bytes on GPU {gpu} would exceed the quota "
-                              f"({used} of {s.tenant.quota(gpu)} used)",
-                              status=nvstatus.NV_ERR_NO_MEMORY, what=where)
+        charge = int(p.limit) + 1 if p.hClass in allow.DEVICE_MEMORY_CLASSES else 0
         fd_files = await self._translate_fds(s, req, call.value, rule.fd_fields, where)
-        placeholder = None
-        if charge:
-            placeholder = client.add(-next(self._ids), p.hClass, p.hObjectParent, gpu=gpu,
-                                     charged=charge)
-        try:
+        with self._reserved(s, client, p.hClass, p.hObjectParent, gpu, charge, where):
             result = await self._call_backend(s, call, fd_files=fd_files)
-        finally:
-            if placeholder is not None:
-                client.remove(placeholder.handle)
         out = abi.decode_ioctl(s.node, req.cmd, result.arg).value.params
         if not result.errno and out.status == nvstatus.NV_OK:
             client.add(out.hObjectNew, p.hClass, p.hObjectParent, gpu=gpu, charged=charge)
