@@ -127,7 +127,10 @@ class BrokerService:
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         from devbroker.frontends.fuse import FuseFrontend, detach_stale_mount
 
+        # The run dir holds the control socket and the audit log: the operator's alone.
+        # Tenants reach their nodes through bind mounts, which need no access to it.
         self.paths.run_dir.mkdir(parents=True, exist_ok=True)
+        self.paths.run_dir.chmod(0o700)
         # A broker that died leaves its mount behind (ENOTCONN on any access): detach it
         # before touching the path, so a restart serves again without operator help.
         await trio.to_thread.run_sync(detach_stale_mount, str(self.paths.mount))

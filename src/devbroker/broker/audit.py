@@ -6,6 +6,7 @@ node, what (escape / class / control by driver name and number), and why in word
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -24,7 +25,9 @@ class AuditLog:
     def _out(self) -> IO[str] | None:
         if self._file is None and self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", buffering=1)
+            # The log names every tenant's refusals: readable by the operator only.
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            self._file = os.fdopen(fd, "a", buffering=1)
         return self._file or self._stream
 
     def write(self, event: str, **fields: Any) -> dict[str, Any]:

@@ -186,16 +186,23 @@ class Broker:
                         what=what, reason=reason, **extra)
 
     def _same_sandbox(self, s: Session, caller: Caller) -> bool:
-        """A file is usable only from the pid namespace that opened it: a tenant that passes
-        its fd to another (over a Unix socket, say) hands over nothing."""
-        if s.pidns is None:  # the opener's namespace could not be read: nothing to compare
-            return True
-        mine = pid_namespace(caller.pid)
-        if mine == s.pidns:
-            return True
-        self._deny(s, f"{s.node_name} used by pid {caller.pid}",
-                   f"file opened in pid namespace {s.pidns} used from "
-                   f"{mine or 'a vanished process'} (fd passed between sandboxes)")
+        """A file is usable only by the kind of caller that opened it: the same uid (tenants
+        of the kernel-module and CUSE front ends are uids sharing one pid namespace) and the
+        same pid namespace (FUSE/exec sandboxes usually all run as uid 0). A tenant that
+        passes its fd to another (over a Unix socket, say) hands over nothing. A process that
+        changes its uid after opening loses its files too; said in docs/security.md."""
+        if caller.uid != s.caller.uid:
+            reason = (f"file opened by uid {s.caller.uid} used by uid {caller.uid} "
+                      "(fd passed between tenants)")
+        else:
+            if s.pidns is None:  # the opener's namespace could not be read
+                return True
+            mine = pid_namespace(caller.pid)
+            if mine == s.pidns:
+                return True
+            reason = (f"file opened in pid namespace {s.pidns} used from "
+                      f"{mine or 'a vanished process'} (fd passed between sandboxes)")
+        self._deny(s, f"{s.node_name} used by pid {caller.pid}", reason)
         return False
 
     def _once(self, key: tuple, msg: str) -> None:

@@ -13,9 +13,14 @@ def add_parser(sub) -> None:
                     "flooding tenant), run every attack of devbroker.escape.attacks from inside "
                     "the attacker's sandbox, match each refusal to the audit log and print a "
                     "table. Exit status 1 if an attack succeeded, lacked its audit record or "
-                    "could not be run. Needs root.")
-    p.add_argument("--frontend", choices=["fuse", "seccomp"], default="fuse",
-                   help="front end to attack (default fuse)")
+                    "could not be run. fuse/seccomp need root; kmod/cuse boot the QEMU/TCG "
+                    "guest (scripts/qemu/setup.sh) and run the same attacks there against "
+                    "the kernel module's or CUSE's char nodes, tenants as uids 1001/1002.")
+    p.add_argument("--frontend", choices=["fuse", "seccomp", "kmod", "cuse"], default="fuse",
+                   help="front end to attack (default fuse; kmod and cuse run in the QEMU "
+                        "guest, ~1-2 min per boot)")
+    p.add_argument("--guest-timeout", type=float, default=900,
+                   help="kmod/cuse: limit for the whole guest boot in seconds (default 900)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--only", action="append", metavar="ATTACK_ID",
                    help="run only these attacks (repeatable; 'flood' for the flood)")
@@ -30,14 +35,21 @@ def cmd_escape_test(args) -> int:
 
     if args.list:
         for a in ATTACKS + [FLOOD]:
-            print(f"{a.id:22} {a.std:8} {a.category:18} {'/'.join(a.expect):34} {a.title}")
+            print(f"{a.id:22} {a.std:8} {a.category:18} {'/'.join(a.expect):34} {a.title}"
+                  f" [{','.join(a.frontends) if a is not FLOOD else 'all'}]")
         return 0
-    from devbroker.escape.harness import format_table, run_escape_tests
+    from devbroker.escape.harness import (GUEST_FRONT_ENDS, GuestUnavailable, format_table,
+                                          run_escape_tests, run_guest_escape_tests)
 
     try:
-        report = run_escape_tests(args.frontend, ids=args.only, flood=not args.no_flood,
-                                  workdir=args.workdir)
-    except PermissionError as e:
+        if args.frontend in GUEST_FRONT_ENDS:
+            report = run_guest_escape_tests(
+                [args.frontend], ids=args.only, flood=not args.no_flood,
+                timeout=args.guest_timeout, workdir=args.workdir)[args.frontend]
+        else:
+            report = run_escape_tests(args.frontend, ids=args.only, flood=not args.no_flood,
+                                      workdir=args.workdir)
+    except (PermissionError, GuestUnavailable) as e:
         print(f"devbroker escape-test: {e}", file=sys.stderr)
         return 2
     if args.json:

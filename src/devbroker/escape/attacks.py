@@ -43,6 +43,10 @@ MiB = 1 << 20
 PAGE = 4096
 SYS_open_by_handle_at = 304
 SYS_io_uring_setup = 425
+SYS_process_vm_readv = 310
+SYS_pidfd_open = 434
+SYS_pidfd_getfd = 438
+CLONE_NEWUSER, CLONE_NEWNS = 0x10000000, 0x00020000
 NVIDIA_MAJOR = 195
 UVM_MAJOR_DEFAULT = 238  # BRIEF §1: /dev/nvidia-uvm is 238:0 on the H200 host
 
@@ -84,6 +88,11 @@ class Ctx:
     victim_gpu: int = 1  # a GPU only the victim has
     quota: int = 256 * MiB  # the attacker's per-GPU quota
     victim: dict = field(default_factory=dict)  # client, hdevice, hsubdevice, hmemory, ...
+    # In the QEMU guest (kmod/CUSE; devbroker.escape.guest): the broker's control socket and
+    # audit log (not in a run dir the tenant could name by ctx.run_dir) and the victim's uid.
+    control_sock: str = ""
+    audit_log: str = ""
+    victim_uid: int = 0
     _client: object = None
 
     @classmethod
@@ -286,6 +295,11 @@ def a_mknod_gpu0(ctx):
 
 
 def a_mknod_uvm(ctx):
+    if ctx.frontend in ("kmod", "cuse"):  # the guest's UVM major is dynamic: take the node's
+        try:
+            return _mknod(os.major(os.stat("/dev/nvidia-uvm").st_rdev), 0)
+        except OSError:
+            pass
     return _mknod(_uvm_major(), 0)
 
 
@@ -374,6 +388,7 @@ def a_umount_node(ctx: Ctx) -> Outcome:
 def _userns_child(w: int) -> None:
     """In a forked child: new user+mount namespace, then try to get at a real node."""
     res = {}
+    uid, gid = os.getuid(), os.getgid()  # 0 in the FUSE sandbox, the tenant's uid in the guest
 
     def step(name, fn):
         try:
@@ -391,9 +406,9 @@ def _userns_child(w: int) -> None:
                 with open("/proc/self/setgroups", "w") as f:
                     f.write("deny")
                 with open("/proc/self/uid_map", "w") as f:
-                    f.write("0 0 1")
+                    f.write(f"0 {uid} 1")
                 with open("/proc/self/gid_map", "w") as f:
-                    f.write("0 0 1")
+                    f.write(f"0 {gid} 1")
             step("idmap", idmap)
             step("umount", lambda: libc.umount2(b"/dev/nvidiactl", 2))
             if step("mount", lambda: libc.mount(b"none", b"/tmp", b"tmpfs", 0, None)):
@@ -455,6 +470,157 @@ def a_io_uring(ctx: Ctx) -> Outcome:
         os.close(r)
         return escaped("io_uring_setup worked (its OPENAT bypasses the open interception)")
     return refused(ename(ctypes.get_errno()))
+
+
+# ------------------------------------------------------------------------ the QEMU guest
+# There the tenants are plain processes of different uids in one pid and mount namespace,
+# on one set of real char nodes (the module's or CUSE's, 195:x), mapped to tenants by uid.
+def a_proc_other_uids(ctx: Ctx) -> Outcome:
+    """The broker's and the victim's /proc entries, fds and memory, from another uid."""
+    outs = []
+    for who, pid in (("broker", ctx.broker_pid), ("victim", ctx.victim.get("pid"))):
+        if not pid:
+            return Outcome("error", "", f"no {who} pid given")
+        for p in (f"/proc/{pid}/mem", f"/proc/{pid}/environ", f"/proc/{pid}/root/etc/hostname",
+                  f"/proc/{pid}/cwd/.", f"/proc/{pid}/fd/0", f"/proc/{pid}/fd/3",
+                  f"/proc/{pid}/fd/4", f"/proc/{pid}/map_files"):
+            try:
+                fd = os.open(p, os.O_RDONLY)
+                os.close(fd)
+                outs.append(escaped(f"opened {p} ({who})"))
+            except OSError as e:
+                outs.append(refused(ename(e.errno)))
+        try:
+            names = os.listdir(f"/proc/{pid}/fd")
+            outs.append(escaped(f"listed the {who}'s fds: {names[:8]}"))
+        except OSError as e:
+            outs.append(refused(ename(e.errno)))
+        # pidfd_getfd: what the broker itself uses to reach a tenant's files
+        pidfd = libc.syscall(ctypes.c_long(SYS_pidfd_open), ctypes.c_long(pid), ctypes.c_long(0))
+        if pidfd < 0:
+            outs.append(refused(ename(ctypes.get_errno())))
+        else:
+            try:
+                for n in range(0, 12):
+                    r = libc.syscall(ctypes.c_long(SYS_pidfd_getfd), ctypes.c_long(pidfd),
+                                     ctypes.c_long(n), ctypes.c_long(0))
+                    if r >= 0:
+                        st = os.fstat(r)
+                        os.close(r)
+                        outs.append(escaped(f"pidfd_getfd took the {who}'s fd {n} (rdev "
+                                            f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)})"))
+                    else:
+                        outs.append(refused(ename(ctypes.get_errno())))
+            finally:
+                os.close(pidfd)
+        # process_vm_readv of its memory (any address: the permission check comes first)
+        buf = ctypes.create_string_buffer(64)
+        local = (ctypes.c_void_p * 2)(ctypes.addressof(buf), 64)
+        remote = (ctypes.c_void_p * 2)(0x400000, 64)
+        r = libc.syscall(ctypes.c_long(SYS_process_vm_readv), ctypes.c_long(pid), local,
+                         ctypes.c_long(1), remote, ctypes.c_long(1), ctypes.c_long(0))
+        if r >= 0:
+            outs.append(escaped(f"process_vm_readv read the {who}'s memory"))
+        else:
+            outs.append(refused(ename(ctypes.get_errno())))
+    o = combine(outs)
+    if o.result == "refused":
+        o.detail = ("other uids' processes are visible in /proc (one pid namespace; hidepid "
+                    "would hide them) but not reachable")
+    return o
+
+
+def a_control_socket_guest(ctx: Ctx) -> Outcome:
+    """The broker's control socket (status, policy) and its audit log, from another uid."""
+    if not ctx.control_sock or not ctx.audit_log:
+        return Outcome("error", "", "no control socket / audit log path given")
+    outs = []
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(5)
+        s.connect(ctx.control_sock)
+        s.sendall(b'{"op": "status"}\n')
+        data = s.recv(4096)
+        outs.append(escaped(f"control socket answered: {data[:80]!r}") if data
+                    else refused("closed", "control socket: closed"))
+    except OSError as e:
+        outs.append(refused(ename(e.errno), f"control socket: {ename(e.errno)}"))
+    finally:
+        s.close()
+    for flags in (os.O_WRONLY | os.O_APPEND, os.O_RDONLY):
+        how = "write" if flags & os.O_WRONLY else "read"
+        try:
+            fd = os.open(ctx.audit_log, flags)
+            os.close(fd)
+            outs.append(escaped(f"opened {ctx.audit_log} ({how})"))
+        except OSError as e:
+            outs.append(refused(ename(e.errno), f"audit log {how}: {ename(e.errno)}"))
+    return combine(outs)
+
+
+def _userns_uid_child(w: int, as_uid: int, victim_gpu: int) -> None:
+    res: dict = {}
+    uid, gid = os.getuid(), os.getgid()
+    try:
+        if libc.unshare(CLONE_NEWUSER) != 0:
+            res["unshare"] = ename(ctypes.get_errno())
+            return
+        with open("/proc/self/setgroups", "w") as f:
+            f.write("deny")
+        with open("/proc/self/uid_map", "w") as f:
+            f.write(f"{as_uid} {uid} 1")
+        with open("/proc/self/gid_map", "w") as f:
+            f.write(f"{as_uid} {gid} 1")
+        res["uid_in_ns"] = os.getuid()
+        try:
+            os.close(os.open(f"/dev/nvidia{victim_gpu}", os.O_RDWR))
+            res["open_victim_gpu"] = "ok"
+        except OSError as e:
+            res["open_victim_gpu"] = ename(e.errno)
+        try:  # a client on nvidiactl: whose GPUs does it see?
+            from devbroker.tools.probe import Client
+
+            c = Client()
+            c.check_version()
+            c.open_root()
+            res["ctl_gpus"] = len(c.attached_ids())
+        except OSError as e:
+            res["ctl"] = ename(e.errno)
+    except Exception as e:
+        res["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        os.write(w, json.dumps(res).encode())
+        os._exit(0)
+
+
+def a_userns_uid(ctx: Ctx) -> Outcome:
+    """In a new user namespace the attacker's uid reads as the victim's (uid_map
+    "<victim uid> <own uid> 1", allowed without privilege): the front end must still name the
+    caller by its real uid. Open the victim's GPU node; count the GPUs a new client sees."""
+    if not ctx.victim_uid:
+        return Outcome("error", "", "no victim uid given")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        _userns_uid_child(w, ctx.victim_uid, ctx.victim_gpu)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 4096):
+        data += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    res = json.loads(data or b"{}")
+    detail = ", ".join(f"{k}: {v}" for k, v in res.items())
+    if "error" in res or "unshare" in res or res.get("uid_in_ns") != ctx.victim_uid:
+        return Outcome("error", res.get("unshare", ""),
+                       f"could not take the victim's uid in a user namespace ({detail})")
+    if res.get("open_victim_gpu") == "ok":
+        return escaped(f"opened /dev/nvidia{ctx.victim_gpu} (the victim's GPU) as uid "
+                       f"{ctx.victim_uid} of a user namespace ({detail})")
+    if res.get("ctl_gpus", 0) > 1:
+        return escaped(f"a client opened in the user namespace sees the victim's GPUs ({detail})")
+    return refused(res.get("open_victim_gpu", "?"), detail)
 
 
 # ------------------------------------------------------------------------ fds and handles
@@ -1027,11 +1193,14 @@ class Attack:
     audit: str | None  # regex searched in the audit record's what + reason; None: none
     fn: Callable[[Ctx], Outcome]
     victim: bool = False  # needs the victim's facts
-    frontends: tuple[str, ...] = ("fuse", "seccomp")
+    frontends: tuple[str, ...] = ("fuse", "seccomp", "kmod", "cuse")
     no_audit: str = ""  # why there is no audit record (when audit is None)
     # Per front end: {"seccomp": {"layer": ..., "audit": ..., "no_audit": ...}} where
-    # another layer refuses the same attack there.
+    # another layer refuses the same attack there (or, in the guest, another function
+    # performs it: "fn" is applied by the tenant runner too).
     overrides: dict = field(default_factory=dict, hash=False, compare=False)
+    # Per front end the attack does not run on: why it does not apply (the table's N/A).
+    na: dict = field(default_factory=dict, hash=False, compare=False)
 
     def for_frontend(self, front_end: str) -> "Attack":
         import dataclasses
@@ -1043,37 +1212,83 @@ class Attack:
 _K = "the kernel refuses it before any broker code runs; the kernel writes no audit line"
 _S = ("refused by the sandbox's mount/pid namespace view (the path does not exist there); "
       "path lookups leave no audit line")
+GUEST = ("kmod", "cuse")
+
+
+def _guest(**o) -> dict:
+    """The same override for the module and CUSE (both run in the guest, tenants by uid)."""
+    return {fe: o for fe in GUEST}
+
+
+_MKNOD_GUEST = _guest(
+    expect=("EPERM", "EACCES", "ENOENT", "EROFS"),
+    no_audit=_K + " (guest: uid 1002 has no CAP_MKNOD, /dev is not writable for it, no "
+                  "/dev/shm; a node made anyway would be the front end's own device, whose "
+                  "opens the broker still maps by uid)")
 
 ATTACKS: list[Attack] = [
     # sandbox / kernel layer
     Attack("real-nodes", "open real / other tenants' NVIDIA nodes by path", "sandbox", E,
-           ("ENOENT", "EACCES"), "sandbox", None, a_open_real_nodes, True, ("fuse",), _S),
+           ("ENOENT", "EACCES"), "sandbox", None, a_open_real_nodes, True,
+           ("fuse", *GUEST), _S,
+           overrides=_guest(
+               title="open the victim's GPU node /dev/nvidia1 and other NVIDIA/DRM nodes by "
+                     "path", layer="broker (open)", audit=r"open gpu1\b",
+               no_audit="")),
     Attack("mknod-ctl", "mknod c 195:255 (nvidiactl) in /tmp, /dev/shm, /dev", "sandbox", E,
-           ("EPERM", "EROFS"), "kernel", None, a_mknod_ctl, frontends=("fuse", "seccomp"),
-           no_audit=_K + " (sandbox: no CAP_MKNOD, /dev read-only; seccomp: filter EPERM)"),
+           ("EPERM", "EROFS"), "kernel", None, a_mknod_ctl,
+           no_audit=_K + " (sandbox: no CAP_MKNOD, /dev read-only; seccomp: filter EPERM)",
+           overrides=_MKNOD_GUEST),
     Attack("mknod-gpu", "mknod c 195:0 (nvidia0)", "sandbox", E, ("EPERM", "EROFS"), "kernel",
-           None, a_mknod_gpu0, no_audit=_K),
+           None, a_mknod_gpu0, no_audit=_K, overrides=_MKNOD_GUEST),
     Attack("mknod-uvm", "mknod of the nvidia-uvm major (238:0)", "sandbox", E,
-           ("EPERM", "EROFS"), "kernel", None, a_mknod_uvm, no_audit=_K),
+           ("EPERM", "EROFS"), "kernel", None, a_mknod_uvm, no_audit=_K,
+           overrides=_MKNOD_GUEST),
     Attack("proc-broker", "the broker's /proc/<pid>/{mem,environ,root,fd}, its /dev/fuse fd",
-           "sandbox", E, ("ENOENT",), "sandbox", None, a_proc_broker, frontends=("fuse",),
-           no_audit=_S + " (fresh procfs of the tenant's pid namespace)"),
+           "sandbox", E, ("ENOENT",), "sandbox", None, a_proc_broker, frontends=("fuse", *GUEST),
+           no_audit=_S + " (fresh procfs of the tenant's pid namespace)",
+           overrides=_guest(
+               title="the broker's and the victim's /proc/<pid>/{mem,environ,root,cwd,fd}, "
+                     "pidfd_getfd of their fds, process_vm_readv", fn=a_proc_other_uids,
+               expect=("EACCES", "EPERM"), layer="kernel",
+               no_audit="the kernel's ptrace access check refuses another uid without "
+                        "CAP_SYS_PTRACE; no audit line (one pid namespace in the guest: the "
+                        "processes are visible, not reachable)")),
     Attack("control-socket", "the broker's control socket and audit log in its run dir",
-           "sandbox", E, ("ENOENT",), "sandbox", None, a_control_socket, frontends=("fuse",),
-           no_audit=_S + " (run dir covered by an empty tmpfs)"),
+           "sandbox", E, ("ENOENT",), "sandbox", None, a_control_socket,
+           frontends=("fuse", *GUEST), no_audit=_S + " (run dir covered by an empty tmpfs)",
+           overrides=_guest(
+               title="the broker's control socket and its audit log, by path",
+               fn=a_control_socket_guest, expect=("EACCES",), layer="kernel (file modes)",
+               no_audit="file modes: the control socket is 0600 (ControlServer), the audit "
+                        "log's directory is not searchable by tenants here; no audit line "
+                        "(AuditLog itself makes the file 0644: the run dir's mode protects it)"
+               )),
     Attack("umount-node", "umount /dev/nvidiactl, /dev, /proc; remount /dev rw", "sandbox", E,
-           ("EPERM",), "kernel", None, a_umount_node, frontends=("fuse",),
-           no_audit=_K + " (no CAP_SYS_ADMIN)"),
+           ("EPERM",), "kernel", None, a_umount_node, frontends=("fuse", *GUEST),
+           no_audit=_K + " (no CAP_SYS_ADMIN)",
+           overrides=_guest(no_audit=_K + " (uid 1002: no CAP_SYS_ADMIN)")),
     Attack("userns-umount", "a user namespace, then umount the node / mknod on a new /dev",
            "sandbox", E, ("EINVAL", "EPERM", "EACCES", "EOVERFLOW"), "kernel", None,
            a_userns_umount,
-           frontends=("fuse",), no_audit=_K + " (locked mounts; mknod in a user ns)"),
+           frontends=("fuse", *GUEST), no_audit=_K + " (locked mounts; mknod in a user ns)",
+           overrides=_guest(no_audit=_K + " (no CAP_MKNOD from a user namespace; its mounts "
+                                          "are nodev)")),
+    Attack("userns-uid", "a user namespace mapping the victim's uid onto one's own, then open "
+           "the victim's GPU node and count a new client's GPUs", "front end", E, ("EACCES",),
+           "broker (open, real uid)", r"open gpu1\b", a_userns_uid, True, GUEST,
+           na={"fuse": "FUSE tenants are told apart by their node paths in their own sandbox, "
+                       "not by uid",
+               "seccomp": "the seccomp supervisor is started for one tenant; uids play no part"}),
     Attack("open-by-handle", "open_by_handle_at (opens an inode past path checks)", "sandbox",
            E, ("EPERM",), "kernel", None, a_open_by_handle,
            no_audit=_K + " (no CAP_DAC_READ_SEARCH; seccomp: filter EPERM)"),
     Attack("io-uring", "io_uring (its OPENAT is not seen by seccomp)", "front end", E,
            ("ENOSYS",), "seccomp filter", None, a_io_uring, frontends=("seccomp",),
-           no_audit="the seccomp filter answers ENOSYS in the kernel; no audit line"),
+           no_audit="the seccomp filter answers ENOSYS in the kernel; no audit line",
+           na={fe: "the nodes send every open to the broker whichever syscall "
+                                "makes it (io_uring's OPENAT too); io_uring only matters as a "
+                                "way around the seccomp filter" for fe in GUEST}),
     Attack("uvm-tools", "open /dev/nvidia-uvm-tools (profiling of other processes)",
            "broker", E, ("EACCES",), "broker", "nvidia-uvm-tools", a_open_uvm_tools),
     # fds and handles across tenants

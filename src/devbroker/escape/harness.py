@@ -1,19 +1,24 @@
 """The host side of the escape tests: a broker, a victim tenant, an attacker tenant, a
 flooding tenant; every attack's result matched to the audit log; a table.
 
-    report = run_escape_tests("fuse")        # or "seccomp"
+    report = run_escape_tests("fuse")        # or "seccomp", "kmod", "cuse"
     print(format_table(report)); sys.exit(0 if report.ok else 1)
 
 FUSE: ``devbroker run`` in a subprocess (temp run dir, the two-tenant policy below) and the
 tenants in ``devbroker exec --tenant`` sandboxes. seccomp: the broker core in this process
 (``Broker(policy, EmulatedBackend, AuditLog)``) and the tenants under
 ``frontends.seccomp.run_tenant`` (no sandbox: the sandbox-only attacks are listed as n/a).
+kmod / CUSE: one QEMU/TCG guest boot (devbroker.testing.qemu) runs
+``devbroker.escape.guest`` per front end — the broker core behind the module's or CUSE's char
+nodes, victim and attacker as uids 1001/1002 — and the judging happens here, on its
+``GUEST-RESULT`` lines (:func:`run_guest_escape_tests`, both front ends in one boot).
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -29,6 +34,10 @@ MiB = 1 << 20
 ATTACKER, VICTIM, FLOODER = "bob", "alice", "mallory"
 ATTACKER_QUOTA = 256 * MiB
 FLOOD_N, FLOOD_RATE, CALLS_N = 400, 100, 100
+# In the QEMU/TCG guest the broker serves only ~130 requests/s in all over CUSE (one call
+# of the victim takes ~25 ms there, ~8 ms through the module), so a 100/s limit would limit
+# nothing: the flooder gets 25/s for 150 requests (>= 5.6 s), the victim makes 50 calls.
+GUEST_FLOOD_N, GUEST_FLOOD_RATE, GUEST_CALLS_N = 150, 25, 50
 
 POLICY = f"""
 # written by devbroker escape-test: a victim (alice, GPUs 0 and 1), an attacker (bob, GPU 0
@@ -64,6 +73,12 @@ rate_limit = {{ requests_per_second = {FLOOD_RATE}, burst = 10 }}
 """
 
 SRC = str(Path(__file__).resolve().parents[2])
+GUEST_FRONT_ENDS = ("kmod", "cuse")
+FRONT_ENDS = ("fuse", "seccomp", *GUEST_FRONT_ENDS)
+
+
+class GuestUnavailable(RuntimeError):
+    """The QEMU guest (qemu, its kernel, the guest venv) is not set up on this machine."""
 
 
 @dataclass
@@ -92,7 +107,8 @@ class Row:
 class Report:
     front_end: str
     rows: list[Row] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # problems of the run itself
+    info: list[str] = field(default_factory=list)  # how it ran (guest boot, timings)
 
     @property
     def ok(self) -> bool:
@@ -100,7 +116,8 @@ class Report:
 
     def to_dict(self) -> dict:
         return {"front_end": self.front_end, "ok": self.ok,
-                "rows": [r.to_dict() for r in self.rows], "notes": self.notes}
+                "rows": [r.to_dict() for r in self.rows], "notes": self.notes,
+                "info": self.info}
 
 
 def _env() -> dict:
@@ -174,7 +191,7 @@ def judge(attack: Attack, res: dict | None, audit: list[dict]) -> Row:
 
 
 def judge_flood(front_end: str, flood_done: dict | None, calls_done: dict | None,
-                snap: dict) -> Row:
+                snap: dict, flood_n: int = FLOOD_N, calls_n: int = CALLS_N) -> Row:
     t = {x["name"]: x for x in snap.get("tenants", [])}
     fl, vi = t.get(FLOODER, {}), t.get(VICTIM, {})
     row = Row(FLOOD, "", layer=FLOOD.layer)
@@ -186,11 +203,11 @@ def judge_flood(front_end: str, flood_done: dict | None, calls_done: dict | None
     row.got = "delayed" if waited else "not delayed"
     row.audit = (f"(none) status: {FLOODER} rate_limited={waited} requests={fl.get('requests')};"
                  f" {VICTIM} rate_limited={vi.get('rate_limited')}")
-    row.detail = (f"{VICTIM}'s {CALLS_N} calls finished before {FLOODER}'s {FLOOD_N}-request "
+    row.detail = (f"{VICTIM}'s {calls_n} calls finished before {FLOODER}'s {flood_n}-request "
                   f"flood: {calls_done['t'] < flood_done['t']}; flood completed (delayed, "
-                  f"not dropped): {flood_done.get('n') == FLOOD_N}")
+                  f"not dropped): {flood_done.get('n') == flood_n}")
     ok = (waited > 0 and calls_done["t"] < flood_done["t"] and vi.get("rate_limited", 0) == 0
-          and flood_done.get("n") == FLOOD_N)
+          and flood_done.get("n") == flood_n)
     row.verdict = "REFUSED" if ok else "ESCAPED"
     return row
 
@@ -204,10 +221,14 @@ def _select(front_end: str, ids: list[str] | None) -> tuple[list[Attack], list[A
     return run, skip
 
 
+_NA = {"seccomp": "needs the sandbox (seccomp alone is not a boundary, docs/seccomp.md)",
+       "fuse": "seccomp-filter specific",
+       "kmod": "does not apply to the module's nodes", "cuse": "does not apply to CUSE nodes"}
+
+
 def _na_rows(front_end: str, skip: list[Attack]) -> list[Row]:
-    why = {"seccomp": "needs the sandbox (seccomp alone is not a boundary, docs/seccomp.md)",
-           "fuse": "seccomp-filter specific"}[front_end]
-    return [Row(a, "N/A", layer=a.layer, detail=why) for a in skip]
+    return [Row(a, "N/A", layer=a.layer, detail=a.na.get(front_end) or _NA[front_end])
+            for a in skip]
 
 
 def _read_audit(path: Path) -> list[dict]:
@@ -402,12 +423,135 @@ def _run_seccomp(attacks: list[Attack], work: Path, flood: bool, report: Report)
     audit.close()
 
 
+# --------------------------------------------------------------------------- QEMU guest
+_GUEST_SETUP = {"kmod": "insmod kmod/devbroker.ko major=195 gpus=2 timeout_ms=5000",
+                "cuse": "modprobe cuse"}
+_GUEST_UNLOAD = {"kmod": "rmmod devbroker", "cuse": "rmmod cuse"}
+
+
+def guest_script(plan: dict[str, list[str]], flood: bool) -> str:
+    """The guest's /bin/sh script: per front end, load it, run devbroker.escape.guest with
+    the given attack ids, unload it (the module first: both want major 195)."""
+    lines = ["set -u", "rc=0"]
+    for fe, ids in plan.items():
+        run = (f"$GUEST_PYTHON -m devbroker.escape.guest --frontend {fe} --dir $DBRUN/{fe} "
+               f"--leave-chroot --attacks {shlex.quote(','.join(ids))}"
+               + ("" if flood else " --no-flood"))
+        lines += [f"mkdir -p $DBRUN/{fe}",
+                  f"if {_GUEST_SETUP[fe]}; then",
+                  f"  {run} || rc=1",
+                  f"  {_GUEST_UNLOAD[fe]} || echo 'GUEST-NOTE {fe}: unload failed'",
+                  "else",
+                  f"  echo 'GUEST-NOTE {fe}: {_GUEST_SETUP[fe]} failed'; rc=1",
+                  "fi"]
+    lines.append("exit $rc")
+    return "\n".join(lines) + "\n"
+
+
+def _guest_ready(build: bool) -> str | None:
+    from devbroker.testing import qemu
+
+    setup = ("run scripts/qemu/setup.sh (as root: installs qemu-system-x86, busybox, the "
+             "guest venv, then builds the guest kernel and kmod/)")
+    if not qemu.qemu_available():
+        raise GuestUnavailable(f"{qemu.QEMU} is not installed: {setup}")
+    if not (qemu.GUEST_VENV / "bin" / "python3").exists():
+        raise GuestUnavailable(f"the guest venv {qemu.GUEST_VENV} is missing: {setup}")
+    try:
+        return qemu.build() if build else qemu._kernel_dir(None).name
+    except qemu.GuestError as e:
+        raise GuestUnavailable(f"the guest kernel / kmod build failed: {e}") from e
+
+
+def run_guest_escape_tests(front_ends: tuple[str, ...] | list[str] = GUEST_FRONT_ENDS, *,
+                           ids: list[str] | None = None, flood: bool = True,
+                           timeout: float = 900, build: bool = True,
+                           workdir: str | Path | None = None) -> dict[str, Report]:
+    """One QEMU guest boot running the escape tests against each of ``front_ends`` (kmod,
+    cuse) in turn; a Report per front end, judged here like the FUSE run's."""
+    from devbroker.testing import qemu
+
+    for fe in front_ends:
+        if fe not in GUEST_FRONT_ENDS:
+            raise ValueError(f"front end {fe!r} does not run in the guest")
+    kver = _guest_ready(build)
+    plans = {fe: _select(fe, ids) for fe in front_ends}
+    flood = flood and (not ids or "flood" in ids)
+    script = guest_script({fe: [a.id for a in plans[fe][0]] for fe in front_ends}, flood)
+    r = qemu.run_in_guest(script, timeout=timeout, kver=kver)
+    got: dict[str, dict] = {fe: {} for fe in front_ends}
+    notes: dict[str, list[str]] = {fe: [] for fe in front_ends}
+    for line in r.output.splitlines():
+        if line.startswith("GUEST-RESULT "):
+            try:
+                d = json.loads(line[len("GUEST-RESULT "):])
+            except ValueError:
+                continue
+            if d.get("frontend") in got:
+                got[d["frontend"]][d.pop("check")] = d
+        elif line.startswith("GUEST-NOTE "):
+            fe, _, msg = line[len("GUEST-NOTE "):].partition(": ")
+            notes.get(fe, notes[front_ends[0]]).append(msg)
+    if workdir is not None:
+        work = Path(workdir)
+        work.mkdir(parents=True, exist_ok=True)
+        (work / "guest-output.txt").write_text(r.output)
+        (work / "guest-console.txt").write_text(r.console)
+        (work / "guest-dmesg.txt").write_text(r.dmesg)
+    problems = qemu.kernel_problems(r.dmesg)
+    reports = {}
+    for fe in front_ends:
+        attacks, skip = plans[fe]
+        rep = Report(fe)
+        res = got[fe]
+        rep.notes += notes[fe]
+        start = res.get("escape_broker_start", {})
+        if "error" in start:
+            rep.notes.append(f"guest broker did not start: {start['error'][-1500:]}")
+        att = res.get("escape_attacks")
+        if att is None:
+            rep.notes.append(f"the guest reported no attack results (status {r.status}):\n"
+                             f"{r.output[-3000:]}\n{r.console[-1500:]}")
+            att = {}
+        elif "error" in att:
+            rep.notes.append(f"guest: {att['error']}")
+        elif att.get("rc") != 0 and attacks:
+            rep.notes.append(f"attacker exited {att.get('rc')}: {att.get('stderr', '')[-2000:]}")
+        results = {x["id"]: x for x in att.get("results", []) if "id" in x}
+        audit = att.get("audit", [])
+        if workdir is not None:
+            (Path(workdir) / f"audit-{fe}.jsonl").write_text(
+                "".join(json.dumps(a) + "\n" for a in audit))
+        rep.rows += [judge(a, results.get(a.id), audit) for a in attacks]
+        if flood:
+            fl = res.get("escape_flood") or {}
+            rep.rows.append(judge_flood(fe, fl.get("flood_done"), fl.get("calls_done"),
+                                        fl.get("status") or {}, GUEST_FLOOD_N,
+                                        GUEST_CALLS_N))
+        rep.rows += _na_rows(fe, skip)
+        stop = res.get("escape_broker_stop", {})
+        if stop and stop.get("rc") not in (0, None):
+            rep.notes.append(f"guest broker exited {stop.get('rc')}: {stop.get('log', '')}")
+        if problems:
+            rep.notes.append("guest kernel warnings: " + " | ".join(problems[:5]))
+        rep.info.append(
+            f"QEMU/TCG guest, kernel {kver}, one boot for {'+'.join(front_ends)}: "
+            f"{r.seconds:.0f} s (status {r.status}); {fe}: broker start "
+            f"{start.get('seconds', '?')} s, attacks {att.get('seconds', '?')} s, flood "
+            f"{(res.get('escape_flood') or {}).get('seconds', '-')} s; tenants: "
+            f"{VICTIM} uid 1001, {ATTACKER} uid 1002, {FLOODER} uid 1003 (tenant_by_uid)")
+        reports[fe] = rep
+    return reports
+
+
 # --------------------------------------------------------------------------- entry
 def run_escape_tests(front_end: str = "fuse", *, ids: list[str] | None = None,
                      flood: bool = True, workdir: str | Path | None = None) -> Report:
+    if front_end in GUEST_FRONT_ENDS:
+        return run_guest_escape_tests([front_end], ids=ids, flood=flood,
+                                      workdir=workdir)[front_end]
     if front_end not in ("fuse", "seccomp"):
-        raise ValueError(f"front end {front_end!r}: fuse or seccomp (kmod/CUSE run in the "
-                         "QEMU guest, not here)")
+        raise ValueError(f"front end {front_end!r}: one of {', '.join(FRONT_ENDS)}")
     if os.geteuid() != 0:
         raise PermissionError("escape-test needs root (FUSE mounts, namespaces, seccomp)")
     report = Report(front_end)
@@ -452,4 +596,5 @@ def format_table(report: Report, width: int = 70) -> str:
     lines += ["", "  ".join(f"{k}: {v}" for k, v in n.items()),
               "RESULT: " + ("every attack refused" if report.ok else "FAILED")]
     lines += [f"note: {x}" for x in report.notes]
+    lines += [f"info: {x}" for x in report.info]
     return "\n".join(lines)

@@ -3,7 +3,8 @@
     python -m devbroker.escape.tenant ATTACK_ID...     one JSON line per attack
     python -m devbroker.escape.tenant --victim         hold a client + memory, hand out fds
     python -m devbroker.escape.tenant --flood N [--threads T]
-    python -m devbroker.escape.tenant --calls N
+    python -m devbroker.escape.tenant --calls N [--wait]   (--wait: "calls-ready", then a
+                                                         line on stdin before calling)
 
 The attacker's context (the victim's handles, the broker's pid, ...) comes as JSON in the
 environment variable DEVBROKER_ESCAPE_CTX (see attacks.Ctx).
@@ -31,6 +32,8 @@ def run_attacks(ids: list[str]) -> int:
     ctx = Ctx.from_json(os.environ.get("DEVBROKER_ESCAPE_CTX", ""))
     for aid in ids:
         attack = BY_ID.get(aid)
+        if attack is not None:  # a front end's own variant (the guest's, say) where it has one
+            attack = attack.for_frontend(ctx.frontend)
         t0 = time.time()
         if attack is None:
             o = Outcome("error", "", f"no attack {aid!r}")
@@ -119,8 +122,11 @@ def flood(n: int, threads: int) -> int:
     return 0
 
 
-def calls(n: int) -> int:
+def calls(n: int, wait: bool = False) -> int:
     c = _client()
+    if wait:  # start-up (slow in the QEMU guest) is not part of the race with the flood
+        out(what="calls-ready", t=time.time())
+        sys.stdin.readline()
     t0 = time.time()
     for _ in range(n):
         c.attached_ids()
@@ -135,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--flood", type=int, metavar="N")
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--calls", type=int, metavar="N")
+    ap.add_argument("--wait", action="store_true", help="--calls: wait for a line on stdin")
     ap.add_argument("ids", nargs="*")
     a = ap.parse_args(argv)
     if a.victim:
@@ -142,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.flood:
         return flood(a.flood, a.threads)
     if a.calls:
-        return calls(a.calls)
+        return calls(a.calls, a.wait)
     return run_attacks(a.ids)
 
 

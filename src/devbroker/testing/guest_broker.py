@@ -76,7 +76,7 @@ def control_path(frontend: str) -> Path:
 
 
 # ------------------------------------------------------------------------------ serve
-def serve(frontend: str, run: Path) -> int:
+def serve(frontend: str, run: Path, policy_file: Path | None = None) -> int:
     import trio
 
     from devbroker.broker import procview
@@ -87,7 +87,8 @@ def serve(frontend: str, run: Path) -> int:
     from devbroker.daemon import make_backend
     from devbroker.frontends.kmod import tenant_by_uid
 
-    policy = load_policy_text(POLICY, "guest-policy")
+    text = policy_file.read_text() if policy_file else POLICY
+    policy = load_policy_text(text, str(policy_file or "guest-policy"))
     audit = AuditLog(run / "audit.jsonl")
     backend = make_backend(policy, notice=lambda m: audit.write("notice", message=m))
     broker = Broker(policy, backend, audit)
@@ -127,8 +128,9 @@ def emit(check: str, **data) -> None:
 
 
 class BrokerProc:
-    def __init__(self, frontend: str, run: Path):
+    def __init__(self, frontend: str, run: Path, policy_file: Path | None = None):
         self.frontend, self.run = frontend, run
+        self.policy_file = policy_file  # None: POLICY above (devbroker.escape.guest has its own)
 
     def start(self) -> float:
         (self.run / "ready").unlink(missing_ok=True)
@@ -136,8 +138,9 @@ class BrokerProc:
         self.log = open(self.run / "broker.log", "a")
         self.p = subprocess.Popen(
             [sys.executable, "-m", "devbroker.testing.guest_broker", "serve", "--frontend",
-             self.frontend, "--dir", str(self.run)], stdout=self.log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL)
+             self.frontend, "--dir", str(self.run)]
+            + (["--policy", str(self.policy_file)] if self.policy_file else []),
+            stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         while not (self.run / "ready").exists():
             if self.p.poll() is not None or time.monotonic() - t0 > TIMEOUT:
                 raise RuntimeError("broker did not start: " + self.tail())
@@ -527,9 +530,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--frontend", choices=["kmod", "cuse"], required=True)
     ap.add_argument("--dir", required=True, type=Path)
     ap.add_argument("--smi", action="store_true")
+    ap.add_argument("--policy", type=Path, help="serve: this policy file instead of POLICY")
     a = ap.parse_args(argv)
     if a.mode == "serve":
-        return serve(a.frontend, a.dir)
+        return serve(a.frontend, a.dir, a.policy)
     return checks(a.frontend, a.dir, a.smi)
 
 
