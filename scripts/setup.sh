@@ -27,6 +27,12 @@ fi
 extras=""
 [ $want_test = 1 ] && extras="[test]"
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-.venv/bin/python -m pip install -q -e ".$extras" 2>&1 | grep -v "^\s*$" | grep -vi "warning: location" || true
+# pip's chatter (setuptools deprecation notes, ignored find-links) goes to a log, shown on failure.
+log=.venv/pip-install.log
+if ! .venv/bin/python -m pip install -q -e ".$extras" >"$log" 2>&1; then
+    tail -n 40 "$log" >&2
+    echo "setup: pip install failed (whole log: $PWD/$log)" >&2
+    exit 1
+fi
 .venv/bin/python -c "import devbroker.cli.main, trio" || { echo "setup: install failed" >&2; exit 1; }
-echo "setup: ready (.venv/bin/devbroker)" >&2
+echo "setup: ready: $PWD/.venv (devbroker installed from $PWD/src; pip log $PWD/$log)" >&2

@@ -32,6 +32,15 @@ def traces_dir(shared_dir) -> Path:
     return shared_dir / "traces"
 
 
+@pytest.fixture(scope="session")
+def tenant_tree() -> Path:
+    """The project's files for tenants that run as other uids, in a directory every uid can
+    read and enter (devbroker.testing.tenant_tree): the checkout may be under a 0700 home."""
+    from devbroker.testing import tenant_tree
+
+    return tenant_tree.ensure(REPO)
+
+
 def pytest_collection_modifyitems(config, items):
     not_root = os.geteuid() != 0 or not os.path.exists("/dev/fuse")
     slow = os.environ.get("DEVBROKER_SLOW") == "1"

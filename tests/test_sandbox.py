@@ -168,10 +168,11 @@ def test_own_pid_namespace(tenants: Path):
     assert seen["pids"] == [1, 2]
 
 
-def test_runs_as_given_uid_without_capabilities(tenants: Path):
+def test_runs_as_given_uid_without_capabilities(tenants: Path, tenant_tree: Path):
     if not os.access(SYSTEM_PYTHON, os.X_OK):
         pytest.skip(f"{SYSTEM_PYTHON} is needed to run the checker as uid 65534")
-    seen = check(tenants, python=SYSTEM_PYTHON, uid=65534, gid=65534)
+    # cwd: the caller's (the checkout) may be out of uid 65534's reach (a clone under /root)
+    seen = check(tenants, python=SYSTEM_PYTHON, uid=65534, gid=65534, cwd=str(tenant_tree))
     assert seen["uid"] == 65534
     assert seen["cap_eff"] == 0 and seen["cap_bnd"] == 0
     assert seen["nvidiactl"] == "alice-ctl\n"  # the plain files are 0644: still readable

@@ -434,10 +434,11 @@ def test_sandbox_nodes_stat_as_nvidia_char_devices(tenants: Path):
 @pytest.mark.root
 @needs_root
 @needs_x86
-def test_sandbox_stat_shim_for_a_non_root_tenant(tenants: Path):
+def test_sandbox_stat_shim_for_a_non_root_tenant(tenants: Path, tenant_tree: Path):
     if not os.access(SYSTEM_PYTHON, os.X_OK):
         pytest.skip(f"{SYSTEM_PYTHON} is needed to run the checker as uid 65534")
-    seen = check(tenants, python=SYSTEM_PYTHON, uid=65534, gid=65534)
+    # cwd: the caller's (the checkout) may be out of uid 65534's reach (a clone under /root)
+    seen = check(tenants, python=SYSTEM_PYTHON, uid=65534, gid=65534, cwd=str(tenant_tree))
     assert seen["stat /dev/nvidiactl"] == ["chr", 195, 255]
     assert seen["fstat"] == ["chr", 195, 255]
     assert seen["stat /etc/hostname"] == ["reg", 0, 0]

@@ -50,14 +50,15 @@ fi
 KDIR=$ROOT/usr/src/$HDR
 make -s -C "$KDIR" M="$REPO/kmod" modules >&2
 
-# Initramfs: static busybox + the modules needed to reach the 9p root, in load order.
+# Initramfs: static busybox + the modules needed to reach the 9p root and to lay the guest's
+# module tree over it (overlay; scripts/qemu/init), in load order.
 if [ ! -s "$DIR/initramfs.cpio.gz" ] || [ "$0" -nt "$DIR/initramfs.cpio.gz" ] \
         || [ "$(dirname "$0")/init" -nt "$DIR/initramfs.cpio.gz" ]; then
     IR=$DIR/initramfs; rm -rf "$IR"; mkdir -p "$IR/bin" "$IR/mods" "$IR/proc" "$IR/sys" "$IR/dev" "$IR/newroot"
     cp /bin/busybox "$IR/bin/busybox"
     cp "$(dirname "$0")/init" "$IR/init"; chmod +x "$IR/init"
     MODDIR=$ROOT/lib/modules/$KVER
-    python3 - "$MODDIR" "$IR/mods" virtio_pci 9pnet_virtio 9p <<'PY'
+    python3 - "$MODDIR" "$IR/mods" virtio_pci 9pnet_virtio 9p overlay <<'PY'
 import os, shutil, sys, lzma
 moddir, out, *wanted = sys.argv[1:]
 deps = {}

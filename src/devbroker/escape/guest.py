@@ -30,8 +30,8 @@ from pathlib import Path
 
 from devbroker.escape.harness import (ATTACKER, ATTACKER_QUOTA, FLOODER, GUEST_CALLS_N,
                                       GUEST_FLOOD_N, GUEST_FLOOD_RATE, VICTIM)
-from devbroker.testing.guest_broker import (REPO, TENANT_PY, BrokerProc, control_path, emit,
-                                            tenant_env)
+from devbroker.testing.guest_broker import (REPO, TENANT_PY, TREE, BrokerProc, control_path,
+                                            emit, tenant_env)
 
 UIDS = {VICTIM: 1001, ATTACKER: 1002, FLOODER: 1003}
 POLICY = f"""
@@ -79,7 +79,7 @@ def _tenant(*args: str) -> list[str]:
 
 def _as(name: str) -> dict:
     uid = UIDS[name]
-    return {"user": uid, "group": uid, "extra_groups": [], "cwd": str(REPO)}
+    return {"user": uid, "group": uid, "extra_groups": [], "cwd": str(TREE)}
 
 
 def _lines(text: str) -> list[dict]:

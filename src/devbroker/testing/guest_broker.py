@@ -14,7 +14,7 @@ GPU 1 with 8 GiB; any other uid is refused at open. Tenants are mapped by uid
 (frontends.kmod.tenant_by_uid) because the nodes are shared by every process of the guest.
 
 Needs trio for ``serve`` (the guest venv of scripts/qemu/setup.sh); tenant programs run
-under /usr/bin/python3 (stdlib only, fast to start over 9p).
+under /usr/bin/python3 (stdlib only, fast to start over 9p), from the tenant tree (TREE).
 """
 from __future__ import annotations
 
@@ -33,7 +33,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
-SRC = REPO / "src"
+# What tenants (other uids) run and where: the copy run_in_guest made for them
+# (devbroker.testing.tenant_tree), since the checkout may be out of their reach (a clone
+# under /root); the checkout itself when started by hand without one.
+TREE = Path(os.environ.get("DEVBROKER_TENANT_TREE") or REPO)
 TENANT_PY = "/usr/bin/python3"
 ALICE, BOB, NOBODY = 1001, 1002, 1003
 UUID0 = "GPU-5d1c0e7a-0b6e-4f43-9c1a-3a2b7e0d0001"
@@ -171,13 +174,13 @@ class BrokerProc:
 
 
 def tenant_env() -> dict:
-    return {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "PYTHONPATH": str(SRC),
+    return {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "PYTHONPATH": str(TREE / "src"),
             "PYTHONDONTWRITEBYTECODE": "1", "HOME": "/tmp", "LC_ALL": "C"}
 
 
 def run_as(uid: int, argv: list[str], timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
     return subprocess.run(argv, user=uid, group=uid, extra_groups=[], env=tenant_env(),
-                          cwd=str(REPO), capture_output=True, text=True, timeout=timeout)
+                          cwd=str(TREE), capture_output=True, text=True, timeout=timeout)
 
 
 def drop_to(uid: int) -> None:
@@ -328,7 +331,7 @@ def check_quota(b: BrokerProc) -> None:
 def check_refusals(b: BrokerProc) -> None:
     audit_path = b.run / "audit.jsonl"
     start = audit_path.stat().st_size if audit_path.exists() else 0
-    p = run_as(ALICE, [TENANT_PY, str(REPO / "tests" / "tenant_prog.py"), "refusals"])
+    p = run_as(ALICE, [TENANT_PY, str(TREE / "tests" / "tenant_prog.py"), "refusals"])
     lines = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
     time.sleep(0.1)
     with open(audit_path) as f:
@@ -443,7 +446,7 @@ def check_smi(b: BrokerProc, frontend: str) -> None:
             try:
                 p = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
                                     smi_script(b.run, tenant, uid, args)], capture_output=True,
-                                   text=True, timeout=2 * TIMEOUT, env=tenant_env())
+                                   text=True, timeout=2 * TIMEOUT, env=tenant_env(), cwd=TREE)
                 rc, out, err = p.returncode, p.stdout, p.stderr
             except subprocess.TimeoutExpired as e:
                 rc, out, err = None, str(e.stdout or ""), "timeout"

@@ -1,9 +1,13 @@
 """Run one command in a QEMU/TCG guest that boots Debian's kernel with the host root.
 
-The guest (scripts/qemu/init) mounts the host's / read-only over 9p, a per-run directory
-read-write at the same absolute path, and the guest kernel's modules at /lib/modules, then
-chroots and runs the command with the repository as the working directory. Paths are the
-same inside and out, so tests can hand files to the guest through the run directory.
+The guest (scripts/qemu/init) mounts the host's / read-only over 9p, tmpfs on /tmp and /run,
+a per-run directory read-write at the same absolute path, and the guest kernel's modules
+(from the cache, never the host's /lib/modules) at /lib/modules/<kver>, then chroots and
+runs the command with the repository as the working directory. Paths are the same inside
+and out, so tests can hand files to the guest through the run directory; the checkout and
+the cache stay visible even under /tmp. Guest programs run devbroker from the tenant tree
+($DEVBROKER_TENANT_TREE, also on PYTHONPATH; devbroker.testing.tenant_tree), which every uid
+can read: tenants run as other uids, and the checkout may be where they cannot (/root).
 
     kver = build()                           # fetch kernel, build kmod/, make initramfs
     r = run_in_guest("insmod kmod/devbroker.ko && ls /dev", timeout=120)
@@ -76,6 +80,17 @@ def _kernel_dir(kver: str | None) -> Path:
     return dirs[-1]
 
 
+def _tenant_tree() -> Path | None:
+    """The tenant tree for this checkout; None where it cannot be made (not root): guest
+    programs then give tenants the checkout itself."""
+    from devbroker.testing import tenant_tree
+
+    try:
+        return tenant_tree.ensure(REPO)
+    except OSError:
+        return None
+
+
 def run_in_guest(
     cmd: str, timeout: float = 300, kver: str | None = None, files: dict[str, str] | None = None
 ) -> GuestResult:
@@ -86,6 +101,10 @@ def run_in_guest(
     """
     kdir = _kernel_dir(kver)
     kver = kdir.name
+    tree = _tenant_tree()
+    # Host directories the guest must see even where its tmpfs mounts cover them; parents
+    # first (the cache is usually inside the checkout).
+    keep = sorted({str(REPO), str(CACHE)} | ({str(tree)} if tree else set()), key=len)
     runs = CACHE / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     rundir = Path(tempfile.mkdtemp(prefix="run-", dir=runs))
@@ -93,7 +112,11 @@ def run_in_guest(
         for name, text in (files or {}).items():
             (rundir / name).write_text(text)
         (rundir / "cmd.sh").write_text(
-            f"export DBRUN={rundir} GUEST_PYTHON={guest_python()}\ncd {REPO}\n{cmd}\n"
+            f"export DBRUN={rundir} GUEST_PYTHON={guest_python()}\n"
+            # devbroker itself from the tree too: children that drop to a tenant's uid
+            # import the modules they use after the drop
+            + (f"export DEVBROKER_TENANT_TREE={tree} PYTHONPATH={tree}/src\n" if tree else "")
+            + f"cd {REPO}\n{cmd}\n"
         )
         append = " ".join(
             [
@@ -103,8 +126,8 @@ def run_in_guest(
                 "loglevel=4",
                 "rdinit=/init",
                 f"dbrun={rundir}",
-                f"dbmods={kdir}/root/lib/modules/{kver}",
-                f"dbkver={kver}",
+                f"dbklib={kdir}/root/lib",  # holds modules/<kver>
+                f"dbkeep={':'.join(keep)}",
             ]
         )
         argv = [
