@@ -105,12 +105,18 @@ class RunningBroker:
         return subprocess.run(DEVBROKER + ["--run-dir", str(self.run_dir), *args],
                               capture_output=True, text=True, timeout=timeout, **kw)
 
+    # How `devbroker exec` reaches the broker: "auto" (the CLI's default), "fuse" or
+    # "seccomp"; tests parametrized over front ends set it.
+    frontend = "auto"
+
     def exec(self, tenant: str, *argv: str, timeout: float = 120, **kw):
-        return self.cli("exec", "--tenant", tenant, "--", *argv, timeout=timeout, **kw)
+        return self.cli("exec", "--tenant", tenant, "--frontend", self.frontend, "--", *argv,
+                        timeout=timeout, **kw)
 
     def exec_popen(self, tenant: str, *argv: str, **kw) -> subprocess.Popen:
         return subprocess.Popen(DEVBROKER + ["--run-dir", str(self.run_dir), "exec",
-                                             "--tenant", tenant, "--", *argv], **kw)
+                                             "--tenant", tenant, "--frontend", self.frontend,
+                                             "--", *argv], **kw)
 
     def audit(self) -> list[dict]:
         path = self.run_dir / "audit.log"

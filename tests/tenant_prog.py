@@ -95,7 +95,39 @@ def foreign_client(handle: str) -> None:
     c.hclient = mine
 
 
+def cuda_rules() -> None:
+    """Calls CUDA makes whose treatment is decided case by case (broker/allow.py): PERF_BOOST
+    (CUDA's own boost reaches the driver, any other is answered by the broker), a debugger
+    object on the tenant's own context or on none, an OS event whose notifier is not one."""
+    c = Client()
+    c.check_version()
+    c.open_root()
+    g = c.open_gpu(c.attached_ids()[0])
+    for name, flags, duration in (("boost-other", 0x01, 10), ("boost-cuda", 0x12, 0xFFFFFFFF)):
+        try:
+            c.control(g["hsubdevice"], 0x2080200A,
+                      c.params(0x2080200A, flags=flags, duration=duration))
+            out(what=name, status=0)
+        except NvError as e:
+            out(what=name, status=e.status)
+    for name, app, obj in (("debugger-own", c.hclient, g["hsubdevice"]),
+                           ("debugger-none", 0, 0)):
+        try:
+            c.alloc(g["hdevice"], 0x83DE, c.new("NV83DE_ALLOC_PARAMETERS", hAppClient=app,
+                                                hClass3dObject=obj))
+            out(what=name, status=0)
+        except NvError as e:
+            out(what=name, status=e.status)
+    try:
+        c.alloc(g["hsubdevice"], 0x79, c.new("NV0005_ALLOC_PARAMETERS", hParentClient=c.hclient,
+                                             hSrcResource=g["hsubdevice"], hClass=0x78,
+                                             notifyIndex=1, data=3))
+        out(what="event-kernel-callback", status=0)
+    except NvError as e:
+        out(what="event-kernel-callback", status=e.status)
+
+
 if __name__ == "__main__":
     cmd, *rest = sys.argv[1:]
     {"refusals": refusals, "hold": hold, "ioctl-after-line": ioctl_after_line,
-     "foreign-client": foreign_client}[cmd](*rest)
+     "foreign-client": foreign_client, "cuda-rules": cuda_rules}[cmd](*rest)

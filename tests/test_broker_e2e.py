@@ -68,9 +68,14 @@ def wait_for(pred, what: str, timeout: float = 30.0):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-@pytest.fixture
-def broker(start_broker):
-    return start_broker(POLICY)
+@pytest.fixture(params=["fuse", "seccomp"])
+def broker(start_broker, request):
+    """The same tenant behaviour through both ways `devbroker exec` reaches the broker: FUSE
+    node files, and seccomp user notification on character nodes (with the emulated backend
+    the seccomp files are memfd placeholders; real driver files need the real backend)."""
+    b = start_broker(POLICY)
+    b.frontend = request.param
+    return b
 
 
 def test_nvml_sequence_sees_only_its_gpu_and_quota(broker):
@@ -156,7 +161,10 @@ def test_broker_death_fails_tenant_calls_promptly_and_restart_remounts(broker, s
         p.stdin.flush()
         after = json.loads(p.stdout.readline())
         assert after["what"] == "after"
-        assert after["errno"] in (107, 103, 5)  # ENOTCONN (aborted connection) or EIO
+        if broker.frontend == "fuse":
+            assert after["errno"] in (107, 103, 5)  # ENOTCONN (aborted connection) or EIO
+        else:  # the listener is gone: every notified call fails closed with ENOSYS
+            assert after["errno"] == 38
         p.wait(timeout=30)
     finally:
         p.kill()
@@ -206,3 +214,26 @@ def test_status_command_reports_tenants(broker):
     r = broker.cli("status")
     assert r.returncode == 0, r.stderr
     assert "alice" in r.stdout and "16 GiB" in r.stdout and "bob" in r.stdout
+
+
+def test_cuda_calls_decided_case_by_case(broker):
+    """PERF_BOOST: CUDA's own boost reaches the driver (the emulator does not model it:
+    NOT_SUPPORTED), any other is answered NV_OK by the broker without the driver. A debugger
+    object only on the tenant's own context. An OS event only with an OS-event notifier."""
+    r = broker.exec("alice", *TENANT, "cuda-rules")
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = {x["what"]: x["status"] for x in lines(r.stdout)}
+    assert got["boost-other"] == nvs.NV_OK
+    assert got["boost-cuda"] == nvs.NV_ERR_NOT_SUPPORTED
+    assert got["debugger-own"] != nvs.NV_ERR_INSUFFICIENT_PERMISSIONS
+    assert got["debugger-none"] == nvs.NV_ERR_INSUFFICIENT_PERMISSIONS
+    assert got["event-kernel-callback"] == nvs.NV_ERR_INVALID_CLASS
+    audit = broker.audit()
+    assert any(a["event"] == "notice" and "PERF_BOOST" in a.get("message", "")
+               and "answered by the broker" in a["message"] for a in audit)
+    denied = " ".join(a["reason"] for a in audit if a["event"] == "deny")
+    assert "a debugger only on the tenant's own context" in denied
+    assert "is not an OS event" in denied
+    # The boost the broker answered never reached the emulator; CUDA's did.
+    notices = " ".join(a.get("message", "") for a in audit if a["event"] == "notice")
+    assert "PERF_BOOST (0x2080200a) is not modelled" in notices

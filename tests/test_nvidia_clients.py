@@ -82,8 +82,11 @@ class Broker:
         self.env = env
         self.cli = [sys.executable, "-m", "devbroker.cli.main", "--run-dir", str(run_dir)]
 
+    frontend = "auto"
+
     def exec(self, tenant: str, *argv: str, **kw) -> subprocess.CompletedProcess:
-        return subprocess.run(self.cli + ["exec", "--tenant", tenant, "--", *argv],
+        return subprocess.run(self.cli + ["exec", "--tenant", tenant, "--frontend",
+                                          self.frontend, "--", *argv],
                               capture_output=True, text=True, timeout=TIMEOUT, env=self.env,
                               **kw)
 
@@ -101,12 +104,15 @@ class Broker:
                 if l.strip()]
 
 
-@pytest.fixture(scope="module")
-def broker(tmp_path_factory):
+@pytest.fixture(scope="module", params=["fuse", "seccomp"])
+def broker(tmp_path_factory, request):
+    """One broker per front end: the clients run unmodified through FUSE node files (with the
+    stat shim) and through seccomp user notification on character nodes."""
     tmp = tmp_path_factory.mktemp("nvclients")
     (tmp / "policy.toml").write_text(POLICY)
     env = _env(tmp)
     b = Broker(tmp / "run", env)
+    b.frontend = request.param
     proc = subprocess.Popen(b.cli + ["run", "--policy", str(tmp / "policy.toml")],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, env=env)
@@ -123,7 +129,8 @@ def broker(tmp_path_factory):
             time.sleep(0.2)
         # Alice holds 1 GiB of device memory through the broker for the whole module.
         holder = subprocess.Popen(
-            b.cli + ["exec", "--tenant", "alice", "--", sys.executable, "-m",
+            b.cli + ["exec", "--tenant", "alice", "--frontend", b.frontend, "--",
+                     sys.executable, "-m",
                      "devbroker.tools.probe", "--alloc", "1GiB", "--keep"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, env=env)

@@ -34,11 +34,17 @@ class RunPaths:
     def audit(self) -> Path:
         return self.run_dir / "audit.log"
 
+    @property
+    def seccomp(self) -> Path:
+        """Where a sandbox (or a container runtime) hands over a tenant's seccomp listener."""
+        return self.run_dir / "seccomp.sock"
+
     def tenant_dir(self, tenant: str) -> Path:
         return self.mount / tenant
 
 
-def make_backend(policy: Any, backend: str | None = None, *, notice=None):
+def make_backend(policy: Any, backend: str | None = None, *, notice=None,
+                 private_dir: str | Path | None = None):
     name = backend or policy.broker.backend
     if name == "emulated":
         from devbroker.backends.emulated import EmulatedBackend, EmulatedGpu
@@ -49,7 +55,7 @@ def make_backend(policy: Any, backend: str | None = None, *, notice=None):
     if name == "real":
         from devbroker.backends.real import RealBackend
 
-        return RealBackend(notice=notice)
+        return RealBackend(notice=notice, private_dir=private_dir)
     raise ValueError(f"unknown backend {name!r} (emulated, real)")
 
 
@@ -80,7 +86,8 @@ class BrokerService:
         self.audit = AuditLog(audit_path or getattr(policy.broker, "audit_log", None)
                               or self.paths.audit)
         self.backend = make_backend(policy, backend,
-                                    notice=lambda m: self.audit.write("notice", message=m))
+                                    notice=lambda m: self.audit.write("notice", message=m),
+                                    private_dir=self.paths.run_dir / "private-nodes")
         recorder = None
         if record:
             from devbroker.broker.record import Recorder
@@ -88,6 +95,7 @@ class BrokerService:
             recorder = Recorder(record)
         self.broker = Broker(policy, self.backend, self.audit, recorder=recorder)
         self.frontend = None
+        self.supervisors: set = set()  # seccomp supervisors of attached tenants
 
     # -- control socket handlers
     def _status(self, req: dict) -> dict:
@@ -122,7 +130,84 @@ class BrokerService:
         if t not in self.broker.tenants or " (revoked)" in t:
             raise ControlError(f"no tenant {t!r} in the running policy "
                                f"(tenants: {', '.join(sorted(self.broker.tenants))})")
-        return {"dir": str(self.paths.tenant_dir(t)), "gpus": list(self.broker.tenants[t].gpus)}
+        return {"dir": str(self.paths.tenant_dir(t)), "gpus": list(self.broker.tenants[t].gpus),
+                "seccomp": str(self.paths.seccomp), "backend": self.backend.name,
+                "real_files": bool(getattr(self.backend, "tenant_files", False))}
+
+    # -- the seccomp hand-over socket
+    async def _serve_seccomp(self, nursery, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Accept tenants' seccomp listeners: one message per connection, a JSON object
+        {"tenant": NAME} with the listener fd attached (SCM_RIGHTS); the reply is one JSON
+        line. The socket is in the run dir (0700): only the operator's tools reach it."""
+        import json
+        import os
+        import socket as _socket
+        import struct
+
+        path = self.paths.seccomp
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        sock = trio.socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+        await sock.bind(str(path))
+        os.chmod(path, 0o600)
+        sock.listen(16)
+        task_status.started()
+        try:
+            while True:
+                conn, _ = await sock.accept()
+                nursery.start_soon(self._attach_seccomp, conn, nursery, json, os, _socket,
+                                   struct)
+        finally:
+            sock.close()
+
+    async def _attach_seccomp(self, conn, nursery, json, os, _socket, struct) -> None:
+        from devbroker.frontends.seccomp import SeccompSupervisor, default_nodes
+
+        with conn:
+            fds: list[int] = []
+            try:
+                with trio.fail_after(10):
+                    msg, anc, _flags, _addr = await conn.recvmsg(
+                        65536, _socket.CMSG_SPACE(4 * 4))
+                for level, typ, data in anc:
+                    if level == _socket.SOL_SOCKET and typ == _socket.SCM_RIGHTS:
+                        n = len(data) // 4
+                        fds.extend(struct.unpack(f"={n}i", data[:4 * n]))
+                req = json.loads(msg.decode() or "{}")
+                tenant = req.get("tenant")
+                if len(fds) != 1:
+                    raise ValueError("send exactly one seccomp listener fd")
+                if tenant not in self.broker.tenants or " (revoked)" in str(tenant):
+                    raise ValueError(f"no tenant {tenant!r} in the running policy")
+                gpus = self.broker.tenants[tenant].gpus
+                real = bool(getattr(self.backend, "tenant_files", False))
+                sup = SeccompSupervisor(self.broker, tenant, default_nodes(gpus=gpus),
+                                        real_files=real)
+            except Exception as e:  # noqa: BLE001 - a bad hand-over costs that tenant only
+                for fd in fds:
+                    os.close(fd)
+                self.audit.write("error", tenant=str(locals().get("tenant")),
+                                 what="seccomp hand-over", reason=str(e))
+                try:
+                    await conn.send((json.dumps({"ok": False, "error": str(e)}) + "\n").encode())
+                except OSError:
+                    pass
+                return
+            listener = fds[0]
+            self.audit.write("tenant-attached", tenant=tenant, frontend="seccomp",
+                             files="real" if real else "placeholder")
+            self.supervisors.add(sup)
+            await conn.send(b'{"ok": true}\n')
+
+        async def serve_one():
+            try:
+                await sup.serve(listener)
+            finally:
+                os.close(listener)
+                self.supervisors.discard(sup)
+        nursery.start_soon(serve_one)
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         from devbroker.frontends.fuse import FuseFrontend, detach_stale_mount
@@ -147,6 +232,8 @@ class BrokerService:
             self.broker.on_policy_change.append(lambda p: fe.set_tree(tenant_tree(self.broker)))
             async with trio.open_nursery() as nursery:
                 await nursery.start(control.serve)
+                await nursery.start(self._serve_seccomp, nursery)
+                self.broker.spawn = nursery.start_soon
                 self.audit.write("started", backend=self.backend.name,
                                  driver=self.backend.version, mount=str(self.paths.mount),
                                  tenants=sorted(self.broker.tenants))

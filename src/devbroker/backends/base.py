@@ -53,6 +53,11 @@ class DriverCall:
     # SYSTEM_GET_BUILD_VERSION): field name -> the bytes read from the tenant. A backend
     # updates them in place (bytearray); the broker writes them back after the call.
     embedded: dict[str, bytearray] = field(default_factory=dict)
+    # Files that live in the tenant (backends/tenantfile.py): the broker's duplicate of the
+    # tenant's file the call is made on, and of each file an fd field names (field -> fd).
+    # Numbers in the broker's own fd table, valid for this call only.
+    file_fd: int | None = None
+    fds: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

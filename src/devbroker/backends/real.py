@@ -60,6 +60,20 @@ COOKIE_POINTERS = frozenset({("NV_ESC_RM_MAP_MEMORY", "params.pLinearAddress"),
                              ("NV_ESC_RM_UNMAP_MEMORY", "pLinearAddress")})
 
 
+# Calls the broker executes inline on its trio thread for tenant files (microseconds in the
+# driver: RM_CONTROL p50 16 µs natively on the H200); the rest (allocations, frees, which
+# take up to tens of ms) run in capability-less worker threads.
+INLINE_CALLS = frozenset({"NV_ESC_RM_CONTROL", "NV_ESC_CARD_INFO", "NV_ESC_CHECK_VERSION_STR",
+                          "NV_ESC_NUMA_INFO", "NV_ESC_REGISTER_FD"})
+
+
+# Pointer-typed fields of nested parameters that the driver never dereferences as a pointer
+# in the executing process: NV01_EVENT_OS_EVENT's `data` is the fd number its
+# NV_ESC_ALLOC_OS_EVENT was registered with, used as a key together with the client
+# (osUserHandleToKernelPtr, unix os.c). The broker checks that the event class is 0x79.
+KEY_POINTERS = frozenset({("NV0005_ALLOC_PARAMETERS", "data")})
+
+
 class Unrelayable(Exception):
     """The call cannot be relayed safely; answered NOT_SUPPORTED without the driver."""
 
@@ -121,17 +135,36 @@ def discover_proc(proc: Path = PROC) -> list[RealGpu]:
 
 
 # --------------------------------------------------------------------------- sans-IO part
-def _walk_ptrs(spec: StructSpec, value: StructValue, base: int = 0, path: str = ""):
-    """(path, absolute offset, value) of every pointer field, through structs and arrays."""
+_PTR_LAYOUT: dict[int, tuple[StructSpec, tuple[tuple[str, int], ...]]] = {}
+
+
+def _ptr_layout(spec: StructSpec, base: int = 0, path: str = "") -> list[tuple[str, int]]:
+    """(path, absolute offset) of every pointer field, through structs and arrays: a fact
+    of the layout, computed once per spec (most specs have none)."""
+    out: list[tuple[str, int]] = []
     for f in spec.fields:
         if f.kind == "ptr":
-            yield path + f.name, base + f.offset, value._get(f)
+            out.append((path + f.name, base + f.offset))
         elif f.kind == "struct" and f.spec is not None:
-            yield from _walk_ptrs(f.spec, value._get(f), base + f.offset, path + f.name + ".")
+            out += _ptr_layout(f.spec, base + f.offset, path + f.name + ".")
         elif f.kind == "array" and isinstance(f.elem, StructSpec):
-            for i, e in enumerate(value._get(f)):
-                yield from _walk_ptrs(f.elem, e, base + f.offset + i * f.elem.size,
-                                      f"{path}{f.name}[{i}].")
+            inner = _ptr_layout(f.elem)
+            for i in range(f.count if inner else 0):
+                out += [(f"{path}{f.name}[{i}].{p}", base + f.offset + i * f.elem.size + o)
+                        for p, o in inner]
+    return out
+
+
+def _walk_ptrs(spec: StructSpec, value: StructValue | bytes):
+    """(path, absolute offset, value) of every pointer field of value (or raw bytes)."""
+    cached = _PTR_LAYOUT.get(id(spec))
+    if cached is None or cached[0] is not spec:
+        cached = _PTR_LAYOUT[id(spec)] = (spec, tuple(_ptr_layout(spec)))
+    if not cached[1]:
+        return
+    raw = value if isinstance(value, (bytes, bytearray)) else value.encode()
+    for path, off in cached[1]:
+        yield path, off, struct.unpack_from("<Q", raw, off)[0]
 
 
 def _walk_fds(spec: StructSpec, base: int = 0, path: str = ""):
@@ -174,7 +207,7 @@ def prepare_ioctl(file: Any, dc: DriverCall) -> Prepared:
             real = target.rfd if target is not None else -1
             prep.restore.append((off, struct.pack("<i", tenant_fd)))
             struct.pack_into("<i", arg, off, real)
-        for path, off, ptr in _walk_ptrs(spec, value):
+        for path, off, ptr in _walk_ptrs(spec, bytes(arg)):
             if ref is not None and path == ref.field:
                 continue
             if ptr and (call.name, path) not in COOKIE_POINTERS:
@@ -197,9 +230,8 @@ def prepare_ioctl(file: Any, dc: DriverCall) -> Prepared:
 def _prepare_deep(prep: Prepared, call, ref, nested: bytearray, embedded: dict) -> None:
     if ref.spec is None:
         return
-    params = ref.spec.decode(bytes(nested[:ref.spec.size]))
-    for path, off, ptr in _walk_ptrs(ref.spec, params):
-        if not ptr:
+    for path, off, ptr in _walk_ptrs(ref.spec, bytes(nested[:ref.spec.size])):
+        if not ptr or (ref.spec.name, path) in KEY_POINTERS:
             continue
         if path not in embedded:
             raise Unrelayable(f"{ref.op.name if ref.op else call.name}: nested pointer "
@@ -398,7 +430,7 @@ class RealBackend:
 
     def __init__(self, notice: Callable[[str], None] | None = None, *, dev: str = "/dev",
                  proc: Path = PROC, relay_uid: int | None = 65534, channels: int = 8,
-                 discover: bool = True):
+                 discover: bool = True, private_dir: str | Path | None = None):
         self.notice = notice or (lambda m: log.info("%s", m))
         self.dev = dev
         self.proc = Path(proc)
@@ -413,6 +445,12 @@ class RealBackend:
         self.abi = registry.get(self.version if self.version in registry.versions()
                                 else "580.159.04")
         self.memblock_size = _memblock_size()
+        # Where the seccomp front end's per-open device nodes are made (tenantfile.py).
+        self.private_dir = Path(private_dir or "/run/devbroker/private-nodes")
+        self._private = None
+        self._executor = None
+        self._broker_gpu_fds: list[int] = []
+        self._monitor = None
         self._gpus = discover_proc(self.proc)
         self.relay = RelayProcess(channels, uid=relay_uid)
         self._limiter = None
@@ -467,11 +505,48 @@ class RealBackend:
             return f"{self.dev}/nvidia-uvm"
         raise OSError(errno.ENODEV, f"the real backend does not relay {node.name} nodes")
 
-    def open(self, node: NodeKind, minor: int) -> RealFile:
+    # -- files that live in the tenant (seccomp front end; backends/tenantfile.py)
+    tenant_files = True  # this backend can hand out real driver files to install
+
+    def _tenant_nodes(self):
+        if self._private is None:
+            from devbroker.backends.tenantfile import NoCapsExecutor, PrivateNodes
+
+            self._private = PrivateNodes(self.private_dir, self.dev)
+            self._executor = NoCapsExecutor()
+            # The driver lets a process allocate a device object (class 0x80) only while
+            # its own fd table holds a file of that GPU (nv_is_gpu_accessible in nv.c
+            # iterates current->files; measured on the H200: NV_ERR_INSUFFICIENT_PERMISSIONS
+            # otherwise). The broker executes tenants' device allocations, so it keeps one
+            # file of each GPU open, as the persistence daemon does; which GPU a tenant may
+            # use is the policy's decision (deviceId checked before the call).
+            for g in self._gpus:
+                try:
+                    self._broker_gpu_fds.append(
+                        os.open(self.node_path(NodeKind.GPU, g.index), os.O_RDWR | os.O_CLOEXEC))
+                except OSError as e:
+                    self.notice(f"real backend: cannot hold GPU {g.index} open: {e}")
+        return self._private
+
+    def open(self, node: NodeKind, minor: int, *, tenant_file: bool = False,
+             flags: int = os.O_RDWR):
         path = self.node_path(node, minor)
+        if tenant_file:
+            from devbroker.backends.tenantfile import TenantFile
+
+            fd = self._tenant_nodes().open(path, flags)
+            st = os.fstat(fd)
+            return TenantFile(node, minor, path, (st.st_dev, st.st_ino), install_fd=fd)
         return RealFile(node, minor, self.relay.open(path), path)
 
     def close(self, file: RealFile) -> None:
+        if getattr(file, "runs_in_caller", False):
+            # A tenant file: the tenant holds it; the driver closes it with its last fd.
+            if file.install_fd >= 0:
+                os.close(file.install_fd)
+                file.install_fd = -1
+            file.closed = True
+            return
         if not file.closed:
             file.closed = True
             self.relay.close(file.rfd)
@@ -481,9 +556,44 @@ class RealBackend:
             raise OSError(errno.EINVAL, "no mapping context on this file")
         return self.relay.mapread(file.rfd, file.map_length, offset, length)
 
+    async def _tenant_file_ioctl(self, file, dc: DriverCall) -> DriverResult:
+        """Execute on the broker's duplicate of the tenant's own file, in a thread without
+        capabilities, with the broker's private copies of every buffer."""
+        from devbroker.backends.relay import run_ioctl
+        from devbroker.backends.tenantfile import FdRef
+
+        if dc.file_fd is None:
+            return DriverResult(arg=dc.call.encode(), errno=errno.EBADF)
+        view = DriverCall(dc.call, dc.nested, {p: FdRef(fd) for p, fd in dc.fds.items()},
+                          abi=dc.abi, tgid=dc.tgid, embedded=dc.embedded)
+        try:
+            prep = prepare_ioctl(FdRef(dc.file_fd, file.node, file.minor), view)
+        except Unrelayable as e:
+            self._note(("unrelayable", str(e)), f"real backend: {e}: NV_ERR_NOT_SUPPORTED "
+                                                "(the driver was not called)")
+            return not_supported(dc)
+        self._tenant_nodes()
+        if dc.call.name in INLINE_CALLS:
+            # Short calls run on the broker's own thread, its effective capabilities
+            # lowered for the call: a worker hop costs more than the control itself.
+            from devbroker.backends.tenantfile import effective_caps_lowered
+
+            with effective_caps_lowered():
+                rep = run_ioctl(prep.request)
+        else:
+            rep = await self._executor.run(run_ioctl, prep.request)
+        arg, nested = finish_ioctl(prep, rep)
+        if rep.ret >= 0:
+            for path, i in prep.deep:
+                dc.embedded[path][:] = rep.buffers[i]
+        self.last_ns = rep.ns
+        return DriverResult(arg=arg, nested=nested, result=rep.ret, errno=rep.errno)
+
     async def ioctl(self, file: RealFile, dc: DriverCall) -> DriverResult:
         import trio
 
+        if getattr(file, "runs_in_caller", False):
+            return await self._tenant_file_ioctl(file, dc)
         try:
             prep = prepare_ioctl(file, dc)
         except Unrelayable as e:
@@ -515,8 +625,107 @@ class RealBackend:
             self._noticed.add(key)
             self.notice(msg)
 
+    def process_vidmem(self, tgid: int) -> dict[int, int]:
+        """The driver's per-process video-memory accounting for tgid (GPU index -> bytes)."""
+        if self._monitor is None:
+            self._monitor = VidmemMonitor(self)
+        return self._monitor.usage(tgid)
+
     def stop(self) -> None:
         self.relay.stop()
+        if self._executor is not None:
+            self._executor.stop()
+        if self._private is not None:
+            self._private.close()
+        for fd in self._broker_gpu_fds:
+            os.close(fd)
+        self._broker_gpu_fds = []
+
+
+# --------------------------------------------------------------------------- accounting
+class VidmemMonitor:
+    """The driver's own per-process video-memory accounting (NV2080_CTRL_CMD_GPU_GET_PID_INFO,
+    VIDEO_MEMORY_USAGE: memory of the clients whose owner is that pid), read through the
+    relay on a client of the broker's own. The broker uses it to catch device memory a
+    tenant got past the broker's books (a racing thread rewriting a continued allocation,
+    allow._RACE_ALLOC_MEMORY)."""
+
+    def __init__(self, backend: "RealBackend"):
+        self.backend = backend
+        self.ctl = -1
+        self.client = 0
+        self.subdevices: dict[int, int] = {}  # GPU index -> subdevice handle
+
+    def _esc(self, fd: int, name: str, value, nested: bytes | None = None, ptr: str = ""):
+        from devbroker.abi import iowr
+
+        abi, relay = self.backend.abi, self.backend.relay
+        spec = abi.escape(name)
+        bufs = [w.Buffer(value.encode())]
+        if nested is not None:
+            bufs.append(w.Buffer(nested, 0, value.spec.by_name[ptr].offset))
+        rep = relay.ioctl(relay.sync, w.IoctlRequest(fd, iowr(spec.number, len(bufs[0].data)),
+                                                     bufs))
+        if rep.ret < 0:
+            raise OSError(rep.errno, f"{name}: {os.strerror(rep.errno)}")
+        return value.spec.decode(rep.buffers[0]), (rep.buffers[1] if nested is not None else None)
+
+    def _new(self, name: str, **kw):
+        spec = self.backend.abi.struct(name)
+        return spec.decode(bytes(spec.size)).replace(**kw)
+
+    def _alloc(self, parent: int, cls: int, new: int, params=None) -> int:
+        v = self._new("NVOS64_PARAMETERS", hRoot=self.client, hObjectParent=parent,
+                      hObjectNew=new, hClass=cls)
+        out, _ = self._esc(self.ctl, "NV_ESC_RM_ALLOC", v,
+                           params.encode() if params is not None else None, "pAllocParms")
+        if out.status != nvs.NV_OK:
+            raise OSError(errno.EIO, f"RM_ALLOC {cls:#x}: {nvs.name(out.status)}")
+        return out.hObjectNew
+
+    def _open(self) -> None:
+        b = self.backend
+        self.ctl = b.relay.open(f"{b.dev}/nvidiactl")
+        self.client = self._alloc(0, 0x41, 0)
+        by_index = {g.index: g for g in b.gpus()}
+        for i, g in by_index.items():
+            info = self._control(self.client, 0x205, gpuId=g.gpu_id)
+            gfd = b.relay.open(f"{b.dev}/nvidia{i}")
+            b._keep.append(gfd)
+            self._esc(gfd, "NV_ESC_REGISTER_FD", self._new("nv_ioctl_register_fd_t",
+                                                           ctl_fd=self.ctl))
+            hdev = self._alloc(self.client, 0x80, 0xDB100000 + 0x10 * i,
+                               self._new("NV0080_ALLOC_PARAMETERS",
+                                         deviceId=info.deviceInstance))
+            self.subdevices[i] = self._alloc(hdev, 0x2080, 0xDB100008 + 0x10 * i,
+                                             self._new("NV2080_ALLOC_PARAMETERS"))
+
+    def _control(self, obj: int, cmd: int, **kw):
+        pspec = self.backend.abi.control(cmd).params
+        p = pspec.decode(bytes(pspec.size)).replace(**kw)
+        v = self._new("NVOS54_PARAMETERS", hClient=self.client, hObject=obj, cmd=cmd,
+                      paramsSize=pspec.size)
+        out, nested = self._esc(self.ctl, "NV_ESC_RM_CONTROL", v, p.encode(), "params")
+        if out.status != nvs.NV_OK:
+            raise OSError(errno.EIO, f"control {cmd:#x}: {nvs.name(out.status)}")
+        return pspec.decode(nested)
+
+    def usage(self, tgid: int) -> dict[int, int]:
+        """Bytes of video memory the driver accounts to process tgid, per GPU index."""
+        if self.ctl < 0:
+            self._open()
+        out = {}
+        for i, hsub in self.subdevices.items():
+            pspec = self.backend.abi.control(0x2080018E).params
+            p = pspec.decode(bytes(pspec.size))
+            entries = list(p.pidInfoList)
+            entries[0] = entries[0].replace(pid=tgid, index=0)  # VIDEO_MEMORY_USAGE
+            got = self._control(hsub, 0x2080018E, pidInfoListCount=1, pidInfoList=entries)
+            e = list(got.pidInfoList)[0]
+            raw = bytes(e.data.raw) if hasattr(e.data, "raw") else e.data.encode()
+            priv, shared = struct.unpack_from("<QQ", raw, 0)
+            out[i] = (priv + shared) if e.result == nvs.NV_OK else 0
+        return out
 
 
 # --------------------------------------------------------------------------- discovery

@@ -118,6 +118,21 @@ def drop_privileges(uid: int | None, gid: int | None) -> None:
         raise OSError(errno.EPERM, f"capabilities remain after the drop: {caps}")
 
 
+def run_ioctl(req: w.IoctlRequest) -> w.IoctlReply:
+    """Run one prepared ioctl in this process: the buffers are copied into fresh memory of
+    ours and chained by their pointer offsets (the caller has refused every other pointer).
+    Also used by the broker's capability-less driver threads (backends/tenantfile.py)."""
+    bufs = [ctypes.create_string_buffer(b.data, max(len(b.data), 1)) for b in req.buffers]
+    for i, b in enumerate(req.buffers[1:], 1):
+        struct.pack_into("<Q", bufs[b.parent], b.ptr_offset, ctypes.addressof(bufs[i]))
+    t0 = time.monotonic_ns()
+    ret = _libc.ioctl(req.fd, req.cmd, ctypes.addressof(bufs[0]))
+    err = ctypes.get_errno() if ret < 0 else 0
+    ns = time.monotonic_ns() - t0
+    out = [bufs[i].raw[:len(b.data)] for i, b in enumerate(req.buffers)]
+    return w.IoctlReply(ret, err, ns, out)
+
+
 class Relay:
     def __init__(self) -> None:
         self.maps: dict[int, tuple[int, mmap.mmap]] = {}
@@ -143,15 +158,7 @@ class Relay:
         return 0
 
     def do_ioctl(self, req: w.IoctlRequest) -> w.IoctlReply:
-        bufs = [ctypes.create_string_buffer(b.data, max(len(b.data), 1)) for b in req.buffers]
-        for i, b in enumerate(req.buffers[1:], 1):
-            struct.pack_into("<Q", bufs[b.parent], b.ptr_offset, ctypes.addressof(bufs[i]))
-        t0 = time.monotonic_ns()
-        ret = _libc.ioctl(req.fd, req.cmd, ctypes.addressof(bufs[0]))
-        err = ctypes.get_errno() if ret < 0 else 0
-        ns = time.monotonic_ns() - t0
-        out = [bufs[i].raw[:len(b.data)] for i, b in enumerate(req.buffers)]
-        return w.IoctlReply(ret, err, ns, out)
+        return run_ioctl(req)
 
     def do_mapread(self, fd: int, maplen: int, offset: int, length: int) -> tuple[int, bytes]:
         with self.lock:

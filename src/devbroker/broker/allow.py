@@ -34,10 +34,29 @@ class Rule:
     handler: str = "relay"  # the Broker._esc_<handler> method that runs it
     nodes: frozenset = RM_NODES
     fd_fields: tuple[str, ...] = ()  # fields holding one of the tenant's fds
+    # With a driver file that lives in the tenant (seccomp front end + real backend): why
+    # the driver binds this call to the calling process, so that it must run there (the
+    # kernel continues it after the broker's checks). Empty: the broker executes it on its
+    # own duplicate of the tenant's file with private copies of every buffer.
+    in_caller: str = ""
+    # For in-caller rows: why a racing tenant thread, which can rewrite the argument after
+    # the broker decided (the kernel re-reads it), cannot turn the call into one the policy
+    # refuses, or how the broker detects it.
+    race: str = ""
 
     def granted(self, caps: frozenset[str]) -> bool:
         return self.capability in caps
 
+
+# Why the in-caller rows below are safe against a racing thread, in one place: the fd and
+# the command are syscall registers, which no other thread can change; every handle the
+# driver resolves is validated against the file the call is made on
+# (PDB_PROP_SYS_VALIDATE_CLIENT_HANDLE_STRICT, measured on the H200: another file's client
+# is NV_ERR_INVALID_CLIENT) and that file is the tenant's own.
+_OWN_OBJECTS = ("names only objects the driver validates against the tenant's own file; a "
+                "rewritten argument can only name other objects of the same tenant")
+_OWN_MM = ("acts on the calling process's own UVM va space and mm; RM objects it names are "
+           "validated by the driver against the tenant's own files and pid")
 
 # --------------------------------------------------------------------------- escapes
 ESCAPES: dict[str, Rule] = {
@@ -54,9 +73,14 @@ ESCAPES: dict[str, Rule] = {
     "NV_ESC_NUMA_INFO": Rule("nvml", "read-only NUMA facts of the tenant's GPU file"),
     "NV_ESC_WAIT_OPEN_COMPLETE": Rule("nvml", "waits for the GPU file's own open to finish"),
     "NV_ESC_ALLOC_OS_EVENT": Rule("compute", "event on the tenant's own client and file",
-                                  handler="fd", fd_fields=("fd",)),
+                                  handler="fd", fd_fields=("fd",),
+                                  in_caller="the event is keyed by the fd number in the "
+                                  "caller's own fd table",
+                                  race=_OWN_OBJECTS),
     "NV_ESC_FREE_OS_EVENT": Rule("compute", "frees the tenant's own event",
-                                 handler="fd", fd_fields=("fd",)),
+                                 handler="fd", fd_fields=("fd",),
+                                 in_caller="the event is keyed by the fd number in the "
+                                 "caller's own fd table", race=_OWN_OBJECTS),
     # RM escapes ('F', 0x27-0x5f)
     "NV_ESC_RM_CONTROL": Rule("nvml", "per-control allowlist below; client ownership checked",
                               handler="rm_control"),
@@ -64,22 +88,35 @@ ESCAPES: dict[str, Rule] = {
                             handler="rm_alloc"),
     "NV_ESC_RM_FREE": Rule("nvml", "frees only the tenant's own objects", handler="rm_free"),
     "NV_ESC_RM_MAP_MEMORY": Rule("nvml", "maps the tenant's own object into the tenant's own "
-                                 "file (fd checked)", handler="rm_map", fd_fields=("fd",)),
+                                 "file (fd checked)", handler="rm_map", fd_fields=("fd",),
+                                 in_caller="rm_create_mmap_context refuses a pid other than "
+                                 "the client's (osapi.c)",
+                                 race=_OWN_OBJECTS + "; a mapping context on a file the "
+                                 "broker did not give out is useless: mmap of such a file is "
+                                 "refused"),
     "NV_ESC_RM_UNMAP_MEMORY": Rule("nvml", "unmaps the tenant's own mapping",
-                                   handler="rm_objects"),
+                                   handler="rm_objects",
+                                   in_caller="CPU mappings are found again only by the pid "
+                                   "that made them", race=_OWN_OBJECTS),
     "NV_ESC_RM_UPDATE_DEVICE_MAPPING_INFO": Rule("compute", "updates the tenant's own mapping",
-                                                 handler="rm_objects"),
+                                                 handler="rm_objects",
+                                                 in_caller="CPU mappings are found again only "
+                                                 "by the pid that made them",
+                                                 race=_OWN_OBJECTS),
     "NV_ESC_RM_ALLOC_MEMORY": Rule("compute", "memory for the tenant's own client: same class "
                                    "allowlist and quota as RM_ALLOC",
                                    handler="rm_alloc_memory", fd_fields=("fd",)),
     # UVM commands (raw numbers, /dev/nvidia-uvm)
     "UVM_INITIALIZE": Rule("nvml", "binds a UVM va space to the calling process",
-                           handler="uvm", nodes=UVM_NODES),
+                           handler="uvm", nodes=UVM_NODES,
+                           in_caller="binds the va space to current->mm", race=_OWN_MM),
     "UVM_DEINITIALIZE": Rule("nvml", "tears down the caller's own va space",
-                             handler="uvm", nodes=UVM_NODES),
+                             handler="uvm", nodes=UVM_NODES,
+                             in_caller="acts on current->mm", race=_OWN_MM),
     "UVM_MM_INITIALIZE": Rule("nvml", "binds the caller's mm to its va space (uvmFd checked "
                               "to be the tenant's own UVM file)", handler="uvm", nodes=UVM_NODES,
-                              fd_fields=("uvmFd",)),
+                              fd_fields=("uvmFd",), in_caller="binds current->mm",
+                              race=_OWN_MM),
 }
 
 # UVM calls CUDA makes; each acts on the caller's own va space, and those naming an RM
@@ -107,7 +144,9 @@ for _name, _why in {
     "UVM_MAP_DYNAMIC_PARALLELISM_REGION": "maps in the caller's own va space",
     "UVM_UNMAP_EXTERNAL": "unmaps in the caller's own va space",
 }.items():
-    ESCAPES[_name] = Rule("uvm", _why, handler="uvm", nodes=UVM_NODES)
+    ESCAPES[_name] = Rule("uvm", _why, handler="uvm", nodes=UVM_NODES,
+                          in_caller="UVM acts on the caller's mm and checks that RM objects "
+                          "belong to the calling process (pid share policy)", race=_OWN_MM)
 
 # Refused on purpose (listed so that the audit line and the docs give the reason).
 REFUSED_ESCAPES: dict[str, str] = {
@@ -156,6 +195,11 @@ def check_open(node: NodeKind, minor: int, gpus: tuple[int, ...], caps: frozense
 class ClassRule:
     capability: str
     reason: str
+    # The allocation escapes (NV_ESC_RM_ALLOC, NV_ESC_RM_ALLOC_MEMORY) through which the
+    # driver binds this class to the calling process (see Rule.in_caller), and why.
+    in_caller_via: frozenset = frozenset()
+    in_caller: str = ""
+    race: str = ""
 
     def granted(self, caps: frozenset[str]) -> bool:
         return self.capability in caps
@@ -165,13 +209,28 @@ class ClassRule:
 # parent device.
 DEVICE_MEMORY_CLASSES = frozenset({0x40})
 
+# A racing thread can rewrite the class of a continued allocation (NVOS02 allocates
+# NV01_MEMORY_LOCAL_USER too: rmapi_deprecated_allocmemory.c), i.e. allocate device memory
+# the broker never saw, under the tenant's own client. Not preventable from outside the
+# process; detected: the broker reads the driver's own per-process video-memory accounting
+# after such calls and ends a tenant that holds more than its quota (Broker.quota_watch).
+_RACE_ALLOC_MEMORY = ("a rewritten class could allocate device memory the broker did not "
+                      "see: detected from the driver's per-process accounting afterwards, and "
+                      "the tenant is ended with an audit record")
+
 CLASSES: dict[int, ClassRule] = {
     0x80: ClassRule("nvml", "device object; deviceId checked against the tenant's GPUs"),
     0x2080: ClassRule("nvml", "subdevice of the tenant's own device"),
     0xDE: ClassRule("nvml", "subdevice diagnostics object NVML reads counters through"),
-    0x3E: ClassRule("compute", "system memory of the tenant's own process"),
+    0x3E: ClassRule("compute", "system memory of the tenant's own process",
+                    in_caller_via=frozenset({"NV_ESC_RM_ALLOC_MEMORY"}),
+                    in_caller="NVOS02 creates the mmap context for the caller's pid (escape.c)",
+                    race=_RACE_ALLOC_MEMORY),
     0x40: ClassRule("compute", "device memory, counted against the tenant's quota"),
-    0x71: ClassRule("compute", "OS descriptor memory (the tenant's own pages)"),
+    0x71: ClassRule("compute", "OS descriptor memory (the tenant's own pages)",
+                    in_caller_via=frozenset({"NV_ESC_RM_ALLOC", "NV_ESC_RM_ALLOC_MEMORY"}),
+                    in_caller="pins pages of the caller's own address space",
+                    race=_RACE_ALLOC_MEMORY),
     0x79: ClassRule("compute", "OS event on the tenant's own file"),
     0x90F1: ClassRule("compute", "GPU virtual address space of the tenant's context"),
     0x9067: ClassRule("compute", "context share of the tenant's own channel group"),
@@ -185,10 +244,15 @@ CLASSES: dict[int, ClassRule] = {
     0x503C: ClassRule("compute", "third-party P2P object on the tenant's own subdevice"),
     0x50A0: ClassRule("compute", "NV50 memory virtual object of the tenant's VA space"),
     0xCB33: ClassRule("compute", "confidential-computing query object (read-only)"),
+    # CUDA allocates one per context to choose which SM exceptions it is told about, and
+    # fails to create the context without it (seen on the H200). Only on the tenant's own
+    # context: hAppClient must be the allocating client and hClass3dObject one of its
+    # objects (Broker._esc_rm_alloc); of its controls only SET_EXCEPTION_MASK is allowed.
+    0x83DE: ClassRule("compute", "debugger object on the tenant's own context only (its "
+                      "memory/register controls stay refused)"),
 }
 
 REFUSED_CLASSES: dict[int, str] = {
-    0x83DE: "debugger: reads and writes other contexts' state",
     0x90CC: "profiler: counters of other tenants' work",
     0xB0CC: "profiler", 0xB1CC: "profiler", 0xB2CC: "profiler",
     0xC639: "MIG capability session (needs the cap node)",
@@ -209,6 +273,18 @@ REFUSED_CLASSES: dict[int, str] = {
 
 def class_rule(rm_class: int) -> ClassRule | None:
     return CLASSES.get(rm_class)
+
+
+def in_caller_reason(call, rm_class: int | None = None) -> str:
+    """Why the driver binds this decided call to the calling process ('' when the broker may
+    execute it itself on a duplicate of the tenant's file)."""
+    if rm_class is not None and call.name in ("NV_ESC_RM_ALLOC", "NV_ESC_RM_ALLOC_MEMORY"):
+        rule = CLASSES.get(rm_class)
+        if rule is not None and call.name in rule.in_caller_via:
+            return rule.in_caller
+        return ""
+    rule = ESCAPES.get(call.name)
+    return rule.in_caller if rule is not None else ""
 
 
 # --------------------------------------------------------------------------- controls
@@ -294,7 +370,8 @@ _NVML_CONTROLS = {
 }
 _COMPUTE_CONTROLS = [
     0x13A, 0x1F0, 0x27B, 0x288, 0xA04, 0xD04,
-    0x20800111, 0x20800119, 0x2080012F, 0x20800131, 0x20800145, 0x20800170, 0x20800195,
+    0x20800111, 0x20800119, 0x2080012F, 0x20800131, 0x20800145, 0x20800146, 0x20800170,
+    0x20800195,
     0x208001A3, 0x20801201, 0x20801210, 0x20801218, 0x2080121B, 0x20801227, 0x2080122A,
     0x2080122B, 0x20801230, 0x20801803, 0x20801823, 0x2080182A, 0x2080182B,
     0x2080220C, 0x20802210, 0x20802A0A, 0x20803002, 0x20803601, 0x20803801, 0x20808159,
@@ -306,18 +383,19 @@ _COMPUTE_CONTROLS = [
 CONTROLS: dict[int, ControlRule] = {c: ControlRule("nvml", why) for c, why in _NVML_CONTROLS.items()}
 CONTROLS.update({c: ControlRule("compute", "used by CUDA on the tenant's own objects "
                                 "(seen in the PyTorch trace)") for c in _COMPUTE_CONTROLS})
+CONTROLS[0x83DE0309] = ControlRule("compute", "which SM exceptions the tenant's own context "
+                                   "reports (its own debugger object)")
 
 REFUSED_CONTROLS: dict[int, str] = {
     0x20800134: "ECC configuration", 0x20800136: "ECC configuration",
     0x20803403: "ECC configuration",
     0x208001A9: "GPU reset / drain", 0x208001AC: "GPU reset / drain", 0x278: "GPU drain",
-    0x20800112: "power / clocks", 0x2080205B: "power / clocks", 0x2080200A: "power / clocks",
+    0x20800112: "power / clocks", 0x2080205B: "power / clocks",
     0x2080206F: "power / clocks",
     0x20800122: "register access", 0x20800602: "I2C access", 0x20800603: "I2C access",
     0x20800604: "I2C access", 0x208F0703: "register access",
     0x20800174: "MIG partitioning", 0xC6370101: "MIG partitioning",
     0xC6370102: "MIG partitioning",
-    0x83DE0309: "debugger control",
     # issue 4: queries nvidia-smi/NVML send that a tenant must not get (nvidia-smi then shows
     # "Insufficient Permissions" for that field: correct, see docs/emulator.md).
     0x127: "P2P caps between GPU ids the caller names (not restricted to the tenant's) with "
@@ -340,6 +418,29 @@ REFUSED_CONTROLS: dict[int, str] = {
     0x20810110: "unpublished BINAPI control (no header names it): layout unknown",
     0x20810111: "unpublished BINAPI control (no header names it): layout unknown",
 }
+
+
+# Controls a tenant's client sends that act on the whole GPU, for every tenant: the broker
+# answers NV_OK itself and the driver never sees them. (CUDA sends PERF_BOOST at context
+# creation and refuses to start when it fails: seen on the H200 through the seccomp front
+# end, `CUDA driver initialization failed`.)
+def _cuda_boost(params) -> bool:
+    # What CUDA sends at context creation (flags BOOST_TO_MAX | CUDA, duration infinite;
+    # ctrl2080perf.h): the boost every CUDA process gets natively, held by the driver for
+    # the client's lifetime. Without it the H200 ran bf16 matmuls at ~470 instead of
+    # ~700 TFLOP/s through the broker.
+    return params is not None and params.flags == 0x12 and params.duration == 0xFFFFFFFF
+
+
+ANSWERED_CONTROLS: dict[int, tuple[str, str, object]] = {
+    # (capability, reason, predicate on the parameters: True = relay it after all)
+    0x2080200A: ("compute", "PERF_BOOST changes the GPU's clocks for every tenant: CUDA's own "
+                 "context boost (flags 0x12, infinite) reaches the driver, any other boost or "
+                 "clear is answered NV_OK by the broker and not relayed", _cuda_boost),
+}
+
+
+CONTROLS[0x2080200A] = ControlRule("compute", ANSWERED_CONTROLS[0x2080200A][1])
 
 
 def control_rule(cmd: int) -> ControlRule | None:

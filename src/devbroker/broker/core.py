@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import contextlib
+import os
 import itertools
 import logging
 import time
@@ -29,11 +30,13 @@ from devbroker.broker.interface import (
     Caller,
     IoctlReply,
     IoctlRequest,
+    MapCheckReply,
     MapReadReply,
     MapReadRequest,
     OpenReply,
     OpenRequest,
     ReleaseRequest,
+    RunInCaller,
 )
 from devbroker.broker.objects import RmClient
 from devbroker.broker.procinfo import pid_namespace
@@ -46,14 +49,26 @@ log = logging.getLogger("devbroker.broker")
 MAX_NESTED_BYTES = 1 << 20
 # Embedded buffers (pointers inside control parameters) are strings and small tables.
 MAX_EMBEDDED_BYTES = 64 << 10
+# nvidia-uvm mappings (managed memory) a tenant process may make, in bytes, when the policy
+# does not say (tenant key managed_memory): CUDA maps 2 MiB for itself; cudaMallocManaged
+# beyond the allowance fails with out-of-memory (docs/seccomp.md).
+MANAGED_MEMORY_DEFAULT = 64 << 20
 
 ROOT_CLIENT_CLASSES = frozenset({0x0, 0x41})  # NV01_ROOT, NV01_ROOT_CLIENT
+# A control every root client answers, with no state and a 4-byte parameter block
+# (NV0000_CTRL_CMD_SYSTEM_GET_FEATURES): the broker's probe that a handle is a client of a file.
+PROBE_CONTROL = 0x1F0
 DEVICE_CLASS = 0x80  # NV01_DEVICE_0
 SUBDEVICE_CLASS = 0x2080  # NV20_SUBDEVICE_0
 
 # Names of fields that hold a *client* handle, wherever they appear (top-level arguments,
 # nested parameters, UVM arguments). A tenant may only name its own clients there.
-CLIENT_HANDLE_FIELDS = ("hClient", "hRoot", "hClientSrc", "hClientShare", "hClientTarget")
+CLIENT_HANDLE_FIELDS = ("hClient", "hRoot", "hClientSrc", "hClientShare", "hClientTarget",
+                        "hParentClient", "hTargetClient", "hAppClient")
+# Of those, the ones where 0 means "none" (a device with no target client, ...).
+CLIENT_FIELDS_ZERO_OK = frozenset({"hClientShare", "hTargetClient", "hAppClient"})
+OS_EVENT_CLASS = 0x79  # NV01_EVENT_OS_EVENT
+DEBUGGER_CLASS = 0x83DE  # GT200_DEBUGGER
 
 
 class Refusal(Exception):
@@ -98,6 +113,8 @@ class TenantState:
     abi_by_tgid: dict[int, Any] = field(default_factory=dict)
     refusals: int = 0
     requests: int = 0
+    continued: int = 0  # decided calls the tenant's own kernel context ran (run_in_caller)
+    uvm_mapped: dict[int, int] = field(default_factory=dict)  # tgid -> nvidia-uvm bytes mapped
 
     @property
     def gpus(self) -> tuple[int, ...]:
@@ -134,6 +151,9 @@ class Broker:
         self._ids = itertools.count(1)
         self.policy = None
         self.on_policy_change: list[Callable[[Any], None]] = []
+        # Starts a background task (the daemon's nursery.start_soon); None: no background
+        # work (quota watch off).
+        self.spawn: Callable | None = None
         self.apply_policy(policy)
         self._logged_once: set[tuple] = set()
 
@@ -229,8 +249,13 @@ class Broker:
             self.audit.deny(tenant=tenant.name, pid=req.caller.pid, what=what, reason=refusal)
             return OpenReply(errno=errno.EACCES)
         try:
-            file = self.backend.open(req.node, req.minor)
+            if req.want_file and getattr(self.backend, "tenant_files", False):
+                file = self.backend.open(req.node, req.minor, tenant_file=True, flags=req.flags)
+            else:
+                file = self.backend.open(req.node, req.minor)
         except OSError as e:
+            self.audit.write("error", tenant=tenant.name, pid=req.caller.pid, what=what,
+                             reason=f"driver open failed: {e}")
             return OpenReply(errno=e.errno or errno.EIO)
         sid = next(self._ids)
         s = Session(sid, tenant, req.node, req.minor, req.caller, file,
@@ -239,7 +264,10 @@ class Broker:
         tenant.sessions[sid] = s
         if self.recorder is not None:
             self.recorder.open(s)
-        return OpenReply(session=sid)
+        install = getattr(file, "install_fd", -1)
+        if install >= 0:
+            file.install_fd = -1  # the front end owns (installs, then closes) it now
+        return OpenReply(session=sid, install_fd=install)
 
     # ------------------------------------------------------------------ release
     async def release(self, req: ReleaseRequest) -> None:
@@ -278,6 +306,30 @@ class Broker:
         if self.recorder is not None:
             self.recorder.map_read(s, req.offset, req.length)
         return MapReadReply(data=data)
+
+    # ------------------------------------------------------------------ mmap of real files
+    async def map_check(self, req: MapReadRequest) -> MapCheckReply:
+        """May the caller map this file (a driver file that lives in the tenant)? The driver
+        itself checks the mapping context; what the broker adds is that nvidia-uvm mappings
+        (managed memory: device memory UVM allocates inside the kernel, which no tenant
+        ioctl shows and no quota could count) stay within a small allowance per process,
+        enough for what CUDA maps for itself (one 2 MiB range in the PyTorch trace)."""
+        s = self.sessions.get(req.session)
+        if s is None or s.closed:
+            return MapCheckReply(errno=errno.EBADF)
+        if not self._same_sandbox(s, req.caller):
+            return MapCheckReply(errno=errno.EACCES)
+        if s.node is NodeKind.UVM:
+            limit = int(getattr(s.tenant.policy, "managed_memory", MANAGED_MEMORY_DEFAULT))
+            used = s.tenant.uvm_mapped.get(s.caller.pid, 0)
+            if used + req.length > limit:
+                self._deny(s, f"mmap nvidia-uvm {req.length} bytes",
+                           f"managed (UVM) memory beyond {limit} bytes per process is not "
+                           f"offered ({used} mapped): its device memory cannot be counted "
+                           "against the quota")
+                return MapCheckReply(errno=errno.ENOMEM)
+            s.tenant.uvm_mapped[s.caller.pid] = used + req.length
+        return MapCheckReply()
 
     # ------------------------------------------------------------------ ioctl
     async def ioctl(self, req: IoctlRequest) -> IoctlReply:
@@ -325,6 +377,12 @@ class Broker:
         handler = getattr(self, "_esc_" + rule.handler)
         try:
             reply = await handler(s, abi, req, call, rule)
+        except RunInCaller as rc:
+            # Decided; the driver binds it to the caller: the kernel runs it in the tenant.
+            tenant.continued += 1
+            if rc.args and rc.args[0] == "watch":
+                self._watch_quota(s)
+            return IoctlReply(run_in_caller=True)
         except Refusal as r:
             self._deny(s, r.what or call.name, r.reason)
             if r.status is not None:
@@ -381,9 +439,17 @@ class Broker:
 
     async def _call_backend(self, s: Session, call, nested: bytes | None = None,
                             fd_files: dict | None = None,
-                            embedded: dict | None = None) -> DriverResult:
+                            embedded: dict | None = None, *, req: IoctlRequest | None = None,
+                            rm_class: int | None = None) -> DriverResult:
         dc = DriverCall(call, nested, fd_files or {}, abi=self._abi(s), tgid=s.caller.pid,
                         embedded=embedded if embedded is not None else {})
+        if getattr(s.file, "runs_in_caller", False):
+            # A driver file that lives in the tenant (seccomp + real backend).
+            if allow.in_caller_reason(call, rm_class):
+                # An allocation the kernel re-reads could be rewritten by a racing thread
+                # into device memory the books never see: check the driver's accounting.
+                raise RunInCaller("watch" if rm_class is not None else call.name)
+            return await self._execute_on_tenant_file(s, dc, req)
         started = time.monotonic_ns()
         result = await self.backend.ioctl(s.file, dc)
         if self.recorder is not None:
@@ -391,8 +457,115 @@ class Broker:
                                 duration_ns=time.monotonic_ns() - started)
         return result
 
-    def _check_clients(self, s: Session, value: Any, *, where: str) -> int | None:
-        """Every client handle named in value must be the tenant's. Returns hClient."""
+    async def _execute_on_tenant_file(self, s: Session, dc: DriverCall,
+                                      req: IoctlRequest | None) -> DriverResult:
+        """Run a decided call on the broker's own duplicate of the tenant's file (and of the
+        files its fd fields name), closed again right after the call."""
+        if req is None or req.dup_fd is None or req.fd < 0:
+            raise Refusal(f"{dc.call.name}: the front end cannot lend the tenant's file",
+                          errno_=errno.EBADF)
+        dups: list[int] = []
+        try:
+            dc.file_fd = req.dup_fd(req.fd)
+            dups.append(dc.file_fd)
+            for path in dc.fd_files:
+                n = _get_path(dc.call.value, path)
+                dc.fds[path] = req.dup_fd(int(n))
+                dups.append(dc.fds[path])
+            started = time.monotonic_ns()
+            result = await self.backend.ioctl(s.file, dc)
+            if self.recorder is not None:
+                self.recorder.ioctl(s, dc.call, dc.nested, result,
+                                    duration_ns=time.monotonic_ns() - started)
+            return result
+        finally:
+            for fd in dups:
+                os.close(fd)
+
+    async def _adopt_client(self, s: Session, h: int, req: IoctlRequest | None) -> bool:
+        """A root client the tenant allocated itself (a continued call) on this ctl file: the
+        broker learns its handle when the tenant first names it here, and only after the
+        driver confirms it is a client of this very file (a harmless control on it; client
+        handles are validated per file and unique host-wide, so it cannot be another
+        tenant's)."""
+        f = s.file
+        if (not getattr(f, "runs_in_caller", False) or s.node is not NodeKind.CTL
+                or f.continued_root_allocs <= len(f.adopted) or h in self.client_owner):
+            return False
+        abi = self._abi(s)
+        ctl = abi.struct("NVOS54_PARAMETERS")
+        value = ctl.decode(bytes(ctl.size)).replace(hClient=h, hObject=h, cmd=PROBE_CONTROL,
+                                                    paramsSize=4, params=0)
+        from devbroker.abi import iowr
+
+        spec = abi.escape("NV_ESC_RM_CONTROL")
+        cmd = iowr(spec.number, ctl.size)
+        # The probe has no pointer of the tenant's: params is the broker's own buffer.
+        probe = abi.decode_ioctl(NodeKind.CTL, cmd, value.replace(params=1).encode())
+        result = await self._execute_on_tenant_file(
+            s, DriverCall(probe, bytes(4), {}, abi=abi, tgid=s.caller.pid), req)
+        out = abi.decode_ioctl(NodeKind.CTL, cmd, result.arg).value
+        if result.errno or out.status != nvstatus.NV_OK:
+            return False
+        s.tenant.clients[h] = RmClient(h, s.id, s.caller.pid)
+        s.clients.add(h)
+        self.client_owner[h] = s.tenant.name
+        f.adopted.add(h)
+        self.audit.write("notice", tenant=s.tenant.name, pid=s.caller.pid, node=s.node_name,
+                         message=f"root client {h:#x} allocated by the tenant itself adopted")
+        return True
+
+    async def _client_of(self, s: Session, h: int, where: str,
+                         req: IoctlRequest | None) -> RmClient:
+        c = s.tenant.clients.get(h)
+        if c is None and await self._adopt_client(s, h, req):
+            c = s.tenant.clients.get(h)
+        return self._client(s, h, where)
+
+    # ------------------------------------------------------------------ race detection
+    QUOTA_WATCH_DELAYS = (0.05, 1.0)  # seconds after a continued allocation
+    QUOTA_WATCH_SLACK = 64 << 20  # driver-side bytes beyond the quota tolerated
+
+    def _watch_quota(self, s: Session) -> None:
+        """After a continued allocation: compare the driver's own per-process accounting of
+        the tenant's process with its quota, and end a tenant found holding more (a racing
+        thread turned a decided call into an allocation the broker never saw)."""
+        usage = getattr(self.backend, "process_vidmem", None)
+        if usage is None or self.spawn is None:
+            return
+        tgid, tenant = s.caller.pid, s.tenant
+
+        async def watch() -> None:
+            import signal
+
+            import trio
+
+            for delay in self.QUOTA_WATCH_DELAYS:
+                await trio.sleep(delay)
+                try:
+                    used = usage(tgid)
+                except OSError as e:
+                    self._once(("watch", str(e)), f"quota watch unavailable: {e}")
+                    return
+                over = {g: n for g, n in used.items()
+                        if n > tenant.quota(g) + self.QUOTA_WATCH_SLACK}
+                if over:
+                    self.audit.write("violation", tenant=tenant.name, pid=tgid,
+                                     what="device memory beyond the quota",
+                                     reason=f"the driver accounts {over} bytes per GPU to the "
+                                            f"process (quota {tenant.quota(next(iter(over)))}"
+                                            "): a continued call was rewritten; process killed")
+                    try:
+                        os.kill(tgid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    return
+        self.spawn(watch)
+
+    def _check_clients(self, s: Session, value: Any, *, where: str,
+                       zero_ok: bool = False) -> int | None:
+        """Every client handle named in value must be the tenant's. Returns hClient.
+        zero_ok: 0 means "no client" for this call (UVM_REGISTER_GPU without an RM client)."""
         first = None
         for name in CLIENT_HANDLE_FIELDS:
             h = getattr(value, name, None)
@@ -400,7 +573,7 @@ class Broker:
                 continue
             if first is None:
                 first = h
-            if h == 0 and name in ("hClientShare",):
+            if h == 0 and (zero_ok or name in CLIENT_FIELDS_ZERO_OK):
                 continue
             owner = self.client_owner.get(h)
             if owner != s.tenant.name:
@@ -429,7 +602,7 @@ class Broker:
     async def _esc_relay(self, s, abi, req, call, rule) -> IoctlReply:
         """Escapes with no handles or fds: pass through, rewrite the view if a hook says so."""
         self._check_clients(s, call.value, where=call.name)
-        result = await self._call_backend(s, call)
+        result = await self._call_backend(s, call, req=req)
         out = result.arg
         hook = rewrite.ESCAPE_REWRITES.get(call.name)
         if hook and not result.errno:
@@ -437,7 +610,7 @@ class Broker:
         return IoctlReply(result=result.result, arg_out=out, errno=result.errno)
 
     async def _esc_version(self, s, abi, req, call, rule) -> IoctlReply:
-        result = await self._call_backend(s, call)
+        result = await self._call_backend(s, call, req=req)
         if not result.errno:
             # The emulator speaks the ABI of the version the client asked for, when the
             # registry has it; every later call of this process is decoded with it.
@@ -460,15 +633,15 @@ class Broker:
         """Escapes carrying an fd of the tenant's (REGISTER_FD, ALLOC_OS_EVENT…)."""
         self._check_clients(s, call.value, where=call.name)
         fd_files = await self._translate_fds(s, req, call.value, rule.fd_fields, call.name)
-        result = await self._call_backend(s, call, fd_files=fd_files)
+        result = await self._call_backend(s, call, fd_files=fd_files, req=req)
         return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
     async def _translate_fds(self, s, req, value, fd_fields, where) -> dict:
         out = {}
         for path in fd_fields:
             fd = _get_path(value, path)
-            if fd is None:
-                continue
+            if fd is None or fd == -1:
+                continue  # -1: no file (NVOS02's mapping fd is optional); the driver sees -1
             if fd < 0:
                 raise Refusal(f"{where}: {path}={fd} is not a file descriptor",
                               errno_=errno.EBADF, status=nvstatus.NV_ERR_INVALID_ARGUMENT)
@@ -484,10 +657,22 @@ class Broker:
     async def _esc_rm_control(self, s, abi, req, call, rule) -> IoctlReply:
         v = call.value
         where = f"RM_CONTROL {abi.control_name(v.cmd)}"
-        client = self._client(s, v.hClient, where)
+        client = await self._client_of(s, v.hClient, where, req)
         if v.hObject not in client.objects:
             raise Refusal(f"{where}: object {v.hObject:#x} is not in client {v.hClient:#x}",
                           status=nvstatus.NV_ERR_INVALID_OBJECT_HANDLE, what=where)
+        answered = allow.ANSWERED_CONTROLS.get(v.cmd)
+        nested0 = None  # read once: what is decided on is what runs
+        if answered is not None and answered[0] in s.tenant.capabilities():
+            ref0 = abi.nested(call)
+            nested0 = self._read_nested(req, ref0)
+            p0 = ref0.spec.decode(nested0) if nested0 is not None and ref0.spec else None
+            if not answered[2](p0):
+                # Host-global effect: NV_OK without the driver (parameters left as sent).
+                self._once(("answered", s.tenant.name, v.cmd),
+                           f"tenant {s.tenant.name}: {where} answered by the broker: "
+                           f"{answered[1]}")
+                return self._status_reply(abi, call, nvstatus.NV_OK)
         ctl_rule = allow.control_rule(v.cmd)
         if ctl_rule is None or not ctl_rule.granted(s.tenant.capabilities()):
             reason = ("not on the control allowlist" if ctl_rule is None
@@ -499,7 +684,7 @@ class Broker:
             raise Refusal(f"{where}: paramsSize {v.paramsSize} != {spec.size}",
                           status=nvstatus.NV_ERR_INVALID_PARAM_STRUCT, what=where)
         ref = abi.nested(call)
-        nested = self._read_nested(req, ref)
+        nested = nested0 if nested0 is not None else self._read_nested(req, ref)
         params = None
         if nested is not None and ref.spec is not None:
             params = ref.spec.decode(nested)
@@ -509,7 +694,7 @@ class Broker:
                 params = pre(self, s, abi, params)
                 nested = params.encode()
         embedded = self._read_embedded(req, abi, params, where)
-        result = await self._call_backend(s, call, nested, embedded=embedded)
+        result = await self._call_backend(s, call, nested, embedded=embedded, req=req)
         out_value = abi.decode_ioctl(s.node, req.cmd, result.arg).value
         out_nested = result.nested
         if not result.errno and out_value.status == nvstatus.NV_OK and out_nested is not None:
@@ -560,7 +745,18 @@ class Broker:
             if v.hObjectNew and v.hObjectNew in self.client_owner:
                 raise Refusal(f"{where}: client handle {v.hObjectNew:#x} is taken",
                               status=nvstatus.NV_ERR_INSERT_DUPLICATE_NAME, what=where)
-            result = await self._call_backend(s, call, self._read_nested(req, abi.nested(call)))
+            f = s.file
+            if getattr(f, "runs_in_caller", False) and not f.continued_root_allocs and not s.clients:
+                # The driver records the caller's pid as the client's owner, and RM_MAP_MEMORY
+                # and UVM later insist on it: the tenant must make this call itself. Safe
+                # against a racing thread only because this file holds no client yet: a
+                # rewritten argument can then name no parent, so it can only ever allocate
+                # a root client (docs/seccomp.md). Later root clients on the same file are
+                # allocated by the broker (owner: the broker's pid).
+                f.continued_root_allocs += 1
+                raise RunInCaller(where)
+            result = await self._call_backend(s, call, self._read_nested(req, abi.nested(call)),
+                                              req=req)
             out = abi.decode_ioctl(s.node, req.cmd, result.arg).value
             if not result.errno and out.status == nvstatus.NV_OK:
                 h = out.hObjectNew
@@ -569,7 +765,7 @@ class Broker:
                 self.client_owner[h] = s.tenant.name
             return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
-        client = self._client(s, v.hRoot, where)
+        client = await self._client_of(s, v.hRoot, where, req)
         if v.hObjectParent not in client.objects:
             raise Refusal(f"{where}: parent {v.hObjectParent:#x} is not in client {v.hRoot:#x}",
                           status=nvstatus.NV_ERR_INVALID_OBJECT_PARENT, what=where)
@@ -587,6 +783,21 @@ class Broker:
         params = ref.spec.decode(nested) if (nested is not None and ref.spec is not None) else None
         if params is not None:
             self._check_clients(s, params, where=where)
+            if cls == DEBUGGER_CLASS and (params.hAppClient != v.hRoot
+                                          or params.hClass3dObject not in client.objects):
+                raise Refusal(f"{where} ({cls:#x}): a debugger only on the tenant's own context "
+                              f"(hAppClient {params.hAppClient:#x}, object "
+                              f"{params.hClass3dObject:#x})",
+                              status=nvstatus.NV_ERR_INSUFFICIENT_PERMISSIONS, what=where)
+            if cls == OS_EVENT_CLASS and getattr(params, "hClass", OS_EVENT_CLASS) != OS_EVENT_CLASS:
+                # The notifier kind decides what the driver makes of `data` (an fd key for
+                # OS events; a kernel callback pointer for others): only OS events.
+                raise Refusal(f"{where}: notifier class {params.hClass:#x} is not an OS event",
+                              status=nvstatus.NV_ERR_INVALID_CLASS, what=where)
+        if cls == DEBUGGER_CLASS and params is None:
+            raise Refusal(f"{where} ({cls:#x}): a debugger needs its parameters (the context "
+                          "it may act on)", status=nvstatus.NV_ERR_INSUFFICIENT_PERMISSIONS,
+                          what=where)
         gpu = client.objects[v.hObjectParent].gpu
         if cls == DEVICE_CLASS:
             gpu = params.deviceId if params is not None else 0
@@ -596,7 +807,7 @@ class Broker:
                               what=where)
         charge = _alloc_size(params) if cls in allow.DEVICE_MEMORY_CLASSES else 0
         with self._reserved(s, client, cls, v.hObjectParent, gpu, charge, where):
-            result = await self._call_backend(s, call, nested)
+            result = await self._call_backend(s, call, nested, req=req, rm_class=cls)
         out = abi.decode_ioctl(s.node, req.cmd, result.arg).value
         if not result.errno and out.status == nvstatus.NV_OK:
             if result.nested is not None and ref is not None and ref.spec is not None:
@@ -633,11 +844,14 @@ class Broker:
     async def _esc_rm_free(self, s, abi, req, call, rule) -> IoctlReply:
         v = call.value
         where = "RM_FREE"
-        client = self._client(s, v.hRoot, where)
-        if v.hObjectOld not in client.objects:
+        client = await self._client_of(s, v.hRoot, where, req)
+        if v.hObjectOld not in client.objects and not getattr(s.file, "runs_in_caller", False):
             raise Refusal(f"{where}: object {v.hObjectOld:#x} is not in client {v.hRoot:#x}",
                           status=nvstatus.NV_ERR_INVALID_OBJECT_HANDLE, what=where)
-        result = await self._call_backend(s, call)
+        # With a file that lives in the tenant, the tenant may hold objects the broker never
+        # saw (made by calls it continued, e.g. OS descriptors): freeing a handle of its own
+        # client is the driver's to validate, and there is nothing in the books to give back.
+        result = await self._call_backend(s, call, req=req)
         out = abi.decode_ioctl(s.node, req.cmd, result.arg).value
         if not result.errno and out.status == nvstatus.NV_OK:
             if v.hObjectOld == v.hRoot:
@@ -653,14 +867,14 @@ class Broker:
         """RM_MAP_MEMORY: the mapping context is created on the file named by the fd field."""
         p = call.value.params
         where = "RM_MAP_MEMORY"
-        client = self._client(s, p.hClient, where)
+        client = await self._client_of(s, p.hClient, where, req)
         for name in ("hDevice", "hMemory"):
             h = getattr(p, name)
             if h not in client.objects:
                 raise Refusal(f"{where}: {name}={h:#x} is not in client {p.hClient:#x}",
                               status=nvstatus.NV_ERR_INVALID_OBJECT_HANDLE, what=where)
         fd_files = await self._translate_fds(s, req, call.value, rule.fd_fields, where)
-        result = await self._call_backend(s, call, fd_files=fd_files)
+        result = await self._call_backend(s, call, fd_files=fd_files, req=req)
         return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
     async def _esc_rm_alloc_memory(self, s, abi, req, call, rule) -> IoctlReply:
@@ -668,7 +882,7 @@ class Broker:
         and quota as RM_ALLOC: the size is limit + 1."""
         p = call.value.params
         where = f"NV_ESC_RM_ALLOC_MEMORY {abi.class_name(p.hClass)}"
-        client = self._client(s, p.hRoot, where)
+        client = await self._client_of(s, p.hRoot, where, req)
         if p.hObjectParent not in client.objects:
             raise Refusal(f"{where}: parent {p.hObjectParent:#x} is not in client {p.hRoot:#x}",
                           status=nvstatus.NV_ERR_INVALID_OBJECT_PARENT, what=where)
@@ -683,7 +897,8 @@ class Broker:
         charge = int(p.limit) + 1 if p.hClass in allow.DEVICE_MEMORY_CLASSES else 0
         fd_files = await self._translate_fds(s, req, call.value, rule.fd_fields, where)
         with self._reserved(s, client, p.hClass, p.hObjectParent, gpu, charge, where):
-            result = await self._call_backend(s, call, fd_files=fd_files)
+            result = await self._call_backend(s, call, fd_files=fd_files, req=req,
+                                              rm_class=p.hClass)
         out = abi.decode_ioctl(s.node, req.cmd, result.arg).value.params
         if not result.errno and out.status == nvstatus.NV_OK:
             client.add(out.hObjectNew, p.hClass, p.hObjectParent, gpu=gpu, charged=charge)
@@ -696,13 +911,14 @@ class Broker:
         if inner is not None:
             self._check_clients(s, inner, where=call.name)
         fd_files = await self._translate_fds(s, req, call.value, rule.fd_fields, call.name)
-        result = await self._call_backend(s, call, fd_files=fd_files)
+        result = await self._call_backend(s, call, fd_files=fd_files, req=req)
         return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
     async def _esc_uvm(self, s, abi, req, call, rule) -> IoctlReply:
-        self._check_clients(s, call.value, where=call.name)
+        # hClient 0: UVM registers the GPU without an RM client of the caller's (CUDA 13).
+        self._check_clients(s, call.value, where=call.name, zero_ok=True)
         fd_files = await self._translate_fds(s, req, call.value, rule.fd_fields, call.name)
-        result = await self._call_backend(s, call, fd_files=fd_files)
+        result = await self._call_backend(s, call, fd_files=fd_files, req=req)
         return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
     # ------------------------------------------------------------------ status

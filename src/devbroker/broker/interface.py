@@ -58,12 +58,18 @@ class OpenRequest:
     node: NodeKind
     minor: int  # GPU index for NodeKind.GPU, else 0
     flags: int = os.O_RDWR
+    # The front end can install a real driver file in the caller (seccomp's ADDFD): with a
+    # backend that hands them out, the reply carries one (OpenReply.install_fd).
+    want_file: bool = False
 
 
 @dataclass(frozen=True)
 class OpenReply:
     session: int = 0
     errno: int = 0
+    # A driver file (an fd of the broker's) for the front end to install in the caller and
+    # then close; -1 when the session is served by the broker alone.
+    install_fd: int = -1
 
 
 @dataclass
@@ -78,6 +84,16 @@ class IoctlRequest:
     # RM_MAP_MEMORY's fd) to the broker session it refers to, or None when it is not one of
     # ours. Each front end knows how to see the caller's fd table; the broker does not.
     resolve_fd: Callable[[int], Awaitable[int | None]] | None = None
+    # For driver files that live in the caller (seccomp front end, real backend): the fd
+    # number the ioctl was made on, and a way to get the broker's own duplicate of one of
+    # the caller's fds (pidfd_getfd; the broker closes it after the call).
+    fd: int = -1
+    dup_fd: Callable[[int], int] | None = None
+
+
+class RunInCaller(Exception):
+    """Raised inside the broker when a decided call must run in the calling process (the
+    driver binds it to the caller's pid or mm); the front end lets the kernel continue it."""
 
 
 @dataclass
@@ -85,6 +101,9 @@ class IoctlReply:
     result: int = 0  # ioctl(2)'s return value when errno == 0
     arg_out: bytes | None = None  # top-level argument after the call (same length as in)
     errno: int = 0
+    # The broker decided the call and the caller's own kernel context must run it
+    # (seccomp: SECCOMP_USER_NOTIF_FLAG_CONTINUE). Only for files that live in the caller.
+    run_in_caller: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,6 +123,11 @@ class MapReadReply:
 @dataclass(frozen=True)
 class ReleaseRequest:
     session: int
+
+
+@dataclass
+class MapCheckReply:
+    errno: int = 0
 
 
 class BrokerInterface(Protocol):

@@ -28,6 +28,10 @@ def add_parsers(sub) -> None:
     p.add_argument("--no-stat-shim", dest="stat_shim", action="store_false",
                    help="do not make stat() report the node files as NVIDIA character "
                         "devices (seccomp user notification; see docs/sandbox.md)")
+    p.add_argument("--frontend", choices=["auto", "fuse", "seccomp"], default="auto",
+                   help="how the tenant reaches the broker: FUSE node files, or seccomp user "
+                        "notification on real character nodes (what CUDA needs). auto "
+                        "(default): seccomp when the broker runs the real backend, else fuse")
     p.add_argument("argv", nargs="+", metavar="CMD", help="command and arguments (after --)")
     p.set_defaults(func=cmd_exec)
 
@@ -111,9 +115,14 @@ def cmd_exec(args) -> int:
         return 125
     # The run dir holds the control socket (root may apply policies through it) and the
     # audit log: a tenant must not reach either, so the sandbox covers it.
+    frontend = args.frontend
+    if frontend == "auto":
+        frontend = "seccomp" if info.get("real_files") else "fuse"
     try:
         return exec_main(Path(info["dir"]), argv, uid=args.uid, gid=args.gid,
-                         hide=[Path(args.run_dir)], stat_shim=args.stat_shim)
+                         hide=[Path(args.run_dir)], stat_shim=args.stat_shim,
+                         frontend=frontend, seccomp_socket=info.get("seccomp"),
+                         tenant=args.tenant)
     except SandboxError as e:
         print(f"devbroker exec: cannot set up the sandbox: {e}", file=sys.stderr)
         return 125

@@ -30,6 +30,7 @@ import os
 import posixpath
 import select
 import socket
+import stat as _stat
 import struct
 import sys
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from devbroker.broker.interface import (
     Caller,
     IoctlRequest,
     MapReadRequest,
+    MapCheckReply,
     OpenRequest,
     ReleaseRequest,
 )
@@ -59,6 +61,7 @@ _libc.inotify_rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]
 
 IN_DELETE_SELF = 0x00000400
 IN_IGNORED = 0x00008000
+CAP_SYS_ADMIN = 21
 PIDFD_THREAD = os.O_EXCL  # Linux 6.9: a pidfd for a (non-leader) thread
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _PATH_MAX = 4096
@@ -204,6 +207,7 @@ class Session:
     wd: int
     opener: tuple[int, int]  # (tgid, fd) in the opening process, for diagnostics
     released: bool = False
+    real: bool = False  # a real driver file (backends/tenantfile.py), not a memfd placeholder
 
 
 @dataclass
@@ -219,6 +223,8 @@ class SupervisorStats:
     released_at_shutdown: int = 0
     released_on_failed_install: int = 0
     stale: int = 0  # notifications whose task died before we answered
+    continued_decided: int = 0  # ioctls the broker decided and the tenant's kernel ran
+    refused_foreign: int = 0  # NVIDIA files the broker did not give out (refused)
 
 
 class _NotifMemory:
@@ -249,9 +255,19 @@ class SeccompSupervisor:
         nodes: Mapping[str, NodeSpec | tuple[NodeKind, int]] | None = None,
         *,
         sizes: w.NotifSizes | None = None,
+        real_files: bool = False,
     ):
         self.broker = broker
         self.tenant = tenant
+        # Ask the broker for real driver files (installed at open; ioctls decided by the
+        # broker and executed by it or continued in the tenant; mmaps continued).
+        self.real_files = real_files
+        from devbroker.backends.tenantfile import nvidia_majors
+
+        # Character majors of NVIDIA drivers: an fd on one of them that is not a file this
+        # supervisor installed reached the driver some other way (a racing path, an fd
+        # passed from another tenant) and gets no ioctl and no mmap.
+        self.nvidia_majors = frozenset({195, *nvidia_majors().values()})
         src = default_nodes() if nodes is None else nodes
         self.nodes: dict[str, NodeSpec] = {}
         for path, spec in src.items():
@@ -320,25 +336,55 @@ class SeccompSupervisor:
         return s.id if s else None
 
     def _lookup(self, tid: int, fd: int) -> Session | None:
+        return self._lookup_stat(tid, fd)[0]
+
+    def _lookup_stat(self, tid: int, fd: int) -> tuple[Session | None, bool]:
+        """(our session behind tid's fd, whether that fd is an NVIDIA device file)."""
         if fd < 0:
-            return None
+            return None, False
         try:
             st = os.stat(f"/proc/{tid}/fd/{fd}")
         except OSError:
-            return None
-        if st.st_dev != self._memfd_dev:
-            return None
+            return None, False
         s = self.sessions.get((st.st_dev, st.st_ino))
-        return s if s and not s.released else None
+        if s is not None and not s.released:
+            return s, False
+        nvidia = _stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) in self.nvidia_majors
+        return None, nvidia
+
+    def _refuse_foreign(self, n: w.Notif, what: str) -> w.NotifResp:
+        """An NVIDIA device file this supervisor did not install: no ioctl, no mmap."""
+        self.stats.refused_foreign += 1
+        audit = getattr(self.broker, "audit", None)
+        if audit is not None:
+            try:
+                caller = self._caller(n.pid)
+                pid = caller.pid
+            except OSError:
+                pid = n.pid
+            audit.deny(tenant=self.tenant, pid=pid, what=what,
+                       reason="an NVIDIA device file the broker did not give out (opened "
+                              "past the broker, or passed from another process)")
+        return w.NotifResp.fail(n.id, errno.EPERM)
 
     def _caller(self, tid: int) -> Caller:
+        return self._caller_caps(tid)[0]
+
+    def _caller_caps(self, tid: int) -> tuple[Caller, int]:
+        """The caller, and its effective | permitted | ambient capability sets."""
         st = _proc_status(tid)
+        caps = 0
+        for k in ("CapEff", "CapPrm", "CapAmb"):
+            try:
+                caps |= int(st.get(k, "0"), 16)
+            except ValueError:
+                caps = -1
         return Caller(
             pid=int(st.get("Tgid", tid)),
             tid=tid,
             uid=int(st.get("Uid", "0").split()[0]),
             gid=int(st.get("Gid", "0").split()[0]),
-        )
+        ), caps
 
     # -- main loop ----------------------------------------------------------------------
 
@@ -453,17 +499,20 @@ class SeccompSupervisor:
         self.stats.opens += 1
         reply = await self.broker.open(
             OpenRequest(caller=caller, tenant=self.tenant, node=spec.kind, minor=spec.minor,
-                        flags=flags)
+                        flags=flags, want_file=self.real_files)
         )
         if reply.errno:
             return w.NotifResp.fail(n.id, reply.errno)
         await self._install(n, caller, spec, reply.session, flags,
-                            posixpath.basename(full))
+                            posixpath.basename(full), reply.install_fd)
         return None
 
     async def _install(self, n: w.Notif, caller: Caller, spec: NodeSpec, sid: int,
-                       flags: int, name: str) -> None:
-        memfd = os.memfd_create(f"devbroker:{name}", os.MFD_CLOEXEC)
+                       flags: int, name: str, real_fd: int = -1) -> None:
+        """Install the session's file as the open's result: the real driver file the broker
+        opened (an inode of its own, see tenantfile.PrivateNodes) or a memfd placeholder."""
+        real = real_fd >= 0
+        memfd = real_fd if real else os.memfd_create(f"devbroker:{name}", os.MFD_CLOEXEC)
         try:
             st = os.fstat(memfd)
             key = (st.st_dev, st.st_ino)
@@ -471,7 +520,7 @@ class SeccompSupervisor:
                                          IN_DELETE_SELF)
             if wd < 0:
                 _raise_errno("inotify_add_watch")
-            sess = Session(sid, spec.kind, spec.minor, key, wd, (caller.pid, -1))
+            sess = Session(sid, spec.kind, spec.minor, key, wd, (caller.pid, -1), real=real)
             self.sessions[key] = sess
             self._by_wd[wd] = sess
             addfd = w.NotifAddfd(
@@ -551,8 +600,10 @@ class SeccompSupervisor:
     async def _on_ioctl(self, n: w.Notif) -> w.NotifResp | None:
         d, tid = n.data, n.pid
         fd, cmd, argp = d.arg_int(0), d.arg_u32(1), d.args[2]
-        sess = self._lookup(tid, fd)
+        sess, nvidia = self._lookup_stat(tid, fd)
         if sess is None:
+            if nvidia:
+                return self._refuse_foreign(n, f"ioctl {cmd:#x} on fd {fd}")
             self.stats.ioctls_continued += 1
             return w.NotifResp.cont(n.id)
         size = w.IOC_SIZE(cmd) if w.IOC_TYPE(cmd) == w.NV_IOCTL_MAGIC else 0
@@ -562,7 +613,7 @@ class SeccompSupervisor:
                 arg = _vm_read(tid, argp, size)
             except OSError as e:
                 return w.NotifResp.fail(n.id, errno.EFAULT if e.errno != errno.ESRCH else e.errno)
-        caller = self._caller(tid)
+        caller, caps = self._caller_caps(tid)
         if not self.id_valid(n.id):
             self.stats.stale += 1
             return None
@@ -572,12 +623,32 @@ class SeccompSupervisor:
             # the calling thread's fd table
             return self.session_for_fd(_tid, fd)
 
+        def dup_fd(fd: int, _tid: int = tid) -> int:
+            # The broker's own reference to the tenant's file, for a call it executes; the
+            # notification is re-checked so that the fd table is still the caller's.
+            got = _pidfd_getfd(_tid, fd)
+            if not self.id_valid(n.id):
+                os.close(got)
+                raise OSError(errno.ESRCH, "the calling thread went away")
+            return got
+
         reply = await self.broker.ioctl(
             IoctlRequest(caller=caller, session=sess.id, cmd=cmd, arg_ptr=argp, arg=arg,
-                         memory=_NotifMemory(self, tid, n.id), resolve_fd=resolve_fd)
+                         memory=_NotifMemory(self, tid, n.id), resolve_fd=resolve_fd,
+                         fd=fd, dup_fd=dup_fd if sess.real else None)
         )
         if reply.errno:
             return w.NotifResp.fail(n.id, reply.errno)
+        if reply.run_in_caller:
+            if not sess.real:
+                log.error("seccomp: broker asked to continue a call on a placeholder")
+                return w.NotifResp.fail(n.id, errno.EIO)
+            if caps & (1 << CAP_SYS_ADMIN) or caps < 0:
+                # The driver would see a privileged caller (capable(CAP_SYS_ADMIN) of the
+                # task that runs the ioctl): never on a tenant's behalf.
+                return self._refuse_privileged(n, caller, cmd)
+            self.stats.continued_decided += 1
+            return w.NotifResp.cont(n.id)
         if reply.arg_out is not None:
             out = bytes(reply.arg_out)
             if arg is not None and len(out) != len(arg):
@@ -595,11 +666,21 @@ class SeccompSupervisor:
 
     # -- mmap -------------------------------------------------------------------------------
 
+    def _refuse_privileged(self, n: w.Notif, caller: Caller, cmd: int) -> w.NotifResp:
+        audit = getattr(self.broker, "audit", None)
+        if audit is not None:
+            audit.deny(tenant=self.tenant, pid=caller.pid, what=f"ioctl {cmd:#x}",
+                       reason="the tenant holds CAP_SYS_ADMIN: a call it runs itself would be "
+                              "privileged in the driver")
+        return w.NotifResp.fail(n.id, errno.EPERM)
+
     async def _on_mmap(self, n: w.Notif) -> w.NotifResp | None:
         d, tid = n.data, n.pid
         length, fd, offset = d.args[1], d.arg_int(4), d.args[5]
-        sess = self._lookup(tid, fd)
+        sess, nvidia = self._lookup_stat(tid, fd)
         if sess is None:
+            if nvidia:
+                return self._refuse_foreign(n, f"mmap of fd {fd}")
             self.stats.mmaps_continued += 1
             return w.NotifResp.cont(n.id)
         caller = self._caller(tid)
@@ -607,6 +688,16 @@ class SeccompSupervisor:
             self.stats.stale += 1
             return None
         self.stats.mmaps += 1
+        if sess.real:
+            # The driver maps its own pages; it checks the file's mapping context (made by a
+            # decided RM_MAP_MEMORY) and, for nvidia-uvm, the caller's mm. The broker only
+            # decides whether this file may be mapped at all (managed memory: see policy).
+            check = getattr(self.broker, "map_check", None)
+            rep = await check(MapReadRequest(caller=caller, session=sess.id, offset=offset,
+                                             length=length)) if check else MapCheckReply()
+            if rep.errno:
+                return w.NotifResp.fail(n.id, rep.errno)
+            return w.NotifResp.cont(n.id)
         reply = await self.broker.map_read(
             MapReadRequest(caller=caller, session=sess.id, offset=offset, length=length)
         )

@@ -358,7 +358,7 @@ class _FProg(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
 
-def install_and_send(sock_fd: int) -> None:
+def install_and_send(sock_fd: int, prog: bytes | None = None) -> None:
     """In the tenant command, after no_new_privs and before exec: install the stat shim filter
     with a new listener, send the listener over sock_fd (SCM_RIGHTS; one byte: ``K`` when
     WAIT_KILLABLE_RECV is in effect, ``I`` when this kernel lacks it), close both.
@@ -366,7 +366,8 @@ def install_and_send(sock_fd: int) -> None:
     Between the install and the send no stat may happen (it would wait for a supervisor
     that has no listener yet): everything is prepared before the install.
     """
-    prog = w.build_stat_shim_filter()
+    if prog is None:
+        prog = w.build_stat_shim_filter()
     buf = ctypes.create_string_buffer(prog, len(prog))
     fp = _FProg(len(prog) // 8, ctypes.addressof(buf))
     sock = socket.socket(fileno=sock_fd)

@@ -33,6 +33,9 @@ def parse_args(argv: list[str]) -> SandboxSpec:
     ap.add_argument("--pass-fd", action="append", type=int, default=[])
     ap.add_argument("--no-stat-shim", dest="stat_shim", action="store_false",
                     help="do not fake stat() of the node files as NVIDIA character devices")
+    ap.add_argument("--frontend", choices=["fuse", "seccomp"], default="fuse")
+    ap.add_argument("--seccomp-socket")
+    ap.add_argument("--tenant")
     ap.add_argument("command", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
@@ -41,7 +44,8 @@ def parse_args(argv: list[str]) -> SandboxSpec:
                        groups=a.groups, cwd=a.cwd, hide=tuple(a.hide),
                        readonly=tuple(a.readonly), capabilities=caps,
                        driver_version=a.driver_version, pass_fds=tuple(a.pass_fd),
-                       stat_shim=a.stat_shim)
+                       stat_shim=a.stat_shim, frontend=a.frontend,
+                       seccomp_socket=a.seccomp_socket, tenant=a.tenant)
 
 
 def main(argv: list[str] | None = None) -> int:

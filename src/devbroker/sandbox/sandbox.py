@@ -111,6 +111,13 @@ class SandboxSpec:
     pass_fds: tuple[int, ...] = ()  # fds above 2 the command keeps (all others are closed)
     # Fake stat results for the node files (S_IFCHR 195:N, see statshim.py and docs).
     stat_shim: bool = True
+    # "fuse": /dev/nvidia* are the broker's FUSE node files. "seccomp": /dev/nvidia* are
+    # character nodes, and every open/ioctl/mmap of them stops at the broker through a
+    # seccomp listener handed over on `seccomp_socket` for `tenant` (frontends/seccomp.py);
+    # with the real backend the tenant then holds real driver files (what CUDA needs).
+    frontend: str = "fuse"
+    seccomp_socket: str | None = None
+    tenant: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "tenant_dir", Path(self.tenant_dir))
@@ -120,6 +127,14 @@ class SandboxSpec:
         object.__setattr__(self, "capabilities", frozenset(self.capabilities))
         object.__setattr__(self, "groups", tuple(self.groups))
         object.__setattr__(self, "pass_fds", tuple(self.pass_fds))
+        if self.frontend not in ("fuse", "seccomp"):
+            raise SandboxError(f"unknown front end {self.frontend!r} (fuse, seccomp)")
+        if self.frontend == "seccomp":
+            if not (self.seccomp_socket and self.tenant):
+                raise SandboxError("the seccomp front end needs the broker's socket and a tenant")
+            # One filter per process tree may have a listener: the broker's, not the shim's;
+            # the nodes are real character nodes, so stat needs no shim either.
+            object.__setattr__(self, "stat_shim", False)
 
 
 # ------------------------------------------------------------------------------ public API
@@ -127,7 +142,8 @@ def exec_main(tenant_dir: Path, argv: Sequence[str], *, uid: int | None = None,
               gid: int | None = None, groups: Sequence[int] = (), cwd: str | None = None,
               env: Mapping[str, str] | None = None, hide: Sequence[Path] = (),
               readonly: Sequence[Path] = (), driver_version: str | None = None,
-              stat_shim: bool = True) -> int:
+              stat_shim: bool = True, frontend: str = "fuse",
+              seccomp_socket: str | None = None, tenant: str | None = None) -> int:
     """What `devbroker exec` runs: the command's exit status (128+N if killed by signal N;
     125 if the sandbox failed, 126/127 if the command could not be executed).
 
@@ -137,7 +153,8 @@ def exec_main(tenant_dir: Path, argv: Sequence[str], *, uid: int | None = None,
     spec = SandboxSpec(tenant_dir=tenant_dir, argv=tuple(argv), uid=uid, gid=gid,
                        groups=tuple(groups), cwd=cwd, env=env, hide=tuple(hide),
                        readonly=tuple(readonly), driver_version=driver_version,
-                       stat_shim=stat_shim)
+                       stat_shim=stat_shim, frontend=frontend, seccomp_socket=seccomp_socket,
+                       tenant=tenant)
     return run_here(spec)
 
 
@@ -175,8 +192,11 @@ def spec_to_args(spec: SandboxSpec) -> list[str]:
         args += ["--driver-version", spec.driver_version]
     for fd in spec.pass_fds:
         args += ["--pass-fd", str(fd)]
-    if not spec.stat_shim:
+    if not spec.stat_shim and spec.frontend == "fuse":
         args += ["--no-stat-shim"]
+    if spec.frontend == "seccomp":
+        args += ["--frontend", "seccomp", "--seccomp-socket", str(spec.seccomp_socket),
+                 "--tenant", str(spec.tenant)]
     return args
 
 
@@ -188,7 +208,10 @@ def run_here(spec: SandboxSpec) -> int:
                            "use run_in_sandbox from other threads")
     spec = SandboxSpec(**{**spec.__dict__, "tenant_dir": spec.tenant_dir.resolve()})
     plan = _plan(spec)
-    shim = _ShimThread(spec, plan) if spec.stat_shim else None
+    if spec.frontend == "seccomp":
+        shim = _SeccompHandover(spec)
+    else:
+        shim = _ShimThread(spec, plan) if spec.stat_shim else None
     # Blocked before fork so that no signal is lost between fork and the wait loop; the
     # children inherit the mask and the command clears it just before exec. (The stat shim
     # thread, started afterwards, inherits it too: these signals reach only sigwaitinfo.)
@@ -299,6 +322,83 @@ class _ShimThread:
     def close(self) -> None:
         if self._thread is not None and self._thread.is_alive():
             return  # stuck (reported by stop()); leave its fds alone
+        for fd in (self.child_fd, self._stop_r, self._stop_w):
+            if fd >= 0:
+                os.close(fd)
+        self.child_fd = self._stop_r = self._stop_w = -1
+        self._sock.close()
+
+
+class _SeccompHandover:
+    """For the seccomp front end: gets the listener the command installs (over a
+    socketpair, like the stat shim's) and hands it to the broker's seccomp socket with the
+    tenant's name. The broker serves it from then on; if the hand-over fails, the listener
+    is closed here and every notified call of the tenant fails (ENOSYS): fail closed."""
+
+    JOIN_TIMEOUT = 15.0
+
+    def __init__(self, spec: SandboxSpec):
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.child_fd = fcntl.fcntl(child.fileno(), fcntl.F_DUPFD_CLOEXEC, 3)
+        child.close()
+        self._sock = parent
+        self._spec = spec
+        self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        os.close(self.child_fd)
+        self.child_fd = -1
+        self._thread = threading.Thread(target=self._run, name="devbroker-seccomp-handover",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import json
+        import struct
+
+        from devbroker.frontends import statshim
+
+        try:
+            got = statshim.recv_listener(self._sock, self._stop_r)
+            if got is None:
+                return
+            listener, _killable = got
+            try:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.settimeout(10)
+                with s:
+                    s.connect(str(self._spec.seccomp_socket))
+                    s.sendmsg([json.dumps({"tenant": self._spec.tenant}).encode()],
+                              [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                struct.pack("=i", listener))])
+                    reply = b""
+                    while not reply.endswith(b"\n"):
+                        chunk = s.recv(4096)
+                        if not chunk:
+                            break
+                        reply += chunk
+                answer = json.loads(reply or b"{}")
+                if not answer.get("ok"):
+                    raise SandboxError(f"the broker refused the tenant: "
+                                       f"{answer.get('error', 'no answer')}")
+            finally:
+                os.close(listener)  # the broker holds its own copy now (or nobody does)
+        except BaseException as e:  # noqa: BLE001
+            self.error = e
+            _fail("handing the seccomp listener to the broker; the tenant's NVIDIA calls "
+                  "now fail", e)
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        os.write(self._stop_w, b"x")
+        self._thread.join(self.JOIN_TIMEOUT)
+
+    def close(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
         for fd in (self.child_fd, self._stop_r, self._stop_w):
             if fd >= 0:
                 os.close(fd)
@@ -420,7 +520,13 @@ def _command_main(spec: SandboxSpec, shim_fd: int | None = None) -> None:
             # the send stats a file (the send hands the listener to that thread).
             from devbroker.frontends.statshim import install_and_send
 
-            install_and_send(shim_fd)
+            if spec.frontend == "seccomp":
+                from devbroker.frontends.seccompwire import FilterOptions, build_filter
+
+                step = "installing the seccomp front end's filter"
+                install_and_send(shim_fd, build_filter(FilterOptions()))
+            else:
+                install_and_send(shim_fd)
             step = "exec"
         os.execvpe(spec.argv[0], list(spec.argv), env)
     except FileNotFoundError as e:
@@ -469,7 +575,7 @@ def build_view(spec: SandboxSpec, *, proc_devices: str | None = None) -> None:
     # Every devbroker mount on the host (other broker instances too), not only this one.
     broker_mounts = [mp for mp, _root, fstype in linux.mountinfo()
                      if fstype == BROKER_FSTYPE and mp != "/"]
-    _build_dev(tenant)
+    _build_dev(tenant, char_nodes=_char_nodes(spec, proc_devices))
     _build_proc(tenant, proc_devices)
     _build_sys(tenant, spec.driver_version or _driver_version_from(tenant))
     # The nodes are already bound (a bind holds the file, not its path), so the directory
@@ -507,7 +613,29 @@ def _tty_gid() -> int | None:
     return None
 
 
-def _build_dev(tenant: Path) -> None:
+def _char_nodes(spec: SandboxSpec, proc_devices: str | None) -> dict[str, int] | None:
+    """For the seccomp front end: the tenant's nodes as character devices (name -> rdev).
+    Opens of them are answered by the broker; the numbers are what stat shows (NVML insists
+    on 195:255 for nvidiactl) and what a real driver file has."""
+    if spec.frontend != "seccomp":
+        return None
+    uvm = 238
+    for line in (proc_devices or "").splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1] == "nvidia-uvm" and parts[0].isdigit():
+            uvm = int(parts[0])
+    out = {}
+    for name in tenant_nodes(spec.tenant_dir):
+        if name == "nvidiactl":
+            out[name] = os.makedev(195, 255)
+        elif name == "nvidia-uvm":
+            out[name] = os.makedev(uvm, 0)
+        elif name[len("nvidia"):].isdigit():
+            out[name] = os.makedev(195, int(name[len("nvidia"):]))
+    return out
+
+
+def _build_dev(tenant: Path, char_nodes: dict[str, int] | None = None) -> None:
     linux.mount("tmpfs", "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC | MS_STRICTATIME,
                 "mode=0755,size=65536k")
     for name, (major, minor) in SAFE_DEVICES.items():
@@ -524,7 +652,10 @@ def _build_dev(tenant: Path) -> None:
     os.mkdir("/dev/shm", 0o1777)
     linux.mount("shm", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
                 "mode=1777,size=65536k")
-    for name in tenant_nodes(tenant):
+    for name, rdev in (char_nodes or {}).items():
+        os.mknod(f"/dev/{name}", stat.S_IFCHR | 0o666, rdev)
+        os.chmod(f"/dev/{name}", 0o666)
+    for name in ([] if char_nodes is not None else tenant_nodes(tenant)):
         target = f"/dev/{name}"
         # A bind target must exist and be a non-directory like its source.
         os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o666))

@@ -119,6 +119,11 @@ ANNOTATIONS = {
     # NV2080_CTRL_BIOS_INFO is {index, data}, the same two NvU32 as NVXXXX_CTRL_XXX_INFO
     # (ctrl2080bios.h); the header declares the params without a MESSAGE_ID.
     ("NV2080_CTRL_BIOS_GET_INFO_PARAMS", "biosInfoList"): "ptr->NVXXXX_CTRL_XXX_INFO@biosInfoListSize",
+    # Two NvU32 arrays of numChannels entries (ctrl0080fifo.h; embedded_param_copy.c copies
+    # both). CUDA sends it at context creation: seen on the H200 through the seccomp front end.
+    ("NV0080_CTRL_FIFO_GET_CHANNELLIST_PARAMS", "numChannels"): "size",
+    ("NV0080_CTRL_FIFO_GET_CHANNELLIST_PARAMS", "pChannelHandleList"): "ptr->NvU32@numChannels",
+    ("NV0080_CTRL_FIFO_GET_CHANNELLIST_PARAMS", "pChannelList"): "ptr->NvU32@numChannels",
 }
 
 # cmd -> (name, observed params size).  Name: <class prefix>_CTRL_CMD_UNPUBLISHED_<cmd>.
@@ -143,4 +148,5 @@ UNPUBLISHED_CONTROLS = {
 # name follows the driver's naming of that function.
 NAMED_FROM_NVOC = {
     0x20800145: "NV2080_CTRL_CMD_GPU_ACQUIRE_COMPUTE_MODE_RESERVATION",
+    0x20800146: "NV2080_CTRL_CMD_GPU_RELEASE_COMPUTE_MODE_RESERVATION",
 }

@@ -1,0 +1,156 @@
+#!/bin/bash
+# The H200 run of issue 12 (CUDA through the seccomp front end with real driver files), one
+# device-tool call from the repository root:
+#   run(command="bash scripts/gpu/run-h200-cuda.sh", carry=[".whl"], timeout_s=580)
+# Native baseline first, then `devbroker run --backend real` and tenants started with plain
+# `devbroker exec --tenant T -- CMD` (the default front end for the real backend is
+# seccomp). Writes into $OUT: run.log, results.json, audit.log, broker.log, session.nvtrace.
+set -u
+OUT=${OUT:-/tmp/h200-cuda-out}; mkdir -p "$OUT"
+REPO=$(cd "$(dirname "$0")/../.." && pwd); cd "$REPO"
+exec > >(tee -a "$OUT/run.log") 2>&1
+export PYTHONUNBUFFERED=1
+PY=$(command -v python3)
+RUN=/run/devbroker-cuda
+RES="$OUT/results.json"; echo '{}' > "$RES"
+ONLY=${ONLY:-all}
+step() { echo; echo "=== $* [$(date +%T)]"; }
+put() { "$PY" - "$RES" "$1" "$2" <<'PYEOF'
+import json, sys
+p, k, v = sys.argv[1:4]
+d = json.load(open(p))
+try: d[k] = json.loads(v.strip().splitlines()[-1]) if v.strip() else v
+except Exception: d[k] = v[-2000:]
+json.dump(d, open(p, "w"), indent=1)
+PYEOF
+}
+last() { tail -1; }
+
+step "install carried wheels"
+"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH="$REPO/src:/tmp/site"
+chmod -R a+rX /tmp/site "$REPO" 2>/dev/null
+"$PY" -c 'import trio, torch, sys; print("python", sys.version.split()[0], "trio", trio.__version__, "torch", torch.__version__)'
+cat /proc/driver/nvidia/version; nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
+CC="$PY scripts/gpu/cuda_checks.py"
+
+if [ "$ONLY" = all ] || [ "$ONLY" = native ]; then
+step "native baseline"
+put native_init "$($CC init 2>&1)"
+put native_bench "$($CC bench 2>&1)"
+put native_bench2 "$($CC bench 2>&1)"
+put native_control "$("$PY" scripts/gpu/tenant_checks.py bench-control 500 2>&1 | last)"
+put native_nvml_seq "$("$PY" scripts/gpu/tenant_checks.py bench-nvml 30 2>&1 | last)"
+fi
+
+step "start the broker (real backend)"
+rm -rf "$RUN"; mkdir -p "$RUN"
+"$PY" -m devbroker.cli.main --run-dir "$RUN" run --backend real \
+   --policy scripts/gpu/h200-cuda-policy.toml --audit "$OUT/audit.log" \
+   --record "$OUT/session.nvtrace" > "$OUT/broker.log" 2>&1 &
+BROKER=$!
+for i in $(seq 1 150); do [ -S "$RUN/seccomp.sock" ] && break; sleep 0.2
+  kill -0 $BROKER 2>/dev/null || break; done
+[ -S "$RUN/seccomp.sock" ] || { echo "broker did not start"; cat "$OUT/broker.log"; exit 1; }
+cat "$OUT/broker.log"
+DB=("$PY" -m devbroker.cli.main --run-dir "$RUN")
+put broker_threads_caps "$(for t in /proc/$BROKER/task/*; do echo "$(cat $t/comm) $(grep CapEff $t/status | tr -d '\t')"; done | sort | uniq -c | paste -sd';')"
+texec() { local t=$1; shift
+  timeout 240 "${DB[@]}" exec --tenant "$t" -- env PYTHONPATH="$PYTHONPATH" PYTHONUNBUFFERED=1 "$@"; }
+
+step "c8: torch init (8 GiB quota)"
+put c8_init "$(texec c8 $CC init 2>&1 | tail -30)"
+put broker_threads_caps_after "$(for t in /proc/$BROKER/task/*; do echo "$(cat $t/comm) $(grep CapEff $t/status | tr -d '\t')"; done | sort | uniq -c | paste -sd';')"
+grep -E '"deny"|"error"' "$OUT/audit.log" | tail -20
+if ! grep -q '"ok": true' <<<"$(texec c8 $CC init 2>&1 | tail -1)"; then
+  step "CUDA init failed through devbroker: what the driver and the broker said"
+  kill -TERM $BROKER; wait $BROKER
+  "$PY" -m devbroker.cli.main trace show "$OUT/session.nvtrace" > "$OUT/trace.txt" 2>&1
+  grep -n "NV_ERR\|-> -" "$OUT/trace.txt" | cut -c1-400 | head -30
+  tail -40 "$OUT/trace.txt" | cut -c1-300
+  grep -E '"deny"|"error"' "$OUT/audit.log" | tail -20
+  tail -30 "$OUT/broker.log"
+  exit 0
+fi
+step "c8: train 200 steps"
+put c8_train "$(texec c8 $CC train 2>&1 | tail -20)"
+step "c8: quota 6 GiB / 12 GiB"
+put c8_quota "$(texec c8 $CC quota 2>&1 | tail -20)"
+step "c8: quota with expandable segments"
+put c8_quota_expandable "$(texec c8 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $CC quota 2>&1 | tail -20)"
+step "c8: CuPy up to the quota"
+put c8_cupy "$(texec c8 $CC cupy 2>&1 | tail -20)"
+step "c8: nvidia-smi and pynvml"
+texec c8 nvidia-smi; put c8_smi_rc $?
+put c8_nvml "$(texec c8 "$PY" scripts/gpu/tenant_checks.py nvml 2>&1 | last)"
+
+step "two tenants train; SIGKILL of one returns its memory"
+put host_before "$("$PY" scripts/gpu/tenant_checks.py nvml 2>&1 | last)"
+texec c16 $CC hold 10 > "$OUT/hold16.txt" 2>&1 &
+texec c8 $CC hold 4 > "$OUT/hold8.txt" 2>&1 &
+for i in $(seq 1 150); do grep -q holding "$OUT/hold16.txt" && grep -q holding "$OUT/hold8.txt" && break; sleep 0.2; done
+cat "$OUT/hold16.txt" "$OUT/hold8.txt" | tail -20
+"${DB[@]}" status
+nvidia-smi --query-compute-apps=pid,used_memory --format=csv
+put host_holding "$("$PY" scripts/gpu/tenant_checks.py nvml 2>&1 | last)"
+P16=$(grep -o 'pid [0-9]*' "$OUT/hold16.txt" | head -1 | cut -d' ' -f2)
+HP16=$("${DB[@]}" status --json | "$PY" -c 'import json,sys; d=json.load(sys.stdin); print(" ".join(str(p) for t in d["tenants"] if t["name"]=="c16" for p in t["processes"]))')
+echo "c16 processes (broker view): $HP16; SIGKILL"
+[ -n "$HP16" ] && kill -9 $HP16
+sleep 3
+put host_after_kill16 "$("$PY" scripts/gpu/tenant_checks.py nvml 2>&1 | last)"
+tail -3 "$OUT/hold8.txt"; put c8_alive_after_kill "$(ps aux | grep -c '[c]uda_checks.py hold 4')"
+HP8=$("${DB[@]}" status --json | "$PY" -c 'import json,sys; d=json.load(sys.stdin); print(" ".join(str(p) for t in d["tenants"] if t["name"]=="c8" for p in t["processes"]))')
+[ -n "$HP8" ] && kill -9 $HP8
+sleep 3
+put host_after_all "$("$PY" scripts/gpu/tenant_checks.py nvml 2>&1 | last)"
+"${DB[@]}" status
+
+step "racing-thread attacks (tenant c8)"
+RA="$PY scripts/gpu/race_attacks.py"
+put race_direct_open "$(texec c8 $RA direct-open 2>&1 | tail -3)"
+put race_root_class "$(texec c8 $RA root-class 2>&1 | tail -3)"
+texec c8 $RA nvos02-class > "$OUT/race_nvos02.txt" 2>&1; echo "exit $?" >> "$OUT/race_nvos02.txt"
+cat "$OUT/race_nvos02.txt" | tail -5
+put race_nvos02 "$(tail -2 "$OUT/race_nvos02.txt" | head -1)"
+put race_nvos02_exit "$(tail -1 "$OUT/race_nvos02.txt")"
+grep '"violation"' "$OUT/audit.log" | tail -3
+put host_after_races "$("$PY" scripts/gpu/tenant_checks.py nvml 2>&1 | last)"
+
+step "broker death: the tenant's NVIDIA calls fail closed"
+texec c8 $CC hold 2 > "$OUT/hold_death.txt" 2>&1 &
+for i in $(seq 1 150); do grep -q holding "$OUT/hold_death.txt" && break; sleep 0.2; done
+kill -9 $BROKER; wait $BROKER 2>/dev/null
+sleep 1
+"$PY" - <<'PYX' > "$OUT/after_death.txt" 2>&1
+import os, fcntl, glob
+# a fresh process tree cannot reach the driver through the dead broker's socket either
+print("seccomp socket exists:", os.path.exists("/run/devbroker-cuda/seccomp.sock"))
+PYX
+cat "$OUT/after_death.txt"
+pkill -USR1 -f "^$PY scripts/gpu/cuda_checks.py hold 2"; sleep 3
+tail -3 "$OUT/hold_death.txt"
+put broker_death_new_alloc "$(grep 'new allocation' "$OUT/hold_death.txt" | tail -1)"
+put broker_death_holder_alive "$(ps aux | grep -c '[c]uda_checks.py hold 2')"
+pkill -9 -f 'cuda_checks.py hold 2'; sleep 2
+put host_after_broker_death "$("$PY" scripts/gpu/tenant_checks.py nvml 2>&1 | last)"
+
+step "second broker without recording: latency and throughput"
+rm -rf "$RUN/nodes"
+"$PY" -m devbroker.cli.main --run-dir "$RUN" run --backend real \
+   --policy scripts/gpu/h200-cuda-policy.toml --audit "$OUT/audit2.log" > "$OUT/broker2.log" 2>&1 &
+BROKER=$!
+for i in $(seq 1 150); do [ -S "$RUN/seccomp.sock" ] && break; sleep 0.2; done
+put dev_bench "$(texec c16 $CC bench 2>&1 | tail -5)"
+put dev_bench2 "$(texec c16 $CC bench 2>&1 | tail -5)"
+put dev_control "$(texec c16 "$PY" scripts/gpu/tenant_checks.py bench-control 500 2>&1 | last)"
+put dev_nvml_seq "$(texec c16 "$PY" scripts/gpu/tenant_checks.py bench-nvml 30 2>&1 | last)"
+
+step "stop the broker"
+kill -TERM $BROKER; wait $BROKER; echo "broker exit $?"
+step "audit"
+grep -E '"deny"|"error"' "$OUT/audit.log" | head -40
+grep -c '"notice"' "$OUT/audit.log"
+step "broker log tail"; tail -30 "$OUT/broker.log"
+cat "$RES"

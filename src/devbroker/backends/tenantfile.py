@@ -1,0 +1,270 @@
+"""Real driver files that live in the tenant's own fd table (seccomp front end, real backend).
+
+CUDA needs what a relay cannot give it: UVM and RM_MAP_MEMORY act on the calling process
+(its tgid, its mm), and its mappings must be the driver's own (doorbells, GPU memory). So
+with the seccomp front end the tenant holds a **real** driver file, installed by the broker
+at `open` (SECCOMP_IOCTL_NOTIF_ADDFD), and every NVIDIA ioctl on it stops at the broker,
+which either refuses it, executes it itself on a duplicate of the tenant's file
+(`pidfd_getfd`) with private copies of every argument, or lets the kernel continue it in the
+tenant (only calls the driver binds to the calling process; broker/allow.py says which and
+why a racing thread cannot turn them into something refused). docs/seccomp.md has the
+design; this module has the two mechanisms it needs from the host:
+
+- :class:`PrivateNodes`: each open goes through a device node of its own (same major/minor
+  as the host's, in a private directory, unlinked right after the open), so every open file
+  has an inode of its own. The front end then knows which session an fd is by
+  ``(st_dev, st_ino)``, exactly as for memfd placeholders, and an inotify watch on that inode
+  reports when the last reference (fd or mapping, in any process) is gone.
+- :class:`NoCapsExecutor`: threads that hold **no capability at all** (dropped per thread
+  with capset; the broker's other threads keep theirs). The driver checks
+  ``capable(CAP_SYS_ADMIN)``, ``CAP_PERFMON`` and ``CAP_SYS_NICE`` of the caller at every
+  ioctl (kernel-open/nvidia/os-interface.c: os_is_administrator, os_check_access): a call
+  the broker executes on a tenant's behalf is never privileged.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import queue
+import secrets
+import stat
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import trio
+
+from devbroker.abi.nodes import NodeKind
+
+log = logging.getLogger("devbroker.tenantfile")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+CAP_SYS_ADMIN = 21
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                ("inheritable", ctypes.c_uint32)]
+
+
+def thread_caps() -> tuple[int, int]:
+    """(effective, permitted) capability sets of the calling thread."""
+    hdr = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
+    data = (_CapData * 2)()
+    if _libc.capget(ctypes.byref(hdr), data) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"capget: {os.strerror(e)}")
+    eff = data[0].effective | (data[1].effective << 32)
+    prm = data[0].permitted | (data[1].permitted << 32)
+    return eff, prm
+
+
+def drop_thread_capabilities() -> None:
+    """Drop every capability of the calling thread only (capset acts per thread; glibc's
+    setuid broadcast is not involved). Raises if anything is left."""
+    hdr = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
+    data = (_CapData * 2)()
+    if _libc.capset(ctypes.byref(hdr), data) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"capset: {os.strerror(e)}")
+    eff, prm = thread_caps()
+    if eff or prm:
+        raise OSError(errno.EPERM, f"capabilities left after the drop: eff={eff:#x} prm={prm:#x}")
+
+
+class effective_caps_lowered:
+    """Context manager: the calling thread runs with an empty *effective* capability set
+    (its permitted set is kept, and the effective set restored on exit). For short driver
+    calls the broker runs inline on its trio thread: the driver evaluates capable() of the
+    caller at the ioctl, which then holds none (checked before the call)."""
+
+    def __enter__(self):
+        hdr = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
+        self._saved = (_CapData * 2)()
+        if _libc.capget(ctypes.byref(hdr), self._saved) != 0:
+            e = ctypes.get_errno()
+            raise OSError(e, f"capget: {os.strerror(e)}")
+        low = (_CapData * 2)()
+        for i in range(2):
+            low[i].permitted = self._saved[i].permitted
+            low[i].inheritable = self._saved[i].inheritable
+        hdr = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
+        if _libc.capset(ctypes.byref(hdr), low) != 0:
+            e = ctypes.get_errno()
+            raise OSError(e, f"capset: {os.strerror(e)}")
+        if thread_caps()[0]:
+            raise OSError(errno.EPERM, "effective capabilities left after lowering them")
+        return self
+
+    def __exit__(self, *exc):
+        hdr = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
+        if _libc.capset(ctypes.byref(hdr), self._saved) != 0:
+            log.error("could not restore the broker thread's effective capabilities: %s",
+                      os.strerror(ctypes.get_errno()))
+        return False
+
+
+class NoCapsExecutor:
+    """A few threads without capabilities that run driver calls for the trio loop.
+
+    ``await run(fn, *args)`` queues fn for a worker and waits; cancellation waits for the
+    call to finish (a half-done driver call cannot be taken back). Each worker drops its
+    capabilities before taking its first job and re-checks them before every job: a worker
+    that somehow holds one refuses to run anything.
+    """
+
+    def __init__(self, threads: int = 4, name: str = "devbroker-driver"):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._ready = threading.Barrier(threads + 1)
+        self.errors: list[BaseException] = []
+        for i in range(threads):
+            t = threading.Thread(target=self._worker, name=f"{name}-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        self._ready.wait(10)
+        if self.errors:
+            raise OSError(errno.EPERM, f"driver executor: {self.errors[0]}")
+
+    def _worker(self) -> None:
+        try:
+            drop_thread_capabilities()
+        except BaseException as e:  # noqa: BLE001 - reported to the constructor
+            self.errors.append(e)
+            self._ready.wait(10)
+            return
+        self._ready.wait(10)
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, args, deliver = job
+            try:
+                eff, prm = thread_caps()
+                if eff or prm:
+                    raise OSError(errno.EPERM, "driver worker holds capabilities; refusing")
+                result = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting task
+                deliver(e, None)
+            else:
+                deliver(None, result)
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        task = trio.lowlevel.current_task()
+        token = trio.lowlevel.current_trio_token()
+        import outcome
+
+        def deliver(exc, result):
+            out = outcome.Error(exc) if exc is not None else outcome.Value(result)
+            token.run_sync_soon(trio.lowlevel.reschedule, task, out)
+
+        self._jobs.put((fn, args, deliver))
+        # wait_task_rescheduled unwraps the outcome (raising the worker's exception).
+        return await trio.lowlevel.wait_task_rescheduled(
+            lambda _raise_cancel: trio.lowlevel.Abort.FAILED)
+
+    def stop(self) -> None:
+        for _ in self._threads:
+            self._jobs.put(None)
+
+
+# --------------------------------------------------------------------------- private nodes
+def nvidia_majors(proc_devices: str = "/proc/devices") -> dict[str, int]:
+    """Character majors of the NVIDIA drivers ("nvidia-frontend"/"nvidia", "nvidia-uvm",
+    "nvidia-caps", …) from /proc/devices."""
+    out: dict[str, int] = {}
+    try:
+        text = Path(proc_devices).read_text()
+    except OSError:
+        return out
+    chars = text.split("Block devices:")[0]
+    for line in chars.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0].isdigit() and parts[1].startswith("nvidia"):
+            out[parts[1]] = int(parts[0])
+    return out
+
+
+class PrivateNodes:
+    """Opens driver files through device nodes of their own (one inode per open file).
+
+    The directory is a tmpfs of the broker's (device nodes need a mount without nodev),
+    mode 0700; each node lives only between its mknod and the open that follows."""
+
+    def __init__(self, directory: str | Path, dev: str = "/dev"):
+        self.dir = Path(directory)
+        self.dev = dev
+        self.mounted = False
+        self.dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.dir, 0o700)
+        try:
+            from devbroker.sandbox import linux
+
+            linux.mount("devbroker-nodes", str(self.dir), "tmpfs",
+                        linux.MS_NOSUID | linux.MS_NOEXEC, "mode=0700,size=64k")
+            self.mounted = True
+        except OSError as e:  # the directory's own file system may allow device nodes
+            log.info("private nodes: tmpfs mount on %s failed (%s); using the directory as is",
+                     self.dir, e)
+
+    def rdev(self, path: str) -> int:
+        st = os.stat(path)
+        if not stat.S_ISCHR(st.st_mode):
+            raise OSError(errno.ENODEV, f"{path} is not a character device")
+        return st.st_rdev
+
+    def open(self, host_path: str, flags: int) -> int:
+        rdev = self.rdev(host_path)
+        node = self.dir / f"{Path(host_path).name}.{secrets.token_hex(6)}"
+        os.mknod(node, stat.S_IFCHR | 0o600, rdev)
+        try:
+            mode = os.O_RDWR | os.O_CLOEXEC | (flags & os.O_NONBLOCK)
+            return os.open(node, mode)
+        finally:
+            os.unlink(node)
+
+    def close(self) -> None:
+        if self.mounted:
+            from devbroker.sandbox import linux
+
+            try:
+                linux.umount2(str(self.dir), linux.MNT_DETACH)
+            except OSError as e:
+                log.warning("private nodes: umount %s: %s", self.dir, e)
+            self.mounted = False
+
+
+@dataclass(eq=False)
+class TenantFile:
+    """A driver file that lives in the tenant's fd table. The broker holds no reference
+    once the front end has installed ``install_fd``; each executed call brings a duplicate
+    of the tenant's file (DriverCall.file_fd)."""
+
+    node: NodeKind
+    minor: int
+    path: str  # the host node it opens (for messages)
+    key: tuple[int, int]  # (st_dev, st_ino) of its private node
+    install_fd: int = -1  # the broker's copy until the front end installs it
+    runs_in_caller: bool = True  # calls the driver binds to the caller may be continued
+    closed: bool = False
+    # Root-client allocations the tenant made itself (continued) on this file; the broker
+    # learns their handles when the tenant first names them here (Broker._adopt_client).
+    continued_root_allocs: int = 0
+    adopted: set[int] = field(default_factory=set)
+
+
+@dataclass
+class FdRef:
+    """Stands for a file in prepare_ioctl: a number in the executing process's fd table."""
+
+    rfd: int
+    node: NodeKind = NodeKind.OTHER
+    minor: int = 0
