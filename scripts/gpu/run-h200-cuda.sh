@@ -2,12 +2,17 @@
 # The H200 run of issue 12 (CUDA through the seccomp front end with real driver files), one
 # device-tool call from the repository root:
 #   run(command="bash scripts/gpu/run-h200-cuda.sh", carry=[".whl"], timeout_s=580)
+# .whl holds the wheels the GPU host lacks (trio and its dependencies; py-spy to profile)
 # Native baseline first, then `devbroker run --backend real` and tenants started with plain
 # `devbroker exec --tenant T -- CMD` (the default front end for the real backend is
-# seccomp). Writes into $OUT: run.log, results.json, audit.log, broker.log, session.nvtrace.
+# seccomp). Writes into $OUT: run.log, results.json, and bundle.tgz (audit logs, broker logs,
+# the recording session.nvtrace, profiles).
 set -u
 OUT=${OUT:-/tmp/h200-cuda-out}; mkdir -p "$OUT"
 REPO=$(cd "$(dirname "$0")/../.." && pwd); cd "$REPO"
+# The device tool brings back at most 8 files: everything but the log and the results goes
+# into $W and comes back as one archive (bundle.tgz).
+W=/tmp/h200-cuda-work; rm -rf "$W"; mkdir -p "$W"
 exec > >(tee -a "$OUT/run.log") 2>&1
 export PYTHONUNBUFFERED=1
 PY=$(command -v python3)
@@ -47,13 +52,13 @@ fi
 step "start the broker (real backend)"
 rm -rf "$RUN"; mkdir -p "$RUN"
 "$PY" -m devbroker.cli.main --run-dir "$RUN" run --backend real \
-   --policy scripts/gpu/h200-cuda-policy.toml --audit "$OUT/audit.log" \
-   --record "$OUT/session.nvtrace" > "$OUT/broker.log" 2>&1 &
+   --policy scripts/gpu/h200-cuda-policy.toml --audit "$W/audit.log" \
+   --record "$W/session.nvtrace" > "$W/broker.log" 2>&1 &
 BROKER=$!
 for i in $(seq 1 150); do [ -S "$RUN/seccomp.sock" ] && break; sleep 0.2
   kill -0 $BROKER 2>/dev/null || break; done
-[ -S "$RUN/seccomp.sock" ] || { echo "broker did not start"; cat "$OUT/broker.log"; exit 1; }
-cat "$OUT/broker.log"
+[ -S "$RUN/seccomp.sock" ] || { echo "broker did not start"; cat "$W/broker.log"; exit 1; }
+cat "$W/broker.log"
 DB=("$PY" -m devbroker.cli.main --run-dir "$RUN")
 put broker_threads_caps "$(for t in /proc/$BROKER/task/*; do echo "$(cat $t/comm) $(grep CapEff $t/status | tr -d '\t')"; done | sort | uniq -c | paste -sd';')"
 texec() { local t=$1; shift
@@ -62,15 +67,16 @@ texec() { local t=$1; shift
 step "c8: torch init (8 GiB quota)"
 put c8_init "$(texec c8 $CC init 2>&1 | tail -30)"
 put broker_threads_caps_after "$(for t in /proc/$BROKER/task/*; do echo "$(cat $t/comm) $(grep CapEff $t/status | tr -d '\t')"; done | sort | uniq -c | paste -sd';')"
-grep -E '"deny"|"error"' "$OUT/audit.log" | tail -20
+grep -E '"deny"|"error"' "$W/audit.log" | tail -20
 if ! grep -q '"ok": true' <<<"$(texec c8 $CC init 2>&1 | tail -1)"; then
   step "CUDA init failed through devbroker: what the driver and the broker said"
   kill -TERM $BROKER; wait $BROKER
-  "$PY" -m devbroker.cli.main trace show "$OUT/session.nvtrace" > "$OUT/trace.txt" 2>&1
-  grep -n "NV_ERR\|-> -" "$OUT/trace.txt" | cut -c1-400 | head -30
-  tail -40 "$OUT/trace.txt" | cut -c1-300
-  grep -E '"deny"|"error"' "$OUT/audit.log" | tail -20
-  tail -30 "$OUT/broker.log"
+  "$PY" -m devbroker.cli.main trace show "$W/session.nvtrace" > "$W/trace.txt" 2>&1
+  grep -n "NV_ERR\|-> -" "$W/trace.txt" | cut -c1-400 | head -30
+  tail -40 "$W/trace.txt" | cut -c1-300
+  grep -E '"deny"|"error"' "$W/audit.log" | tail -20
+  tail -30 "$W/broker.log"
+  tar czf "$OUT/bundle.tgz" -C "$W" .
   exit 0
 fi
 step "c8: train 200 steps"
@@ -87,20 +93,20 @@ put c8_nvml "$(texec c8 "$PY" scripts/gpu/tenant_checks.py nvml 2>&1 | last)"
 
 step "two tenants train; SIGKILL of one returns its memory"
 put host_before "$("$PY" scripts/gpu/tenant_checks.py nvml 2>&1 | last)"
-texec c16 $CC hold 10 > "$OUT/hold16.txt" 2>&1 &
-texec c8 $CC hold 4 > "$OUT/hold8.txt" 2>&1 &
-for i in $(seq 1 150); do grep -q holding "$OUT/hold16.txt" && grep -q holding "$OUT/hold8.txt" && break; sleep 0.2; done
-cat "$OUT/hold16.txt" "$OUT/hold8.txt" | tail -20
+texec c16 $CC hold 10 > "$W/hold16.txt" 2>&1 &
+texec c8 $CC hold 4 > "$W/hold8.txt" 2>&1 &
+for i in $(seq 1 150); do grep -q holding "$W/hold16.txt" && grep -q holding "$W/hold8.txt" && break; sleep 0.2; done
+cat "$W/hold16.txt" "$W/hold8.txt" | tail -20
 "${DB[@]}" status
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv
 put host_holding "$("$PY" scripts/gpu/tenant_checks.py nvml 2>&1 | last)"
-P16=$(grep -o 'pid [0-9]*' "$OUT/hold16.txt" | head -1 | cut -d' ' -f2)
+P16=$(grep -o 'pid [0-9]*' "$W/hold16.txt" | head -1 | cut -d' ' -f2)
 HP16=$("${DB[@]}" status --json | "$PY" -c 'import json,sys; d=json.load(sys.stdin); print(" ".join(str(p) for t in d["tenants"] if t["name"]=="c16" for p in t["processes"]))')
 echo "c16 processes (broker view): $HP16; SIGKILL"
 [ -n "$HP16" ] && kill -9 $HP16
 sleep 3
 put host_after_kill16 "$("$PY" scripts/gpu/tenant_checks.py nvml 2>&1 | last)"
-tail -3 "$OUT/hold8.txt"; put c8_alive_after_kill "$(ps aux | grep -c '[c]uda_checks.py hold 4')"
+tail -3 "$W/hold8.txt"; put c8_alive_after_kill "$(ps aux | grep -c '[c]uda_checks.py hold 4')"
 HP8=$("${DB[@]}" status --json | "$PY" -c 'import json,sys; d=json.load(sys.stdin); print(" ".join(str(p) for t in d["tenants"] if t["name"]=="c8" for p in t["processes"]))')
 [ -n "$HP8" ] && kill -9 $HP8
 sleep 3
@@ -111,37 +117,63 @@ step "racing-thread attacks (tenant c8)"
 RA="$PY scripts/gpu/race_attacks.py"
 put race_direct_open "$(texec c8 $RA direct-open 2>&1 | tail -3)"
 put race_root_class "$(texec c8 $RA root-class 2>&1 | tail -3)"
-texec c8 $RA nvos02-class > "$OUT/race_nvos02.txt" 2>&1; echo "exit $?" >> "$OUT/race_nvos02.txt"
-cat "$OUT/race_nvos02.txt" | tail -5
-put race_nvos02 "$(tail -2 "$OUT/race_nvos02.txt" | head -1)"
-put race_nvos02_exit "$(tail -1 "$OUT/race_nvos02.txt")"
-grep '"violation"' "$OUT/audit.log" | tail -3
+texec c8 $RA nvos02-class > "$W/race_nvos02.txt" 2>&1; echo "exit $?" >> "$W/race_nvos02.txt"
+cat "$W/race_nvos02.txt" | tail -5
+put race_nvos02 "$(tail -2 "$W/race_nvos02.txt" | head -1)"
+put race_nvos02_exit "$(tail -1 "$W/race_nvos02.txt")"
+grep '"violation"' "$W/audit.log" | tail -3
 put host_after_races "$("$PY" scripts/gpu/tenant_checks.py nvml 2>&1 | last)"
 
 step "broker death: the tenant's NVIDIA calls fail closed"
-texec c8 $CC hold 2 > "$OUT/hold_death.txt" 2>&1 &
-for i in $(seq 1 150); do grep -q holding "$OUT/hold_death.txt" && break; sleep 0.2; done
+texec c8 $CC hold 2 > "$W/hold_death.txt" 2>&1 &
+for i in $(seq 1 150); do grep -q holding "$W/hold_death.txt" && break; sleep 0.2; done
 kill -9 $BROKER; wait $BROKER 2>/dev/null
 sleep 1
-"$PY" - <<'PYX' > "$OUT/after_death.txt" 2>&1
+"$PY" - <<'PYX' > "$W/after_death.txt" 2>&1
 import os, fcntl, glob
 # a fresh process tree cannot reach the driver through the dead broker's socket either
 print("seccomp socket exists:", os.path.exists("/run/devbroker-cuda/seccomp.sock"))
 PYX
-cat "$OUT/after_death.txt"
+cat "$W/after_death.txt"
 pkill -USR1 -f "^$PY scripts/gpu/cuda_checks.py hold 2"; sleep 3
-tail -3 "$OUT/hold_death.txt"
-put broker_death_new_alloc "$(grep 'new allocation' "$OUT/hold_death.txt" | tail -1)"
+tail -3 "$W/hold_death.txt"
+put broker_death_new_alloc "$(grep 'new allocation' "$W/hold_death.txt" | tail -1)"
 put broker_death_holder_alive "$(ps aux | grep -c '[c]uda_checks.py hold 2')"
 pkill -9 -f 'cuda_checks.py hold 2'; sleep 2
 put host_after_broker_death "$("$PY" scripts/gpu/tenant_checks.py nvml 2>&1 | last)"
 
 step "second broker without recording: latency and throughput"
-rm -rf "$RUN/nodes"
+rm -f "$RUN/seccomp.sock" "$RUN/control.sock"
 "$PY" -m devbroker.cli.main --run-dir "$RUN" run --backend real \
-   --policy scripts/gpu/h200-cuda-policy.toml --audit "$OUT/audit2.log" > "$OUT/broker2.log" 2>&1 &
+   --policy scripts/gpu/h200-cuda-policy.toml --audit "$W/audit2.log" > "$W/broker2.log" 2>&1 &
 BROKER=$!
-for i in $(seq 1 150); do [ -S "$RUN/seccomp.sock" ] && break; sleep 0.2; done
+for i in $(seq 1 150); do [ -S "$RUN/seccomp.sock" ] && [ -S "$RUN/control.sock" ] && break; sleep 0.2; done
+sleep 0.5
+SPY=/tmp/site/bin/py-spy
+if [ -x $SPY ]; then
+  $SPY record -p $BROKER -d 6 -r 2000 -f raw -o "$W/prof_control.txt" > /dev/null 2>&1 &
+  SPYP=$!; sleep 0.5
+  texec c16 "$PY" scripts/gpu/tenant_checks.py bench-control 3000 2>&1 | last
+  wait $SPYP
+  $SPY record -p $BROKER -d 10 -r 2000 -f raw -o "$W/prof_init.txt" > /dev/null 2>&1 &
+  SPYP=$!; sleep 0.5
+  texec c16 $CC init 2>&1 | last
+  wait $SPYP
+  for f in prof_control prof_init; do "$PY" - "$W/$f.txt" > "$W/$f.summary" <<'PYS'
+import collections, sys
+selfc = collections.Counter(); incl = collections.Counter(); tot = 0
+for line in open(sys.argv[1]):
+    stack, _, n = line.rstrip().rpartition(' ')
+    n = int(n); tot += n
+    fr = stack.split(';')
+    selfc[fr[-1]] += n
+    for f in set(fr): incl[f] += n
+print("samples", tot)
+for f, n in selfc.most_common(30): print(f"{n*100/tot:5.1f}% self {f[:160]}")
+for f, n in incl.most_common(60): print(f"{n*100/tot:5.1f}% incl {f[:160]}")
+PYS
+  head -40 "$W/$f.summary"; done
+fi
 put dev_bench "$(texec c16 $CC bench 2>&1 | tail -5)"
 put dev_bench2 "$(texec c16 $CC bench 2>&1 | tail -5)"
 put dev_control "$(texec c16 "$PY" scripts/gpu/tenant_checks.py bench-control 500 2>&1 | last)"
@@ -150,7 +182,8 @@ put dev_nvml_seq "$(texec c16 "$PY" scripts/gpu/tenant_checks.py bench-nvml 30 2
 step "stop the broker"
 kill -TERM $BROKER; wait $BROKER; echo "broker exit $?"
 step "audit"
-grep -E '"deny"|"error"' "$OUT/audit.log" | head -40
-grep -c '"notice"' "$OUT/audit.log"
-step "broker log tail"; tail -30 "$OUT/broker.log"
+grep -E '"deny"|"error"' "$W/audit.log" | head -40
+grep -c '"notice"' "$W/audit.log"
+step "broker log tail"; tail -30 "$W/broker.log"
 cat "$RES"
+tar czf "$OUT/bundle.tgz" -C "$W" .

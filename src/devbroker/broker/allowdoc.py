@@ -17,6 +17,27 @@ def allowlist_markdown(version: str = "580.159.04") -> str:
     out += ["", "### Escapes refused on purpose (all others too)", "",
             "| escape | why refused |", "| --- | --- |"]
     out += [f"| `{n}` | {why} |" for n, why in allow.REFUSED_ESCAPES.items()]
+    out += ["", "### Calls that run in the tenant itself (seccomp front end, real driver files)",
+            "", "With the real backend the tenant holds real driver files; the broker decides "
+            "every call on its private copy and then either executes it on its own duplicate "
+            "of the tenant's file or, for these rows only, lets the kernel continue it in the "
+            "tenant (the driver binds them to the caller). The kernel re-reads the argument "
+            "after the decision; the last column says why a racing thread cannot turn the call "
+            "into one the policy refuses, or how the broker detects it. The first root client "
+            "of each nvidiactl file is also made by the tenant (core: `_esc_rm_alloc`): with no "
+            "client on that file yet, a rewritten argument can name no parent, so nothing but "
+            "a root client can come of it.", "",
+            "| call | why the driver binds it to the caller | why a racing rewrite stays inside "
+            "the policy |", "| --- | --- | --- |"]
+    out += [f"| `{n}` | {r.in_caller} | {r.race} |" for n, r in allow.ESCAPES.items()
+            if r.in_caller]
+    out += [f"| `{' / '.join(sorted(r.in_caller_via))}` of class `{c:#06x}` "
+            f"({abi.class_name(c)}) | {r.in_caller} | {r.race} |"
+            for c, r in sorted(allow.CLASSES.items()) if r.in_caller]
+    out += ["", "### Controls answered by the broker (the driver never sees them)", "",
+            "| control | name | capability | what and why |", "| --- | --- | --- | --- |"]
+    out += [f"| `{c:#010x}` | {abi.control_name(c)} | {cap} | {why} |"
+            for c, (cap, why, _relay_if) in sorted(allow.ANSWERED_CONTROLS.items())]
     out += ["", "### RM classes let through (root client 0x41 handled by the core)", "",
             "| class | name | capability | why |", "| --- | --- | --- | --- |"]
     out += [f"| `{c:#06x}` | {abi.class_name(c)} | {r.capability} | {r.reason} |"

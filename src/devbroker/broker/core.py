@@ -547,6 +547,9 @@ class Broker:
                 except OSError as e:
                     self._once(("watch", str(e)), f"quota watch unavailable: {e}")
                     return
+                self._once(("watch-seen", tenant.name),
+                           f"quota watch: the driver accounts {used} bytes per GPU to pid "
+                           f"{tgid} of tenant {tenant.name} (books: {tenant.used()})")
                 over = {g: n for g, n in used.items()
                         if n > tenant.quota(g) + self.QUOTA_WATCH_SLACK}
                 if over:
