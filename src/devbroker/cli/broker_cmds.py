@@ -90,9 +90,19 @@ def cmd_run(args) -> int:
     except PolicyError as e:
         print(f"devbroker run: {e}", file=sys.stderr)
         return 1
-    service = BrokerService(policy, args.run_dir, backend=args.backend, audit_path=args.audit,
-                            record=args.record, policy_source=args.policy)
-    trio.run(run_forever, service)
+    try:
+        service = BrokerService(policy, args.run_dir, backend=args.backend, audit_path=args.audit,
+                                record=args.record, policy_source=args.policy)
+    except OSError as e:  # e.g. --backend real on a host without the NVIDIA driver
+        print(f"devbroker run: {e}", file=sys.stderr)
+        return 1
+    try:
+        trio.run(run_forever, service)
+    finally:
+        # The real backend's relay, driver threads and private-node mount go with the broker.
+        stop = getattr(service.backend, "stop", None)
+        if stop is not None:
+            stop()
     return 0
 
 
