@@ -17,10 +17,6 @@ cd "$(dirname "$0")/.."
 SRC=$PWD
 NONROOT="tests/test_sandbox.py::test_runs_as_given_uid_without_capabilities
 tests/test_stat_shim.py::test_sandbox_stat_shim_for_a_non_root_tenant"
-# (base directory maker, pytest -k for tests/test_guest_frontends.py, fewest passed tests)
-declare -A BASE=([private]="mktemp -d ${HOME:-/root}/.devbroker-loc.XXXXXX"
-                 [tmp]="mktemp -d /tmp/devbroker-loc.XXXXXX")
-declare -A GUEST=([private]=kmod [tmp]=cuse)
 MIN_PASSED=12  # the two sandbox tests and at least ten of the guest's; fewer: selection broke
 
 say() { echo "test-locations: $*" >&2; }
@@ -32,17 +28,21 @@ copy_checkout() {  # what a clone has, plus uncommitted edits: tracked and unign
 }
 
 run_at() {
-    local name=$1 base dir log rc t0=$SECONDS
-    base=$(${BASE[$name]}) || { say "$name: cannot make a directory"; return 1; }
-    [ "$name" = tmp ] && chmod 755 "$base"  # only the /tmp part is under test here
+    local name=$1 base fe dir log rc t0=$SECONDS
+    case $name in
+        private) base=$(mktemp -d "${HOME:-/root}/.devbroker-loc.XXXXXX") && fe=kmod ;;
+        # world-readable: only the /tmp part is under test here
+        tmp) base=$(mktemp -d /tmp/devbroker-loc.XXXXXX) && chmod 755 "$base" && fe=cuse ;;
+        *) say "unknown location $name (private, tmp)"; return 2 ;;
+    esac || { say "$name: cannot make a directory"; return 1; }
     dir=$base/devbroker
     log=$base/test.log
     copy_checkout "$dir" || { say "$name: copying the checkout failed"; return 1; }
-    say "$name: $dir ($(stat -c %A "$base") $base), guest front end ${GUEST[$name]}"
+    say "$name: $dir ($(stat -c %A "$base") $base), guest front end $fe"
     # Everything from the copy itself: no cache shared with this checkout.
     (cd "$dir" && env -u DEVBROKER_QEMU_CACHE bash scripts/test.sh -p no:cacheprovider \
-        $NONROOT tests/test_guest_frontends.py \
-        -k "non_root_tenant or given_uid or ${GUEST[$name]}") 2>&1 | tee "$log"
+        $NONROOT tests/test_guest_frontends.py -k "non_root_tenant or given_uid or $fe") \
+        2>&1 | tee "$log"
     rc=${PIPESTATUS[0]}
     local passed
     passed=$(grep -Eo '[0-9]+ passed' "$log" | tail -n1 | cut -d' ' -f1)
@@ -62,7 +62,6 @@ run_at() {
 [ $# -gt 0 ] || set -- private tmp
 rc=0
 for name in "$@"; do
-    [ -n "${BASE[$name]:-}" ] || { say "unknown location $name (private, tmp)"; exit 2; }
     run_at "$name" || rc=1
 done
 exit $rc
