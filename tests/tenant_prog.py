@@ -127,7 +127,93 @@ def cuda_rules() -> None:
         out(what="event-kernel-callback", status=e.status)
 
 
+def own_mount_ptr() -> None:
+    """Issue 13 item 1: nested pointers into untouched pages mapped from the broker's own
+    FUSE mount (this tenant's /dev/nvidia0 and /proc/driver/nvidia/version). Each call runs
+    on a thread with a watchdog, so a broker that hangs shows as "hang" instead of hanging
+    this program. Reports one line per attempt, then "done" and waits for a line on stdin
+    (still holding the mappings) before one more ordinary call."""
+    import ctypes
+    import threading
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
+
+    def watched(fn):
+        box = {}
+
+        def run():
+            try:
+                box["r"] = fn()
+            except NvError as e:
+                box["r"] = {"status": e.status}
+            except OSError as e:
+                box["r"] = {"errno": e.errno}
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(30)
+        return box.get("r", {"hang": True})
+
+    c = Client()
+    c.check_version()
+    c.open_root()
+    hsub = c.open_gpu(c.attached_ids()[0])["hsubdevice"]
+    uvm = os.open("/dev/nvidia-uvm", os.O_RDWR)
+    pages = {}
+    for name, path, flags, mflags in (("gpu", "/dev/nvidia0", os.O_RDWR, 0x01),
+                                      ("version", "/proc/driver/nvidia/version", os.O_RDONLY,
+                                       0x02)):
+        fd = os.open(path, flags)
+        pages[name] = libc.mmap(None, 4096, 1, mflags, fd, 0)  # PROT_READ, never touched
+        os.close(fd)
+    spec = c.abi.control(0x20800110)  # GET_NAME_STRING: a parameter block the broker reads
+    for name, addr in pages.items():
+        def control(addr=addr):
+            v = c.new("NVOS54_PARAMETERS", hClient=c.hclient, hObject=hsub, cmd=0x20800110,
+                      params=addr, paramsSize=spec.size)
+            buf = bytearray(v.encode())
+            fcntl.ioctl(c.ctl, iowr(0x2A, len(buf)), buf, True)
+            return {"status": v.spec.decode(bytes(buf)).status}
+
+        def uvm_init(addr=addr):
+            if libc.ioctl(uvm, 0x30000001, addr) != 0:
+                return {"errno": ctypes.get_errno()}
+            return {"errno": 0}
+
+        out(what=f"control-{name}", pid=os.getpid(), **watched(control))
+        out(what=f"uvm-{name}", pid=os.getpid(), **watched(uvm_init))
+    out(what="done")
+    sys.stdin.readline()
+    out(what="after", **watched(lambda: {"ids": len(c.attached_ids())}))
+
+
+def hold_aligned(size: str, alignment: str) -> None:
+    """Issue 13 item 2: allocate `size` bytes with `alignment` (CUDA's flags and attributes),
+    report what the driver granted and what the tenant's memory view shows, and hold it
+    until stdin closes."""
+    from devbroker.tools.probe import CUDA_MEM_ATTR, CUDA_MEM_FLAGS, parse_size
+
+    c = Client()
+    c.check_version()
+    c.open_root()
+    g = c.open_gpu(c.attached_ids()[0])
+    p = c.new("NV_MEMORY_ALLOCATION_PARAMS", owner=c.hclient, type=0, flags=CUDA_MEM_FLAGS,
+              attr=CUDA_MEM_ATTR, size=parse_size(size), alignment=parse_size(alignment))
+    try:
+        c.alloc(g["hdevice"], 0x40, p)
+        out(what="holding", status=0, granted=c.last_alloc_params.size,
+            memory=c.memory(g["hsubdevice"]))
+    except NvError as e:
+        out(what="holding", status=e.status, memory=c.memory(g["hsubdevice"]))
+    sys.stdin.read()
+
+
 if __name__ == "__main__":
     cmd, *rest = sys.argv[1:]
     {"refusals": refusals, "hold": hold, "ioctl-after-line": ioctl_after_line,
-     "foreign-client": foreign_client, "cuda-rules": cuda_rules}[cmd](*rest)
+     "foreign-client": foreign_client, "cuda-rules": cuda_rules,
+     "own-mount-ptr": own_mount_ptr, "hold-aligned": hold_aligned}[cmd](*rest)

@@ -16,7 +16,7 @@ import uuid as uuidlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from devbroker.abi import registry
+from devbroker.abi import registry, vidmem
 from devbroker.abi import status as nvs
 from devbroker.abi.nodes import NodeKind
 from devbroker.backends.base import DriverCall, DriverResult, PciLocation
@@ -283,11 +283,26 @@ class EmulatedBackend:
         if size <= 0:
             return nvs.NV_ERR_INVALID_ARGUMENT, None, 0, params
         gpu = parent.gpu
-        align = max(int(params.alignment or 0), 4 * KiB)
-        size = (size + align - 1) // align * align
+        # As the driver (abi/vidmem.py): the size is rounded up to the page size it picks,
+        # and the requested alignment only places the offset. Rounding the size up to the
+        # alignment charged 1 byte with a 135 GiB alignment as 135 GiB (issue 13).
+        page = vidmem.page_size(size, params.attr, params.attr2)
+        if page is None:
+            return nvs.NV_ERR_INVALID_ARGUMENT, None, 0, params
+        align = int(params.alignment or 0)
+        if not vidmem.alignment_usable(align, page):
+            if int(params.flags) & vidmem.ALLOC_FLAGS_ALIGNMENT_FORCE:
+                return nvs.NV_ERR_INVALID_ARGUMENT, None, 0, params
+            align = 0
+        align = max(align, page)
+        size = vidmem.charged_size(size, params.attr, params.attr2)
         if self.used[gpu] + size > self._gpus[gpu].memory_bytes:
             return nvs.NV_ERR_NO_MEMORY, None, 0, params
-        offset = self.used[gpu]  # a bump address is enough: nothing is ever accessed
+        # A made-up address, aligned as asked: nothing is ever accessed through it. (Not an
+        # address space either: offsets of live allocations may repeat after frees.)
+        offset = (self.used[gpu] + align - 1) // align * align
+        if offset + size > self._gpus[gpu].memory_bytes:
+            offset = 0  # 0 satisfies every alignment
         params = params.replace(size=size, offset=offset, limit=offset + size - 1)
         return nvs.NV_OK, gpu, size, params
 

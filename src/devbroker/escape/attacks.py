@@ -1181,6 +1181,186 @@ def a_rm_alloc_memory(ctx):
     return combine(outs)
 
 
+def a_quota_alignment(ctx):
+    """1 byte with a 135 GiB alignment (NV_OK on the driver, which charges the size rounded
+    to its page, not the alignment), then the rest of the quota: the check and the charge
+    must agree, and the tenant must still get its whole quota (issue 13, item 2)."""
+    c = ctx.client()
+    hdev = c.gpu["hdevice"]
+    before = _used(c)
+    p = c.new("NV_MEMORY_ALLOCATION_PARAMS", owner=c.hclient, type=0, flags=0x1C101,
+              attr=0x18000000, size=1, alignment=135 << 30)
+    k, st, h = rm_alloc(c, hdev, 0x40, p.encode())
+    if not (k == "status" and st == nvs.NV_OK):
+        return refused(code_name(k, st), "1 byte with a 135 GiB alignment refused")
+    mspec = c.abi.struct("NV_MEMORY_ALLOCATION_PARAMS")
+    granted = mspec.decode(c.last_raw_params[: mspec.size]).size
+    charged = _used(c) - before
+    held = [h]
+    try:
+        if granted > ctx.quota or charged > ctx.quota:
+            return escaped(f"1 byte with a 135 GiB alignment granted {granted} bytes, charged "
+                           f"{charged}, over a {ctx.quota >> 20} MiB quota")
+        rest = (ctx.quota - _used(c)) // (2 * MiB) * (2 * MiB)
+        if rest:
+            k2, st2, h2 = _alloc_mem(c, hdev, rest)
+            if not (k2 == "status" and st2 == nvs.NV_OK):
+                return escaped(f"after 1 byte charged {charged} bytes, the remaining "
+                               f"{rest >> 20} MiB of the quota were refused "
+                               f"({code_name(k2, st2)})", code_name(k2, st2))
+            held.append(h2)
+        return refused("charged", f"1 byte granted {granted} bytes and charged {charged}; "
+                                  f"the remaining {rest >> 20} MiB of the quota granted too")
+    finally:
+        for x in held:
+            rm_free(c, hdev, x)
+
+
+def a_quota_unwritable_params(ctx):
+    """Allocations whose parameter block the broker can read but not write back (a read-only
+    page): the driver has allocated by then, so the memory must be in the books although
+    the call fails (issue 13: found while moving tenant-memory writes behind the memory
+    gate; the object used to be booked only after a successful write-back)."""
+    c = ctx.client()
+    hdev = c.gpu["hdevice"]
+    chunk = ctx.quota // 2 // (2 * MiB) * (2 * MiB)
+    p = c.new("NV_MEMORY_ALLOCATION_PARAMS", owner=c.hclient, type=0, flags=0x1C101,
+              attr=0x18000000, size=chunk, alignment=2 * MiB).encode()
+    page = libc.mmap(None, PAGE, 3, 0x22, -1, 0)  # PROT_RW, MAP_PRIVATE|MAP_ANONYMOUS
+    ctypes.memmove(page, p, len(p))
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.mprotect(ctypes.c_void_p(page), PAGE, 1)  # PROT_READ: the broker's write-back fails
+    handles, got = [], []
+    try:
+        for _ in range(4):
+            h = c.handle()
+            handles.append(h)
+            k, st, _ = rm_alloc(c, hdev, 0x40, None, ptr=page, handle=h)
+            got.append(code_name(k, st))
+        failed_write = [g for g in got if g in ("EFAULT", "NV_OK")]
+        if len(failed_write) * chunk > ctx.quota:
+            return escaped(f"{len(failed_write)} × {chunk >> 20} MiB allocated with an "
+                           f"unwritable parameter block ({got}) over a {ctx.quota >> 20} MiB "
+                           "quota: the books lost them", "/".join(got))
+        return refused("/".join(dict.fromkeys(got)), f"results {got}")
+    finally:
+        for h in handles:
+            rm_free(c, hdev, h)
+        libc.munmap(page, PAGE)
+
+
+# ------------------------------------------------------------------------ broker stalls
+MAP_FAILED = (1 << 64) - 1
+SYS_userfaultfd = 323
+UFFDIO_API = 0xC018AA3F  # _IOWR(0xAA, 0x3F, struct uffdio_api)
+UFFDIO_REGISTER = 0xC020AA00  # _IOWR(0xAA, 0x00, struct uffdio_register)
+UFFD_API = 0xAA
+UFFDIO_REGISTER_MODE_MISSING = 1
+STALL_WATCHDOG = 20.0  # seconds: far beyond the broker's deadline on tenant memory (2 s)
+
+
+def _watchdog(fn, seconds: float = STALL_WATCHDOG):
+    """fn() on a thread: (True, result), or (False, None) when it has not returned in time
+    (the broker stopped answering; the thread is left blocked)."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["r"] = fn()
+        except Exception as e:  # pragma: no cover - reported as the result
+            box["r"] = ("errno", getattr(e, "errno", 0) or 0)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    return ("r" in box), box.get("r")
+
+
+def _uvm_init_at(addr: int) -> tuple[str, int]:
+    """UVM_INITIALIZE with its argument at addr (the broker reads it from the tenant)."""
+    fd = os.open("/dev/nvidia-uvm", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        r = libc.ioctl(ctypes.c_int(fd), ctypes.c_ulong(UVM_INITIALIZE), ctypes.c_void_p(addr))
+        return ("errno", ctypes.get_errno()) if r != 0 else ("status", nvs.NV_OK)
+    finally:
+        os.close(fd)
+
+
+def _stall_attempts(c, addr: int, where: str) -> list[Outcome]:
+    """A nested RM_CONTROL parameter block and a UVM argument at addr, each under a
+    watchdog; then an ordinary call, which must still be answered."""
+    outs = []
+    size = c.abi.control(0x201).size
+    for what, fn in ((f"RM_CONTROL params in {where}",
+                      lambda: rm_control(c, c.hclient, 0x201, None, size=size, ptr=addr)),
+                     (f"UVM_INITIALIZE argument in {where}", lambda: _uvm_init_at(addr))):
+        t0 = time.monotonic()
+        done, res = _watchdog(fn)
+        if not done:
+            outs.append(escaped(f"{what}: no answer in {STALL_WATCHDOG:g} s (broker stalled)",
+                                "hang"))
+            return outs
+        outs.append(judge(*res, f"{what} ({time.monotonic() - t0:.1f} s)"))
+    done, _ = _watchdog(c.attached_ids)
+    if not done:
+        outs.append(escaped(f"after the {where} attempts an ordinary call got no answer in "
+                            f"{STALL_WATCHDOG:g} s (broker stalled)", "hang"))
+    return outs
+
+
+def a_own_mount_ptr(ctx):
+    """Nested pointers into pages mapped from the broker's own FUSE mount (the tenant's
+    GPU node and /proc/driver/nvidia/version), never touched: a fault on them is a FUSE
+    READ to the broker itself (issue 13, item 1: it hung the whole broker)."""
+    c = ctx.client()
+    outs = []
+    maps = []
+    try:
+        for path, oflags, mflags in ((f"/dev/nvidia{ctx.own_gpu}", os.O_RDWR, 0x01),  # SHARED
+                                     ("/proc/driver/nvidia/version", os.O_RDONLY, 0x02)):
+            try:
+                fd = os.open(path, oflags | os.O_CLOEXEC)
+            except OSError as e:
+                return Outcome("error", ename(e.errno), f"open {path}")
+            addr = libc.mmap(None, PAGE, 1, mflags, fd, 0)  # PROT_READ, not touched
+            os.close(fd)
+            if not addr or addr == MAP_FAILED:
+                return Outcome("error", ename(ctypes.get_errno()), f"mmap {path}")
+            maps.append(addr)
+            outs += _stall_attempts(c, addr, f"an untouched page of {path}")
+            if any(o.result == "escaped" for o in outs):
+                break
+    finally:
+        for addr in maps:
+            libc.munmap(addr, PAGE)
+    return combine(outs)
+
+
+def a_uffd_ptr(ctx):
+    """A nested pointer into a userfaultfd range the tenant never serves: the broker's read
+    waits for the tenant. Needs userfaultfd for kernel-mode faults (CAP_SYS_PTRACE or
+    vm.unprivileged_userfaultfd=1): where the kernel refuses that, that is the refusal."""
+    c = ctx.client()
+    uffd = libc.syscall(ctypes.c_long(SYS_userfaultfd),
+                        ctypes.c_long(os.O_CLOEXEC | os.O_NONBLOCK))
+    if uffd < 0:
+        e = ctypes.get_errno()
+        return refused(ename(e), f"userfaultfd refused to the tenant ({ename(e)})")
+    addr = 0
+    try:
+        api = bytearray(struct.pack("=QQQ", UFFD_API, 0, 0))
+        fcntl.ioctl(uffd, UFFDIO_API, api, True)
+        addr = libc.mmap(None, PAGE, 3, 0x22, -1, 0)  # PROT_RW, MAP_PRIVATE|MAP_ANONYMOUS
+        reg = bytearray(struct.pack("=QQQQ", addr, PAGE, UFFDIO_REGISTER_MODE_MISSING, 0))
+        fcntl.ioctl(uffd, UFFDIO_REGISTER, reg, True)
+        outs = _stall_attempts(c, addr, "a userfaultfd page nobody serves")
+    finally:
+        os.close(uffd)  # wakes the faults still waiting: the broker's stalled threads return
+        if addr:
+            libc.munmap(addr, PAGE)
+    return combine(outs)
+
+
 # ------------------------------------------------------------------------ the table
 @dataclass(frozen=True)
 class Attack:
@@ -1412,6 +1592,39 @@ ATTACKS += [
     Attack("rm-alloc-memory", "RM_ALLOC_MEMORY of 4× the quota (classes 0x40, 0x3e)", "quota",
            E, ("NV_ERR_INSUFFICIENT_PERMISSIONS", "EPERM", "NV_ERR_NO_MEMORY"), "broker",
            "NV_ESC_RM_ALLOC_MEMORY", a_rm_alloc_memory),
+    Attack("quota-alignment", "1 byte with a 135 GiB alignment, then the rest of the quota",
+           "quota", E, ("charged",), "broker (quota) / driver", None, a_quota_alignment,
+           no_audit="not a refusal: the driver grants it and charges the size rounded to its "
+                    "page; the evidence is the charge (and the rest of the quota granted)"),
+    Attack("quota-unwritable-params", "allocations of quota/2 whose parameter block cannot "
+           "be written back (read-only page)", "quota", E, ("EFAULT", "NV_ERR_NO_MEMORY"),
+           "broker", "exceed the quota", a_quota_unwritable_params),
+    # availability: a tenant must not be able to stall the broker for everyone
+    Attack("own-mount-ptr", "nested pointers into untouched pages mapped from the broker's "
+           "own mount (own GPU node, /proc/driver/nvidia/version)", "availability", E,
+           ("EFAULT",), "broker (memory gate, FUSE front end)",
+           "broker's own nodes|did not complete within", a_own_mount_ptr,
+           frontends=("fuse",),
+           na={"seccomp": "the seccomp harness runs without the sandbox: the nodes are memfds "
+                          "and no broker mount is in the tenant's view (the memory gate covers "
+                          "one where a sandbox shows it)",
+               **{fe: "no page the tenant can map faults into the broker: the module maps a "
+                      "broker memfd (docs/kmod.md), CUSE nodes have no mmap (ENODEV)"
+                  for fe in GUEST}}),
+    Attack("uffd-ptr", "a nested pointer into a userfaultfd page nobody serves",
+           "availability", E, ("EFAULT", "EPERM"), "broker (memory gate deadline)",
+           "did not complete within", a_uffd_ptr,
+           overrides={"fuse": {
+               "layer": "kernel", "audit": None,
+               "no_audit": "the sandbox gives no CAP_SYS_PTRACE, so the kernel refuses a "
+                           "userfaultfd that traps the broker's accesses (EPERM); no audit "
+                           "line. Where it is allowed, the broker's deadline refuses the call "
+                           "(EFAULT, audited) as on seccomp"},
+               **_guest(layer="kernel", audit=None,
+                        no_audit="uid 1002 has no CAP_SYS_PTRACE, so the kernel refuses it a "
+                                 "userfaultfd that traps the broker's accesses (EPERM); no "
+                                 "audit line. Where it is allowed, the broker's deadline "
+                                 "refuses the call (EFAULT, audited) as on seccomp")}),
 ]
 
 BY_ID: dict[str, Attack] = {a.id: a for a in ATTACKS}

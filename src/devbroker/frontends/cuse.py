@@ -40,6 +40,7 @@ from typing import Callable, Sequence
 import trio
 
 from devbroker.abi.nodes import NodeKind
+from devbroker.broker import memgate
 from devbroker.broker.interface import (
     BrokerInterface,
     Caller,
@@ -341,7 +342,18 @@ class CuseFrontend:
             if req.out_size:
                 out = bytes(rep.arg_out[:req.out_size])
             elif rep.arg_out and req.arg and arg is not None:
-                await trio.to_thread.run_sync(memory.write, req.arg, bytes(rep.arg_out))
+                # Through the memory gate (a worker thread, a deadline: issue 13), as every
+                # access to a tenant's memory.
+                s = getattr(self.broker, "sessions", {}).get(session)
+                tenant = s.tenant.name if s is not None else f"uid {caller.uid}"
+                try:
+                    await memgate.gate_of(self.broker).write(tenant, memory, req.arg,
+                                                             bytes(rep.arg_out))
+                except OSError as e:
+                    log.info("ioctl %#x of pid %d: result not written back: %s", req.cmd,
+                             caller.pid, e)
+                    self._error(conn, req.unique, errno.EFAULT)
+                    return
         self._send(conn, w.encode_ioctl(req.unique, rep.result, out))
 
     async def _on_poll(self, conn: _Conn, req: w.Poll) -> None:

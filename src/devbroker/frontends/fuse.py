@@ -31,6 +31,7 @@ from typing import Callable, Mapping, Sequence, Union
 import trio
 
 from devbroker.abi.nodes import NodeKind
+from devbroker.broker import memgate
 from devbroker.broker.interface import (
     BrokerInterface,
     Caller,
@@ -586,6 +587,16 @@ class FuseFrontend:
             if e.unique is not None:
                 self._error(e.unique, errno.EIO)
             return
+        if type(req) is w.Read and memgate.accessing(req.header.pid) is not None:
+            # A broker thread reading or writing a tenant's memory faulted on a page the
+            # tenant mapped from this very mount (issue 13). Serving it would read a node
+            # for the broker through the tenant's mapping; waiting would be worse (before
+            # the memory gate, the fault was taken on this thread: nobody was left to
+            # answer it and the whole broker hung). Fail the fault now: the access sees
+            # EFAULT and the broker refuses the tenant's call.
+            memgate.note_own_mount_fault(req.header.pid)
+            self._error(req.unique, errno.EIO)
+            return
         handler = self._SYNC.get(type(req))
         if handler is not None:
             try:
@@ -879,9 +890,10 @@ class FuseFrontend:
         # and direction. UVM commands are bare numbers: arg is None and the broker reads
         # and writes the argument through `memory` at arg_ptr, sized from its ABI registry.
         arg = req.data if req.in_size else None
+        tenant = h.inode.tenant or ""
         rep = await self.broker.ioctl(IoctlRequest(
             caller, h.session, req.cmd, req.arg, arg, memory,
-            resolve_fd=functools.partial(self.resolve_fd, caller.pid)))
+            resolve_fd=functools.partial(self.resolve_fd, caller.pid, tenant=tenant)))
         if rep.errno:
             # ENOSYS would make the kernel disable ioctls on the whole mount for good.
             self._error(req.unique, errno.ENOTTY if rep.errno == errno.ENOSYS else rep.errno)
@@ -892,8 +904,16 @@ class FuseFrontend:
                 out = bytes(rep.arg_out[:req.out_size])
             elif rep.arg_out and req.arg:
                 # No out buffer in the FUSE reply (a bare-number or write-only command):
-                # the driver copies the argument back regardless, so do the same.
-                await trio.to_thread.run_sync(memory.write, req.arg, bytes(rep.arg_out))
+                # the driver copies the argument back regardless, so do the same — through
+                # the memory gate, like every access to a tenant's memory.
+                try:
+                    await memgate.gate_of(self.broker).write(tenant, memory, req.arg,
+                                                             bytes(rep.arg_out))
+                except OSError as e:
+                    log.info("ioctl %#x of pid %d: result not written back: %s", req.cmd,
+                             caller.pid, e)
+                    self._error(req.unique, errno.EFAULT)
+                    return
         self._send(w.encode_ioctl(req.unique, rep.result, out))
 
     async def _on_poll(self, req: w.Poll) -> None:
@@ -949,15 +969,24 @@ class FuseFrontend:
     }
 
     # ---- fd arguments ------------------------------------------------------------------------
-    async def resolve_fd(self, pid: int, fd: int) -> int | None:
+    async def resolve_fd(self, pid: int, fd: int, *, tenant: str = "") -> int | None:
         """The broker session behind file descriptor ``fd`` of process ``pid``, or None when
         that fd is not an open node file of this mount.
 
         Takes a duplicate of the tenant's file (pidfd_getfd), checks that it lives on this
         mount and is a node file, then asks this very server through a private ioctl on the
         duplicate — the kernel hands that ioctl to us with the file's own fh.
+
+        On a worker thread with the memory gate's deadline: the fstat and the close of a file
+        of the tenant's choosing may wait on a file system the tenant serves (issue 13).
         """
-        return await trio.to_thread.run_sync(self._resolve_fd_blocking, pid, fd)
+        try:
+            return await memgate.gate_of(self.broker).run(
+                tenant or f"pid {pid}", self._resolve_fd_blocking, pid, fd,
+                what=f"lookup of fd {fd}", memory=False)
+        except OSError as e:
+            log.info("resolve_fd(%d, %d): %s", pid, fd, e)
+            return None
 
     def _resolve_fd_blocking(self, pid: int, fd: int) -> int | None:
         try:

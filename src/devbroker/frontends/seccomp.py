@@ -39,6 +39,7 @@ from typing import Mapping, Sequence
 import trio
 
 from devbroker.abi.nodes import NodeKind
+from devbroker.broker import memgate
 from devbroker.broker.interface import (
     BrokerInterface,
     Caller,
@@ -129,6 +130,45 @@ def _vm_write(pid: int, addr: int, data: bytes) -> None:
     from devbroker.frontends.procmem import vm_write
 
     vm_write(pid, addr, data)
+
+
+class _Statx(ctypes.Structure):
+    # struct statx (include/uapi/linux/stat.h), the fields used here; 256 bytes in all
+    _fields_ = [("mask", ctypes.c_uint32), ("blksize", ctypes.c_uint32),
+                ("attributes", ctypes.c_uint64), ("nlink", ctypes.c_uint32),
+                ("uid", ctypes.c_uint32), ("gid", ctypes.c_uint32), ("mode", ctypes.c_uint16),
+                ("_spare0", ctypes.c_uint16), ("ino", ctypes.c_uint64),
+                ("_rest1", ctypes.c_uint8 * 88),
+                ("rdev_major", ctypes.c_uint32), ("rdev_minor", ctypes.c_uint32),
+                ("dev_major", ctypes.c_uint32), ("dev_minor", ctypes.c_uint32),
+                ("_rest2", ctypes.c_uint8 * 112)]
+
+
+_AT_STATX_DONT_SYNC = 0x4000
+_STATX_BASIC_STATS = 0x7FF
+_libc.statx.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint,
+                        ctypes.c_void_p]
+
+
+@dataclass(frozen=True)
+class _Stat:
+    st_dev: int
+    st_ino: int
+    st_mode: int
+    st_rdev: int
+
+
+def _stat_nosync(path: str) -> _Stat:
+    """stat(2) of a tenant's /proc/<tid>/fd/<n> that never asks a file system's server:
+    with AT_STATX_DONT_SYNC, FUSE (and NFS, 9p) answer from the attributes they have. A plain
+    stat of a file on a FUSE server the tenant runs would wait for that server, on the trio
+    thread (issue 13). Device, inode, mode and rdev never change, so cached ones are right."""
+    st = _Statx()
+    if _libc.statx(-100, path.encode(), _AT_STATX_DONT_SYNC, _STATX_BASIC_STATS,
+                   ctypes.byref(st)) != 0:
+        _raise_errno(f"statx {path}")
+    return _Stat(os.makedev(st.dev_major, st.dev_minor), st.ino, st.mode,
+                 os.makedev(st.rdev_major, st.rdev_minor))
 
 
 def read_cstring(pid: int, addr: int, limit: int = _PATH_MAX) -> bytes:
@@ -343,7 +383,7 @@ class SeccompSupervisor:
         if fd < 0:
             return None, False
         try:
-            st = os.stat(f"/proc/{tid}/fd/{fd}")
+            st = _stat_nosync(f"/proc/{tid}/fd/{fd}")
         except OSError:
             return None, False
         s = self.sessions.get((st.st_dev, st.st_ino))
@@ -468,11 +508,16 @@ class SeccompSupervisor:
         else:  # openat2(dirfd, path, struct open_how *how, size)
             dirfd, path_ptr = d.arg_int(0), d.args[1]
             try:
-                flags = struct.unpack("=Q", _vm_read(tid, d.args[2], 8))[0] & 0xFFFFFFFF
+                how = await self._gate.run(self.tenant, _vm_read, tid, d.args[2], 8,
+                                           what="read of open_how")
+                flags = struct.unpack("=Q", how)[0] & 0xFFFFFFFF
             except OSError:
                 return w.NotifResp.cont(n.id)  # the kernel will report the bad pointer
         try:
-            raw = read_cstring(tid, path_ptr)
+            # Through the memory gate (a worker thread, a deadline): the path may lie in a
+            # page that only faults in with someone's help (issue 13).
+            raw = await self._gate.run(self.tenant, read_cstring, tid, path_ptr,
+                                       what="read of an open path")
         except OSError:
             return w.NotifResp.cont(n.id)
         path = raw.decode("utf-8", "surrogateescape")
@@ -610,7 +655,11 @@ class SeccompSupervisor:
         arg: bytes | None = None
         if size:
             try:
-                arg = _vm_read(tid, argp, size)
+                arg = await self._gate.run(self.tenant, _vm_read, tid, argp, size,
+                                           what=f"read of ioctl {cmd:#x}'s argument")
+            except memgate.MemoryAccessRefused as e:
+                self._audit_memory(tid, f"ioctl {cmd:#x}", e)
+                return w.NotifResp.fail(n.id, errno.EFAULT)
             except OSError as e:
                 return w.NotifResp.fail(n.id, errno.EFAULT if e.errno != errno.ESRCH else e.errno)
         caller, caps = self._caller_caps(tid)
@@ -659,12 +708,28 @@ class SeccompSupervisor:
                 self.stats.stale += 1
                 return None
             try:
-                _vm_write(tid, argp, out)
+                await self._gate.run(self.tenant, _vm_write, tid, argp, out,
+                                     what=f"write of ioctl {cmd:#x}'s result")
+            except memgate.MemoryAccessRefused as e:
+                self._audit_memory(tid, f"ioctl {cmd:#x}", e)
+                return w.NotifResp.fail(n.id, errno.EFAULT)
             except OSError:
                 return w.NotifResp.fail(n.id, errno.EFAULT)
         return w.NotifResp.ok(n.id, reply.result)
 
     # -- mmap -------------------------------------------------------------------------------
+
+    @property
+    def _gate(self) -> memgate.MemoryGate:
+        return memgate.gate_of(self.broker)
+
+    def _audit_memory(self, tid: int, what: str, e: OSError) -> None:
+        """A tenant-memory access the gate refused (deadline, stall limit, a page of the
+        broker's own mount): the broker never saw the call, so the record is written here."""
+        audit = getattr(self.broker, "audit", None)
+        if audit is not None:
+            audit.deny(tenant=self.tenant, pid=tid, what=what,
+                       reason=f"tenant memory access failed: {e.strerror or e}")
 
     def _refuse_privileged(self, n: w.Notif, caller: Caller, cmd: int) -> w.NotifResp:
         audit = getattr(self.broker, "audit", None)
@@ -703,6 +768,19 @@ class SeccompSupervisor:
         )
         if reply.errno:
             return w.NotifResp.fail(n.id, reply.errno)
+        # On a worker thread with a deadline: the fd may have been swapped for a file whose
+        # fstat and close wait on a file system the tenant serves (issue 13).
+        try:
+            return await self._gate.run(self.tenant, self._fill_placeholder, n, tid, fd, sess,
+                                        offset, length, reply.data, what=f"mmap of fd {fd}",
+                                        memory=False)
+        except memgate.MemoryAccessRefused as e:
+            self._audit_memory(tid, f"mmap of fd {fd}", e)
+            return w.NotifResp.fail(n.id, errno.EIO)
+
+    @staticmethod
+    def _fill_placeholder(n: w.Notif, tid: int, fd: int, sess: Session, offset: int,
+                          length: int, data: bytes) -> w.NotifResp:
         try:
             f = _pidfd_getfd(tid, fd)
         except OSError as e:
@@ -717,7 +795,7 @@ class SeccompSupervisor:
             try:
                 if st.st_size < end:
                     os.ftruncate(f, end)
-                data = bytes(reply.data[:length])
+                data = bytes(data[:length])
                 if data:
                     os.pwrite(f, data, offset)
             except OSError as e:
