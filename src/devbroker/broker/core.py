@@ -486,13 +486,22 @@ class Broker:
             raise Refusal(f"{dc.call.name}: the front end cannot lend the tenant's file",
                           errno_=errno.EBADF)
         dups: list[int] = []
+
+        def dup(number: int, file) -> int:
+            # The fd number is the tenant's: a racing thread may have put another file
+            # there (dup2) since the broker identified it. Run only on the file decided on.
+            fd = req.dup_fd(number)
+            dups.append(fd)
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != getattr(file, "key", None):
+                raise Refusal(f"{dc.call.name}: the file behind fd {number} changed while the "
+                              "call was being decided", errno_=errno.EBADF)
+            return fd
+
         try:
-            dc.file_fd = req.dup_fd(req.fd)
-            dups.append(dc.file_fd)
-            for path in dc.fd_files:
-                n = _get_path(dc.call.value, path)
-                dc.fds[path] = req.dup_fd(int(n))
-                dups.append(dc.fds[path])
+            dc.file_fd = dup(req.fd, s.file)
+            for path, target in dc.fd_files.items():
+                dc.fds[path] = dup(int(_get_path(dc.call.value, path)), target)
             started = time.monotonic_ns()
             result = await self.backend.ioctl(s.file, dc)
             if self.recorder is not None:
@@ -555,12 +564,24 @@ class Broker:
         if usage is None or self.spawn is None:
             return
         tgid, tenant = s.caller.pid, s.tenant
+        try:
+            # Taken now, while the process waits in this very call: the kill below reaches
+            # this process even if it exits meanwhile and its pid is reused.
+            pidfd = os.pidfd_open(tgid)
+        except OSError:
+            return
 
         async def watch() -> None:
             import signal
 
             import trio
 
+            try:
+                await watch_loop(signal, trio)
+            finally:
+                os.close(pidfd)
+
+        async def watch_loop(signal, trio) -> None:
             for delay in self.QUOTA_WATCH_DELAYS:
                 await trio.sleep(delay)
                 try:
@@ -580,7 +601,7 @@ class Broker:
                                             f"process (quota {tenant.quota(next(iter(over)))}"
                                             "): a continued call was rewritten; process killed")
                     try:
-                        os.kill(tgid, signal.SIGKILL)
+                        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
                     return
