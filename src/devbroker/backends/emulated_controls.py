@@ -47,6 +47,18 @@ def get_probed_ids(backend, client, obj, p):
                                 excludedGpuIds=[INVALID_GPU_ID] * len(p.excludedGpuIds))
 
 
+@control(0x288)  # NV0000_CTRL_CMD_GPU_GET_ACTIVE_DEVICE_IDS
+def get_active_device_ids(backend, client, obj, p):
+    """Every GPU of the host (the parameters are all output). Not from a trace: modelled on
+    ctrl0000gpu.h, where a GPU not in MIG mode is listed with gpuInstanceId and
+    computeInstanceId NV0000_CTRL_GPU_INVALID_ID (issue 13 item 6: the broker filters it)."""
+    devs = list(p.devices)
+    for i, g in enumerate(backend.gpus()[: len(devs)]):
+        devs[i] = devs[i].replace(gpuId=g.gpu_id, gpuInstanceId=INVALID_GPU_ID,
+                                  computeInstanceId=INVALID_GPU_ID)
+    return nvs.NV_OK, p.replace(numDevices=min(len(backend.gpus()), len(devs)), devices=devs)
+
+
 def _id_info(backend, p):
     g = backend.gpu_by_id(p.gpuId)
     if g is None:

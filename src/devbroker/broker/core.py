@@ -174,6 +174,15 @@ class Broker:
             burst = tp.rate_limit.burst if tp.rate_limit else 0
             old = self.tenants.get(name)
             if old is not None:
+                lost = set(old.gpus) - set(tp.gpus)
+                held = {g: n for g, n in old.used().items() if g in lost and n}
+                if lost:
+                    # Issue 13 item 4: from now on every call on the tenant's objects of
+                    # these GPUs is refused (except freeing them); say what is still held.
+                    self.audit.write("notice", tenant=name, message=(
+                        f"GPU(s) {sorted(lost)} revoked from tenant {name}: calls on its "
+                        f"objects there are refused from now on; memory still held there: "
+                        f"{held or 'none'} bytes (freeing it stays allowed)"))
                 old.policy = tp
                 if (old.limiter.rate, old.limiter.burst) != (float(rate), float(burst)):
                     old.limiter = TokenBucket(rate, burst)
@@ -301,6 +310,11 @@ class Broker:
             return MapReadReply(errno=errno.EBADF)
         if not self._same_sandbox(s, req.caller):
             return MapReadReply(errno=errno.EACCES)
+        if s.node is NodeKind.GPU and s.minor not in s.tenant.gpus:
+            # Issue 13 item 4: no more pages of a revoked GPU (its memory can still be freed).
+            self._deny(s, f"mmap read nvidia{s.minor}", f"GPU {s.minor} was revoked from "
+                       f"tenant {s.tenant.name} by a policy change")
+            return MapReadReply(errno=errno.EACCES)
         try:
             data = self.backend.map_read(s.file, req.offset, req.length)
         except OSError as e:
@@ -345,6 +359,12 @@ class Broker:
             self._deny(s, f"ioctl {req.cmd:#x}", "tenant removed from the running policy")
             return IoctlReply(errno=errno.EACCES)
         if not self._same_sandbox(s, req.caller):
+            return IoctlReply(errno=errno.EACCES)
+        if s.node is NodeKind.GPU and s.minor not in tenant.gpus:
+            # Issue 13 item 4: a GPU node opened before a policy change took the GPU away.
+            # New opens are refused by allow.check_open; an open file must not outlive it.
+            self._deny(s, f"ioctl {req.cmd:#x}", f"GPU {s.minor} was revoked from tenant "
+                       f"{tenant.name} by a policy change")
             return IoctlReply(errno=errno.EACCES)
         if tenant.limiter.would_wait():
             self._once(("rate", tenant.name), f"tenant {tenant.name} reached its rate limit: "
@@ -626,6 +646,19 @@ class Broker:
                               status=nvstatus.NV_ERR_INVALID_CLIENT, what=where)
         return first
 
+    def _refuse_revoked(self, s: Session, gpu: int | None, where: str) -> None:
+        """Issue 13 item 4: a policy change that takes a GPU from a tenant must take it for
+        the objects the tenant already holds there too, or a device allocated before the
+        change keeps allocating memory and answering controls. Every call that acts on an
+        object of a GPU no longer in the tenant's policy is refused (RM_FREE is not: the
+        tenant must be able to give the memory back, and status keeps showing it until
+        then). The audit record says that the GPU was revoked."""
+        if gpu is not None and gpu not in s.tenant.gpus:
+            raise Refusal(f"{where}: GPU {gpu} was revoked from tenant {s.tenant.name} by a "
+                          f"policy change (its GPUs are now {list(s.tenant.gpus)}); only "
+                          "freeing its objects there is allowed",
+                          status=nvstatus.NV_ERR_INSUFFICIENT_PERMISSIONS, what=where)
+
     def _client(self, s: Session, h: int, where: str) -> RmClient:
         c = s.tenant.clients.get(h)
         if c is None:
@@ -706,6 +739,7 @@ class Broker:
         if v.hObject not in client.objects:
             raise Refusal(f"{where}: object {v.hObject:#x} is not in client {v.hClient:#x}",
                           status=nvstatus.NV_ERR_INVALID_OBJECT_HANDLE, what=where)
+        self._refuse_revoked(s, client.objects[v.hObject].gpu, where)
         answered = allow.ANSWERED_CONTROLS.get(v.cmd)
         nested0 = None  # read once: what is decided on is what runs
         if answered is not None and answered[0] in s.tenant.capabilities():
@@ -738,6 +772,9 @@ class Broker:
             if pre is not None:
                 params = pre(self, s, abi, params)
                 nested = params.encode()
+            # Every GPU id the parameters name must be one of the tenant's (by the ABI's
+            # fields, for every control: issue 13 item 6).
+            rewrite.require_own_gpu_ids(self, s, abi, v.cmd, params)
         embedded = await self._read_embedded(s, req, abi, params, where)
         result = await self._call_backend(s, call, nested, embedded=embedded, req=req)
         out_value = abi.decode_ioctl(s.node, req.cmd, result.arg).value
@@ -777,8 +814,16 @@ class Broker:
             if s.node is not NodeKind.CTL:
                 raise Refusal(f"{where}: root clients are allocated on nvidiactl",
                               status=nvstatus.NV_ERR_INVALID_ARGUMENT, what=where)
-            if v.hObjectNew and v.hObjectNew in self.client_owner:
-                raise Refusal(f"{where}: client handle {v.hObjectNew:#x} is taken",
+            owner = self.client_owner.get(v.hObjectNew) if v.hObjectNew else None
+            if owner is not None and owner != s.tenant.name:
+                # Issue 13 item 7: another tenant's client handle. The driver keeps client
+                # handles host-wide, so it cannot be given out; the answer is exactly the
+                # driver's answer to a duplicate of the caller's own handle (which goes to
+                # the driver: the same NV_ERR_INSERT_DUPLICATE_NAME in the status, the rest
+                # of the argument as sent, ioctl() == 0), so the tenant cannot tell whose
+                # handle it hit. Only the audit record (the operator's) says more.
+                raise Refusal(f"{where}: client handle {v.hObjectNew:#x} is held by another "
+                              "tenant (answered as the driver answers a duplicate handle)",
                               status=nvstatus.NV_ERR_INSERT_DUPLICATE_NAME, what=where)
             f = s.file
             if getattr(f, "runs_in_caller", False) and not f.continued_root_allocs and not s.clients:
@@ -805,6 +850,7 @@ class Broker:
         if v.hObjectParent not in client.objects:
             raise Refusal(f"{where}: parent {v.hObjectParent:#x} is not in client {v.hRoot:#x}",
                           status=nvstatus.NV_ERR_INVALID_OBJECT_PARENT, what=where)
+        self._refuse_revoked(s, client.objects[v.hObjectParent].gpu, where)
         cls_rule = allow.class_rule(cls)
         if cls_rule is None or not cls_rule.granted(s.tenant.capabilities()):
             reason = ("not on the class allowlist" if cls_rule is None
@@ -928,6 +974,7 @@ class Broker:
             if h not in client.objects:
                 raise Refusal(f"{where}: {name}={h:#x} is not in client {p.hClient:#x}",
                               status=nvstatus.NV_ERR_INVALID_OBJECT_HANDLE, what=where)
+            self._refuse_revoked(s, client.objects[h].gpu, where)
         fd_files = await self._translate_fds(s, req, call.value, rule.fd_fields, where)
         result = await self._call_backend(s, call, fd_files=fd_files, req=req)
         return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
@@ -941,6 +988,7 @@ class Broker:
         if p.hObjectParent not in client.objects:
             raise Refusal(f"{where}: parent {p.hObjectParent:#x} is not in client {p.hRoot:#x}",
                           status=nvstatus.NV_ERR_INVALID_OBJECT_PARENT, what=where)
+        self._refuse_revoked(s, client.objects[p.hObjectParent].gpu, where)
         cls_rule = allow.class_rule(p.hClass)
         if cls_rule is None or not cls_rule.granted(s.tenant.capabilities()):
             raise Refusal(f"{where} ({p.hClass:#x}): not on the class allowlist",
@@ -989,6 +1037,10 @@ class Broker:
                 "clients": len(t.clients),
                 "objects": sum(len(c.objects) for c in t.clients.values()),
                 "memory": {str(g): {"used": used.get(g, 0), "quota": t.quota(g)} for g in t.gpus},
+                # Issue 13 item 4: memory still held on GPUs a policy change took away (the
+                # tenant can only free it): shown until it is freed, so the operator sees it.
+                "revoked_memory": {str(g): n for g, n in sorted(used.items())
+                                   if g not in t.gpus and n},
                 "requests": t.requests,
                 "refusals": t.refusals,
                 # accesses to the tenant's memory stuck in the kernel past their deadline

@@ -62,13 +62,6 @@ ESCAPE_REWRITES: dict[str, Callable] = {
 
 
 # --------------------------------------------------------------------------- controls: pre
-def require_own_gpu_id(broker, s, abi, params):
-    if params.gpuId not in tenant_gpu_ids(broker, s):
-        raise _refusal(f"GPU id {params.gpuId:#x} is not one of the tenant's GPUs",
-                       status=nvs.NV_ERR_INVALID_ARGUMENT, what="GET_ID_INFO")
-    return params
-
-
 def restrict_attach_ids(broker, s, abi, params):
     mine = tenant_gpu_ids(broker, s)
     ids = list(params.gpuIds)
@@ -126,11 +119,82 @@ def _pids_named(params) -> list[int]:
     return out
 
 
+# --------------------------------------------------------------------------- GPU ids
+# Issue 13 item 6: which parameters name a GPU is decided here, once, from the ABI's field
+# names, for every control (not by a hook per control: 0x13a, 0x288 and 0x289 passed other
+# GPUs' ids while GET_PCI_INFO refused them). A field holds a GPU id when its ABI name is
+# one of these (scalar or array, at any depth of nested structs):
+GPU_ID_FIELD_NAMES = frozenset({"gpuId", "gpuIds", "gpuIdGrpA", "gpuIdGrpB"})
+# The sibling field that says how many entries of an array are meant (the driver reads no
+# further, and callers leave the rest uninitialised). Arrays without one end at the first
+# INVALID_GPU_ID, as the driver reads them (cliresCtrlCmdGpuAttachIds).
+GPU_ID_COUNT_FIELDS = {
+    "gpuIdGrpA": "grpACount",  # SYSTEM_GET_P2P_CAPS_MATRIX
+    "gpuIdGrpB": "grpBCount",
+    "gpuIds": "gpuCount",  # SYSTEM_GET_P2P_CAPS, SYNC_GPU_BOOST_GROUP_CONFIG
+    "devices": "numDevices",  # GPU_GET_ACTIVE_DEVICE_IDS (array of structs with a gpuId)
+}
+# Controls whose GPU ids are answers, not requests: what the tenant sent there is not
+# read by the driver; the answer is filtered to the tenant's GPUs by the post-hook.
+GPU_IDS_ANSWERED = frozenset({
+    0x201,  # NV0000_CTRL_CMD_GPU_GET_ATTACHED_IDS (attached_ids)
+    0x214,  # NV0000_CTRL_CMD_GPU_GET_PROBED_IDS (probed_ids)
+    0x288,  # NV0000_CTRL_CMD_GPU_GET_ACTIVE_DEVICE_IDS (active_device_ids)
+    # NV0000_CTRL_CMD_SYNC_GPU_BOOST_GROUP_INFO: lists boost groups (none on the hosts this
+    # runs on; its answer is not filtered yet, see docs/security.md).
+    0xA04,
+})
+
+
+def gpu_ids_named(params, prefix: str = "") -> list[tuple[str, int]]:
+    """(field path, id) of every GPU id the parameters name, by the rules above.
+    A pure function of the decoded value (tests/test_isolation_13.py checks it over every
+    allowed control of every ABI)."""
+    out: list[tuple[str, int]] = []
+    for f in params.spec.fields:
+        value = getattr(params, f.name)
+        count_field = GPU_ID_COUNT_FIELDS.get(f.name)
+        if count_field is not None and count_field in params.spec.by_name:
+            n = int(getattr(params, count_field))
+        else:
+            n = None
+        if f.kind == "struct":
+            out += gpu_ids_named(value, f"{prefix}{f.name}.")
+        elif f.kind == "array" and not isinstance(f.elem, str):  # array of structs
+            for i, e in enumerate(value[: len(value) if n is None else n]):
+                out += gpu_ids_named(e, f"{prefix}{f.name}[{i}].")
+        elif f.name not in GPU_ID_FIELD_NAMES:
+            continue
+        elif f.kind == "array":
+            ids = list(value)
+            if n is not None:
+                ids = ids[:n]
+            elif INVALID_GPU_ID in ids:
+                ids = ids[: ids.index(INVALID_GPU_ID)]
+            out += [(f"{prefix}{f.name}[{i}]", int(x)) for i, x in enumerate(ids)]
+        elif isinstance(value, int):
+            out.append((f"{prefix}{f.name}", value))
+    return out
+
+
+def require_own_gpu_ids(broker, s, abi, cmd: int, params) -> None:
+    """Refuse a control that names a GPU id not of the tenant's GPUs, with the status the
+    driver gives an unknown id (NV_ERR_INVALID_ARGUMENT): to the tenant another GPU is not
+    there. Runs after the control's own pre-hook (ATTACH_IDS turns "all probed" into the
+    tenant's ids and refuses others itself)."""
+    if cmd in GPU_IDS_ANSWERED:
+        return
+    mine = tenant_gpu_ids(broker, s)
+    for path, gpu_id in gpu_ids_named(params):
+        if gpu_id not in mine:
+            raise _refusal(f"{path}={gpu_id:#x} is not one of the tenant's GPUs",
+                           status=nvs.NV_ERR_INVALID_ARGUMENT,
+                           what=f"RM_CONTROL {abi.control_name(cmd)}")
+
+
+# GET_ID_INFO, GET_ID_INFO_V2, GET_PCI_INFO, QUERY_DRAIN_STATE, P2P_CAPS(_MATRIX), ASYNC_ATTACH
+# and the rest need no entry here: require_own_gpu_ids covers every control (issue 13 item 6).
 CONTROL_PRE: dict[int, Callable] = {
-    0x202: require_own_gpu_id,  # NV0000_CTRL_CMD_GPU_GET_ID_INFO
-    0x205: require_own_gpu_id,  # NV0000_CTRL_CMD_GPU_GET_ID_INFO_V2
-    0x21B: require_own_gpu_id,  # NV0000_CTRL_CMD_GPU_GET_PCI_INFO
-    0x279: require_own_gpu_id,  # NV0000_CTRL_CMD_GPU_QUERY_DRAIN_STATE
     0x215: restrict_attach_ids,  # NV0000_CTRL_CMD_GPU_ATTACH_IDS
     0x216: restrict_attach_ids,  # NV0000_CTRL_CMD_GPU_DETACH_IDS
     0x2080018E: pid_info_to_host,  # NV2080_CTRL_CMD_GPU_GET_PID_INFO
@@ -210,7 +274,37 @@ def pid_info_to_tenant(broker, s, abi, out, ctx):
     return out.replace(pidInfoList=entries)
 
 
+def active_device_ids(broker, s, abi, out, ctx):
+    """GET_ACTIVE_DEVICE_IDS (issue 13 item 6): only the tenant's GPUs are listed."""
+    mine = tenant_gpu_ids(broker, s)
+    n = out.numDevices
+    kept = [d for d in list(out.devices)[:n] if d.gpuId in mine]
+    empty = out.devices[0].spec.decode(bytes(out.devices[0].spec.size))
+    return out.replace(numDevices=len(kept),
+                       devices=kept + [empty] * (len(out.devices) - len(kept)))
+
+
+# NV0000_CTRL_GPU_ID_INFO_IN_USE (bit 0 of gpuFlags): the driver sets it when any client on
+# the host holds a device object of the GPU. On a shared GPU that tells a tenant whether
+# another tenant is using it (issue 13 item 7): it is rewritten to what the tenant alone
+# would see, i.e. whether the tenant itself holds a device object of that GPU.
+GPU_ID_INFO_IN_USE = 0x1
+DEVICE_CLASS = 0x80  # NV01_DEVICE_0
+
+
+def id_info_in_use(broker, s, abi, out, ctx):
+    index = gpu_index_for_id(broker, out.gpuId)
+    mine = index is not None and any(o.rm_class == DEVICE_CLASS and o.gpu == index
+                                     for c in s.tenant.clients.values()
+                                     for o in c.objects.values())
+    flags = (out.gpuFlags & ~GPU_ID_INFO_IN_USE) | (GPU_ID_INFO_IN_USE if mine else 0)
+    return out.replace(gpuFlags=flags)
+
+
 CONTROL_POST: dict[int, Callable] = {
+    0x202: id_info_in_use,  # NV0000_CTRL_CMD_GPU_GET_ID_INFO [issue 13 item 7]
+    0x205: id_info_in_use,  # NV0000_CTRL_CMD_GPU_GET_ID_INFO_V2 [issue 13 item 7]
+    0x288: active_device_ids,  # NV0000_CTRL_CMD_GPU_GET_ACTIVE_DEVICE_IDS [issue 13 item 6]
     0x2080018E: pid_info_to_tenant,  # NV2080_CTRL_CMD_GPU_GET_PID_INFO [issue 4]
     0x201: attached_ids,  # NV0000_CTRL_CMD_GPU_GET_ATTACHED_IDS
     0x214: probed_ids,  # NV0000_CTRL_CMD_GPU_GET_PROBED_IDS

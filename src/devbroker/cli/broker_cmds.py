@@ -157,6 +157,10 @@ def cmd_status(args) -> int:
     for t in snap["tenants"]:
         mem = ", ".join(f"gpu{g}: {_human(m['used'])} / {_human(m['quota'])}"
                         for g, m in t["memory"].items()) or "-"
+        # Memory still held on a GPU a policy change took away (issue 13 item 4).
+        revoked = ", ".join(f"gpu{g}: {_human(n)} REVOKED"
+                            for g, n in t.get("revoked_memory", {}).items())
+        mem = f"{mem}, {revoked}" if revoked else mem
         print(f"{t['name']:<12} {','.join(map(str, t['gpus'])) or '-':<8} {t['open_files']:>5} "
               f"{len(t['processes']):>5} {t['objects']:>5} {mem:<32} {t['requests']:>7} "
               f"{t['refusals']:>6}")

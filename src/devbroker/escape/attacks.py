@@ -865,6 +865,39 @@ def a_attach_foreign(ctx):
     return combine(outs)
 
 
+def a_gpu_id_fields(ctx):
+    """Issue 13 item 6: controls whose parameters name GPU ids in fields other than the one
+    GET_PCI_INFO has (P2P_CAPS_MATRIX's groups, ASYNC_ATTACH_ID) with the victim's GPU."""
+    c = ctx.client()
+    gid = ctx.victim["gpu_ids"][str(ctx.victim_gpu)]
+    own = c.gpu["gpu_id"]
+    outs = []
+    if c.abi.control(0x13A) is not None:
+        pad = [0xFFFFFFFF] * 7
+        p = c.params(0x13A, grpACount=1, grpBCount=1, gpuIdGrpA=[own] + pad,
+                     gpuIdGrpB=[gid] + pad)
+        outs.append(judge(*rm_control(c, c.hclient, 0x13A, p.encode()),
+                          f"P2P_CAPS_MATRIX with GPU id {gid:#x}"))
+    if c.abi.control(0x289) is not None:  # 580 and later
+        outs.append(judge(*rm_control(c, c.hclient, 0x289, c.params(0x289, gpuId=gid).encode()),
+                          f"ASYNC_ATTACH_ID {gid:#x}"))
+    return combine(outs)
+
+
+def a_client_fields(ctx):
+    """Issue 13 item 6: allocation parameters naming the victim's client (an OS event's
+    hParentClient, a device's hTargetClient)."""
+    c = ctx.client()
+    victim = ctx.victim["client"]
+    ev = c.new("NV0005_ALLOC_PARAMETERS", hParentClient=victim,
+               hSrcResource=c.gpu["hsubdevice"], hClass=0x79, notifyIndex=0, data=c.ctl)
+    dev = c.new("NV0080_ALLOC_PARAMETERS", deviceId=ctx.own_gpu, hTargetClient=victim)
+    return combine([judge(*rm_alloc(c, c.gpu["hsubdevice"], 0x79, ev.encode())[:2],
+                          "OS event with the victim's hParentClient"),
+                    judge(*rm_alloc(c, c.hclient, 0x80, dev.encode())[:2],
+                          "device with the victim's hTargetClient")])
+
+
 def a_get_pids(ctx):
     """GET_PIDS on the shared GPU: the victim (holding memory there) must not be listed."""
     c = ctx.client()
@@ -1490,8 +1523,8 @@ ATTACKS: list[Attack] = [
            "cross-tenant", E, ("NV_ERR_INVALID_OBJECT_HANDLE", "NV_ERR_INVALID_OBJECT_PARENT",
                                "EBADF"), "broker", "is not in client", a_foreign_object, True),
     Attack("client-collision", "allocate a root client with the victim's client handle",
-           "cross-tenant", E, ("NV_ERR_INSERT_DUPLICATE_NAME",), "broker", "is taken",
-           a_client_collision, True),
+           "cross-tenant", E, ("NV_ERR_INSERT_DUPLICATE_NAME",), "broker",
+           "held by another tenant", a_client_collision, True),
     Attack("guess-handles", "sweep ~250 candidate client handles", "cross-tenant", E,
            ("NV_ERR_INVALID_CLIENT",), "broker", "not this tenant's", a_guess_handles, True),
     Attack("dup-object", "RM_DUP_OBJECT from the victim's client", "cross-tenant", E,
@@ -1501,6 +1534,14 @@ ATTACKS: list[Attack] = [
     Attack("attach-foreign", "ATTACH/DETACH_IDS, GET_ID_INFO_V2, device 0x80 on the victim's GPU",
            "cross-tenant", E, ("NV_ERR_INSUFFICIENT_PERMISSIONS", "NV_ERR_INVALID_ARGUMENT"),
            "broker", "not one of the tenant's", a_attach_foreign, True),
+    Attack("gpu-id-fields", "P2P_CAPS_MATRIX / ASYNC_ATTACH_ID naming the victim's GPU id",
+           "cross-tenant", E, ("NV_ERR_INVALID_ARGUMENT",), "broker",
+           r"(P2P_CAPS_MATRIX|ASYNC_ATTACH_ID).*=0x[0-9a-f]+ is not one of the tenant's GPUs",
+           a_gpu_id_fields, True),
+    Attack("client-fields", "OS event hParentClient / device hTargetClient naming the "
+           "victim's client", "cross-tenant", E, ("NV_ERR_INVALID_CLIENT",), "broker",
+           "(hParentClient|hTargetClient)=0x[0-9a-f]+ is not a client of this tenant",
+           a_client_fields, True),
     Attack("attach-gpus-to-fd", "NV_ESC_ATTACH_GPUS_TO_FD with the victim's GPU id",
            "cross-tenant", E, ("EPERM", "EINVAL"), "broker", "NV_ESC_ATTACH_GPUS_TO_FD", a_attach_fd,
            True),

@@ -1,0 +1,128 @@
+"""Tenant-side programs for issue 13 items 4, 6 and 7 (tests/test_isolation_13.py), run inside
+`devbroker exec` like tests/tenant_prog.py: real ioctls on /dev/nvidia*, one JSON object per
+line on stdout."""
+from __future__ import annotations
+
+import fcntl
+import json
+import sys
+
+from devbroker.abi import iowr
+from devbroker.tools.probe import Client, NvError, parse_size
+
+INVALID_GPU_ID = 0xFFFFFFFF
+
+
+def out(**kw) -> None:
+    print(json.dumps(kw), flush=True)
+
+
+def _status(fn) -> int:
+    try:
+        fn()
+        return 0
+    except NvError as e:
+        return e.status
+
+
+def _client() -> Client:
+    c = Client()
+    c.check_version()
+    c.open_root()
+    return c
+
+
+def gpu_ids(other: str) -> None:
+    """Item 6: controls that name GPU ids, with another tenant's GPU id and with our own."""
+    c = _client()
+    mine = c.attached_ids()[0]
+    for who, gid in (("other", int(other, 0)), ("own", mine)):
+        pad = [INVALID_GPU_ID] * 7
+        p = c.params(0x13A, grpACount=1, grpBCount=1, gpuIdGrpA=[gid] + pad,
+                     gpuIdGrpB=[mine] + pad)
+        out(what=f"p2p-matrix-{who}", status=_status(lambda: c.control(c.hclient, 0x13A, p)))
+        p = c.params(0x289, gpuId=gid)
+        out(what=f"async-attach-{who}", status=_status(lambda: c.control(c.hclient, 0x289, p)))
+        p = c.params(0x21B, gpuId=gid)
+        out(what=f"pci-info-{who}", status=_status(lambda: c.control(c.hclient, 0x21B, p)))
+    # GET_ACTIVE_DEVICE_IDS is all output: whatever is sent, only our GPU comes back.
+    p = c.params(0x288)
+    devs = list(p.devices)
+    devs[0] = devs[0].replace(gpuId=int(other, 0))
+    got = c.control(c.hclient, 0x288, p.replace(numDevices=1, devices=devs))
+    out(what="active-devices", ids=[d.gpuId for d in list(got.devices)[: got.numDevices]])
+
+
+def foreign_clients(other: str) -> None:
+    """Item 6: allocation parameters naming another tenant's client (OS event's
+    hParentClient, device's hTargetClient)."""
+    c = _client()
+    bob = int(other, 0)
+    g = c.open_gpu(c.attached_ids()[0])
+    ev = c.new("NV0005_ALLOC_PARAMETERS", hParentClient=bob, hSrcResource=g["hsubdevice"],
+               hClass=0x79, notifyIndex=0, data=3)
+    out(what="event-parent-other", status=_status(lambda: c.alloc(g["hsubdevice"], 0x79, ev)))
+    dev = c.new("NV0080_ALLOC_PARAMETERS", deviceId=0, hTargetClient=bob)
+    out(what="device-target-other", status=_status(lambda: c.alloc(c.hclient, 0x80, dev)))
+    dev = c.new("NV0080_ALLOC_PARAMETERS", deviceId=0, hClientShare=0, hTargetClient=0)
+    out(what="device-target-none", status=_status(lambda: c.alloc(c.hclient, 0x80, dev)))
+
+
+def revoke(size: str) -> None:
+    """Item 4: hold a device and `size` of memory on GPU 0, then (after a line on stdin, when
+    the test has moved us to another GPU) use the old device, then free the memory."""
+    c = _client()
+    g = c.open_gpu(c.attached_ids()[0])
+    hmem = c.alloc_device_memory(g["hdevice"], parse_size(size))
+    out(what="holding", client=c.hclient)
+    sys.stdin.readline()
+    out(what="alloc-after", status=_status(
+        lambda: c.alloc_device_memory(g["hdevice"], 2 << 20)))
+    out(what="control-after", status=_status(
+        lambda: c.control(g["hsubdevice"], 0x20800110, c.params(0x20800110))))
+    out(what="subdevice-after", status=_status(
+        lambda: c.alloc(g["hdevice"], 0x2080, c.new("NV2080_ALLOC_PARAMETERS",
+                                                        subDeviceId=0))))
+    sys.stdin.readline()
+    out(what="free", status=c.free(g["hdevice"], hmem))
+    sys.stdin.read()
+
+
+def client_dup(other: str) -> None:
+    """Item 7: a root client asked for with a handle we hold, and with one another tenant
+    holds: both answers, as raw bytes (ioctl result and the whole argument)."""
+    c = _client()
+    spec = c.abi.escape("NV_ESC_RM_ALLOC")
+
+    def raw_alloc(handle: int) -> tuple[int, bytes]:
+        v = c.new("NVOS64_PARAMETERS", hRoot=0, hObjectParent=0, hObjectNew=handle,
+                  hClass=0x41, pAllocParms=0, paramsSize=0)
+        buf = bytearray(v.encode())
+        rc = fcntl.ioctl(c.ctl, iowr(spec.number, len(buf)), buf, True)
+        return rc, bytes(buf)
+
+    rc, own = raw_alloc(c.hclient)  # our own client, from open_root
+    rc2, theirs = raw_alloc(int(other, 0))
+    status_of = c.abi.struct("NVOS64_PARAMETERS")
+    out(what="dup", own_rc=rc, other_rc=rc2,
+        own_status=status_of.decode(own).status, other_status=status_of.decode(theirs).status,
+        # the argument with the asked-for handle blanked: everything else must be the same
+        own=status_of.decode(own).replace(hObjectNew=0).encode().hex(),
+        other=status_of.decode(theirs).replace(hObjectNew=0).encode().hex())
+
+
+def id_info() -> None:
+    """Item 7: GET_ID_INFO_V2's flags for our GPU before and after we hold a device on it."""
+    c = _client()
+    gid = c.attached_ids()[0]
+    before = c.control(c.hclient, 0x205, c.params(0x205, gpuId=gid)).gpuFlags
+    c.open_gpu(gid)
+    after = c.control(c.hclient, 0x205, c.params(0x205, gpuId=gid)).gpuFlags
+    old = c.control(c.hclient, 0x202, c.params(0x202, gpuId=gid)).gpuFlags
+    out(what="id-info", before=before, after=after, v1_after=old)
+
+
+if __name__ == "__main__":
+    cmd, *rest = sys.argv[1:]
+    {"gpu-ids": gpu_ids, "foreign-clients": foreign_clients, "revoke": revoke,
+     "client-dup": client_dup, "id-info": id_info}[cmd](*rest)
