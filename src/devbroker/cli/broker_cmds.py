@@ -25,6 +25,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--tenant", required=True)
     p.add_argument("--uid", type=int, help="run the command as this uid")
     p.add_argument("--gid", type=int, help="run the command as this gid")
+    p.add_argument("--cwd", help="directory to run the command in (default: the current one; "
+                                 "it must be reachable by the command's uid)")
     p.add_argument("--no-stat-shim", dest="stat_shim", action="store_false",
                    help="do not make stat() report the node files as NVIDIA character "
                         "devices (seccomp user notification; see docs/sandbox.md)")
@@ -129,7 +131,7 @@ def cmd_exec(args) -> int:
     if frontend == "auto":
         frontend = "seccomp" if info.get("real_files") else "fuse"
     try:
-        return exec_main(Path(info["dir"]), argv, uid=args.uid, gid=args.gid,
+        return exec_main(Path(info["dir"]), argv, uid=args.uid, gid=args.gid, cwd=args.cwd,
                          hide=[Path(args.run_dir)], stat_shim=args.stat_shim,
                          frontend=frontend, seccomp_socket=info.get("seccomp"),
                          tenant=args.tenant)

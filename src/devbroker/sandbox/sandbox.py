@@ -505,7 +505,13 @@ def _command_main(spec: SandboxSpec, shim_fd: int | None = None) -> None:
     try:
         drop_privileges(spec)
         step = "changing directory"
-        os.chdir(spec.cwd or _caller_cwd())
+        where = spec.cwd or _caller_cwd()
+        try:
+            os.chdir(where)
+        except PermissionError as e:
+            # Typical: a checkout under a 0700 home and --uid N. Say what to do about it.
+            raise PermissionError(e.errno, f"{e.strerror}: {where} (the command runs as uid "
+                                  f"{os.getuid()}, which cannot enter it; pass --cwd DIR)") from None
         step = "exec"
         # Python ignores SIGPIPE and SIGXFSZ, and ignored dispositions survive exec.
         for sig in (*_WAITED_SIGNALS, signal.SIGPIPE, signal.SIGXFSZ):
