@@ -105,6 +105,7 @@ def cmd_run(args) -> int:
         stop = getattr(service.backend, "stop", None)
         if stop is not None:
             stop()
+        service.audit.close()  # writes the summaries of rate-limited refusals
     return 0
 
 
