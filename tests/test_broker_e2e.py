@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from devbroker.abi import status as nvs
+from tenant_io import lines
 
 pytestmark = pytest.mark.root
 
@@ -47,8 +48,6 @@ memory_quota = "32GiB"
 """
 
 
-def lines(proc_output: str) -> list[dict]:
-    return [json.loads(line) for line in proc_output.splitlines() if line.startswith("{")]
 
 
 def probe(broker, tenant, *args):

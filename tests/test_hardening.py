@@ -24,6 +24,7 @@ import trio
 
 from devbroker.abi import vidmem
 from devbroker.broker.memgate import MemoryAccessRefused, MemoryGate
+from tenant_io import lines, readline_json
 
 HERE = Path(__file__).resolve().parent
 PROBE = [sys.executable, "-m", "devbroker.tools.probe"]
@@ -50,20 +51,6 @@ memory_quota = "16GiB"
 gpus = [0]
 memory_quota = "256MiB"
 """
-
-
-def lines(text: str) -> list[dict]:
-    return [json.loads(x) for x in text.splitlines() if x.startswith("{")]
-
-
-def readline_json(p: subprocess.Popen, timeout: float = 60) -> dict:
-    box: dict = {}
-    t = threading.Thread(target=lambda: box.setdefault("line", p.stdout.readline()), daemon=True)
-    t.start()
-    t.join(timeout)
-    assert "line" in box, "the tenant printed nothing in time"
-    assert box["line"], f"the tenant exited: {p.stderr.read() if p.stderr else ''}"
-    return json.loads(box["line"])
 
 
 @pytest.fixture

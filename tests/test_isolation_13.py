@@ -13,10 +13,8 @@
 """
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -24,6 +22,7 @@ import pytest
 from devbroker.abi import registry
 from devbroker.abi import status as nvs
 from devbroker.broker import allow, rewrite
+from tenant_io import lines, readline_json
 
 HERE = Path(__file__).resolve().parent
 TENANT = [sys.executable, str(HERE / "tenant_isolation.py")]
@@ -67,20 +66,6 @@ memory_quota = "16GiB"
 gpus = [0]
 memory_quota = "16GiB"
 """
-
-
-def lines(text: str) -> list[dict]:
-    return [json.loads(x) for x in text.splitlines() if x.startswith("{")]
-
-
-def readline_json(p: subprocess.Popen, timeout: float = 60) -> dict:
-    box: dict = {}
-    t = threading.Thread(target=lambda: box.setdefault("line", p.stdout.readline()), daemon=True)
-    t.start()
-    t.join(timeout)
-    assert "line" in box, "the tenant printed nothing in time"
-    assert box["line"], f"the tenant exited: {p.stderr.read() if p.stderr else ''}"
-    return json.loads(box["line"])
 
 
 def run(broker, tenant: str, *args: str) -> dict[str, dict]:

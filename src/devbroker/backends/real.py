@@ -33,12 +33,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from devbroker.abi import registry
+from devbroker.abi import iowr, registry
 from devbroker.abi import status as nvs
 from devbroker.abi.nodes import NodeKind
 from devbroker.abi.spec import StructSpec, StructValue
 from devbroker.backends import relaywire as w
 from devbroker.backends.base import DriverCall, DriverResult, PciLocation
+from devbroker.backends.relay import run_ioctl
+from devbroker.backends.tenantfile import (
+    FdRef, NoCapsExecutor, PrivateNodes, TenantFile, effective_caps_lowered,
+)
 
 log = logging.getLogger("devbroker.real")
 
@@ -510,8 +514,6 @@ class RealBackend:
 
     def _tenant_nodes(self):
         if self._private is None:
-            from devbroker.backends.tenantfile import NoCapsExecutor, PrivateNodes
-
             self._private = PrivateNodes(self.private_dir, self.dev)
             self._executor = NoCapsExecutor()
             # The driver lets a process allocate a device object (class 0x80) only while
@@ -532,8 +534,6 @@ class RealBackend:
              flags: int = os.O_RDWR):
         path = self.node_path(node, minor)
         if tenant_file:
-            from devbroker.backends.tenantfile import TenantFile
-
             fd = self._tenant_nodes().open(path, flags)
             st = os.fstat(fd)
             return TenantFile(node, minor, path, (st.st_dev, st.st_ino), install_fd=fd)
@@ -559,9 +559,6 @@ class RealBackend:
     async def _tenant_file_ioctl(self, file, dc: DriverCall) -> DriverResult:
         """Execute on the broker's duplicate of the tenant's own file, in a thread without
         capabilities, with the broker's private copies of every buffer."""
-        from devbroker.backends.relay import run_ioctl
-        from devbroker.backends.tenantfile import FdRef
-
         if dc.file_fd is None:
             return DriverResult(arg=dc.call.encode(), errno=errno.EBADF)
         view = DriverCall(dc.call, dc.nested, {p: FdRef(fd) for p, fd in dc.fds.items()},
@@ -576,8 +573,6 @@ class RealBackend:
         if dc.call.name in INLINE_CALLS:
             # Short calls run on the broker's own thread, its effective capabilities
             # lowered for the call: a worker hop costs more than the control itself.
-            from devbroker.backends.tenantfile import effective_caps_lowered
-
             with effective_caps_lowered():
                 rep = run_ioctl(prep.request)
         else:
@@ -642,85 +637,109 @@ class RealBackend:
         self._broker_gpu_fds = []
 
 
-# --------------------------------------------------------------------------- accounting
-class VidmemMonitor:
-    """The driver's own per-process video-memory accounting (NV2080_CTRL_CMD_GPU_GET_PID_INFO,
-    VIDEO_MEMORY_USAGE: memory of the clients whose owner is that pid), read through the
-    relay on a client of the broker's own. The broker uses it to catch device memory a
-    tenant got past the broker's books (a racing thread rewriting a continued allocation,
-    allow._RACE_ALLOC_MEMORY)."""
+# --------------------------------------------------------------------------- the broker's own RM calls
+class RelayRmClient:
+    """An RM client of the broker's own, spoken through the relay's synchronous channel
+    (capability-less, like every driver call of this backend): GPU discovery at start and
+    the quota watch's accounting reads use it. Never on a tenant's behalf."""
 
-    def __init__(self, backend: "RealBackend"):
+    def __init__(self, backend: "RealBackend", first_handle: int):
         self.backend = backend
-        self.ctl = -1
+        self.abi, self.relay = backend.abi, backend.relay
+        self.handles = itertools.count(first_handle, 0x10)
+        self.ctl = self.relay.open(f"{backend.dev}/nvidiactl")
         self.client = 0
-        self.subdevices: dict[int, int] = {}  # GPU index -> subdevice handle
+        try:
+            self.client = self.alloc(0, 0x41)
+        except OSError:
+            self.relay.close(self.ctl)
+            raise
 
-    def _esc(self, fd: int, name: str, value, nested: bytes | None = None, ptr: str = ""):
-        from devbroker.abi import iowr
-
-        abi, relay = self.backend.abi, self.backend.relay
-        spec = abi.escape(name)
+    def esc(self, fd: int, name: str, value, nested: bytes | None = None, ptr_field: str = ""):
+        spec = self.abi.escape(name)
         bufs = [w.Buffer(value.encode())]
         if nested is not None:
-            bufs.append(w.Buffer(nested, 0, value.spec.by_name[ptr].offset))
-        rep = relay.ioctl(relay.sync, w.IoctlRequest(fd, iowr(spec.number, len(bufs[0].data)),
-                                                     bufs))
+            bufs.append(w.Buffer(nested, 0, value.spec.by_name[ptr_field].offset))
+        rep = self.relay.ioctl(self.relay.sync,
+                               w.IoctlRequest(fd, iowr(spec.number, len(bufs[0].data)), bufs))
         if rep.ret < 0:
             raise OSError(rep.errno, f"{name}: {os.strerror(rep.errno)}")
         return value.spec.decode(rep.buffers[0]), (rep.buffers[1] if nested is not None else None)
 
-    def _new(self, name: str, **kw):
-        spec = self.backend.abi.struct(name)
+    def new(self, struct_name: str, **kw):
+        spec = self.abi.struct(struct_name)
         return spec.decode(bytes(spec.size)).replace(**kw)
 
-    def _alloc(self, parent: int, cls: int, new: int, params=None) -> int:
-        v = self._new("NVOS64_PARAMETERS", hRoot=self.client, hObjectParent=parent,
-                      hObjectNew=new, hClass=cls)
-        out, _ = self._esc(self.ctl, "NV_ESC_RM_ALLOC", v,
-                           params.encode() if params is not None else None, "pAllocParms")
+    def alloc(self, parent: int, cls: int, params=None) -> int:
+        v = self.new("NVOS64_PARAMETERS", hRoot=self.client, hObjectParent=parent,
+                     hObjectNew=0 if cls == 0x41 else next(self.handles), hClass=cls)
+        out, _ = self.esc(self.ctl, "NV_ESC_RM_ALLOC", v,
+                          params.encode() if params is not None else None, "pAllocParms")
         if out.status != nvs.NV_OK:
             raise OSError(errno.EIO, f"RM_ALLOC {cls:#x}: {nvs.name(out.status)}")
         return out.hObjectNew
 
-    def _open(self) -> None:
-        b = self.backend
-        self.ctl = b.relay.open(f"{b.dev}/nvidiactl")
-        self.client = self._alloc(0, 0x41, 0)
-        by_index = {g.index: g for g in b.gpus()}
-        for i, g in by_index.items():
-            info = self._control(self.client, 0x205, gpuId=g.gpu_id)
-            gfd = b.relay.open(f"{b.dev}/nvidia{i}")
-            b._keep.append(gfd)
-            self._esc(gfd, "NV_ESC_REGISTER_FD", self._new("nv_ioctl_register_fd_t",
-                                                           ctl_fd=self.ctl))
-            hdev = self._alloc(self.client, 0x80, 0xDB100000 + 0x10 * i,
-                               self._new("NV0080_ALLOC_PARAMETERS",
-                                         deviceId=info.deviceInstance))
-            self.subdevices[i] = self._alloc(hdev, 0x2080, 0xDB100008 + 0x10 * i,
-                                             self._new("NV2080_ALLOC_PARAMETERS"))
-
-    def _control(self, obj: int, cmd: int, **kw):
-        pspec = self.backend.abi.control(cmd).params
-        p = pspec.decode(bytes(pspec.size)).replace(**kw)
-        v = self._new("NVOS54_PARAMETERS", hClient=self.client, hObject=obj, cmd=cmd,
-                      paramsSize=pspec.size)
-        out, nested = self._esc(self.ctl, "NV_ESC_RM_CONTROL", v, p.encode(), "params")
+    def control(self, obj: int, cmd: int, params=None, **kw):
+        pspec = self.abi.control(cmd).params
+        p = params if params is not None else pspec.decode(bytes(pspec.size)).replace(**kw)
+        v = self.new("NVOS54_PARAMETERS", hClient=self.client, hObject=obj, cmd=cmd,
+                     paramsSize=pspec.size)
+        out, nested = self.esc(self.ctl, "NV_ESC_RM_CONTROL", v, p.encode(), "params")
         if out.status != nvs.NV_OK:
-            raise OSError(errno.EIO, f"control {cmd:#x}: {nvs.name(out.status)}")
+            raise OSError(errno.EIO, f"control {self.abi.control_name(cmd)}: "
+                                     f"{nvs.name(out.status)}")
         return pspec.decode(nested)
+
+    def open_gpu(self, index: int, device_instance: int) -> tuple[int, int]:
+        """A device and subdevice of this client on GPU `index` (its node file stays open in
+        the relay, like the persistence daemon's). Returns (hDevice, hSubdevice)."""
+        gfd = self.relay.open(f"{self.backend.dev}/nvidia{index}")
+        self.backend._keep.append(gfd)
+        self.esc(gfd, "NV_ESC_REGISTER_FD", self.new("nv_ioctl_register_fd_t", ctl_fd=self.ctl))
+        hdev = self.alloc(self.client, 0x80,
+                          self.new("NV0080_ALLOC_PARAMETERS", deviceId=device_instance))
+        return hdev, self.alloc(hdev, 0x2080, self.new("NV2080_ALLOC_PARAMETERS"))
+
+    def close(self) -> None:
+        """Free the client (and all it holds) and close the file."""
+        try:
+            self.esc(self.ctl, "NV_ESC_RM_FREE", self.new(
+                "NVOS00_PARAMETERS", hRoot=self.client, hObjectParent=0, hObjectOld=self.client))
+        finally:
+            self.relay.close(self.ctl)
+
+
+class VidmemMonitor:
+    """The driver's own per-process video-memory accounting (NV2080_CTRL_CMD_GPU_GET_PID_INFO,
+    VIDEO_MEMORY_USAGE: memory of the clients whose owner is that pid), read on a client of
+    the broker's own. The broker uses it to catch device memory a tenant got past the
+    broker's books (a racing thread rewriting a continued allocation,
+    allow._RACE_ALLOC_MEMORY)."""
+
+    def __init__(self, backend: "RealBackend"):
+        self.backend = backend
+        self.rm: RelayRmClient | None = None
+        self.subdevices: dict[int, int] = {}  # GPU index -> subdevice handle
+
+    def _open(self) -> None:
+        rm = RelayRmClient(self.backend, 0xDB100000)
+        for g in self.backend.gpus():
+            info = rm.control(rm.client, 0x205, gpuId=g.gpu_id)
+            self.subdevices[g.index] = rm.open_gpu(g.index, info.deviceInstance)[1]
+        self.rm = rm
 
     def usage(self, tgid: int) -> dict[int, int]:
         """Bytes of video memory the driver accounts to process tgid, per GPU index."""
-        if self.ctl < 0:
+        if self.rm is None:
             self._open()
         out = {}
         for i, hsub in self.subdevices.items():
-            pspec = self.backend.abi.control(0x2080018E).params
-            p = pspec.decode(bytes(pspec.size))
+            p = self.rm.abi.control(0x2080018E).params
+            p = p.decode(bytes(p.size))
             entries = list(p.pidInfoList)
             entries[0] = entries[0].replace(pid=tgid, index=0)  # VIDEO_MEMORY_USAGE
-            got = self._control(hsub, 0x2080018E, pidInfoListCount=1, pidInfoList=entries)
+            got = self.rm.control(hsub, 0x2080018E,
+                                  p.replace(pidInfoListCount=1, pidInfoList=entries))
             e = list(got.pidInfoList)[0]
             raw = bytes(e.data.raw) if hasattr(e.data, "raw") else e.data.encode()
             priv, shared = struct.unpack_from("<QQ", raw, 0)
@@ -733,77 +752,28 @@ def query_gpus(backend: "RealBackend") -> list[dict]:
     """Ask the driver, through the relay, which GPUs it has: GET_ATTACHED_IDS, then per GPU
     its name, UUID and memory (FB_GET_INFO_V2 TOTAL_RAM_SIZE). The GPU files opened for
     this stay open (like the persistence daemon), so tenants' opens find the GPU ready."""
-    from devbroker.abi import iowr
-
-    abi, relay = backend.abi, backend.relay
-    handles = itertools.count(0xDB000010, 0x10)
-
-    def esc(fd: int, name: str, value, nested: bytes | None = None, ptr_field: str = ""):
-        spec = abi.escape(name)
-        bufs = [w.Buffer(value.encode())]
-        if nested is not None:
-            bufs.append(w.Buffer(nested, 0, value.spec.by_name[ptr_field].offset))
-        rep = relay.ioctl(relay.sync, w.IoctlRequest(fd, iowr(spec.number, len(bufs[0].data)),
-                                                     bufs))
-        if rep.ret < 0:
-            raise OSError(rep.errno, f"{name}: {os.strerror(rep.errno)}")
-        out = value.spec.decode(rep.buffers[0])
-        return out, (rep.buffers[1] if nested is not None else None)
-
-    def new(struct_name: str, **kw):
-        spec = abi.struct(struct_name)
-        return spec.decode(bytes(spec.size)).replace(**kw)
-
-    def alloc(ctl, root, parent, cls, params=None):
-        v = new("NVOS64_PARAMETERS", hRoot=root, hObjectParent=parent,
-                hObjectNew=0 if cls == 0x41 else next(handles), hClass=cls)
-        out, _ = esc(ctl, "NV_ESC_RM_ALLOC", v, params.encode() if params is not None else None,
-                     "pAllocParms")
-        if out.status != nvs.NV_OK:
-            raise OSError(errno.EIO, f"RM_ALLOC {cls:#x}: {nvs.name(out.status)}")
-        return out.hObjectNew
-
-    def control(ctl, client, obj, cmd, **kw):
-        pspec = abi.control(cmd).params
-        p = pspec.decode(bytes(pspec.size)).replace(**kw)
-        v = new("NVOS54_PARAMETERS", hClient=client, hObject=obj, cmd=cmd,
-                paramsSize=pspec.size)
-        out, nested = esc(ctl, "NV_ESC_RM_CONTROL", v, p.encode(), "params")
-        if out.status != nvs.NV_OK:
-            raise OSError(errno.EIO, f"control {abi.control_name(cmd)}: {nvs.name(out.status)}")
-        return pspec.decode(nested)
-
-    ctl = relay.open(f"{backend.dev}/nvidiactl")
+    rm = RelayRmClient(backend, 0xDB000010)
     found = []
     try:
-        client = alloc(ctl, 0, 0, 0x41)
-        ids = [i for i in control(ctl, client, client, 0x201).gpuIds if i != 0xFFFFFFFF]
+        ids = [i for i in rm.control(rm.client, 0x201).gpuIds if i != 0xFFFFFFFF]
         by_id = {g.gpu_id: g for g in backend._gpus}
         for gid in ids:
-            info = control(ctl, client, client, 0x205, gpuId=gid)
+            info = rm.control(rm.client, 0x205, gpuId=gid)
             g = by_id.get(gid)
             q = {"gpu_id": gid, "device_instance": info.deviceInstance}
             found.append(q)
             if g is None:
                 continue
-            gfd = relay.open(f"{backend.dev}/nvidia{g.index}")
-            backend._keep.append(gfd)
-            esc(gfd, "NV_ESC_REGISTER_FD", new("nv_ioctl_register_fd_t", ctl_fd=ctl))
-            hdev = alloc(ctl, client, client, 0x80,
-                         new("NV0080_ALLOC_PARAMETERS", deviceId=info.deviceInstance))
-            hsub = alloc(ctl, client, hdev, 0x2080, new("NV2080_ALLOC_PARAMETERS"))
-            name = control(ctl, client, hsub, 0x20800110)
+            _hdev, hsub = rm.open_gpu(g.index, info.deviceInstance)
+            name = rm.control(hsub, 0x20800110)
             q["name"] = bytes(name.gpuNameString.raw).split(b"\0", 1)[0].decode("ascii", "replace")
-            fb = abi.control(0x20801303).params
-            p = fb.decode(bytes(fb.size))
-            entries = list(p.fbInfoList)
+            fb = rm.abi.control(0x20801303).params
+            entries = list(fb.decode(bytes(fb.size)).fbInfoList)
             entries[0] = entries[0].replace(index=0x08)  # TOTAL_RAM_SIZE (KiB)
-            out = control(ctl, client, hsub, 0x20801303, fbInfoListSize=1, fbInfoList=entries)
+            out = rm.control(hsub, 0x20801303, fbInfoListSize=1, fbInfoList=entries)
             q["memory_bytes"] = int(list(out.fbInfoList)[0].data) * 1024
-        v = new("NVOS00_PARAMETERS", hRoot=client, hObjectParent=0, hObjectOld=client)
-        esc(ctl, "NV_ESC_RM_FREE", v)
     finally:
-        relay.close(ctl)
+        rm.close()
     return found
 
 

@@ -38,21 +38,13 @@ from typing import Any, Callable
 import trio
 
 from devbroker.abi.nodes import NodeKind
+# The capget/capset structures are the relay's (it drops its capabilities the same way,
+# for the whole process; here it is per thread).
+from devbroker.backends.relay import _LINUX_CAPABILITY_VERSION_3, _CapData, _CapHeader
 
 log = logging.getLogger("devbroker.tenantfile")
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_LINUX_CAPABILITY_VERSION_3 = 0x20080522
-CAP_SYS_ADMIN = 21
-
-
-class _CapHeader(ctypes.Structure):
-    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-
-
-class _CapData(ctypes.Structure):
-    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
-                ("inheritable", ctypes.c_uint32)]
 
 
 def thread_caps() -> tuple[int, int]:

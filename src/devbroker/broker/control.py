@@ -87,12 +87,17 @@ def call(path: str | Path, request: dict, timeout: float = 10.0) -> dict:
                            "start one with `devbroker run`") from None
     with s:
         s.sendall(_line(request))
-        buf = b""
-        while not buf.endswith(b"\n"):
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            buf += chunk
+        return read_reply(s)
+
+
+def read_reply(s: socket.socket) -> dict:
+    """One JSON line answered by the broker (the control socket, the seccomp hand-over)."""
+    buf = b""
+    while not buf.endswith(b"\n"):
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        buf += chunk
     if not buf:
         raise ControlError("the broker closed the connection without answering")
     return json.loads(buf)

@@ -258,26 +258,18 @@ def _plan(spec: SandboxSpec) -> _Plan:
     return _Plan(text, uvm)
 
 
-class _ShimThread:
-    """The stat shim's supervisor, as a thread of the caller (outside the tenant's pid and
-    mount namespaces: it reads /proc/<host tid>/…). It gets the listener from the command over
-    a socketpair, answers until no tenant task is left, and is joined before run_here
-    returns. If it fails, the listener closes and the tenant's stat calls get ENOSYS."""
+class _ListenerThread:
+    """A thread of the caller (outside the tenant's pid and mount namespaces) that gets the
+    seccomp listener the command installs, over a socketpair, and does something with it
+    (`_serve`). Started after the fork, stopped once the tenant is gone, joined before
+    run_here returns. If it fails, the listener is closed and the tenant's notified calls
+    get ENOSYS: fail closed."""
 
+    NAME = "devbroker-listener"
+    FAILURE = "seccomp listener thread failed"
     JOIN_TIMEOUT = 10.0
 
-    def __init__(self, spec: SandboxSpec, plan: _Plan):
-        from devbroker.frontends import statshim
-
-        self._statshim = statshim
-        names = tenant_nodes(spec.tenant_dir)
-        # Identities of the files that will be bound at /dev/<name>, taken now (a bind holds
-        # the same inode). Fails early (SandboxError) when the kernel lacks user notification.
-        try:
-            self.shim = statshim.StatShim(
-                statshim.node_table(spec.tenant_dir, names, plan.uvm_major), names)
-        except OSError as e:
-            raise SandboxError(f"stat shim: {e} (use --no-stat-shim to run without it)") from e
+    def __init__(self) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         # Above 2 whatever the caller's stdio is, so the command's _close_fds keeps it apart.
         self.child_fd = fcntl.fcntl(child.fileno(), fcntl.F_DUPFD_CLOEXEC, 3)
@@ -288,26 +280,30 @@ class _ShimThread:
         self.error: BaseException | None = None
         self.killable: bool | None = None
 
+    def _serve(self, listener: int) -> None:
+        raise NotImplementedError
+
     def start(self) -> None:
         os.close(self.child_fd)  # the command holds it now; EOF if it dies before sending
         self.child_fd = -1
-        self._thread = threading.Thread(target=self._run, name="devbroker-stat-shim",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name=self.NAME, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        from devbroker.frontends import statshim
+
         try:
-            got = self._statshim.recv_listener(self._sock, self._stop_r)
+            got = statshim.recv_listener(self._sock, self._stop_r)
             if got is None:
                 return  # the command failed before installing the filter
             listener, self.killable = got
             try:
-                self.shim.serve(listener, self._stop_r)
+                self._serve(listener)
             finally:
-                os.close(listener)  # from here on, a tenant stat would get ENOSYS
+                os.close(listener)  # ours is closed; whoever else holds one carries on
         except BaseException as e:  # noqa: BLE001 - a thread must not die silently
             self.error = e
-            _fail("stat shim failed; the tenant's stat calls now fail with ENOSYS", e)
+            _fail(self.FAILURE, e)
 
     def stop(self) -> None:
         """The tenant is gone (pid 1 of its namespace has exited, so every task has): end
@@ -317,7 +313,7 @@ class _ShimThread:
         os.write(self._stop_w, b"x")
         self._thread.join(self.JOIN_TIMEOUT)
         if self._thread.is_alive():
-            _fail("stat shim", TimeoutError("its thread did not stop; left behind"))
+            _fail(self.NAME, TimeoutError("its thread did not stop; left behind"))
 
     def close(self) -> None:
         if self._thread is not None and self._thread.is_alive():
@@ -329,81 +325,57 @@ class _ShimThread:
         self._sock.close()
 
 
-class _SeccompHandover:
-    """For the seccomp front end: gets the listener the command installs (over a
-    socketpair, like the stat shim's) and hands it to the broker's seccomp socket with the
-    tenant's name. The broker serves it from then on; if the hand-over fails, the listener
-    is closed here and every notified call of the tenant fails (ENOSYS): fail closed."""
+class _ShimThread(_ListenerThread):
+    """The stat shim's supervisor: answers the tenant's stat calls (it reads
+    /proc/<host tid>/…) until no tenant task is left."""
 
+    NAME = "devbroker-stat-shim"
+    FAILURE = "stat shim failed; the tenant's stat calls now fail with ENOSYS"
+
+    def __init__(self, spec: SandboxSpec, plan: _Plan):
+        from devbroker.frontends import statshim
+
+        names = tenant_nodes(spec.tenant_dir)
+        # Identities of the files that will be bound at /dev/<name>, taken now (a bind holds
+        # the same inode). Fails early (SandboxError) when the kernel lacks user notification.
+        try:
+            self.shim = statshim.StatShim(
+                statshim.node_table(spec.tenant_dir, names, plan.uvm_major), names)
+        except OSError as e:
+            raise SandboxError(f"stat shim: {e} (use --no-stat-shim to run without it)") from e
+        super().__init__()
+
+    def _serve(self, listener: int) -> None:
+        self.shim.serve(listener, self._stop_r)
+
+
+class _SeccompHandover(_ListenerThread):
+    """For the seccomp front end: hands the listener to the broker's seccomp socket with
+    the tenant's name (SCM_RIGHTS); the broker serves it from then on."""
+
+    NAME = "devbroker-seccomp-handover"
+    FAILURE = "handing the seccomp listener to the broker; the tenant's NVIDIA calls now fail"
     JOIN_TIMEOUT = 15.0
 
     def __init__(self, spec: SandboxSpec):
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.child_fd = fcntl.fcntl(child.fileno(), fcntl.F_DUPFD_CLOEXEC, 3)
-        child.close()
-        self._sock = parent
         self._spec = spec
-        self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
-        self._thread: threading.Thread | None = None
-        self.error: BaseException | None = None
+        super().__init__()
 
-    def start(self) -> None:
-        os.close(self.child_fd)
-        self.child_fd = -1
-        self._thread = threading.Thread(target=self._run, name="devbroker-seccomp-handover",
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
+    def _serve(self, listener: int) -> None:
         import json
         import struct
 
-        from devbroker.frontends import statshim
+        from devbroker.broker.control import read_reply
 
-        try:
-            got = statshim.recv_listener(self._sock, self._stop_r)
-            if got is None:
-                return
-            listener, _killable = got
-            try:
-                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                s.settimeout(10)
-                with s:
-                    s.connect(str(self._spec.seccomp_socket))
-                    s.sendmsg([json.dumps({"tenant": self._spec.tenant}).encode()],
-                              [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                struct.pack("=i", listener))])
-                    reply = b""
-                    while not reply.endswith(b"\n"):
-                        chunk = s.recv(4096)
-                        if not chunk:
-                            break
-                        reply += chunk
-                answer = json.loads(reply or b"{}")
-                if not answer.get("ok"):
-                    raise SandboxError(f"the broker refused the tenant: "
-                                       f"{answer.get('error', 'no answer')}")
-            finally:
-                os.close(listener)  # the broker holds its own copy now (or nobody does)
-        except BaseException as e:  # noqa: BLE001
-            self.error = e
-            _fail("handing the seccomp listener to the broker; the tenant's NVIDIA calls "
-                  "now fail", e)
-
-    def stop(self) -> None:
-        if self._thread is None:
-            return
-        os.write(self._stop_w, b"x")
-        self._thread.join(self.JOIN_TIMEOUT)
-
-    def close(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            return
-        for fd in (self.child_fd, self._stop_r, self._stop_w):
-            if fd >= 0:
-                os.close(fd)
-        self.child_fd = self._stop_r = self._stop_w = -1
-        self._sock.close()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10)
+            s.connect(str(self._spec.seccomp_socket))
+            s.sendmsg([json.dumps({"tenant": self._spec.tenant}).encode()],
+                      [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("=i", listener))])
+            answer = read_reply(s)
+        if not answer.get("ok"):
+            raise SandboxError(f"the broker refused the tenant: "
+                               f"{answer.get('error', 'no answer')}")
 
 
 # ------------------------------------------------------------------------------ processes
