@@ -79,6 +79,9 @@ if ! grep -q '"ok": true' <<<"$(texec c8 $CC init 2>&1 | tail -1)"; then
   tar czf "$OUT/bundle.tgz" -C "$W" .
   exit 0
 fi
+step "what the seccomp listener did during one CUDA init (audit: tenant-detached)"
+grep '"tenant-detached"' "$W/audit.log" | tail -1
+put c8_init_listener "$(grep '"tenant-detached"' "$W/audit.log" | tail -1)"
 step "c8: train 200 steps"
 put c8_train "$(texec c8 $CC train 2>&1 | tail -20)"
 step "c8: quota 6 GiB / 12 GiB"
@@ -151,14 +154,15 @@ for i in $(seq 1 150); do [ -S "$RUN/seccomp.sock" ] && [ -S "$RUN/control.sock"
 sleep 0.5
 SPY=/tmp/site/bin/py-spy
 if [ -x $SPY ]; then
-  $SPY record -p $BROKER -d 6 -r 2000 -f raw -o "$W/prof_control.txt" > /dev/null 2>&1 &
+  $SPY record -p $BROKER -d 6 -r 2000 -f raw --threads -o "$W/prof_control.txt" > /dev/null 2>&1 &
   SPYP=$!; sleep 0.5
   texec c16 "$PY" scripts/gpu/tenant_checks.py bench-control 3000 2>&1 | last
   wait $SPYP
-  $SPY record -p $BROKER -d 10 -r 2000 -f raw -o "$W/prof_init.txt" > /dev/null 2>&1 &
+  $SPY record -p $BROKER -d 10 -r 2000 -f raw --threads -o "$W/prof_init.txt" > /dev/null 2>&1 &
   SPYP=$!; sleep 0.5
   texec c16 $CC init 2>&1 | last
   wait $SPYP
+  put dev_init_listener "$(grep '"tenant-detached"' "$W/audit2.log" | tail -1)"
   for f in prof_control prof_init; do "$PY" - "$W/$f.txt" > "$W/$f.summary" <<'PYS'
 import collections, sys
 selfc = collections.Counter(); incl = collections.Counter(); tot = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,10 @@ class BrokerService:
         snap = self.broker.snapshot()
         snap["mount"] = str(self.paths.mount)
         snap["policy"] = self.policy_source or "built-in example"
+        # Each seccomp listener (one per tenant process tree): what it answered and how.
+        snap["seccomp"] = [{"tenant": sup.tenant, "threads": sup.live_threads,
+                            **dataclasses.asdict(sup.stats)}
+                           for sup in list(self.supervisors)]
         return snap
 
     def _policy_show(self, req: dict) -> dict:
@@ -207,6 +212,9 @@ class BrokerService:
             finally:
                 os.close(listener)
                 self.supervisors.discard(sup)
+                # What the listener answered over its life, and the time it took.
+                self.audit.write("tenant-detached", tenant=tenant, frontend="seccomp",
+                                 **dataclasses.asdict(sup.stats))
         nursery.start_soon(serve_one)
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -233,7 +241,10 @@ class BrokerService:
             async with trio.open_nursery() as nursery:
                 await nursery.start(control.serve)
                 await nursery.start(self._serve_seccomp, nursery)
-                self.broker.spawn = nursery.start_soon
+                self.broker.set_spawner(nursery.start_soon)
+                prepare = getattr(self.backend, "prepare_tenant_files", None)
+                if prepare is not None:  # while this thread still may mount (real.py)
+                    prepare()
                 self.audit.write("started", backend=self.backend.name,
                                  driver=self.backend.version, mount=str(self.paths.mount),
                                  tenants=sorted(self.broker.tenants))

@@ -283,6 +283,48 @@ class StructValue:
             out[f.name] = v
         return out
 
+    def element(self, name: str, k: int) -> Any:
+        """Entry k of an array field, decoded alone (a control that asks for 3 of 128
+        entries need not build 128 values: issue 14)."""
+        f = self.spec.by_name[name]
+        if f.kind != "array" or not 0 <= k < f.count:
+            raise IndexError(f"{self.spec.name}.{name}[{k}]")
+        c = self._cache.get(f._index)
+        if c is not None:
+            return c[k]
+        raw = self._values()[f._index]
+        if f._conv is not None:
+            esz = f.size // f.count
+            return struct.unpack_from("<" + _SCALAR[f.elem], raw, k * esz)[0]
+        es = f.elem.size
+        return StructValue(f.elem, raw[k * es:(k + 1) * es])
+
+    def replace_elements(self, name: str, changes: dict[int, Any]) -> "StructValue":
+        """A new value with entries of one array field replaced (by index), the others'
+        bytes untouched."""
+        f = self.spec.by_name[name]
+        if f.kind != "array":
+            raise TypeError(f"{self.spec.name}.{name} is not an array")
+        if not changes:
+            return self
+        c = self._cache.get(f._index)
+        if c is not None:  # decoded already: the general path
+            new = list(c)
+            for k, v in changes.items():
+                new[k] = v
+            return self.replace(**{name: new})
+        buf = bytearray(self._values()[f._index])
+        esz = f.size // f.count
+        for k, v in changes.items():
+            if not 0 <= k < f.count:
+                raise IndexError(f"{self.spec.name}.{name}[{k}]")
+            if f._conv is not None:
+                b = struct.pack("<" + _SCALAR[f.elem], v)
+            else:
+                b = v.encode()[:esz] if isinstance(v, StructValue) else f.elem.encode(v)
+            buf[k * esz:(k + 1) * esz] = b
+        return self.replace(**{name: bytes(buf)})
+
     def replace(self, **kw: Any) -> "StructValue":
         vals = list(self._values())
         cache = dict(self._cache)

@@ -68,6 +68,11 @@ class DriverResult:
     errno: int = 0  # non-zero: the ioctl failed with this errno
 
 
+class NotHere(Exception):
+    """This work cannot be done on the calling thread (broker/effects.py): a backend's
+    ioctl_blocking raises it for a file it serves only the trio way."""
+
+
 class Backend(Protocol):
     name: str
     version: str  # the driver version this backend speaks by default
@@ -79,5 +84,10 @@ class Backend(Protocol):
     def close(self, file: DriverFile) -> None: ...
 
     async def ioctl(self, file: DriverFile, call: DriverCall) -> DriverResult: ...
+
+    # Optional: `ioctl_blocking(file, call) -> DriverResult` runs the call on the calling
+    # thread (a seccomp listener's: broker/effects.py), or raises effects.NotHere for a file
+    # it can only serve the trio way (a relayed file). Backends without it are always
+    # awaited on the trio thread.
 
     def map_read(self, file: DriverFile, offset: int, length: int) -> bytes: ...

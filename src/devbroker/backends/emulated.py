@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
+import threading
 import time
 import uuid as uuidlib
 from dataclasses import dataclass, field
@@ -107,6 +108,7 @@ class EmulatedBackend:
         self._noticed: set = set()
         self.memblock_size = _host_memblock_size()
         self.started = time.time()
+        self._calls = threading.RLock()
 
     # ------------------------------------------------------------------ Backend API
     def gpus(self) -> list[EmulatedGpu]:
@@ -122,9 +124,10 @@ class EmulatedBackend:
         return f
 
     def close(self, file: EmuFile) -> None:
-        self.files.pop(file.id, None)
-        for h in [h for h, c in self.clients.items() if c.file_id == file.id]:
-            self._free_client(h)
+        with self._calls:
+            self.files.pop(file.id, None)
+            for h in [h for h, c in self.clients.items() if c.file_id == file.id]:
+                self._free_client(h)
 
     def map_read(self, file: EmuFile, offset: int, length: int) -> bytes:
         data = file.mapping
@@ -134,12 +137,19 @@ class EmulatedBackend:
         return chunk + bytes(max(0, min(length, len(data) - offset) - len(chunk)))
 
     async def ioctl(self, file: EmuFile, dc: DriverCall) -> DriverResult:
+        return self.ioctl_blocking(file, dc)
+
+    def ioctl_blocking(self, file: EmuFile, dc: DriverCall) -> DriverResult:
+        """The emulator answers on the calling thread (a seccomp listener's or trio's); its
+        books are one lock's: calls from two threads run one after the other, as a driver
+        serialises on its own locks."""
         call = dc.call
         handler = getattr(self, call.name, None) if call.name.isupper() or call.name.startswith("NV_") else None
         if handler is None:
             self._note(("escape", call.name), f"emulator: {call.name} is not modelled")
             return DriverResult(arg=call.encode(), errno=errno.EINVAL)
-        return handler(file, dc)
+        with self._calls:
+            return handler(file, dc)
 
     # ------------------------------------------------------------------ helpers
     def _note(self, key, msg: str) -> None:

@@ -137,18 +137,19 @@ def _fb_value(backend, gpu, index):
 @control(0x20801303)  # NV2080_CTRL_CMD_FB_GET_INFO_V2
 def fb_get_info_v2(backend, client, obj, p):
     n = p.fbInfoListSize
-    if n > len(p.fbInfoList):
+    if n > p.spec.by_name["fbInfoList"].count:
         return nvs.NV_ERR_INVALID_ARGUMENT, p
-    entries = list(p.fbInfoList)
+    changes = {}
     for i in range(n):
-        value = _fb_value(backend, obj.gpu, entries[i].index)
+        e = p.element("fbInfoList", i)
+        value = _fb_value(backend, obj.gpu, e.index)
         if value is None:
             # One unmodelled index makes the whole call unsupported: never a made-up value.
-            backend._note(("fbinfo", entries[i].index),
-                          f"emulator: FB info index {entries[i].index:#x} is not modelled")
+            backend._note(("fbinfo", e.index),
+                          f"emulator: FB info index {e.index:#x} is not modelled")
             return nvs.NV_ERR_NOT_SUPPORTED, p
-        entries[i] = entries[i].replace(data=min(value, 0xFFFFFFFF))
-    return nvs.NV_OK, p.replace(fbInfoList=entries)
+        changes[i] = e.replace(data=min(value, 0xFFFFFFFF))
+    return nvs.NV_OK, p.replace_elements("fbInfoList", changes)
 
 
 @control(0x20800110)  # NV2080_CTRL_CMD_GPU_GET_NAME_STRING

@@ -38,10 +38,11 @@ from devbroker.abi import status as nvs
 from devbroker.abi.nodes import NodeKind
 from devbroker.abi.spec import StructSpec, StructValue
 from devbroker.backends import relaywire as w
-from devbroker.backends.base import DriverCall, DriverResult, PciLocation
+from devbroker.backends.base import DriverCall, DriverResult, NotHere, PciLocation
 from devbroker.backends.relay import run_ioctl
 from devbroker.backends.tenantfile import (
     FdRef, NoCapsExecutor, PrivateNodes, TenantFile, effective_caps_lowered,
+    thread_is_driver_safe,
 )
 
 log = logging.getLogger("devbroker.real")
@@ -471,6 +472,12 @@ class RealBackend:
         if discover:
             self._discover()
 
+    def prepare_tenant_files(self) -> None:
+        """Make what tenant files need (the private-node tmpfs, the GPU files the broker
+        holds) now, on the broker's main thread: opens come on seccomp listener threads,
+        which have dropped CAP_SYS_ADMIN and so cannot mount."""
+        self._tenant_nodes()
+
     # -- discovery through the driver (also a self-test of the relay)
     def _discover(self) -> None:
         try:
@@ -556,9 +563,9 @@ class RealBackend:
             raise OSError(errno.EINVAL, "no mapping context on this file")
         return self.relay.mapread(file.rfd, file.map_length, offset, length)
 
-    async def _tenant_file_ioctl(self, file, dc: DriverCall) -> DriverResult:
-        """Execute on the broker's duplicate of the tenant's own file, in a thread without
-        capabilities, with the broker's private copies of every buffer."""
+    def _prepare_tenant_call(self, file, dc: DriverCall):
+        """The request for a call on the broker's duplicate of the tenant's own file, with
+        the broker's private copies of every buffer; a DriverResult when it cannot run."""
         if dc.file_fd is None:
             return DriverResult(arg=dc.call.encode(), errno=errno.EBADF)
         view = DriverCall(dc.call, dc.nested, {p: FdRef(fd) for p, fd in dc.fds.items()},
@@ -570,19 +577,47 @@ class RealBackend:
                                                 "(the driver was not called)")
             return not_supported(dc)
         self._tenant_nodes()
-        if dc.call.name in INLINE_CALLS:
-            # Short calls run on the broker's own thread, its effective capabilities
-            # lowered for the call: a worker hop costs more than the control itself.
-            with effective_caps_lowered():
-                rep = run_ioctl(prep.request)
-        else:
-            rep = await self._executor.run(run_ioctl, prep.request)
+        return prep
+
+    def _finish_tenant_call(self, dc: DriverCall, prep, rep) -> DriverResult:
         arg, nested = finish_ioctl(prep, rep)
         if rep.ret >= 0:
             for path, i in prep.deep:
                 dc.embedded[path][:] = rep.buffers[i]
         self.last_ns = rep.ns
         return DriverResult(arg=arg, nested=nested, result=rep.ret, errno=rep.errno)
+
+    async def _tenant_file_ioctl(self, file, dc: DriverCall) -> DriverResult:
+        """On the trio thread: short calls inline with the thread's effective capabilities
+        lowered (a worker hop costs more than the control itself), others on a worker
+        thread without capabilities."""
+        prep = self._prepare_tenant_call(file, dc)
+        if isinstance(prep, DriverResult):
+            return prep
+        if dc.call.name in INLINE_CALLS:
+            with effective_caps_lowered():
+                rep = run_ioctl(prep.request)
+        else:
+            rep = await self._executor.run(run_ioctl, prep.request)
+        return self._finish_tenant_call(dc, prep, rep)
+
+    def ioctl_blocking(self, file, dc: DriverCall) -> DriverResult:
+        """On a seccomp listener thread (broker/effects.py): a call on a tenant file runs
+        right here, without the capabilities the driver checks (dropped for the
+        thread's life, tenantfile.drop_driver_capabilities_for_thread, or lowered for the
+        call): the driver must never see CAP_SYS_ADMIN on a tenant's behalf; a slow call holds only this
+        tenant's listener thread. Relayed files are served the trio way."""
+        if not getattr(file, "runs_in_caller", False):
+            raise NotHere
+        prep = self._prepare_tenant_call(file, dc)
+        if isinstance(prep, DriverResult):
+            return prep
+        if thread_is_driver_safe():  # a listener thread without the driver-checked caps
+            rep = run_ioctl(prep.request)
+        else:
+            with effective_caps_lowered():
+                rep = run_ioctl(prep.request)
+        return self._finish_tenant_call(dc, prep, rep)
 
     async def ioctl(self, file: RealFile, dc: DriverCall) -> DriverResult:
         import trio

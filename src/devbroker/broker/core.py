@@ -16,6 +16,7 @@ import os
 import itertools
 import logging
 import time
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -26,6 +27,10 @@ from devbroker.abi.nodes import NodeKind
 from devbroker.backends.base import Backend, DriverCall, DriverResult
 from devbroker.broker import allow, rewrite
 from devbroker.broker.audit import AuditLog
+from devbroker.broker.effects import (
+    STATE_LOCK, DriverIoctl, Effect, RateLimit, ReadMemory, ResolveFd, Steps, WriteMemory,
+    locked, perform_async, run_async,
+)
 from devbroker.broker.memgate import MemoryGate
 from devbroker.broker.interface import (
     Caller,
@@ -40,7 +45,7 @@ from devbroker.broker.interface import (
     RunInCaller,
 )
 from devbroker.broker.objects import RmClient
-from devbroker.broker.procinfo import pid_namespace
+from devbroker.broker.procinfo import pid_namespace, stat_nosync
 from devbroker.broker.ratelimit import TokenBucket
 
 log = logging.getLogger("devbroker.broker")
@@ -70,6 +75,16 @@ CLIENT_HANDLE_FIELDS = ("hClient", "hRoot", "hClientSrc", "hClientShare", "hClie
 CLIENT_FIELDS_ZERO_OK = frozenset({"hClientShare", "hTargetClient", "hAppClient"})
 OS_EVENT_CLASS = 0x79  # NV01_EVENT_OS_EVENT
 DEBUGGER_CLASS = 0x83DE  # GT200_DEBUGGER
+
+
+def _locked(method: Callable) -> Callable:
+    """Run a method that reads or changes the broker's books under the state lock (listener
+    threads run decision steps concurrently with the trio thread: effects.py)."""
+    def locked(self, *args: Any, **kw: Any) -> Any:
+        with STATE_LOCK:
+            return method(self, *args, **kw)
+    locked.__name__, locked.__doc__ = method.__name__, method.__doc__
+    return locked
 
 
 class Refusal(Exception):
@@ -156,12 +171,14 @@ class Broker:
         self.policy = None
         self.on_policy_change: list[Callable[[Any], None]] = []
         # Starts a background task (the daemon's nursery.start_soon); None: no background
-        # work (quota watch off).
+        # work (quota watch off). Set with set_spawner (it may be called from any thread).
         self.spawn: Callable | None = None
+        self._trio_token: Any = None
         self.apply_policy(policy)
         self._logged_once: set[tuple] = set()
 
     # ------------------------------------------------------------------ policy
+    @_locked
     def apply_policy(self, policy: Any) -> None:
         """Install a (validated) policy. Running tenants keep their sessions and objects."""
         for gpu in {g for t in policy.tenants.values() for g in t.gpus}:
@@ -204,6 +221,25 @@ class Broker:
         t = self.tenants.get(tenant)
         return t.gpus if t else ()
 
+    def set_spawner(self, start_soon: Callable) -> None:
+        """Background tasks start in this trio run (call from inside it)."""
+        import trio
+
+        self.spawn = start_soon
+        self._trio_token = trio.lowlevel.current_trio_token()
+
+    def _start_soon(self, fn: Callable) -> None:
+        """Start a background task from the trio thread or from a listener thread."""
+        if self.spawn is None:
+            return
+        if self._trio_token is None:
+            self.spawn(fn)
+            return
+        try:
+            self._trio_token.run_sync_soon(self.spawn, fn)
+        except Exception as e:  # the run has finished: no more background work
+            log.warning("background task not started: %s", e)
+
     # ------------------------------------------------------------------ helpers
     def _abi(self, session: Session):
         t = session.tenant
@@ -230,7 +266,7 @@ class Broker:
         else:
             if s.pidns is None:  # the opener's namespace could not be read
                 return True
-            mine = pid_namespace(caller.pid)
+            mine = caller.pidns or pid_namespace(caller.pid)
             if mine == s.pidns:
                 return True
             reason = (f"file opened in pid namespace {s.pidns} used from "
@@ -245,6 +281,10 @@ class Broker:
 
     # ------------------------------------------------------------------ open
     async def open(self, req: OpenRequest) -> OpenReply:
+        return self.open_now(req)
+
+    @_locked
+    def open_now(self, req: OpenRequest) -> OpenReply:
         tenant = self.tenants.get(req.tenant)
         what = f"open {req.node.name.lower()}{req.minor if req.node is NodeKind.GPU else ''}"
         if tenant is None or isinstance(tenant.policy, _RevokedTenant):
@@ -284,6 +324,10 @@ class Broker:
 
     # ------------------------------------------------------------------ release
     async def release(self, req: ReleaseRequest) -> None:
+        self.release_now(req)
+
+    @_locked
+    def release_now(self, req: ReleaseRequest) -> None:
         s = self.sessions.pop(req.session, None)
         if s is None or s.closed:
             return
@@ -327,6 +371,10 @@ class Broker:
 
     # ------------------------------------------------------------------ mmap of real files
     async def map_check(self, req: MapReadRequest) -> MapCheckReply:
+        return self.map_check_now(req)
+
+    @_locked
+    def map_check_now(self, req: MapReadRequest) -> MapCheckReply:
         """May the caller map this file (a driver file that lives in the tenant)? The driver
         itself checks the mapping context; what the broker adds is that nvidia-uvm mappings
         (managed memory: device memory UVM allocates inside the kernel, which no tenant
@@ -351,6 +399,19 @@ class Broker:
 
     # ------------------------------------------------------------------ ioctl
     async def ioctl(self, req: IoctlRequest) -> IoctlReply:
+        return await run_async(self.ioctl_steps(req), self.perform)
+
+    async def perform(self, eff: Effect) -> Any:
+        return await perform_async(eff, self.memgate)
+
+
+    def ioctl_steps(self, req: IoctlRequest) -> Steps:
+        """The whole decision for one ioctl, as steps (effects.py): run by `ioctl` on the
+        trio thread, or by a seccomp listener thread (frontends/seccomp.py). The broker's
+        books are touched under the state lock only, released at every effect."""
+        return locked(self._ioctl_steps(req))
+
+    def _ioctl_steps(self, req: IoctlRequest) -> Steps:
         s = self.sessions.get(req.session)
         if s is None or s.closed:
             return IoctlReply(errno=errno.EBADF)
@@ -366,14 +427,14 @@ class Broker:
             self._deny(s, f"ioctl {req.cmd:#x}", f"GPU {s.minor} was revoked from tenant "
                        f"{tenant.name} by a policy change")
             return IoctlReply(errno=errno.EACCES)
-        if tenant.limiter.would_wait():
+        if not tenant.limiter.try_acquire():
             self._once(("rate", tenant.name), f"tenant {tenant.name} reached its rate limit: "
                        "its requests are being delayed")
-        await tenant.limiter.acquire()
+            yield RateLimit(tenant.limiter)
         tenant.requests += 1
         abi = self._abi(s)
         try:
-            arg = await self._top_level_arg(s, abi, req)
+            arg = yield from self._top_level_arg(s, abi, req)
             call = abi.decode_ioctl(s.node, req.cmd, arg)
         except DecodeError as e:
             self._deny(s, f"ioctl {req.cmd:#x}", f"malformed argument: {e}")
@@ -400,7 +461,9 @@ class Broker:
 
         handler = getattr(self, "_esc_" + rule.handler)
         try:
-            reply = await handler(s, abi, req, call, rule)
+            out = handler(s, abi, req, call, rule)
+            # Handlers that need nothing from outside decide in one go (no steps).
+            reply = (yield from out) if isinstance(out, types.GeneratorType) else out
         except RunInCaller as rc:
             # Decided; the driver binds it to the caller: the kernel runs it in the tenant.
             tenant.continued += 1
@@ -417,6 +480,8 @@ class Broker:
             self._deny(s, call.name, f"malformed nested argument: {e}")
             reply = self._status_reply(abi, call, nvstatus.NV_ERR_INVALID_ARGUMENT)
         except OSError as e:
+            if e.errno == errno.ESRCH:  # the caller is gone: nobody to answer, nothing done
+                return IoctlReply(errno=errno.ESRCH)
             # Nested buffers unreadable or unwritable: the driver answers EFAULT too.
             self._deny(s, call.name, f"tenant memory access failed: {e.strerror or e}")
             reply = IoctlReply(errno=errno.EFAULT)
@@ -430,7 +495,7 @@ class Broker:
             # UVM arguments carry no size in the ioctl number: the front end gave us only
             # the pointer, so the result goes back through the tenant's memory.
             try:
-                await self._mem_write(s, req, req.arg_ptr, reply.arg_out)
+                yield from self._mem_write(s, req, req.arg_ptr, reply.arg_out)
             except OSError as e:
                 self._deny(s, call.name, f"tenant memory access failed: {e.strerror or e}")
                 return IoctlReply(errno=errno.EFAULT)
@@ -442,17 +507,19 @@ class Broker:
     # (the broker's own FUSE mount, userfaultfd, ...). The gate (broker/memgate.py) runs the
     # access on a worker thread with a deadline; refusals are OSError(EFAULT), audited by
     # the callers like any unreadable pointer.
-    async def _mem_read(self, s: Session, req: IoctlRequest, addr: int, n: int) -> bytes:
+    def _mem_read(self, s: Session, req: IoctlRequest, addr: int, n: int) -> bytes:
         if req.memory is None:
             raise Refusal("front end cannot read tenant memory", errno_=errno.EINVAL)
-        return await self.memgate.read(s.tenant.name, req.memory, addr, n)
+        return (yield ReadMemory(req.memory, addr, n, s.tenant.name,
+                                 f"read of {n} bytes at {addr:#x}"))
 
-    async def _mem_write(self, s: Session, req: IoctlRequest, addr: int, data: bytes) -> None:
+    def _mem_write(self, s: Session, req: IoctlRequest, addr: int, data: bytes) -> None:
         if req.memory is None:
             raise Refusal("front end cannot write tenant memory", errno_=errno.EINVAL)
-        await self.memgate.write(s.tenant.name, req.memory, addr, data)
+        yield WriteMemory(req.memory, addr, bytes(data), s.tenant.name,
+                          f"write of {len(data)} bytes at {addr:#x}")
 
-    async def _top_level_arg(self, s: Session, abi, req: IoctlRequest) -> bytes:
+    def _top_level_arg(self, s: Session, abi, req: IoctlRequest) -> bytes:
         if req.arg is not None and len(req.arg) > 0:
             return req.arg
         if s.node in (NodeKind.UVM, NodeKind.UVM_TOOLS):
@@ -460,7 +527,7 @@ class Broker:
             if spec is None:
                 raise Refusal(f"unknown UVM command {req.cmd:#x}", errno_=errno.EINVAL,
                               what=f"UVM {req.cmd:#x}")
-            return await self._mem_read(s, req, req.arg_ptr, spec.size) if spec.size else b""
+            return (yield from self._mem_read(s, req, req.arg_ptr, spec.size)) if spec.size else b""
         return req.arg or b""
 
     def _status_reply(self, abi, call, status: int, errno_: int = errno.EINVAL) -> IoctlReply:
@@ -478,7 +545,7 @@ class Broker:
             value = value.replace(**{field_name: status})
         return IoctlReply(arg_out=value.encode())
 
-    async def _call_backend(self, s: Session, call, nested: bytes | None = None,
+    def _call_backend(self, s: Session, call, nested: bytes | None = None,
                             fd_files: dict | None = None,
                             embedded: dict | None = None, *, req: IoctlRequest | None = None,
                             rm_class: int | None = None) -> DriverResult:
@@ -490,15 +557,16 @@ class Broker:
                 # An allocation the kernel re-reads could be rewritten by a racing thread
                 # into device memory the books never see: check the driver's accounting.
                 raise RunInCaller("watch" if rm_class is not None else call.name)
-            return await self._execute_on_tenant_file(s, dc, req)
+            return (yield from self._execute_on_tenant_file(s, dc, req))
+        self._confirm(req)
         started = time.monotonic_ns()
-        result = await self.backend.ioctl(s.file, dc)
+        result = yield DriverIoctl(self.backend, s.file, dc)
         if self.recorder is not None:
             self.recorder.ioctl(s, call, nested, result,
                                 duration_ns=time.monotonic_ns() - started)
         return result
 
-    async def _execute_on_tenant_file(self, s: Session, dc: DriverCall,
+    def _execute_on_tenant_file(self, s: Session, dc: DriverCall,
                                       req: IoctlRequest | None) -> DriverResult:
         """Run a decided call on the broker's own duplicate of the tenant's file (and of the
         files its fd fields name), closed again right after the call."""
@@ -512,7 +580,7 @@ class Broker:
             # there (dup2) since the broker identified it. Run only on the file decided on.
             fd = req.dup_fd(number)
             dups.append(fd)
-            st = os.fstat(fd)
+            st = stat_nosync(fd=fd)  # never waits on a server, should fd be a FUSE file now
             if (st.st_dev, st.st_ino) != getattr(file, "key", None):
                 raise Refusal(f"{dc.call.name}: the file behind fd {number} changed while the "
                               "call was being decided", errno_=errno.EBADF)
@@ -522,8 +590,9 @@ class Broker:
             dc.file_fd = dup(req.fd, s.file)
             for path, target in dc.fd_files.items():
                 dc.fds[path] = dup(int(_get_path(dc.call.value, path)), target)
+            self._confirm(req)  # after the last read and dup, before the driver sees them
             started = time.monotonic_ns()
-            result = await self.backend.ioctl(s.file, dc)
+            result = yield DriverIoctl(self.backend, s.file, dc)
             if self.recorder is not None:
                 self.recorder.ioctl(s, dc.call, dc.nested, result,
                                     duration_ns=time.monotonic_ns() - started)
@@ -532,7 +601,14 @@ class Broker:
             for fd in dups:
                 os.close(fd)
 
-    async def _adopt_client(self, s: Session, h: int, req: IoctlRequest | None) -> bool:
+    @staticmethod
+    def _confirm(req: IoctlRequest | None) -> None:
+        """The caller must still be the one that made the call before the broker acts on
+        what it read (IoctlRequest.confirm)."""
+        if req is not None and req.confirm is not None and not req.confirm():
+            raise OSError(errno.ESRCH, "the calling thread went away during the call")
+
+    def _adopt_client(self, s: Session, h: int, req: IoctlRequest | None) -> bool:
         """A root client the tenant allocated itself (a continued call) on this ctl file: the
         broker learns its handle when the tenant first names it here, and only after the
         driver confirms it is a client of this very file (a harmless control on it; client
@@ -552,7 +628,7 @@ class Broker:
         cmd = iowr(spec.number, ctl.size)
         # The probe has no pointer of the tenant's: params is the broker's own buffer.
         probe = abi.decode_ioctl(NodeKind.CTL, cmd, value.replace(params=1).encode())
-        result = await self._execute_on_tenant_file(
+        result = yield from self._execute_on_tenant_file(
             s, DriverCall(probe, bytes(4), {}, abi=abi, tgid=s.caller.pid), req)
         out = abi.decode_ioctl(NodeKind.CTL, cmd, result.arg).value
         if result.errno or out.status != nvstatus.NV_OK:
@@ -565,10 +641,10 @@ class Broker:
                          message=f"root client {h:#x} allocated by the tenant itself adopted")
         return True
 
-    async def _client_of(self, s: Session, h: int, where: str,
+    def _client_of(self, s: Session, h: int, where: str,
                          req: IoctlRequest | None) -> RmClient:
         c = s.tenant.clients.get(h)
-        if c is None and await self._adopt_client(s, h, req):
+        if c is None and (yield from self._adopt_client(s, h, req)):
             c = s.tenant.clients.get(h)
         return self._client(s, h, where)
 
@@ -625,14 +701,17 @@ class Broker:
                     except ProcessLookupError:
                         pass
                     return
-        self.spawn(watch)
+        self._start_soon(watch)
 
     def _check_clients(self, s: Session, value: Any, *, where: str,
                        zero_ok: bool = False) -> int | None:
         """Every client handle named in value must be the tenant's. Returns hClient.
         zero_ok: 0 means "no client" for this call (UVM_REGISTER_GPU without an RM client)."""
         first = None
+        fields = value.spec.by_name if hasattr(value, "spec") else None
         for name in CLIENT_HANDLE_FIELDS:
+            if fields is not None and name not in fields:
+                continue  # (a missing attribute costs an exception: this runs per call)
             h = getattr(value, name, None)
             if h is None:
                 continue
@@ -666,7 +745,7 @@ class Broker:
                           status=nvstatus.NV_ERR_INVALID_CLIENT, what=where)
         return c
 
-    async def _read_nested(self, s: Session, req: IoctlRequest, ref) -> bytes | None:
+    def _read_nested(self, s: Session, req: IoctlRequest, ref) -> bytes | None:
         if ref is None or ref.size == 0:
             return None
         if ref.size > MAX_NESTED_BYTES:
@@ -674,21 +753,21 @@ class Broker:
                           status=nvstatus.NV_ERR_INVALID_ARGUMENT)
         if ref.ptr == 0:
             raise Refusal("nested buffer pointer is NULL", status=nvstatus.NV_ERR_INVALID_ARGUMENT)
-        return await self._mem_read(s, req, ref.ptr, ref.size)
+        return (yield from self._mem_read(s, req, ref.ptr, ref.size))
 
     # ------------------------------------------------------------------ escape handlers
-    async def _esc_relay(self, s, abi, req, call, rule) -> IoctlReply:
+    def _esc_relay(self, s, abi, req, call, rule) -> IoctlReply:
         """Escapes with no handles or fds: pass through, rewrite the view if a hook says so."""
         self._check_clients(s, call.value, where=call.name)
-        result = await self._call_backend(s, call, req=req)
+        result = yield from self._call_backend(s, call, req=req)
         out = result.arg
         hook = rewrite.ESCAPE_REWRITES.get(call.name)
         if hook and not result.errno:
             out = hook(self, s, abi, abi.decode_ioctl(s.node, req.cmd, out).value).encode()
         return IoctlReply(result=result.result, arg_out=out, errno=result.errno)
 
-    async def _esc_version(self, s, abi, req, call, rule) -> IoctlReply:
-        result = await self._call_backend(s, call, req=req)
+    def _esc_version(self, s, abi, req, call, rule) -> IoctlReply:
+        result = yield from self._call_backend(s, call, req=req)
         if not result.errno:
             # The emulator speaks the ABI of the version the client asked for, when the
             # registry has it; every later call of this process is decoded with it.
@@ -697,7 +776,7 @@ class Broker:
                 s.tenant.abi_by_tgid[s.caller.pid] = registry.get(asked)
         return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
-    async def _esc_sys_params(self, s, abi, req, call, rule) -> IoctlReply:
+    def _esc_sys_params(self, s, abi, req, call, rule) -> IoctlReply:
         """SYS_PARAMS sets a host-global, set-once value: never relayed, answered here."""
         host = getattr(self.backend, "memblock_size", None)
         asked = call.value.memblock_size
@@ -707,14 +786,14 @@ class Broker:
                           what=call.name)
         return IoctlReply(arg_out=call.encode())
 
-    async def _esc_fd(self, s, abi, req, call, rule) -> IoctlReply:
+    def _esc_fd(self, s, abi, req, call, rule) -> IoctlReply:
         """Escapes carrying an fd of the tenant's (REGISTER_FD, ALLOC_OS_EVENT…)."""
         self._check_clients(s, call.value, where=call.name)
-        fd_files = await self._translate_fds(s, req, call.value, rule.fd_fields, call.name)
-        result = await self._call_backend(s, call, fd_files=fd_files, req=req)
+        fd_files = yield from self._translate_fds(s, req, call.value, rule.fd_fields, call.name)
+        result = yield from self._call_backend(s, call, fd_files=fd_files, req=req)
         return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
-    async def _translate_fds(self, s, req, value, fd_fields, where) -> dict:
+    def _translate_fds(self, s, req, value, fd_fields, where) -> dict:
         out = {}
         for path in fd_fields:
             fd = _get_path(value, path)
@@ -723,7 +802,7 @@ class Broker:
             if fd < 0:
                 raise Refusal(f"{where}: {path}={fd} is not a file descriptor",
                               errno_=errno.EBADF, status=nvstatus.NV_ERR_INVALID_ARGUMENT)
-            sid = await req.resolve_fd(fd) if req.resolve_fd else None
+            sid = (yield ResolveFd(req.resolve_fd, fd)) if req.resolve_fd else None
             target = self.sessions.get(sid) if sid else None
             if target is None or target.tenant is not s.tenant:
                 raise Refusal(f"{where}: fd {fd} in {path} is not one of this tenant's "
@@ -732,10 +811,10 @@ class Broker:
             out[path] = target.file
         return out
 
-    async def _esc_rm_control(self, s, abi, req, call, rule) -> IoctlReply:
+    def _esc_rm_control(self, s, abi, req, call, rule) -> IoctlReply:
         v = call.value
         where = f"RM_CONTROL {abi.control_name(v.cmd)}"
-        client = await self._client_of(s, v.hClient, where, req)
+        client = yield from self._client_of(s, v.hClient, where, req)
         if v.hObject not in client.objects:
             raise Refusal(f"{where}: object {v.hObject:#x} is not in client {v.hClient:#x}",
                           status=nvstatus.NV_ERR_INVALID_OBJECT_HANDLE, what=where)
@@ -744,7 +823,7 @@ class Broker:
         nested0 = None  # read once: what is decided on is what runs
         if answered is not None and answered[0] in s.tenant.capabilities():
             ref0 = abi.nested(call)
-            nested0 = await self._read_nested(s, req, ref0)
+            nested0 = yield from self._read_nested(s, req, ref0)
             p0 = ref0.spec.decode(nested0) if nested0 is not None and ref0.spec else None
             if not answered[2](p0):
                 # Host-global effect: NV_OK without the driver (parameters left as sent).
@@ -763,7 +842,7 @@ class Broker:
             raise Refusal(f"{where}: paramsSize {v.paramsSize} != {spec.size}",
                           status=nvstatus.NV_ERR_INVALID_PARAM_STRUCT, what=where)
         ref = abi.nested(call)
-        nested = nested0 if nested0 is not None else await self._read_nested(s, req, ref)
+        nested = nested0 if nested0 is not None else (yield from self._read_nested(s, req, ref))
         params = None
         if nested is not None and ref.spec is not None:
             params = ref.spec.decode(nested)
@@ -775,8 +854,8 @@ class Broker:
             # Every GPU id the parameters name must be one of the tenant's (by the ABI's
             # fields, for every control: issue 13 item 6).
             rewrite.require_own_gpu_ids(self, s, abi, v.cmd, params)
-        embedded = await self._read_embedded(s, req, abi, params, where)
-        result = await self._call_backend(s, call, nested, embedded=embedded, req=req)
+        embedded = yield from self._read_embedded(s, req, abi, params, where)
+        result = yield from self._call_backend(s, call, nested, embedded=embedded, req=req)
         out_value = abi.decode_ioctl(s.node, req.cmd, result.arg).value
         out_nested = result.nested
         if not result.errno and out_value.status == nvstatus.NV_OK and out_nested is not None:
@@ -785,13 +864,13 @@ class Broker:
                 ctx = rewrite.ControlContext(params, client.objects[v.hObject].gpu)
                 out_nested = post(self, s, abi, ref.spec.decode(out_nested), ctx).encode()
         if out_nested is not None and not result.errno:
-            await self._mem_write(s, req, ref.ptr, out_nested)
+            yield from self._mem_write(s, req, ref.ptr, out_nested)
             if out_value.status == nvstatus.NV_OK:
                 for name, buf in embedded.items():
-                    await self._mem_write(s, req, getattr(params, name), bytes(buf))
+                    yield from self._mem_write(s, req, getattr(params, name), bytes(buf))
         return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
-    async def _read_embedded(self, s: Session, req: IoctlRequest, abi, params,
+    def _read_embedded(self, s: Session, req: IoctlRequest, abi, params,
                              where: str) -> dict[str, bytearray]:
         """Copy in the buffers that pointer fields of the parameters point to, as the driver
         does for the controls whose ABI marks them: `ptr->bytes@sizeField` (sizeField bytes)
@@ -803,10 +882,10 @@ class Broker:
             if size > MAX_EMBEDDED_BYTES:
                 raise Refusal(f"{where}: {size} bytes behind {name} is absurd",
                               status=nvstatus.NV_ERR_INVALID_ARGUMENT, what=where)
-            out[name] = bytearray(await self._mem_read(s, req, getattr(params, name), size))
+            out[name] = bytearray((yield from self._mem_read(s, req, getattr(params, name), size)))
         return out
 
-    async def _esc_rm_alloc(self, s, abi, req, call, rule) -> IoctlReply:
+    def _esc_rm_alloc(self, s, abi, req, call, rule) -> IoctlReply:
         v = call.value
         cls = v.hClass
         where = f"RM_ALLOC {abi.class_name(cls)}"
@@ -835,9 +914,8 @@ class Broker:
                 # allocated by the broker (owner: the broker's pid).
                 f.continued_root_allocs += 1
                 raise RunInCaller(where)
-            result = await self._call_backend(s, call,
-                                              await self._read_nested(s, req, abi.nested(call)),
-                                              req=req)
+            nested = yield from self._read_nested(s, req, abi.nested(call))
+            result = yield from self._call_backend(s, call, nested, req=req)
             out = abi.decode_ioctl(s.node, req.cmd, result.arg).value
             if not result.errno and out.status == nvstatus.NV_OK:
                 h = out.hObjectNew
@@ -846,7 +924,7 @@ class Broker:
                 self.client_owner[h] = s.tenant.name
             return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
-        client = await self._client_of(s, v.hRoot, where, req)
+        client = yield from self._client_of(s, v.hRoot, where, req)
         if v.hObjectParent not in client.objects:
             raise Refusal(f"{where}: parent {v.hObjectParent:#x} is not in client {v.hRoot:#x}",
                           status=nvstatus.NV_ERR_INVALID_OBJECT_PARENT, what=where)
@@ -861,7 +939,7 @@ class Broker:
             raise Refusal(f"{where}: handle {v.hObjectNew:#x} already exists",
                           status=nvstatus.NV_ERR_INSERT_DUPLICATE_NAME, what=where)
         ref = abi.nested(call)
-        nested = await self._read_nested(s, req, ref)
+        nested = yield from self._read_nested(s, req, ref)
         params = ref.spec.decode(nested) if (nested is not None and ref.spec is not None) else None
         if params is not None:
             self._check_clients(s, params, where=where)
@@ -898,7 +976,7 @@ class Broker:
                           "ask for a page size the driver does not offer",
                           status=nvstatus.NV_ERR_INVALID_ARGUMENT, what=where)
         with self._reserved(s, client, cls, v.hObjectParent, gpu, charge, where):
-            result = await self._call_backend(s, call, nested, req=req, rm_class=cls)
+            result = yield from self._call_backend(s, call, nested, req=req, rm_class=cls)
         out = abi.decode_ioctl(s.node, req.cmd, result.arg).value
         if not result.errno and out.status == nvstatus.NV_OK:
             out_params = (result.nested is not None and ref is not None
@@ -915,7 +993,7 @@ class Broker:
             # read-only page, the memory gate's deadline), and the object exists regardless.
             client.add(out.hObjectNew, cls, v.hObjectParent, gpu=gpu, charged=charge)
             if out_params:
-                await self._mem_write(s, req, ref.ptr, result.nested)
+                yield from self._mem_write(s, req, ref.ptr, result.nested)
         return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
     @contextlib.contextmanager
@@ -942,17 +1020,17 @@ class Broker:
         finally:
             client.remove(placeholder.handle)
 
-    async def _esc_rm_free(self, s, abi, req, call, rule) -> IoctlReply:
+    def _esc_rm_free(self, s, abi, req, call, rule) -> IoctlReply:
         v = call.value
         where = "RM_FREE"
-        client = await self._client_of(s, v.hRoot, where, req)
+        client = yield from self._client_of(s, v.hRoot, where, req)
         if v.hObjectOld not in client.objects and not getattr(s.file, "runs_in_caller", False):
             raise Refusal(f"{where}: object {v.hObjectOld:#x} is not in client {v.hRoot:#x}",
                           status=nvstatus.NV_ERR_INVALID_OBJECT_HANDLE, what=where)
         # With a file that lives in the tenant, the tenant may hold objects the broker never
         # saw (made by calls it continued, e.g. OS descriptors): freeing a handle of its own
         # client is the driver's to validate, and there is nothing in the books to give back.
-        result = await self._call_backend(s, call, req=req)
+        result = yield from self._call_backend(s, call, req=req)
         out = abi.decode_ioctl(s.node, req.cmd, result.arg).value
         if not result.errno and out.status == nvstatus.NV_OK:
             if v.hObjectOld == v.hRoot:
@@ -964,27 +1042,27 @@ class Broker:
                 client.remove(v.hObjectOld)
         return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
-    async def _esc_rm_map(self, s, abi, req, call, rule) -> IoctlReply:
+    def _esc_rm_map(self, s, abi, req, call, rule) -> IoctlReply:
         """RM_MAP_MEMORY: the mapping context is created on the file named by the fd field."""
         p = call.value.params
         where = "RM_MAP_MEMORY"
-        client = await self._client_of(s, p.hClient, where, req)
+        client = yield from self._client_of(s, p.hClient, where, req)
         for name in ("hDevice", "hMemory"):
             h = getattr(p, name)
             if h not in client.objects:
                 raise Refusal(f"{where}: {name}={h:#x} is not in client {p.hClient:#x}",
                               status=nvstatus.NV_ERR_INVALID_OBJECT_HANDLE, what=where)
             self._refuse_revoked(s, client.objects[h].gpu, where)
-        fd_files = await self._translate_fds(s, req, call.value, rule.fd_fields, where)
-        result = await self._call_backend(s, call, fd_files=fd_files, req=req)
+        fd_files = yield from self._translate_fds(s, req, call.value, rule.fd_fields, where)
+        result = yield from self._call_backend(s, call, fd_files=fd_files, req=req)
         return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
-    async def _esc_rm_alloc_memory(self, s, abi, req, call, rule) -> IoctlReply:
+    def _esc_rm_alloc_memory(self, s, abi, req, call, rule) -> IoctlReply:
         """NV_ESC_RM_ALLOC_MEMORY (NVOS02): the older memory allocator. Same class allowlist
         and quota as RM_ALLOC: the size is limit + 1."""
         p = call.value.params
         where = f"NV_ESC_RM_ALLOC_MEMORY {abi.class_name(p.hClass)}"
-        client = await self._client_of(s, p.hRoot, where, req)
+        client = yield from self._client_of(s, p.hRoot, where, req)
         if p.hObjectParent not in client.objects:
             raise Refusal(f"{where}: parent {p.hObjectParent:#x} is not in client {p.hRoot:#x}",
                           status=nvstatus.NV_ERR_INVALID_OBJECT_PARENT, what=where)
@@ -998,33 +1076,34 @@ class Broker:
                           status=nvstatus.NV_ERR_INSERT_DUPLICATE_NAME, what=where)
         gpu = client.objects[p.hObjectParent].gpu
         charge = int(p.limit) + 1 if p.hClass in allow.DEVICE_MEMORY_CLASSES else 0
-        fd_files = await self._translate_fds(s, req, call.value, rule.fd_fields, where)
+        fd_files = yield from self._translate_fds(s, req, call.value, rule.fd_fields, where)
         with self._reserved(s, client, p.hClass, p.hObjectParent, gpu, charge, where):
-            result = await self._call_backend(s, call, fd_files=fd_files, req=req,
+            result = yield from self._call_backend(s, call, fd_files=fd_files, req=req,
                                               rm_class=p.hClass)
         out = abi.decode_ioctl(s.node, req.cmd, result.arg).value.params
         if not result.errno and out.status == nvstatus.NV_OK:
             client.add(out.hObjectNew, p.hClass, p.hObjectParent, gpu=gpu, charged=charge)
         return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
-    async def _esc_rm_objects(self, s, abi, req, call, rule) -> IoctlReply:
+    def _esc_rm_objects(self, s, abi, req, call, rule) -> IoctlReply:
         """Escapes naming a client and objects in it (UNMAP, DUP within the tenant, …)."""
         self._check_clients(s, call.value, where=call.name)
         inner = getattr(call.value, "params", None)
         if inner is not None:
             self._check_clients(s, inner, where=call.name)
-        fd_files = await self._translate_fds(s, req, call.value, rule.fd_fields, call.name)
-        result = await self._call_backend(s, call, fd_files=fd_files, req=req)
+        fd_files = yield from self._translate_fds(s, req, call.value, rule.fd_fields, call.name)
+        result = yield from self._call_backend(s, call, fd_files=fd_files, req=req)
         return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
-    async def _esc_uvm(self, s, abi, req, call, rule) -> IoctlReply:
+    def _esc_uvm(self, s, abi, req, call, rule) -> IoctlReply:
         # hClient 0: UVM registers the GPU without an RM client of the caller's (CUDA 13).
         self._check_clients(s, call.value, where=call.name, zero_ok=True)
-        fd_files = await self._translate_fds(s, req, call.value, rule.fd_fields, call.name)
-        result = await self._call_backend(s, call, fd_files=fd_files, req=req)
+        fd_files = yield from self._translate_fds(s, req, call.value, rule.fd_fields, call.name)
+        result = yield from self._call_backend(s, call, fd_files=fd_files, req=req)
         return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
     # ------------------------------------------------------------------ status
+    @_locked
     def snapshot(self) -> dict:
         tenants = []
         for t in self.tenants.values():

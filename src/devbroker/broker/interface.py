@@ -21,6 +21,9 @@ class Caller:
     tid: int
     uid: int
     gid: int
+    # The caller's pid namespace (procinfo.pid_namespace) when the front end already knows
+    # it (seccomp caches it per thread); None: the broker looks it up.
+    pidns: str | None = None
 
 
 class TenantMemory(Protocol):
@@ -83,12 +86,18 @@ class IoctlRequest:
     # Maps one of the caller's fd numbers (an fd argument such as REGISTER_FD's ctl_fd or
     # RM_MAP_MEMORY's fd) to the broker session it refers to, or None when it is not one of
     # ours. Each front end knows how to see the caller's fd table; the broker does not.
-    resolve_fd: Callable[[int], Awaitable[int | None]] | None = None
+    # It answers at once (seccomp: a stat on the caller's own thread) or with an awaitable
+    # (FUSE: a lookup on the trio thread).
+    resolve_fd: Callable[[int], int | None | Awaitable[int | None]] | None = None
     # For driver files that live in the caller (seccomp front end, real backend): the fd
     # number the ioctl was made on, and a way to get the broker's own duplicate of one of
     # the caller's fds (pidfd_getfd; the broker closes it after the call).
     fd: int = -1
     dup_fd: Callable[[int], int] | None = None
+    # Whether the caller is still the one that made the call (seccomp: NOTIF_ID_VALID). The
+    # broker calls it after its last read of the caller's memory and fds and before it
+    # executes anything on them; False ends the request (ESRCH). None: nothing to confirm.
+    confirm: Callable[[], bool] | None = None
 
 
 class RunInCaller(Exception):

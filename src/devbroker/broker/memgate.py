@@ -100,6 +100,7 @@ class MemoryGate:
         self.stalled: dict[str, int] = {}  # tenant -> abandoned threads still in the kernel
         self.timeouts: dict[str, int] = {}  # tenant -> accesses refused at their deadline
         self.inflight: dict[str, int] = {}  # tenant -> accesses whose thread has not returned
+        self._direct: dict[int, list] = {}  # thread id -> [tenant, started, what, late]
 
     async def read(self, tenant: str, memory: Any, addr: int, length: int) -> bytes:
         return await self.run(tenant, memory.read, addr, length,
@@ -186,6 +187,60 @@ class MemoryGate:
                                   "file system's server); its thread is left to the kernel "
                                   f"({n} stalled for this tenant)")
         return job.outcome.unwrap()
+
+    # -- accesses made on a thread of their own (seccomp listener threads) -------------
+    # A listener thread serves one tenant's process tree only, so it may touch that
+    # tenant's memory itself (no hand-off: issue 14). What the worker above gives by its
+    # deadline, such a thread gets from its listener's watchdog: sweep() finds accesses
+    # past the deadline, counts them as stalled (the same stall limit), and the watchdog
+    # answers the tenant's call with EFAULT and starts another thread for the tenant.
+
+    def direct(self, tenant: str, fn: Callable, *args: Any, what: str = "access") -> Any:
+        """fn(*args) touching tenant memory on this thread (see above)."""
+        tid = threading.get_native_id()
+        with _lock:
+            stalled = self.stalled.get(tenant, 0)
+            if stalled < self.stall_limit:
+                self._direct[tid] = [tenant, time.monotonic(), what, False]
+                _accessing[tid] = tenant
+        if stalled >= self.stall_limit:
+            raise MemoryAccessRefused(
+                errno.EFAULT, f"{what}: refused at once, {stalled} earlier accesses to this "
+                              "tenant's memory are still blocked in the kernel (stall limit)")
+        try:
+            return fn(*args)
+        except OSError as e:
+            if tid in _own_mount_faults:
+                raise MemoryAccessRefused(
+                    errno.EFAULT, f"{what}: the address is in a page mapped from the broker's "
+                                  "own nodes, which the broker does not read for a tenant") from e
+            raise
+        finally:
+            with _lock:
+                entry = self._direct.pop(tid, None)
+                _accessing.pop(tid, None)
+                _own_mount_faults.discard(tid)
+                late = entry is not None and entry[3]
+                if late:
+                    self.stalled[tenant] = max(0, self.stalled.get(tenant, 1) - 1)
+            if late:
+                self._returned(tenant, what, time.monotonic() - entry[1])
+
+    def sweep(self, threads: Any, now: float | None = None) -> list[tuple[int, str, str]]:
+        """Direct accesses of these threads (ids) now past the deadline, each reported once
+        as (thread id, tenant, what) and counted as stalled for its tenant until it
+        returns. Each listener sweeps its own threads: the gate is the broker's, shared."""
+        now = time.monotonic() if now is None else now
+        out = []
+        with _lock:
+            for tid, entry in self._direct.items():
+                tenant, started, what, late = entry
+                if tid in threads and not late and now - started > self.deadline:
+                    entry[3] = True
+                    self.stalled[tenant] = self.stalled.get(tenant, 0) + 1
+                    self.timeouts[tenant] = self.timeouts.get(tenant, 0) + 1
+                    out.append((tid, tenant, what))
+        return out
 
     def _returned(self, tenant: str, what: str, seconds: float) -> None:
         # On the worker thread: AuditLog.write takes its own lock.

@@ -3,8 +3,15 @@
 A tenant that floods the broker waits for tokens in its own tasks; other tenants' requests
 are handled by other tasks and never queue behind it. Delaying (rather than failing) keeps
 unmodified clients correct: the driver never answers EAGAIN to an RM call.
+
+Tokens are taken from any thread (a seccomp listener thread takes one with try_acquire and
+hands the request to the trio thread only when it would have to wait), so the bucket's
+arithmetic is under a thread lock and its clock is time.monotonic.
 """
 from __future__ import annotations
+
+import threading
+import time
 
 import trio
 
@@ -14,37 +21,44 @@ class TokenBucket:
         self.rate = float(rate)
         self.burst = float(burst)
         self.tokens = float(burst)
-        self.updated = trio.current_time() if _in_trio() else 0.0
-        self.lock = trio.Lock()
+        self.updated = time.monotonic()
+        self._math = threading.Lock()
+        self.lock = trio.Lock()  # waiters of one tenant queue in arrival order
         self.waited = 0  # requests that had to wait (shown by `devbroker status`)
 
     def _refill(self) -> None:
-        now = trio.current_time()
+        now = time.monotonic()
         self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
         self.updated = now
 
     def would_wait(self) -> bool:
         if self.rate <= 0:
             return False
-        now = trio.current_time()
-        return min(self.burst, self.tokens + (now - self.updated) * self.rate) < 1.0
+        with self._math:
+            now = time.monotonic()
+            return min(self.burst, self.tokens + (now - self.updated) * self.rate) < 1.0
+
+    def try_acquire(self) -> bool:
+        """Take a token if one is there now (any thread); False: acquire() must wait."""
+        if self.rate <= 0:  # unlimited
+            return True
+        with self._math:
+            self._refill()
+            if self.tokens >= 1.0 and not self.lock.locked():
+                self.tokens -= 1.0
+                return True
+            return False
 
     async def acquire(self) -> None:
-        if self.rate <= 0:  # unlimited
+        if self.rate <= 0:
             return
-        # The lock makes waiters of one tenant queue in arrival order.
         async with self.lock:
-            self._refill()
-            if self.tokens < 1.0:
-                self.waited += 1
-                await trio.sleep((1.0 - self.tokens) / self.rate)
-                self._refill()
-            self.tokens -= 1.0
-
-
-def _in_trio() -> bool:
-    try:
-        trio.lowlevel.current_task()
-        return True
-    except RuntimeError:
-        return False
+            self.waited += 1
+            while True:
+                with self._math:
+                    self._refill()
+                    if self.tokens >= 1.0:
+                        self.tokens -= 1.0
+                        return
+                    wait = (1.0 - self.tokens) / self.rate
+                await trio.sleep(wait)

@@ -146,11 +146,27 @@ GPU_IDS_ANSWERED = frozenset({
 })
 
 
+def _names_gpu_ids(spec) -> bool:
+    """Whether a struct layout has a GPU-id field at any depth: a fact of the layout,
+    computed once per layout, so that most controls (FB_GET_INFO_V2's 128 entries, say)
+    are not walked at all (issue 14)."""
+    known = _GPU_ID_LAYOUTS.get(spec)
+    if known is None:
+        known = _GPU_ID_LAYOUTS[spec] = any(
+            f.name in GPU_ID_FIELD_NAMES for _path, f, _off in spec.walk())
+    return known
+
+
+_GPU_ID_LAYOUTS: dict = {}  # StructSpec (hashed by identity) -> bool
+
+
 def gpu_ids_named(params, prefix: str = "") -> list[tuple[str, int]]:
     """(field path, id) of every GPU id the parameters name, by the rules above.
     A pure function of the decoded value (tests/test_isolation_13.py checks it over every
     allowed control of every ABI)."""
     out: list[tuple[str, int]] = []
+    if not _names_gpu_ids(params.spec):
+        return out
     for f in params.spec.fields:
         value = getattr(params, f.name)
         count_field = GPU_ID_COUNT_FIELDS.get(f.name)
@@ -229,18 +245,18 @@ def fb_info(broker, s, abi, out, ctx):
     used = s.tenant.used().get(gpu, 0)
     total_kib = quota // KiB
     free_kib = max(0, quota - used) // KiB
-    entries = []
-    n = out.fbInfoListSize
-    for i, e in enumerate(out.fbInfoList):
-        if i < n:
-            if e.index in _FB_TOTAL:
-                e = e.replace(data=min(total_kib, 0xFFFFFFFF))
-            elif e.index in _FB_FREE:
-                e = e.replace(data=min(free_kib, 0xFFFFFFFF))
-            elif e.index in _FB_ZERO:
-                e = e.replace(data=0)
-        entries.append(e)
-    return out.replace(fbInfoList=entries)
+    changes = {}
+    # Only the entries the caller asked for (fbInfoListSize, bounded by the array): the
+    # driver leaves the rest as sent.
+    for i in range(min(out.fbInfoListSize, out.spec.by_name["fbInfoList"].count)):
+        e = out.element("fbInfoList", i)
+        if e.index in _FB_TOTAL:
+            changes[i] = e.replace(data=min(total_kib, 0xFFFFFFFF))
+        elif e.index in _FB_FREE:
+            changes[i] = e.replace(data=min(free_kib, 0xFFFFFFFF))
+        elif e.index in _FB_ZERO:
+            changes[i] = e.replace(data=0)
+    return out.replace_elements("fbInfoList", changes)
 
 
 def gpu_pids(broker, s, abi, out, ctx):

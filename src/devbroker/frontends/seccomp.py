@@ -29,10 +29,13 @@ import logging
 import os
 import posixpath
 import select
+import signal
 import socket
 import stat as _stat
 import struct
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -40,6 +43,11 @@ import trio
 
 from devbroker.abi.nodes import NodeKind
 from devbroker.broker import memgate
+from devbroker.broker.effects import (
+    Await, Blocking, HandOver, NotHere, ReadMemory, Steps, WriteMemory, perform_async,
+    perform_blocking, run_async, run_blocking,
+)
+from devbroker.broker.procinfo import pid_namespace, stat_nosync as _stat_nosync
 from devbroker.broker.interface import (
     BrokerInterface,
     Caller,
@@ -49,6 +57,7 @@ from devbroker.broker.interface import (
     OpenRequest,
     ReleaseRequest,
 )
+from devbroker.backends.tenantfile import drop_driver_capabilities_for_thread
 from devbroker.frontends import seccompwire as w
 
 log = logging.getLogger("devbroker.seccomp")
@@ -130,45 +139,6 @@ def _vm_write(pid: int, addr: int, data: bytes) -> None:
     from devbroker.frontends.procmem import vm_write
 
     vm_write(pid, addr, data)
-
-
-class _Statx(ctypes.Structure):
-    # struct statx (include/uapi/linux/stat.h), the fields used here; 256 bytes in all
-    _fields_ = [("mask", ctypes.c_uint32), ("blksize", ctypes.c_uint32),
-                ("attributes", ctypes.c_uint64), ("nlink", ctypes.c_uint32),
-                ("uid", ctypes.c_uint32), ("gid", ctypes.c_uint32), ("mode", ctypes.c_uint16),
-                ("_spare0", ctypes.c_uint16), ("ino", ctypes.c_uint64),
-                ("_rest1", ctypes.c_uint8 * 88),
-                ("rdev_major", ctypes.c_uint32), ("rdev_minor", ctypes.c_uint32),
-                ("dev_major", ctypes.c_uint32), ("dev_minor", ctypes.c_uint32),
-                ("_rest2", ctypes.c_uint8 * 112)]
-
-
-_AT_STATX_DONT_SYNC = 0x4000
-_STATX_BASIC_STATS = 0x7FF
-_libc.statx.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint,
-                        ctypes.c_void_p]
-
-
-@dataclass(frozen=True)
-class _Stat:
-    st_dev: int
-    st_ino: int
-    st_mode: int
-    st_rdev: int
-
-
-def _stat_nosync(path: str) -> _Stat:
-    """stat(2) of a tenant's /proc/<tid>/fd/<n> that never asks a file system's server:
-    with AT_STATX_DONT_SYNC, FUSE (and NFS, 9p) answer from the attributes they have. A plain
-    stat of a file on a FUSE server the tenant runs would wait for that server, on the trio
-    thread (issue 13). Device, inode, mode and rdev never change, so cached ones are right."""
-    st = _Statx()
-    if _libc.statx(-100, path.encode(), _AT_STATX_DONT_SYNC, _STATX_BASIC_STATS,
-                   ctypes.byref(st)) != 0:
-        _raise_errno(f"statx {path}")
-    return _Stat(os.makedev(st.dev_major, st.dev_minor), st.ino, st.mode,
-                 os.makedev(st.rdev_major, st.rdev_minor))
 
 
 def read_cstring(pid: int, addr: int, limit: int = _PATH_MAX) -> bytes:
@@ -265,24 +235,51 @@ class SupervisorStats:
     stale: int = 0  # notifications whose task died before we answered
     continued_decided: int = 0  # ioctls the broker decided and the tenant's kernel ran
     refused_foreign: int = 0  # NVIDIA files the broker did not give out (refused)
+    handed_to_trio: int = 0  # notifications a listener thread handed to the trio thread
+    # Time the listener threads spent deciding, by system call (ns; the answer excluded):
+    # what a tenant's init pays for the broker, per kind of call.
+    ns_open: int = 0
+    ns_ioctl: int = 0
+    ns_mmap: int = 0
 
 
 class _NotifMemory:
-    """TenantMemory of the notifying thread, guarded by NOTIF_ID_VALID (see docs)."""
+    """TenantMemory of the notifying thread. Reads are confirmed together by the broker
+    (IoctlRequest.confirm, before it acts on them); each write is preceded by
+    NOTIF_ID_VALID, so that no write reaches a thread that reused the caller's tid."""
 
     def __init__(self, sup: "SeccompSupervisor", tid: int, nid: int):
         self._sup, self._tid, self._nid = sup, tid, nid
 
     def read(self, addr: int, length: int) -> bytes:
-        data = _vm_read(self._tid, addr, length)
-        if not self._sup.id_valid(self._nid):
-            raise OSError(errno.ESRCH, "the calling thread went away")
-        return data
+        return _vm_read(self._tid, addr, length)
 
     def write(self, addr: int, data: bytes) -> None:
         if not self._sup.id_valid(self._nid):
             raise OSError(errno.ESRCH, "the calling thread went away")
         _vm_write(self._tid, addr, data)
+
+
+class _TaskMemory:
+    """A thread's memory, read and written with process_vm_readv/writev."""
+
+    __slots__ = ("tid",)
+
+    def __init__(self, tid: int):
+        self.tid = tid
+
+    def read(self, addr: int, length: int) -> bytes:
+        return _vm_read(self.tid, addr, length)
+
+    def write(self, addr: int, data: bytes) -> None:
+        _vm_write(self.tid, addr, data)
+
+
+class _CString(_TaskMemory):
+    """read(addr, limit): the NUL-terminated string at addr (a path)."""
+
+    def read(self, addr: int, length: int) -> bytes:
+        return read_cstring(self.tid, addr, length)
 
 
 class SeccompSupervisor:
@@ -322,6 +319,18 @@ class SeccompSupervisor:
         self.sessions: dict[tuple[int, int], Session] = {}
         self._by_wd: dict[int, Session] = {}
         self._listener = -1
+        self._lfd = -1  # the threads' duplicate of the listener (serve)
+        self._lfd_refs = 1  # the supervisor's own reference, dropped when serve ends
+        self._live = 0  # listener threads running
+        self._threads_lock = threading.Lock()
+        self._recv_lock = threading.Lock()
+        self._stopping = False
+        self._serving: dict[int, list] = {}  # thread id -> [notification, since]
+        # thread id -> (thread pidfd, Caller, capability sets): see _caller_caps
+        self._callers: dict[int, tuple[int, Caller, int]] = {}
+        self._token = None
+        self._nursery = None
+        self._hup = None
         self._ifd = _libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
         if self._ifd < 0:
             _raise_errno("inotify_init1")
@@ -338,7 +347,7 @@ class SeccompSupervisor:
 
     def id_valid(self, nid: int) -> bool:
         try:
-            fcntl.ioctl(self._listener, w.SECCOMP_IOCTL_NOTIF_ID_VALID, w.encode_id(nid))
+            fcntl.ioctl(self._lfd, w.SECCOMP_IOCTL_NOTIF_ID_VALID, w.encode_id(nid))
             return True
         except OSError as e:
             if e.errno == errno.ENOENT:
@@ -347,17 +356,17 @@ class SeccompSupervisor:
 
     def _send(self, resp: w.NotifResp) -> None:
         try:
-            fcntl.ioctl(self._listener, w.SECCOMP_IOCTL_NOTIF_SEND,
+            fcntl.ioctl(self._lfd, w.SECCOMP_IOCTL_NOTIF_SEND,
                         bytearray(resp.encode(self.sizes)), True)
         except OSError as e:
             if e.errno != errno.ENOENT:  # ENOENT: the task died or was interrupted
                 raise
             self.stats.stale += 1
 
-    def _recv(self) -> w.Notif | None:
+    def _recv_on(self, fd: int) -> w.Notif | None:
         buf = w.recv_buffer(self.sizes)
         try:
-            fcntl.ioctl(self._listener, w.SECCOMP_IOCTL_NOTIF_RECV, buf, True)
+            fcntl.ioctl(fd, w.SECCOMP_IOCTL_NOTIF_RECV, buf, True)
         except OSError as e:
             if e.errno in (errno.ENOENT, errno.EINTR):
                 return None
@@ -411,7 +420,29 @@ class SeccompSupervisor:
         return self._caller_caps(tid)[0]
 
     def _caller_caps(self, tid: int) -> tuple[Caller, int]:
-        """The caller, and its effective | permitted | ambient capability sets."""
+        """The caller, and its effective | permitted | ambient capability sets.
+
+        Read from /proc/<tid>/status (~30 µs, more under load) unless cached. What the
+        answer is used for: whether a call the tenant runs itself would be privileged in the
+        driver (CAP_SYS_ADMIN), and the caller's identity for the books. A thread is cached
+        only when CAP_SYS_ADMIN is in neither its permitted nor its bounding set: it can then
+        never have it again (raising needs it in permitted; exec, setuid binaries and file
+        capabilities are capped by the bounding set), so the verdict cannot go stale. Its
+        tgid and pid namespace never change. Its uid can (a root tenant keeps CAP_SETUID):
+        the cached one is the uid it had when first seen, which only the broker's
+        "same sandbox" check reads, and for seccomp the tenant is already fixed by the
+        listener the call came through. The entry holds a thread pidfd (PIDFD_THREAD): a
+        signal-0 check on it (~1 µs) tells that the thread is the same one, never a new thread
+        that reused the number."""
+        hit = self._callers.get(tid)
+        if hit is not None:
+            pidfd, caller, caps = hit
+            try:
+                signal.pidfd_send_signal(pidfd, 0)
+                return caller, caps
+            except OSError:
+                self._callers.pop(tid, None)
+                os.close(pidfd)
         st = _proc_status(tid)
         caps = 0
         for k in ("CapEff", "CapPrm", "CapAmb"):
@@ -419,12 +450,35 @@ class SeccompSupervisor:
                 caps |= int(st.get(k, "0"), 16)
             except ValueError:
                 caps = -1
-        return Caller(
-            pid=int(st.get("Tgid", tid)),
-            tid=tid,
-            uid=int(st.get("Uid", "0").split()[0]),
-            gid=int(st.get("Gid", "0").split()[0]),
-        ), caps
+        uids = st.get("Uid", "0").split()
+        gids = st.get("Gid", "0").split()
+        caller = Caller(pid=int(st.get("Tgid", tid)), tid=tid, uid=int(uids[0]),
+                        gid=int(gids[0]), pidns=pid_namespace(tid))
+        try:
+            reachable = int(st.get("CapPrm", "0"), 16) | int(st.get("CapBnd", "0"), 16)
+        except ValueError:
+            reachable = -1
+        if caps >= 0 and reachable >= 0 and not reachable & (1 << CAP_SYS_ADMIN):
+            try:
+                pidfd = os.pidfd_open(tid, PIDFD_THREAD)
+            except OSError:
+                return caller, caps
+            if len(self._callers) >= 4096:  # threads come and go: drop the oldest half
+                for old in list(self._callers)[:2048]:
+                    os.close(self._callers.pop(old)[0])
+            self._callers[tid] = (pidfd, caller, caps)
+        return caller, caps
+
+    def _getfd(self, tid: int, fd: int) -> int:
+        """Duplicate tid's fd, through the thread pidfd the caller cache holds (no
+        pidfd_open per call) or a fresh one."""
+        hit = self._callers.get(tid)
+        if hit is not None:
+            got = _libc.syscall(ctypes.c_long(w.NR["pidfd_getfd"]), ctypes.c_long(hit[0]),
+                                ctypes.c_long(fd), ctypes.c_long(0))
+            if got >= 0:
+                return int(got)
+        return _pidfd_getfd(tid, fd)
 
     # -- main loop ----------------------------------------------------------------------
 
@@ -436,25 +490,25 @@ class SeccompSupervisor:
 
     async def serve(self, listener_fd: int) -> None:
         """Answer notifications until no task uses the filter any more, then release every
-        session still open. The caller keeps ownership of listener_fd."""
+        session still open. The caller keeps ownership of listener_fd.
+
+        Notifications are received and answered on this listener's own threads
+        (:meth:`_thread_main`): a CUDA tenant's ioctl is decided and executed there without
+        a trio round trip (issues 12, 14). What a thread cannot do itself (a rate limit that
+        must wait, a broker with async methods only, a relayed page) is handed to the trio
+        thread half-done (broker/effects.py HandOver) and answered from there."""
         self._listener = listener_fd
-        poller = select.poll()
-        poller.register(listener_fd, select.POLLIN)
+        self._lfd = os.dup(listener_fd)  # the threads' own reference (see _thread_main)
+        self._token = trio.lowlevel.current_trio_token()
+        self._hup = trio.Event()
         try:
             async with trio.open_nursery() as outer:
+                self._nursery = outer
                 outer.start_soon(self._inotify_loop)
-                async with trio.open_nursery() as handlers:
-                    while True:
-                        await trio.lowlevel.wait_readable(listener_fd)
-                        events = poller.poll(0)
-                        revents = events[0][1] if events else 0
-                        if revents & select.POLLIN:
-                            n = self._recv()
-                            if n is not None:
-                                self.stats.notifications += 1
-                                handlers.start_soon(self._handle, n)
-                        elif revents & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
-                            break
+                outer.start_soon(self._watchdog)
+                for _ in range(self.threads):
+                    self._start_thread()
+                await self._hup.wait()
                 # No task uses the filter any more. On 6.18 that point is reached while the
                 # last tasks are still exiting (measured: state R), before their files are
                 # put, so keep reading inotify until every session has gone; the grace
@@ -466,6 +520,7 @@ class SeccompSupervisor:
                 outer.cancel_scope.cancel()
         finally:
             with trio.CancelScope(shield=True):
+                self._stopping = True
                 for s in list(self.sessions.values()):
                     log.warning("seccomp: session %d still referenced at shutdown; releasing",
                                 s.id)
@@ -474,32 +529,201 @@ class SeccompSupervisor:
                 trio.lowlevel.notify_closing(self._ifd)
                 os.close(self._ifd)
                 self._ifd = -1
-                trio.lowlevel.notify_closing(listener_fd)
+                self._drop_listener_ref()
+                for pidfd, _c, _k in self._callers.values():
+                    os.close(pidfd)
+                self._callers.clear()
                 self.closed.set()
 
-    async def _handle(self, n: w.Notif) -> None:
+    # -- listener threads -------------------------------------------------------------------
+
+    # Threads answering one listener. One is right for the common case: a second one
+    # waiting for the next notification contends for the GIL at every syscall of the first
+    # (measured: 140 of 991 samples in pthread_cond_signal with two). The watchdog adds
+    # threads while all are held up (a slow driver call, a stalled page), so that a tenant's
+    # other threads are still answered; extra threads retire when idle.
+    threads = 1
+    max_extra_threads = 8
+    busy_hold = 0.1  # seconds every thread must have been busy before another is started
+    # The watchdog's tick. Every wake-up of the trio thread takes the GIL from a listener
+    # thread in the middle of its calls: a 25 ms tick cost 18 % of the trio thread's time
+    # in GIL waits under a busy tenant (py-spy), 100 ms is noise.
+    watchdog_tick = 0.1
+
+    def _start_thread(self) -> None:
+        with self._threads_lock:
+            self._lfd_refs += 1
+            self._live += 1
+        t = threading.Thread(target=self._thread_main, name=f"seccomp-{self.tenant}",
+                             daemon=True)
+        t.start()
+
+    def _drop_listener_ref(self) -> None:
+        with self._threads_lock:
+            self._lfd_refs -= 1
+            last = self._lfd_refs == 0
+        if last:
+            os.close(self._lfd)  # no thread can use the number any more
+
+    def _thread_main(self) -> None:
+        """Receive and answer notifications until the filter has no users. The threads use
+        the supervisor's own duplicate of the listener (closed by the last one out), so a
+        thread held up in a tenant's page never answers on an fd number reused meanwhile."""
+        me = threading.get_native_id()
+        if self.real_files:
+            # Driver calls for the tenant run on this thread: never with the capabilities
+            # the driver checks (tenantfile.DRIVER_CAPS), dropped for the thread's life.
+            drop_driver_capabilities_for_thread()
+        poller = select.poll()
+        poller.register(self._lfd, select.POLLIN)
         try:
-            nr = n.data.nr
-            if nr in (w.NR["open"], w.NR["openat"], w.NR["openat2"]):
-                resp = await self._on_open(n)
-            elif nr == w.NR["ioctl"]:
-                resp = await self._on_ioctl(n)
-            elif nr == w.NR["mmap"]:
-                resp = await self._on_mmap(n)
-            else:
-                resp = w.NotifResp.cont(n.id)
+            while not self._stopping:
+                n = None
+                if not self._recv_lock.acquire(timeout=0.2):
+                    continue
+                try:
+                    if self._stopping:
+                        break
+                    events = poller.poll(200)
+                    revents = events[0][1] if events else 0
+                    if not revents:
+                        if self._surplus():  # an extra thread retires when idle
+                            break
+                        continue
+                    if revents & select.POLLIN:
+                        n = self._recv_on(self._lfd)
+                    elif revents & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+                        self._stopping = True
+                        self._to_trio(self._hup.set)
+                        break
+                finally:
+                    self._recv_lock.release()
+                if n is None:
+                    continue
+                self.stats.notifications += 1
+                self._serving[me] = [n, time.monotonic()]
+                try:
+                    self._answer_here(n)
+                finally:
+                    self._serving.pop(me, None)
+                if self._surplus():
+                    break
+        except Exception:  # pragma: no cover - a bug must not kill the tenant's service
+            log.exception("seccomp: listener thread failed")
+        finally:
+            with self._threads_lock:
+                self._live -= 1
+            self._drop_listener_ref()
+
+    @property
+    def live_threads(self) -> int:
+        return self._live
+
+    def _surplus(self) -> bool:
+        """More threads free to answer than `threads` (threads held up in a slow call or a
+        stalled page do not count: they are why the others were started)."""
+        now = time.monotonic()
+        held = sum(1 for _n, since in list(self._serving.values())
+                   if now - since > self.busy_hold)
+        with self._threads_lock:
+            return self._live - held > self.threads
+
+    def _to_trio(self, fn, *args) -> bool:
+        try:
+            self._token.run_sync_soon(fn, *args)
+            return True
+        except trio.RunFinishedError:
+            return False
+
+    def _answer_here(self, n: w.Notif) -> None:
+        """Decide one notification on this thread; hand it to trio when it must wait."""
+        steps = self._steps_for(n)
+        if steps is None:
+            self._send_quietly(w.NotifResp.cont(n.id))
+            return
+        t0 = time.perf_counter_ns()
+        try:
+            resp = run_blocking(steps, self._perform_here)
+        except HandOver as h:
+            self.stats.handed_to_trio += 1
+            if not self._to_trio(self._nursery.start_soon, self._finish_on_trio, n,
+                                 h.steps, h.pending):
+                self._send_quietly(w.NotifResp.fail(n.id, errno.EIO))
+            return
         except Exception:
             log.exception("seccomp: handling %s from %d failed", n.syscall, n.pid)
             resp = w.NotifResp.fail(n.id, errno.EIO)
-        if resp is not None:
-            try:
-                self._send(resp)
-            except OSError:
-                log.exception("seccomp: answering %s from %d failed", n.syscall, n.pid)
+        spent = time.perf_counter_ns() - t0
+        nr = n.data.nr
+        if nr == w.NR["ioctl"]:
+            self.stats.ns_ioctl += spent
+        elif nr == w.NR["mmap"]:
+            self.stats.ns_mmap += spent
+        else:
+            self.stats.ns_open += spent
+        self._send_quietly(resp)
+
+    def _perform_here(self, eff):
+        return perform_blocking(eff, self._gate)
+
+    async def _perform_async(self, eff):
+        return await perform_async(eff, self._gate)
+
+    async def _finish_on_trio(self, n: w.Notif, steps: Steps, pending=None) -> None:
+        try:
+            resp = await run_async(steps, self._perform_async, pending)
+        except Exception:
+            log.exception("seccomp: handling %s from %d failed", n.syscall, n.pid)
+            resp = w.NotifResp.fail(n.id, errno.EIO)
+        self._send_quietly(resp)
+
+    def _send_quietly(self, resp: w.NotifResp | None) -> None:
+        if resp is None:
+            return
+        try:
+            self._send(resp)
+        except OSError:
+            log.exception("seccomp: answering notification %d failed", resp.id)
+
+    def _steps_for(self, n: w.Notif) -> Steps | None:
+        nr = n.data.nr
+        if nr in (w.NR["open"], w.NR["openat"], w.NR["openat2"]):
+            return self._open_steps(n)
+        if nr == w.NR["ioctl"]:
+            return self._ioctl_steps(n)
+        if nr == w.NR["mmap"]:
+            return self._mmap_steps(n)
+        return None
+
+    async def _watchdog(self) -> None:
+        """Keeps the listener answering while its threads are held up: an access to the
+        tenant's memory past the memory gate's deadline is answered with EFAULT and audited
+        (the thread stays in the kernel, counted as stalled); when every thread has been busy
+        for busy_hold (a slow driver call, a stalled page), another thread is started."""
+        while True:
+            await trio.sleep(self.watchdog_tick)
+            for tid, tenant, what in self._gate.sweep(self._serving.keys()):
+                held = self._serving.get(tid)
+                if held is None:
+                    continue
+                n = held[0]
+                self._audit_memory(n.pid, what, OSError(
+                    errno.EFAULT, f"{what} did not complete within {self._gate.deadline:g} s "
+                                  "(the page waits on something outside the broker); its "
+                                  "thread is left to the kernel"))
+                self._send_quietly(w.NotifResp.fail(n.id, errno.EFAULT))
+            now = time.monotonic()
+            with self._threads_lock:
+                live = self._live
+            busy = [since for _n, since in list(self._serving.values())]
+            if (not self._stopping and busy and len(busy) >= live
+                    and now - max(busy) > self.busy_hold
+                    and live < self.threads + self.max_extra_threads):
+                self._start_thread()
 
     # -- open -----------------------------------------------------------------------------
 
-    async def _on_open(self, n: w.Notif) -> w.NotifResp | None:
+    def _open_steps(self, n: w.Notif) -> Steps:
         d, tid = n.data, n.pid
         if d.nr == w.NR["open"]:
             dirfd, path_ptr, flags = w.AT_FDCWD, d.args[0], d.arg_u32(1)
@@ -508,16 +732,16 @@ class SeccompSupervisor:
         else:  # openat2(dirfd, path, struct open_how *how, size)
             dirfd, path_ptr = d.arg_int(0), d.args[1]
             try:
-                how = await self._gate.run(self.tenant, _vm_read, tid, d.args[2], 8,
-                                           what="read of open_how")
+                how = yield ReadMemory(_TaskMemory(tid), d.args[2], 8, self.tenant,
+                                       "read of open_how")
                 flags = struct.unpack("=Q", how)[0] & 0xFFFFFFFF
             except OSError:
                 return w.NotifResp.cont(n.id)  # the kernel will report the bad pointer
         try:
-            # Through the memory gate (a worker thread, a deadline): the path may lie in a
-            # page that only faults in with someone's help (issue 13).
-            raw = await self._gate.run(self.tenant, read_cstring, tid, path_ptr,
-                                       what="read of an open path")
+            # An effect like every tenant-memory access: the path may lie in a page that
+            # only faults in with someone's help (issue 13).
+            raw = yield ReadMemory(_CString(tid), path_ptr, _PATH_MAX, self.tenant,
+                                   "read of an open path")
         except OSError:
             return w.NotifResp.cont(n.id)
         path = raw.decode("utf-8", "surrogateescape")
@@ -542,18 +766,18 @@ class SeccompSupervisor:
             self.stats.stale += 1
             return None
         self.stats.opens += 1
-        reply = await self.broker.open(
-            OpenRequest(caller=caller, tenant=self.tenant, node=spec.kind, minor=spec.minor,
-                        flags=flags, want_file=self.real_files)
-        )
+        req = OpenRequest(caller=caller, tenant=self.tenant, node=spec.kind, minor=spec.minor,
+                          flags=flags, want_file=self.real_files)
+        open_now = getattr(self.broker, "open_now", None)
+        reply = open_now(req) if open_now else (yield Await(self.broker.open, (req,)))
         if reply.errno:
             return w.NotifResp.fail(n.id, reply.errno)
-        await self._install(n, caller, spec, reply.session, flags,
-                            posixpath.basename(full), reply.install_fd)
+        self._install(n, caller, spec, reply.session, flags, posixpath.basename(full),
+                      reply.install_fd)
         return None
 
-    async def _install(self, n: w.Notif, caller: Caller, spec: NodeSpec, sid: int,
-                       flags: int, name: str, real_fd: int = -1) -> None:
+    def _install(self, n: w.Notif, caller: Caller, spec: NodeSpec, sid: int,
+                 flags: int, name: str, real_fd: int = -1) -> None:
         """Install the session's file as the open's result: the real driver file the broker
         opened (an inode of its own, see tenantfile.PrivateNodes) or a memfd placeholder."""
         real = real_fd >= 0
@@ -573,11 +797,11 @@ class SeccompSupervisor:
                 newfd_flags=os.O_CLOEXEC if flags & os.O_CLOEXEC else 0,
             )
             try:
-                newfd = _ioctl_int(self._listener, w.SECCOMP_IOCTL_NOTIF_ADDFD, addfd.encode())
+                newfd = _ioctl_int(self._lfd, w.SECCOMP_IOCTL_NOTIF_ADDFD, addfd.encode())
             except OSError as e:
                 self._forget(sess)
                 self.stats.released_on_failed_install += 1
-                await self._release(sess)
+                self._to_trio(self._nursery.start_soon, self._release, sess)
                 if e.errno == errno.ENOENT:
                     self.stats.stale += 1
                 else:
@@ -642,7 +866,7 @@ class SeccompSupervisor:
 
     # -- ioctl ------------------------------------------------------------------------------
 
-    async def _on_ioctl(self, n: w.Notif) -> w.NotifResp | None:
+    def _ioctl_steps(self, n: w.Notif) -> Steps:
         d, tid = n.data, n.pid
         fd, cmd, argp = d.arg_int(0), d.arg_u32(1), d.args[2]
         sess, nvidia = self._lookup_stat(tid, fd)
@@ -653,39 +877,44 @@ class SeccompSupervisor:
             return w.NotifResp.cont(n.id)
         size = w.IOC_SIZE(cmd) if w.IOC_TYPE(cmd) == w.NV_IOCTL_MAGIC else 0
         arg: bytes | None = None
+        memory = _NotifMemory(self, tid, n.id)
         if size:
             try:
-                arg = await self._gate.run(self.tenant, _vm_read, tid, argp, size,
-                                           what=f"read of ioctl {cmd:#x}'s argument")
+                arg = yield ReadMemory(_TaskMemory(tid), argp, size, self.tenant,
+                                       f"read of ioctl {cmd:#x}'s argument")
             except memgate.MemoryAccessRefused as e:
                 self._audit_memory(tid, f"ioctl {cmd:#x}", e)
                 return w.NotifResp.fail(n.id, errno.EFAULT)
             except OSError as e:
                 return w.NotifResp.fail(n.id, errno.EFAULT if e.errno != errno.ESRCH else e.errno)
         caller, caps = self._caller_caps(tid)
-        if not self.id_valid(n.id):
-            self.stats.stale += 1
-            return None
         self.stats.ioctls += 1
-        async def resolve_fd(fd: int, _tid: int = tid) -> int | None:
+
+        def resolve_fd(fd: int, _tid: int = tid) -> int | None:
             # fd arguments (REGISTER_FD, RM_MAP_MEMORY's fd, UVM rmCtrlFd) are numbers in
             # the calling thread's fd table
             return self.session_for_fd(_tid, fd)
 
         def dup_fd(fd: int, _tid: int = tid) -> int:
-            # The broker's own reference to the tenant's file, for a call it executes; the
-            # notification is re-checked so that the fd table is still the caller's.
-            got = _pidfd_getfd(_tid, fd)
-            if not self.id_valid(n.id):
-                os.close(got)
-                raise OSError(errno.ESRCH, "the calling thread went away")
-            return got
+            # The broker's own reference to the tenant's file, for a call it executes (the
+            # broker confirms the caller after its last dup: see confirm).
+            return self._getfd(_tid, fd)
 
-        reply = await self.broker.ioctl(
-            IoctlRequest(caller=caller, session=sess.id, cmd=cmd, arg_ptr=argp, arg=arg,
-                         memory=_NotifMemory(self, tid, n.id), resolve_fd=resolve_fd,
-                         fd=fd, dup_fd=dup_fd if sess.real else None)
-        )
+        def confirm(_nid: int = n.id) -> bool:
+            # Called by the broker after its last read of the caller's memory and fd table
+            # and before it acts on them: while the notification is pending, the thread is
+            # the one that made the call, so every read and dup before reached that thread
+            # (its tid cannot have been reused). One check instead of one per read.
+            return self.id_valid(_nid)
+
+        req = IoctlRequest(caller=caller, session=sess.id, cmd=cmd, arg_ptr=argp, arg=arg,
+                           memory=memory, resolve_fd=resolve_fd, fd=fd,
+                           dup_fd=dup_fd if sess.real else None, confirm=confirm)
+        steps = getattr(self.broker, "ioctl_steps", None)
+        if steps is not None:
+            reply = yield from steps(req)
+        else:
+            reply = yield Await(self.broker.ioctl, (req,))
         if reply.errno:
             return w.NotifResp.fail(n.id, reply.errno)
         if reply.run_in_caller:
@@ -708,8 +937,8 @@ class SeccompSupervisor:
                 self.stats.stale += 1
                 return None
             try:
-                await self._gate.run(self.tenant, _vm_write, tid, argp, out,
-                                     what=f"write of ioctl {cmd:#x}'s result")
+                yield WriteMemory(_TaskMemory(tid), argp, out, self.tenant,
+                                  f"write of ioctl {cmd:#x}'s result")
             except memgate.MemoryAccessRefused as e:
                 self._audit_memory(tid, f"ioctl {cmd:#x}", e)
                 return w.NotifResp.fail(n.id, errno.EFAULT)
@@ -739,7 +968,7 @@ class SeccompSupervisor:
                               "privileged in the driver")
         return w.NotifResp.fail(n.id, errno.EPERM)
 
-    async def _on_mmap(self, n: w.Notif) -> w.NotifResp | None:
+    def _mmap_steps(self, n: w.Notif) -> Steps:
         d, tid = n.data, n.pid
         length, fd, offset = d.args[1], d.arg_int(4), d.args[5]
         sess, nvidia = self._lookup_stat(tid, fd)
@@ -753,27 +982,30 @@ class SeccompSupervisor:
             self.stats.stale += 1
             return None
         self.stats.mmaps += 1
+        req = MapReadRequest(caller=caller, session=sess.id, offset=offset, length=length)
         if sess.real:
             # The driver maps its own pages; it checks the file's mapping context (made by a
             # decided RM_MAP_MEMORY) and, for nvidia-uvm, the caller's mm. The broker only
             # decides whether this file may be mapped at all (managed memory: see policy).
-            check = getattr(self.broker, "map_check", None)
-            rep = await check(MapReadRequest(caller=caller, session=sess.id, offset=offset,
-                                             length=length)) if check else MapCheckReply()
+            check_now = getattr(self.broker, "map_check_now", None)
+            if check_now is not None:
+                rep = check_now(req)
+            elif hasattr(self.broker, "map_check"):
+                rep = yield Await(self.broker.map_check, (req,))
+            else:
+                rep = MapCheckReply()
             if rep.errno:
                 return w.NotifResp.fail(n.id, rep.errno)
             return w.NotifResp.cont(n.id)
-        reply = await self.broker.map_read(
-            MapReadRequest(caller=caller, session=sess.id, offset=offset, length=length)
-        )
+        reply = yield Await(self.broker.map_read, (req,))
         if reply.errno:
             return w.NotifResp.fail(n.id, reply.errno)
-        # On a worker thread with a deadline: the fd may have been swapped for a file whose
-        # fstat and close wait on a file system the tenant serves (issue 13).
+        # Blocking work with the memory gate's deadline: the fd may have been swapped for a
+        # file whose fstat and close wait on a file system the tenant serves (issue 13).
         try:
-            return await self._gate.run(self.tenant, self._fill_placeholder, n, tid, fd, sess,
-                                        offset, length, reply.data, what=f"mmap of fd {fd}",
-                                        memory=False)
+            return (yield Blocking(self._fill_placeholder,
+                                   (n, tid, fd, sess, offset, length, reply.data),
+                                   self.tenant, f"mmap of fd {fd}"))
         except memgate.MemoryAccessRefused as e:
             self._audit_memory(tid, f"mmap of fd {fd}", e)
             return w.NotifResp.fail(n.id, errno.EIO)
