@@ -212,8 +212,42 @@ def hold_aligned(size: str, alignment: str) -> None:
     sys.stdin.read()
 
 
+def dup(size: str, foreign: str = "0") -> None:
+    """RM_DUP_OBJECT inside the tenant (issue 16): memory of client 1 duplicated under
+    client 2's device; each step waits for a line on stdin so that the test can read
+    `devbroker status` between them. foreign: another tenant's client handle to dup from."""
+    from devbroker.tools.probe import parse_size
+
+    def dup_call(c, parent, src_client, src_obj):
+        v = c.new("NVOS55_PARAMETERS", hClient=c.hclient, hParent=parent, hObject=c.handle(),
+                  hClientSrc=src_client, hObjectSrc=src_obj, flags=0)
+        got = c.escape(c.ctl, "NV_ESC_RM_DUP_OBJECT", v)
+        return got.status, got.hObject
+
+    c1, c2 = Client(), Client()
+    for c in (c1, c2):
+        c.check_version()
+        c.open_root()
+    g1 = c1.open_gpu(c1.attached_ids()[0])
+    g2 = c2.open_gpu(c2.attached_ids()[0])
+    mem = c1.alloc_device_memory(g1["hdevice"], parse_size(size))
+    status, copy = dup_call(c2, g2["hdevice"], c1.hclient, mem)
+    out(what="duplicated", status=status, client1=c1.hclient, client2=c2.hclient)
+    sys.stdin.readline()
+    out(what="original-freed", status=c1.free(g1["hdevice"], mem))
+    sys.stdin.readline()
+    out(what="copy-freed", status=c2.free(g2["hdevice"], copy))
+    sys.stdin.readline()
+    if foreign != "0":
+        status, _ = dup_call(c2, g2["hdevice"], int(foreign, 0), int(foreign, 0) + 1)
+        out(what="foreign", status=status)
+    # the driver's root-object case: a client handle is not an object to duplicate
+    status, _ = dup_call(c2, g2["hdevice"], c1.hclient, c1.hclient)
+    out(what="client-as-object", status=status)
+
+
 if __name__ == "__main__":
     cmd, *rest = sys.argv[1:]
     {"refusals": refusals, "hold": hold, "ioctl-after-line": ioctl_after_line,
      "foreign-client": foreign_client, "cuda-rules": cuda_rules,
-     "own-mount-ptr": own_mount_ptr, "hold-aligned": hold_aligned}[cmd](*rest)
+     "own-mount-ptr": own_mount_ptr, "hold-aligned": hold_aligned, "dup": dup}[cmd](*rest)

@@ -236,3 +236,50 @@ def test_cuda_calls_decided_case_by_case(broker):
     # The boost the broker answered never reached the emulator; CUDA's did.
     notices = " ".join(a.get("message", "") for a in audit if a["event"] == "notice")
     assert "PERF_BOOST (0x2080200a) is not modelled" in notices
+
+
+def test_dup_object_inside_the_tenant_keeps_one_charge_and_never_crosses_tenants(broker):
+    """RM_DUP_OBJECT (issue 16: CUDA IPC and peer mappings between a tenant's processes): a
+    duplicate of device memory in another of the tenant's clients shares its charge, which
+    stays while either handle lives; a client of another tenant cannot be a source."""
+    bob = broker.exec_popen("bob", *TENANT, "hold", "1GiB", stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    p = None
+    try:
+        foreign = json.loads(bob.stdout.readline())["client"]
+        p = broker.exec_popen("alice", *TENANT, "dup", "2GiB", hex(foreign),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+        def step() -> dict:
+            line = json.loads(p.stdout.readline())
+            return line
+
+        d = step()
+        assert d["what"] == "duplicated" and d["status"] == nvs.NV_OK
+        t = broker.tenant("alice")
+        assert t["memory"]["0"]["used"] == 2 * GiB  # one charge for two handles
+        assert t["clients"] == 2
+        p.stdin.write("\n"); p.stdin.flush()
+        d = step()
+        assert d["what"] == "original-freed" and d["status"] == nvs.NV_OK
+        # the duplicate still holds the memory, in the other client
+        assert broker.tenant("alice")["memory"]["0"]["used"] == 2 * GiB
+        p.stdin.write("\n"); p.stdin.flush()
+        d = step()
+        assert d["what"] == "copy-freed" and d["status"] == nvs.NV_OK
+        assert broker.tenant("alice")["memory"]["0"]["used"] == 0
+        p.stdin.write("\n"); p.stdin.flush()
+        d = step()
+        assert d == {"what": "foreign", "status": nvs.NV_ERR_INVALID_CLIENT}
+        d = step()
+        assert d == {"what": "client-as-object", "status": nvs.NV_ERR_INVALID_OBJECT_HANDLE}
+        denies = [a for a in broker.audit() if a.get("event") == "deny"
+                  and a.get("what") == "RM_DUP_OBJECT"]
+        assert any(f"hClientSrc={foreign:#x} is not a client of this tenant" in a["reason"]
+                   for a in denies), denies
+        assert broker.tenant("bob")["memory"]["1"]["used"] == 1 * GiB  # bob's, untouched
+    finally:
+        for proc in (p, bob):
+            if proc is not None:
+                proc.kill()
+                proc.wait()

@@ -71,6 +71,8 @@ class EmuObject:
     gpu: int | None = None
     size: int = 0  # device memory held
     children: set[int] = field(default_factory=set)
+    # Handles of one object (RM_DUP_OBJECT): the memory is released with the last of them.
+    share: list | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -174,8 +176,21 @@ class EmulatedBackend:
         if c is None:
             return
         for obj in c.objects.values():
-            if obj.size and obj.gpu is not None:
-                self.used[obj.gpu] -= obj.size
+            self._release(obj)
+
+    def _release(self, obj: EmuObject) -> None:
+        """A handle is gone: its memory goes back unless another handle of the same object
+        (a duplicate) still holds it."""
+        members = obj.share
+        if members is not None:
+            members[:] = [m for m in members if m is not obj]
+            obj.share = None
+            if members:
+                members[0].size += obj.size
+                obj.size = 0
+                return
+        if obj.size and obj.gpu is not None:
+            self.used[obj.gpu] -= obj.size
 
     # ------------------------------------------------------------------ frontend escapes
     def NV_ESC_CHECK_VERSION_STR(self, f, dc):
@@ -339,12 +354,36 @@ class EmulatedBackend:
             if obj is None:
                 continue
             stack.extend(obj.children)
-            if obj.size and obj.gpu is not None:
-                self.used[obj.gpu] -= obj.size
+            self._release(obj)
             par = c.objects.get(obj.parent)
             if par:
                 par.children.discard(obj.handle)
         return self._status(dc, nvs.NV_OK)
+
+    def NV_ESC_RM_DUP_OBJECT(self, f, dc):
+        """A new handle (hObject, or one the driver picks) under hParent of hClient for
+        object hObjectSrc of hClientSrc; both handles then hold the same memory."""
+        v = dc.call.value
+        dst, src = self.clients.get(v.hClient), self.clients.get(v.hClientSrc)
+        if dst is None or src is None:
+            return self._status(dc, nvs.NV_ERR_INVALID_CLIENT)
+        parent = dst.objects.get(v.hParent)
+        if parent is None:
+            return self._status(dc, nvs.NV_ERR_INVALID_OBJECT_PARENT)
+        obj = src.objects.get(v.hObjectSrc)
+        if obj is None or v.hObjectSrc == v.hClientSrc:
+            return self._status(dc, nvs.NV_ERR_INVALID_OBJECT_HANDLE)
+        h = v.hObject or (0xCAF00000 | next(self._object_ids))
+        if h in dst.objects:
+            return self._status(dc, nvs.NV_ERR_INSERT_DUPLICATE_NAME)
+        new = EmuObject(h, obj.rm_class, parent.handle, gpu=obj.gpu)
+        if obj.share is None:
+            obj.share = [obj]
+        obj.share.append(new)
+        new.share = obj.share
+        dst.objects[h] = new
+        parent.children.add(h)
+        return self._status(dc, nvs.NV_OK, hObject=h)
 
     def NV_ESC_RM_MAP_MEMORY(self, f, dc):
         v = dc.call.value

@@ -103,6 +103,12 @@ ESCAPES: dict[str, Rule] = {
                                                  in_caller="CPU mappings are found again only "
                                                  "by the pid that made them",
                                                  race=_OWN_OBJECTS),
+    "NV_ESC_RM_DUP_OBJECT": Rule("compute", "duplicates an object of one of the tenant's "
+                                 "clients into another of its clients (CUDA IPC and peer "
+                                 "mappings between the tenant's own processes, issue 16): both "
+                                 "clients, the source object and the new parent must be the "
+                                 "tenant's; device memory keeps its charge until its last handle "
+                                 "is freed", handler="rm_dup"),
     "NV_ESC_RM_ALLOC_MEMORY": Rule("compute", "memory for the tenant's own client: same class "
                                    "allowlist and quota as RM_ALLOC",
                                    handler="rm_alloc_memory", fd_fields=("fd",)),
@@ -153,8 +159,6 @@ REFUSED_ESCAPES: dict[str, str] = {
     "NV_ESC_RM_ACCESS_REGISTRY": "reads/writes the driver's registry (host-global settings)",
     "NV_ESC_RM_I2C_ACCESS": "raw I2C bus access to the board",
     "NV_ESC_RM_SHARE": "shares an object with other clients (cross-tenant)",
-    "NV_ESC_RM_DUP_OBJECT": "duplicates objects between clients; no supported client needs it "
-                            "through the broker",
     "NV_ESC_SET_NUMA_STATUS": "changes the GPU's NUMA onlining state (host-global)",
     "NV_ESC_IOCTL_XFER_CMD": "indirect wrapper; no supported client sends it",
     "NV_ESC_RM_EXPORT_OBJECT_TO_FD": "exports an object to an fd other processes can import",
@@ -242,6 +246,13 @@ CLASSES: dict[int, ClassRule] = {
     0xC661: ClassRule("compute", "usermode doorbell page (write-only)"),
     0x2081: ClassRule("compute", "NV2081 BINAPI object CUDA uses for its own context"),
     0x503C: ClassRule("compute", "third-party P2P object on the tenant's own subdevice"),
+    # Seen on the two-H200 host (NVLink): CUDA maps each large allocation into the fabric
+    # address space (issue 16); refused, every cudaMalloc above ~2 GiB failed there.
+    0xF8: ClassRule("compute", "NV_MEMORY_FABRIC: a fabric (FLA) address range over the "
+                    "tenant's own physical memory: the driver takes map.hVidMem from the same "
+                    "client and device (or none, for a flexible range); it holds no video "
+                    "memory of its own, so nothing is charged (the physical allocation is). "
+                    "Exporting it to other processes (EXPORT_OBJECT_TO_FD) stays refused"),
     0x50A0: ClassRule("compute", "NV50 memory virtual object of the tenant's VA space"),
     0xCB33: ClassRule("compute", "confidential-computing query object (read-only)"),
     # CUDA allocates one per context to choose which SM exceptions it is told about, and
@@ -261,7 +272,6 @@ REFUSED_CLASSES: dict[int, str] = {
     0xC2: "LOCAL_PHYSICAL: raw physical video memory",
     0x3F: "physical system memory",
     0x42: "privileged local memory",
-    0xF8: "fabric memory (cross-node; not accounted)",
     0xFD: "fabric memory (cross-node; not accounted)",
     # issue 4: objects nvidia-smi allocates that a tenant must not get.
     0x208F: "NV20_SUBDEVICE_DIAG: diagnostics object whose controls access registers",

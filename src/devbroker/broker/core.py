@@ -44,7 +44,7 @@ from devbroker.broker.interface import (
     ReleaseRequest,
     RunInCaller,
 )
-from devbroker.broker.objects import RmClient
+from devbroker.broker.objects import RmClient, drop_objects, share
 from devbroker.broker.procinfo import pid_namespace, stat_nosync
 from devbroker.broker.ratelimit import TokenBucket
 
@@ -338,7 +338,9 @@ class Broker:
         # Closing the ctl file frees every client allocated through it (driver semantics),
         # and with them the quota they held.
         for h in list(s.clients):
-            s.tenant.clients.pop(h, None)
+            gone = s.tenant.clients.pop(h, None)
+            if gone is not None:
+                drop_objects(gone.objects.values())
             self.client_owner.pop(h, None)
         try:
             self.backend.close(s.file)
@@ -1034,12 +1036,14 @@ class Broker:
         out = abi.decode_ioctl(s.node, req.cmd, result.arg).value
         if not result.errno and out.status == nvstatus.NV_OK:
             if v.hObjectOld == v.hRoot:
-                s.tenant.clients.pop(v.hRoot, None)
+                gone = s.tenant.clients.pop(v.hRoot, None)
+                if gone is not None:
+                    drop_objects(gone.objects.values())
                 self.client_owner.pop(v.hRoot, None)
                 for sess in s.tenant.sessions.values():
                     sess.clients.discard(v.hRoot)
             else:
-                client.remove(v.hObjectOld)
+                drop_objects(client.remove(v.hObjectOld))
         return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
     def _esc_rm_map(self, s, abi, req, call, rule) -> IoctlReply:
@@ -1083,6 +1087,37 @@ class Broker:
         out = abi.decode_ioctl(s.node, req.cmd, result.arg).value.params
         if not result.errno and out.status == nvstatus.NV_OK:
             client.add(out.hObjectNew, p.hClass, p.hObjectParent, gpu=gpu, charged=charge)
+        return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
+
+    def _esc_rm_dup(self, s, abi, req, call, rule) -> IoctlReply:
+        """NV_ESC_RM_DUP_OBJECT (NVOS55): object hObjectSrc of client hClientSrc gets a new
+        handle hObject under hParent of client hClient. The driver lets any client that knows
+        a handle duplicate it (default share policy), so the broker allows it only inside the
+        tenant: both clients, the source object and the parent must be its own. The new
+        handle shares the source's charge (objects.share): the memory stays charged until its
+        last handle is freed, whichever that is."""
+        v = call.value
+        where = "RM_DUP_OBJECT"
+        self._check_clients(s, v, where=where)
+        dst = yield from self._client_of(s, v.hClient, where, req)
+        src = self._client(s, v.hClientSrc, where)
+        if v.hParent not in dst.objects:
+            raise Refusal(f"{where}: parent {v.hParent:#x} is not in client {v.hClient:#x}",
+                          status=nvstatus.NV_ERR_INVALID_OBJECT_PARENT, what=where)
+        obj = src.objects.get(v.hObjectSrc)
+        if obj is None or v.hObjectSrc == v.hClientSrc:
+            raise Refusal(f"{where}: object {v.hObjectSrc:#x} is not an object of client "
+                          f"{v.hClientSrc:#x}", status=nvstatus.NV_ERR_INVALID_OBJECT_HANDLE,
+                          what=where)
+        self._refuse_revoked(s, obj.gpu, where)
+        self._refuse_revoked(s, dst.objects[v.hParent].gpu, where)
+        if v.hObject and v.hObject in dst.objects:
+            raise Refusal(f"{where}: handle {v.hObject:#x} already exists",
+                          status=nvstatus.NV_ERR_INSERT_DUPLICATE_NAME, what=where)
+        result = yield from self._call_backend(s, call, req=req)
+        out = abi.decode_ioctl(s.node, req.cmd, result.arg).value
+        if not result.errno and out.status == nvstatus.NV_OK and out.hObject:
+            share(obj, dst.add(out.hObject, obj.rm_class, v.hParent, gpu=obj.gpu))
         return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
     def _esc_rm_objects(self, s, abi, req, call, rule) -> IoctlReply:

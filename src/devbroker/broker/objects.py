@@ -17,6 +17,11 @@ class RmObject:
     gpu: int | None = None  # GPU index this object lives on, inherited from its device
     charged: int = 0  # bytes of device memory this object counts against the tenant
     children: set[int] = field(default_factory=set)
+    # Handles of one underlying object (an allocation and its duplicates, RM_DUP_OBJECT),
+    # in any of the tenant's clients: the same list object for all of them, or None. The
+    # driver keeps the memory until the last of them is freed, so the charge stays with
+    # whichever is left (drop_objects).
+    share: list | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -68,3 +73,25 @@ class RmClient:
             if obj.charged and obj.gpu is not None:
                 out[obj.gpu] = out.get(obj.gpu, 0) + obj.charged
         return out
+
+
+def share(original: RmObject, dup: RmObject) -> None:
+    """dup is a new handle of original's object (RM_DUP_OBJECT): one charge for both."""
+    if original.share is None:
+        original.share = [original]
+    original.share.append(dup)
+    dup.share = original.share
+
+
+def drop_objects(objects) -> None:
+    """These objects left the books (freed, or their client or file went away). A charge
+    shared with a handle that is still there moves to it: the memory is still held."""
+    for obj in objects:
+        members = obj.share
+        if members is None:
+            continue
+        members[:] = [m for m in members if m is not obj]  # by identity
+        obj.share = None
+        if obj.charged and members:
+            members[0].charged += obj.charged
+            obj.charged = 0

@@ -1,0 +1,135 @@
+#!/bin/bash
+# Two GPUs on one host (issue 16), one device-tool call from the repository root:
+#   run(kind="nvidia-h200-x2", command="bash scripts/gpu/run-h200-x2.sh", carry=[".whl"])
+# Tenant A on GPU 0 (16 GiB), B on GPU 1 (24 GiB), C on both (8 GiB each), the real backend,
+# tenants started with plain `devbroker exec` (seccomp front end with real driver files).
+# Writes into $OUT: run.log, results.json, bundle.tgz (audit and broker logs).
+set -u
+OUT=${OUT:-/tmp/h200-x2-out}; mkdir -p "$OUT"
+REPO=$(cd "$(dirname "$0")/../.." && pwd); cd "$REPO"
+W=/tmp/h200-x2-work; rm -rf "$W"; mkdir -p "$W"
+exec > >(tee -a "$OUT/run.log") 2>&1
+export PYTHONUNBUFFERED=1
+PY=$(command -v python3)
+TORCHRUN=$(dirname "$PY")/torchrun
+RUN=/run/devbroker-x2
+RES="$OUT/results.json"; echo '{}' > "$RES"
+step() { echo; echo "=== $* [$(date +%T)]"; }
+put() { "$PY" - "$RES" "$1" "$2" <<'PYEOF'
+import json, sys
+p, k, v = sys.argv[1:4]
+d = json.load(open(p))
+try: d[k] = json.loads(v.strip().splitlines()[-1]) if v.strip() else v
+except Exception: d[k] = v[-3000:]
+json.dump(d, open(p, "w"), indent=1)
+PYEOF
+}
+last() { tail -1; }
+
+step "install carried wheels"
+"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH="$REPO/src:/tmp/site"
+chmod -R a+rX /tmp/site "$REPO" 2>/dev/null
+nvidia-smi -L
+nvidia-smi --query-gpu=index,uuid,pci.bus_id,memory.total,memory.used --format=csv
+nvidia-smi topo -m 2>&1 | head -8
+T2="$PY scripts/gpu/two_gpu_checks.py"
+put host_view "$($T2 view 2>&1 | last)"
+# GPU 0 and 1 as the host sees them (by minor number, what the policy's indexes mean).
+read -r U0 P0 U1 P1 < <("$PY" - <<'PYX'
+import glob, re
+g = {}
+for info in glob.glob("/proc/driver/nvidia/gpus/*/information"):
+    t = open(info).read()
+    minor = int(re.search(r"Device Minor:\s*(\d+)", t).group(1))
+    uuid = re.search(r"GPU UUID:\s*(\S+)", t).group(1)
+    bus = re.search(r"Bus Location:\s*(\S+)", t).group(1)
+    g[minor] = (uuid, bus)
+print(g[0][0], g[0][1], g[1][0], g[1][1])
+PYX
+)
+echo "GPU 0: $U0 $P0; GPU 1: $U1 $P1"
+put host_gpus "{\"0\": [\"$U0\", \"$P0\"], \"1\": [\"$U1\", \"$P1\"]}"
+put host_before "$("$PY" scripts/gpu/tenant_checks.py nvml 2>&1 | last)"
+
+cat > "$W/policy.toml" <<'EOF'
+[broker]
+backend = "real"
+
+[tenant.a]
+gpus = [0]
+memory_quota = "16GiB"
+capabilities = ["nvml", "compute", "uvm"]
+
+[tenant.b]
+gpus = [1]
+memory_quota = "24GiB"
+capabilities = ["nvml", "compute", "uvm"]
+
+[tenant.c]
+gpus = [0, 1]
+memory_quota = "8GiB"
+capabilities = ["nvml", "compute", "uvm"]
+EOF
+
+step "start the broker (real backend, two GPUs)"
+rm -rf "$RUN"; mkdir -p "$RUN"
+"$PY" -m devbroker.cli.main --run-dir "$RUN" run --backend real --policy "$W/policy.toml" \
+   --audit "$W/audit.log" > "$W/broker.log" 2>&1 &
+BROKER=$!
+for i in $(seq 1 150); do [ -S "$RUN/seccomp.sock" ] && [ -S "$RUN/control.sock" ] && break
+  sleep 0.2; kill -0 $BROKER 2>/dev/null || break; done
+[ -S "$RUN/seccomp.sock" ] || { echo "broker did not start"; cat "$W/broker.log"; exit 1; }
+cat "$W/broker.log"
+DB=("$PY" -m devbroker.cli.main --run-dir "$RUN")
+texec() { local t=$1; shift
+  timeout 300 "${DB[@]}" exec --tenant "$t" -- env PYTHONPATH="$PYTHONPATH" PYTHONUNBUFFERED=1 "$@"; }
+
+for t in a b c; do
+  step "tenant $t: what it sees (torch, pynvml, nvidia-smi, /proc)"
+  put "${t}_view" "$(texec $t $T2 view 2>&1 | tail -30)"
+  texec $t nvidia-smi --query-gpu=index,uuid,pci.bus_id,memory.total --format=csv
+  put "${t}_smi" "$(texec $t nvidia-smi --query-gpu=uuid,pci.bus_id,memory.total --format=csv,noheader 2>&1 | paste -sd';')"
+done
+
+step "a cannot reach GPU 1; b cannot reach GPU 0"
+put a_reach_gpu1 "$(texec a $T2 reach "$U1" "$P1" 1 2>&1 | tail -20)"
+put b_reach_gpu0 "$(texec b $T2 reach "$U0" "$P0" 0 2>&1 | tail -20)"
+grep '"deny"' "$W/audit.log" | tail -12 | cut -c1-300
+
+step "quotas on each GPU"
+put a_quota "$(texec a $T2 quota 16 2>&1 | tail -20)"
+put b_quota "$(texec b $T2 quota 24 2>&1 | tail -20)"
+put c_quota "$(texec c $T2 quota 8 2>&1 | tail -20)"
+
+step "c: torchrun, NCCL all-reduce over both GPUs, 100 steps"
+texec c env NCCL_DEBUG=WARN "$TORCHRUN" --standalone --nproc_per_node 2 \
+  scripts/gpu/two_gpu_checks.py ddp 100 > "$W/ddp.txt" 2>&1; echo "torchrun exit $?" >> "$W/ddp.txt"
+tail -25 "$W/ddp.txt"
+put c_ddp "$(grep '"rank"' "$W/ddp.txt" | paste -sd'|')"
+put c_ddp_exit "$(tail -1 "$W/ddp.txt")"
+grep -E '"deny"|"error"' "$W/audit.log" | tail -20 | cut -c1-300
+
+step "kill each tenant's holder: host memory back to the baseline"
+CC="$PY scripts/gpu/cuda_checks.py"
+texec a $CC hold 6 > "$W/hold_a.txt" 2>&1 &
+texec b $CC hold 10 > "$W/hold_b.txt" 2>&1 &
+for i in $(seq 1 200); do grep -q holding "$W/hold_a.txt" && grep -q holding "$W/hold_b.txt" && break; sleep 0.2; done
+nvidia-smi --query-gpu=index,memory.used --format=csv
+put host_holding "$("$PY" scripts/gpu/tenant_checks.py nvml 2>&1 | last)"
+"${DB[@]}" status
+for t in a b; do
+  P=$("${DB[@]}" status --json | "$PY" -c "import json,sys; d=json.load(sys.stdin); print(' '.join(str(p) for t in d['tenants'] if t['name']=='$t' for p in t['processes']))")
+  echo "tenant $t processes: $P; SIGKILL"; [ -n "$P" ] && kill -9 $P
+  sleep 3
+  put "host_after_kill_$t" "$("$PY" scripts/gpu/tenant_checks.py nvml 2>&1 | last)"
+done
+nvidia-smi --query-gpu=index,memory.used --format=csv
+
+step "stop the broker"
+kill -TERM $BROKER; wait $BROKER; echo "broker exit $?"
+grep -E '"deny"|"error"' "$W/audit.log" | head -40 | cut -c1-300
+tail -20 "$W/broker.log"
+cat "$RES" | head -c 20000
+tar czf "$OUT/bundle.tgz" -C "$W" .
