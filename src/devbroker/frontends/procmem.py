@@ -81,6 +81,30 @@ def vm_write(pid: int, addr: int, data: bytes) -> None:
     _transfer(_libc.process_vm_writev, pid, addr, buf, len(data))
 
 
+def vm_write_many(pid: int, writes: list[tuple[int, bytes]]) -> None:
+    """Several writes into process pid with one process_vm_writev (a call's nested results
+    and its argument: one system call instead of two). If the kernel stops short (a page
+    that faults), the writes are redone one by one so that the failing one raises."""
+    writes = [(a, bytes(d)) for a, d in writes if d]
+    if not writes:
+        return
+    if len(writes) == 1:
+        vm_write(pid, *writes[0])
+        return
+    for a, d in writes:
+        _check_range(pid, a, len(d))
+    bufs = [ctypes.create_string_buffer(d, len(d)) for _a, d in writes]
+    local = (_IoVec * len(writes))(*[_IoVec(ctypes.addressof(b), len(d))
+                                     for b, (_a, d) in zip(bufs, writes)])
+    remote = (_IoVec * len(writes))(*[_IoVec(a, len(d)) for a, d in writes])
+    total = sum(len(d) for _a, d in writes)
+    got = _libc.process_vm_writev(pid, local, len(writes), remote, len(writes), 0)
+    if got == total:
+        return
+    for a, d in writes:  # partial or failed: find the write that fails, in order
+        vm_write(pid, a, d)
+
+
 def pidfd_getfd(pid: int, fd: int) -> int:
     """Duplicate process pid's file descriptor fd into this process (close-on-exec).
 

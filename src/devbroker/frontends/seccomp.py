@@ -59,6 +59,7 @@ from devbroker.broker.interface import (
 )
 from devbroker.backends.tenantfile import drop_driver_capabilities_for_thread
 from devbroker.frontends import seccompwire as w
+from devbroker.frontends.procmem import vm_write_many
 
 log = logging.getLogger("devbroker.seccomp")
 
@@ -245,19 +246,32 @@ class SupervisorStats:
 
 class _NotifMemory:
     """TenantMemory of the notifying thread. Reads are confirmed together by the broker
-    (IoctlRequest.confirm, before it acts on them); each write is preceded by
-    NOTIF_ID_VALID, so that no write reaches a thread that reused the caller's tid."""
+    (IoctlRequest.confirm, before it acts on them). Writes are collected and made at the
+    end of the call, together with the argument's (one NOTIF_ID_VALID, so that no write
+    reaches a thread that reused the caller's tid, and one process_vm_writev: issue 14);
+    nothing the broker decides depends on them having happened earlier."""
 
     def __init__(self, sup: "SeccompSupervisor", tid: int, nid: int):
         self._sup, self._tid, self._nid = sup, tid, nid
+        self.pending: list[tuple[int, bytes]] = []
 
     def read(self, addr: int, length: int) -> bytes:
         return _vm_read(self._tid, addr, length)
 
     def write(self, addr: int, data: bytes) -> None:
-        if not self._sup.id_valid(self._nid):
-            raise OSError(errno.ESRCH, "the calling thread went away")
-        _vm_write(self._tid, addr, data)
+        self.pending.append((addr, bytes(data)))
+
+
+class _Writes:
+    """WriteMemory's target for a call's collected writes: write(_, _) makes them all."""
+
+    __slots__ = ("tid", "writes")
+
+    def __init__(self, tid: int, writes: list[tuple[int, bytes]]):
+        self.tid, self.writes = tid, writes
+
+    def write(self, _addr: int, _data: bytes) -> None:
+        vm_write_many(self.tid, self.writes)
 
 
 class _TaskMemory:
@@ -916,6 +930,8 @@ class SeccompSupervisor:
         else:
             reply = yield Await(self.broker.ioctl, (req,))
         if reply.errno:
+            # (writes the broker made before failing, if any, are dropped with the call:
+            # the driver's own failures leave the caller's buffers as they were)
             return w.NotifResp.fail(n.id, reply.errno)
         if reply.run_in_caller:
             if not sess.real:
@@ -927,22 +943,26 @@ class SeccompSupervisor:
                 return self._refuse_privileged(n, caller, cmd)
             self.stats.continued_decided += 1
             return w.NotifResp.cont(n.id)
+        writes = memory.pending
         if reply.arg_out is not None:
             out = bytes(reply.arg_out)
             if arg is not None and len(out) != len(arg):
                 log.error("seccomp: broker returned %d bytes for a %d-byte argument (cmd %#x)",
                           len(out), len(arg), cmd)
                 return w.NotifResp.fail(n.id, errno.EIO)
+            writes.append((argp, out))
+        if writes:
             if not self.id_valid(n.id):
                 self.stats.stale += 1
                 return None
             try:
-                yield WriteMemory(_TaskMemory(tid), argp, out, self.tenant,
-                                  f"write of ioctl {cmd:#x}'s result")
+                yield WriteMemory(_Writes(tid, writes), argp, b"", self.tenant,
+                                  f"write of ioctl {cmd:#x}'s results")
             except memgate.MemoryAccessRefused as e:
                 self._audit_memory(tid, f"ioctl {cmd:#x}", e)
                 return w.NotifResp.fail(n.id, errno.EFAULT)
-            except OSError:
+            except OSError as e:
+                self._audit_memory(tid, f"ioctl {cmd:#x}", e)
                 return w.NotifResp.fail(n.id, errno.EFAULT)
         return w.NotifResp.ok(n.id, reply.result)
 
