@@ -395,6 +395,14 @@ CONTROLS.update({c: ControlRule("compute", "used by CUDA on the tenant's own obj
                                 "(seen in the PyTorch trace)") for c in _COMPUTE_CONTROLS})
 CONTROLS[0x83DE0309] = ControlRule("compute", "which SM exceptions the tenant's own context "
                                    "reports (its own debugger object)")
+# Seen from NCCL/torch.distributed across two GPUs on the two-H200 host (issue 16).
+CONTROLS[0x12B] = ControlRule("compute", "NV0000_CTRL_CMD_SYSTEM_GET_P2P_CAPS_V2: peer "
+                              "capabilities between GPU ids the caller names; every id in "
+                              "gpuIds[gpuCount] must be one of the tenant's GPUs (checked by "
+                              "the ABI's GPU-id fields) and the peer ids come back inline")
+CONTROLS[0xA06C0105] = ControlRule("compute", "NVA06C_CTRL_CMD_PREEMPT: preempts the tenant's "
+                                   "own channel group (the object is checked to be the "
+                                   "tenant's)")
 
 REFUSED_CONTROLS: dict[int, str] = {
     0x20800134: "ECC configuration", 0x20800136: "ECC configuration",

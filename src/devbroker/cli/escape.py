@@ -21,6 +21,9 @@ def add_parser(sub) -> None:
                         "guest, ~1-2 min per boot)")
     p.add_argument("--guest-timeout", type=float, default=900,
                    help="kmod/cuse: limit for the whole guest boot in seconds (default 900)")
+    p.add_argument("--backend", choices=["emulated", "real"], default="emulated",
+                   help="emulated (default) or real: the same tenants against the host's "
+                        "NVIDIA driver (GPUs 0 and 1; fuse or seccomp; CUDA's capabilities)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--only", action="append", metavar="ATTACK_ID",
                    help="run only these attacks (repeatable; 'flood' for the flood)")
@@ -48,9 +51,13 @@ def cmd_escape_test(args) -> int:
                 timeout=args.guest_timeout, workdir=args.workdir)[args.frontend]
         else:
             report = run_escape_tests(args.frontend, ids=args.only, flood=not args.no_flood,
-                                      workdir=args.workdir)
+                                      workdir=args.workdir, backend=args.backend)
     except (PermissionError, GuestUnavailable) as e:
         print(f"devbroker escape-test: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the real backend on a host without the driver, for one
+        print(f"devbroker escape-test: cannot start the {args.backend} backend: {e}",
+              file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))

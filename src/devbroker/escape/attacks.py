@@ -1527,8 +1527,10 @@ ATTACKS: list[Attack] = [
            "held by another tenant", a_client_collision, True),
     Attack("guess-handles", "sweep ~250 candidate client handles", "cross-tenant", E,
            ("NV_ERR_INVALID_CLIENT",), "broker", "not this tenant's", a_guess_handles, True),
+    # RM_DUP_OBJECT is allowed inside a tenant (issue 16): from another tenant's client the
+    # broker answers as the driver answers an unknown client.
     Attack("dup-object", "RM_DUP_OBJECT from the victim's client", "cross-tenant", E,
-           ("EPERM",), "broker", "NV_ESC_RM_DUP_OBJECT", a_dup_object, True),
+           ("NV_ERR_INVALID_CLIENT",), "broker", "RM_DUP_OBJECT", a_dup_object, True),
     Attack("share", "RM_SHARE of an object with other clients", "cross-tenant", E, ("EPERM",),
            "broker", "NV_ESC_RM_SHARE", a_share),
     Attack("attach-foreign", "ATTACH/DETACH_IDS, GET_ID_INFO_V2, device 0x80 on the victim's GPU",
@@ -1578,7 +1580,9 @@ _CLASS_WHY = {0x83DE: "debugger", 0x90CC: "profiler", 0xB0CC: "profiler", 0xB1CC
               0xC640: "MIG monitor capability", 0x0F: "fabric manager capability",
               0xF1: "IMEX capability", 0xC2: "LOCAL_PHYSICAL video memory",
               0x3F: "privileged local memory", 0x42: "extended user memory (unaccounted)",
-              0xF8: "fabric memory (unaccounted)", 0xFD: "multicast fabric memory"}
+              0xFD: "multicast fabric memory"}
+# (0xF8, NV_MEMORY_FABRIC, is allowed since issue 16: an address range over the tenant's own
+# memory, which the driver takes only from the caller's own client.)
 for _cls, _why in _CLASS_WHY.items():
     ATTACKS.append(Attack(f"class-{_cls:04x}", f"RM_ALLOC class {_cls:#x} ({_why})",
                           "privileged class", F, ("NV_ERR_INSUFFICIENT_PERMISSIONS",), "broker",

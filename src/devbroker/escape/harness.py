@@ -72,6 +72,28 @@ memory_quota = "64MiB"
 rate_limit = {{ requests_per_second = {FLOOD_RATE}, burst = 10 }}
 """
 
+# The same tenants against the real driver (issues 12 and 16): the host's GPUs 0 and 1 are
+# the policy's (the attacks need a GPU only the victim has: a host with two GPUs), and the
+# tenants get CUDA's capabilities, as a CUDA tenant would.
+REAL_CAPABILITIES = ["nvml", "compute", "uvm"]
+
+
+def policy_text(backend: str) -> str:
+    """The harness's policy for a backend: "emulated" (two emulated H200s) or "real"."""
+    if backend == "emulated":
+        return POLICY
+    if backend != "real":
+        raise ValueError(f"backend {backend!r}: emulated or real")
+    head, tenants = POLICY.split(f"[tenant.{VICTIM}]", 1)
+    head = head.split("[[broker.gpu]]", 1)[0]
+    head = head.replace('backend = "emulated"', 'backend = "real"')
+    head = "".join(l for l in head.splitlines(True) if not l.startswith("driver_version"))
+    caps = f"capabilities = {json.dumps(REAL_CAPABILITIES)}\n"
+    body = f"[tenant.{VICTIM}]" + tenants
+    return head + "".join(line + (caps if line.startswith("[tenant.") else "")
+                          for line in body.splitlines(True))
+
+
 SRC = str(Path(__file__).resolve().parents[2])
 GUEST_FRONT_ENDS = ("kmod", "cuse")
 FRONT_ENDS = ("fuse", "seccomp", *GUEST_FRONT_ENDS)
@@ -239,10 +261,10 @@ def _read_audit(path: Path) -> list[dict]:
 
 # --------------------------------------------------------------------------- FUSE
 class _FuseBroker:
-    def __init__(self, work: Path):
+    def __init__(self, work: Path, policy: str = POLICY):
         self.run_dir = work / "run"
         self.policy = work / "policy.toml"
-        self.policy.write_text(POLICY)
+        self.policy.write_text(policy)
         self.log = open(work / "broker.log", "w+")
         self.proc = subprocess.Popen(
             self.cli("run", "--policy", str(self.policy)), stdout=self.log,
@@ -288,8 +310,9 @@ class _FuseBroker:
         self.log.close()
 
 
-def _run_fuse(attacks: list[Attack], work: Path, flood: bool, report: Report) -> None:
-    b = _FuseBroker(work)
+def _run_fuse(attacks: list[Attack], work: Path, flood: bool, report: Report,
+              backend: str = "emulated") -> None:
+    b = _FuseBroker(work, policy_text(backend))
     victim = None
     try:
         sock = f"devbroker-escape-{uuid.uuid4().hex[:12]}"
@@ -341,7 +364,8 @@ def _run_fuse(attacks: list[Attack], work: Path, flood: bool, report: Report) ->
 
 
 # --------------------------------------------------------------------------- seccomp
-def _run_seccomp(attacks: list[Attack], work: Path, flood: bool, report: Report) -> None:
+def _run_seccomp(attacks: list[Attack], work: Path, flood: bool, report: Report,
+                 backend: str = "emulated") -> None:
     import trio
 
     from devbroker.broker.audit import AuditLog
@@ -350,11 +374,15 @@ def _run_seccomp(attacks: list[Attack], work: Path, flood: bool, report: Report)
     from devbroker.daemon import make_backend
     from devbroker.frontends.seccomp import default_nodes, run_tenant
 
-    policy = load_policy_text(POLICY, "escape-test policy")
+    policy = load_policy_text(policy_text(backend), "escape-test policy")
     audit_path = work / "audit.log"
     audit = AuditLog(audit_path)
     broker = Broker(policy, make_backend(policy, notice=lambda m: audit.write("notice",
                                                                               message=m)), audit)
+    # Real driver files with the real backend (what CUDA gets), placeholders otherwise.
+    real_files = bool(getattr(broker.backend, "tenant_files", False))
+    if real_files:
+        broker.backend.prepare_tenant_files()
 
     def nodes(tenant: str):
         return default_nodes(gpus=list(policy.tenants[tenant].gpus))
@@ -374,7 +402,7 @@ def _run_seccomp(attacks: list[Attack], work: Path, flood: bool, report: Report)
         vout = open(work / "victim.out", "w")
         async with trio.open_nursery() as nursery:
             v = await nursery.start(lambda task_status=trio.TASK_STATUS_IGNORED: run_tenant(
-                _victim_argv(sock), broker=broker, tenant=VICTIM, nodes=nodes(VICTIM),
+                _victim_argv(sock), broker=broker, tenant=VICTIM, nodes=nodes(VICTIM), real_files=real_files,
                 stdin=subprocess.PIPE, stdout=vout, stderr=subprocess.DEVNULL, env=env,
                 task_status=task_status))
             vinfo = await read_line(work / "victim.out")
@@ -388,7 +416,8 @@ def _run_seccomp(attacks: list[Attack], work: Path, flood: bool, report: Report)
             with open(work / "attacker.out", "w") as aout, open(work / "attacker.err", "w") as aerr:
                 with trio.fail_after(300):
                     rc = await run_tenant(_tenant_argv(*[a.id for a in attacks]), broker=broker,
-                                          tenant=ATTACKER, nodes=nodes(ATTACKER), stdout=aout,
+                                          tenant=ATTACKER, nodes=nodes(ATTACKER),
+                                          real_files=real_files, stdout=aout,
                                           stderr=aerr, stdin=subprocess.DEVNULL, env=aenv)
             if rc != 0:
                 report.notes.append(f"attacker exited {rc}: "
@@ -403,13 +432,15 @@ def _run_seccomp(attacks: list[Attack], work: Path, flood: bool, report: Report)
                     async def flooder():
                         with open(fo, "w") as f:
                             await run_tenant(_tenant_argv("--flood", str(FLOOD_N)), broker=broker,
-                                             tenant=FLOODER, nodes=nodes(FLOODER), stdout=f,
+                                             tenant=FLOODER, nodes=nodes(FLOODER),
+                                             real_files=real_files, stdout=f,
                                              stderr=subprocess.DEVNULL, env=env)
                     n2.start_soon(flooder)
                     await read_line(fo)
                     with open(co, "w") as f:
                         await run_tenant(_tenant_argv("--calls", str(CALLS_N)), broker=broker,
-                                         tenant=VICTIM, nodes=nodes(VICTIM), stdout=f,
+                                         tenant=VICTIM, nodes=nodes(VICTIM),
+                                         real_files=real_files, stdout=f,
                                          stderr=subprocess.DEVNULL, env=env)
                 fdone = next((x for x in _lines(fo.read_text()) if x.get("what") == "flood-done"),
                              None)
@@ -546,7 +577,8 @@ def run_guest_escape_tests(front_ends: tuple[str, ...] | list[str] = GUEST_FRONT
 
 # --------------------------------------------------------------------------- entry
 def run_escape_tests(front_end: str = "fuse", *, ids: list[str] | None = None,
-                     flood: bool = True, workdir: str | Path | None = None) -> Report:
+                     flood: bool = True, workdir: str | Path | None = None,
+                     backend: str = "emulated") -> Report:
     if front_end in GUEST_FRONT_ENDS:
         return run_guest_escape_tests([front_end], ids=ids, flood=flood,
                                       workdir=workdir)[front_end]
@@ -566,9 +598,9 @@ def run_escape_tests(front_end: str = "fuse", *, ids: list[str] | None = None,
         work.mkdir(parents=True, exist_ok=True)
     try:
         if front_end == "fuse":
-            _run_fuse(attacks, work, flood, report)
+            _run_fuse(attacks, work, flood, report, backend)
         else:
-            _run_seccomp(attacks, work, flood, report)
+            _run_seccomp(attacks, work, flood, report, backend)
     finally:
         if tmp is not None:
             tmp.cleanup()

@@ -1147,6 +1147,7 @@ async def run_tenant(
     tenant: str,
     nodes: Mapping[str, NodeSpec | tuple[NodeKind, int]] | None = None,
     opts: w.FilterOptions = w.FilterOptions(),
+    real_files: bool = False,
     task_status=trio.TASK_STATUS_IGNORED,
     **process_kw,
 ) -> int:
@@ -1157,8 +1158,9 @@ async def run_tenant(
     :func:`default_nodes`. ``process_kw`` goes to :func:`trio.lowlevel.open_process`
     (env, cwd, stdin, stdout, stderr, pass_fds, …). With ``nursery.start(run_tenant, …)``
     the started value is a :class:`Tenant` (process handle, supervisor, stats).
+    ``real_files``: the broker's backend hands out real driver files (the real backend).
     """
-    sup = SeccompSupervisor(broker, tenant, nodes)
+    sup = SeccompSupervisor(broker, tenant, nodes, real_files=real_files)
     parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         pass_fds = tuple(process_kw.pop("pass_fds", ())) + (child.fileno(),)
