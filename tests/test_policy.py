@@ -6,9 +6,10 @@ import textwrap
 import pytest
 
 from devbroker.broker.allow import CAPABILITIES, DEFAULT_CAPABILITIES
+from devbroker.broker.limits import TenantLimits
 from devbroker.broker.policy import (
-    Policy, PolicyError, RateLimit, default_policy, format_size, load_policy,
-    load_policy_text, parse_size,
+    DEFAULT_RATE_LIMIT, ControlAccess, Policy, PolicyError, RateLimit, default_policy,
+    format_size, load_policy, load_policy_text, parse_size,
 )
 
 GiB = 1 << 30
@@ -87,7 +88,10 @@ def test_good_file_values(tmp_path):
     bob = p.tenants["bob"]
     assert bob.memory_quota == GiB
     assert bob.capabilities == tuple(DEFAULT_CAPABILITIES)  # absent: the default set
-    assert bob.rate_limit is None and bob.uids is None
+    # absent: every tenant is paced at the default rate (issue 13 item 8), and holds at
+    # most the default counts
+    assert bob.rate_limit == DEFAULT_RATE_LIMIT and bob.uids is None
+    assert bob.limits == TenantLimits()
 
 
 def test_array_of_tables_form_and_defaults():
@@ -338,6 +342,60 @@ def test_rate_limit_and_uids_errors():
         memory_quota = 1
     """)
     assert (e.line, e.reason) == (19, "gpus lists 0 twice")
+
+
+def test_limits_and_control_access_load_round_trip_and_errors():
+    p = load_policy_text(GPUS + textwrap.dedent("""
+        [tenant.a]
+        gpus = [0]
+        memory_quota = 1
+        limits = { open_files = 64, rm_objects = 1000 }
+
+        [control]
+        admin_uids = [1000]
+        readonly_uids = [1001, 1002]
+        readonly_groups = [27]
+    """), "t.toml")
+    a = p.tenants["a"]
+    assert a.limits == TenantLimits(open_files=64, rm_clients=TenantLimits().rm_clients,
+                                    rm_objects=1000)
+    assert p.control == ControlAccess(admin_uids=(1000,), readonly_uids=(1001, 1002),
+                                      readonly_groups=(27,))
+    assert p.control.opens_socket() and not ControlAccess().opens_socket()
+    assert load_policy_text(p.to_toml()) == p
+    assert "at most 64 open files" in p.describe()
+    e = error("""
+        [tenant.a]
+        gpus = [0]
+        memory_quota = 1
+        limits = { open_files = 0 }
+    """)
+    assert e.line == 21 and "limits.open_files must be at least 1" in e.reason
+    e = error("""
+        [tenant.a]
+        gpus = [0]
+        memory_quota = 1
+        limits = { rm_object = 5 }
+    """)
+    assert e.line == 21 and "unknown key 'rm_object' in limits" in e.reason
+    e = error("""
+        [tenant.a]
+        gpus = [0]
+        memory_quota = 1
+
+        [control]
+        readonly_uids = [0]
+    """)
+    assert e.line == 23 and "root is always admin" in e.reason
+    e = error("""
+        [tenant.a]
+        gpus = [0]
+        memory_quota = 1
+
+        [control]
+        admins = [5]
+    """)
+    assert e.line == 23 and "unknown key 'admins' in [control]" in e.reason
 
 
 def test_subtable_under_array_of_tables_is_located():

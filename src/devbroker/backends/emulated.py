@@ -73,6 +73,7 @@ class EmuObject:
     children: set[int] = field(default_factory=set)
     # Handles of one object (RM_DUP_OBJECT): the memory is released with the last of them.
     share: list | None = field(default=None, repr=False, compare=False)
+    client: Any = field(default=None, repr=False, compare=False)  # the EmuClient holding it
 
 
 @dataclass
@@ -106,6 +107,12 @@ class EmulatedBackend:
         self._client_ids = itertools.count(1)
         self._object_ids = itertools.count(1)
         self.used = {g.index: 0 for g in self._gpus}
+        # Indexes kept as objects come and go, so that no call's work grows with the clients
+        # and objects other tenants hold (issue 13 item 8: with 132k parked clients each
+        # GET_ID_INFO_V2 walked all of them for the in-use flag, ~26 ms a call).
+        self._clients_of_file: dict[int, set[int]] = {}  # file id -> client handles
+        self._devices_on: dict[int, int] = {}  # GPU -> device objects (GET_ID_INFO in-use)
+        self._held: dict[int, dict[int, int]] = {}  # GPU -> {tgid: device memory bytes}
         self.notice = notice or (lambda msg: log.info("%s", msg))
         self._noticed: set = set()
         self.memblock_size = _host_memblock_size()
@@ -128,7 +135,7 @@ class EmulatedBackend:
     def close(self, file: EmuFile) -> None:
         with self._calls:
             self.files.pop(file.id, None)
-            for h in [h for h, c in self.clients.items() if c.file_id == file.id]:
+            for h in list(self._clients_of_file.get(file.id, ())):
                 self._free_client(h)
 
     def map_read(self, file: EmuFile, offset: int, length: int) -> bytes:
@@ -175,22 +182,50 @@ class EmulatedBackend:
         c = self.clients.pop(h, None)
         if c is None:
             return
+        owned = self._clients_of_file.get(c.file_id)
+        if owned is not None:
+            owned.discard(h)
+            if not owned:
+                del self._clients_of_file[c.file_id]
         for obj in c.objects.values():
-            self._release(obj)
+            self._release(c, obj)
 
-    def _release(self, obj: EmuObject) -> None:
-        """A handle is gone: its memory goes back unless another handle of the same object
-        (a duplicate) still holds it."""
+    def _release(self, c: EmuClient, obj: EmuObject) -> None:
+        """A handle of client c is gone: out of the indexes; its memory goes back unless
+        another handle of the same object (a duplicate) still holds it, which then holds it."""
+        self._unindex(c, obj)
         members = obj.share
         if members is not None:
             members[:] = [m for m in members if m is not obj]
             obj.share = None
-            if members:
-                members[0].size += obj.size
+            if members and obj.size:
+                heir = members[0]
+                self._unindex(heir.client, heir)
+                heir.size += obj.size
+                self._index(heir.client, heir)
                 obj.size = 0
-                return
-        if obj.size and obj.gpu is not None:
+
+    def _index(self, c: EmuClient, obj: EmuObject) -> None:
+        if obj.gpu is None or c is None:
+            return
+        if obj.rm_class == 0x80:
+            self._devices_on[obj.gpu] = self._devices_on.get(obj.gpu, 0) + 1
+        if obj.size:
+            self.used[obj.gpu] += obj.size
+            held = self._held.setdefault(obj.gpu, {})
+            held[c.tgid] = held.get(c.tgid, 0) + obj.size
+
+    def _unindex(self, c: EmuClient, obj: EmuObject) -> None:
+        if obj.gpu is None or c is None:
+            return
+        if obj.rm_class == 0x80:
+            self._devices_on[obj.gpu] -= 1
+        if obj.size:
             self.used[obj.gpu] -= obj.size
+            held = self._held[obj.gpu]
+            held[c.tgid] -= obj.size
+            if not held[c.tgid]:
+                del held[c.tgid]
 
     # ------------------------------------------------------------------ frontend escapes
     def NV_ESC_CHECK_VERSION_STR(self, f, dc):
@@ -250,8 +285,9 @@ class EmulatedBackend:
             if h in self.clients:
                 return self._status(dc, nvs.NV_ERR_INSERT_DUPLICATE_NAME)
             c = EmuClient(h, f.id, dc.tgid)
-            c.objects[h] = EmuObject(h, cls, 0)
+            c.objects[h] = EmuObject(h, cls, 0, client=c)
             self.clients[h] = c
+            self._clients_of_file.setdefault(f.id, set()).add(h)
             return self._status(dc, nvs.NV_OK, hObjectNew=h)
         c = self.clients.get(v.hRoot)
         if c is None:
@@ -272,11 +308,10 @@ class EmulatedBackend:
         status, gpu, size, params = alloc(self, c, parent, params)
         if status != nvs.NV_OK:
             return self._status(dc, status)
-        obj = EmuObject(h, cls, parent.handle, gpu=gpu, size=size)
+        obj = EmuObject(h, cls, parent.handle, gpu=gpu, size=size, client=c)
         c.objects[h] = obj
         parent.children.add(h)
-        if size:
-            self.used[gpu] += size
+        self._index(c, obj)
         nested = params.encode() if params is not None else dc.nested
         return self._status(dc, nvs.NV_OK, nested=nested, hObjectNew=h)
 
@@ -354,7 +389,7 @@ class EmulatedBackend:
             if obj is None:
                 continue
             stack.extend(obj.children)
-            self._release(obj)
+            self._release(c, obj)
             par = c.objects.get(obj.parent)
             if par:
                 par.children.discard(obj.handle)
@@ -376,13 +411,14 @@ class EmulatedBackend:
         h = v.hObject or (0xCAF00000 | next(self._object_ids))
         if h in dst.objects:
             return self._status(dc, nvs.NV_ERR_INSERT_DUPLICATE_NAME)
-        new = EmuObject(h, obj.rm_class, parent.handle, gpu=obj.gpu)
+        new = EmuObject(h, obj.rm_class, parent.handle, gpu=obj.gpu, client=dst)
         if obj.share is None:
             obj.share = [obj]
         obj.share.append(new)
         new.share = obj.share
         dst.objects[h] = new
         parent.children.add(h)
+        self._index(dst, new)  # a duplicated device counts for the in-use flag too
         return self._status(dc, nvs.NV_OK, hObject=h)
 
     def NV_ESC_RM_MAP_MEMORY(self, f, dc):
@@ -458,21 +494,15 @@ class EmulatedBackend:
 
     def device_in_use(self, gpu: int) -> bool:
         """A device object of this GPU exists in some client (GET_ID_INFO's IN_USE flag)."""
-        return any(o.rm_class == 0x80 and o.gpu == gpu
-                   for c in self.clients.values() for o in c.objects.values())
+        return self._devices_on.get(gpu, 0) > 0
 
     def memory_by_pid(self, gpu: int) -> dict[int, int]:
         """Device memory each process (tgid) holds on this GPU through its clients."""
-        out: dict[int, int] = {}
-        for c in self.clients.values():
-            n = sum(o.size for o in c.objects.values() if o.gpu == gpu)
-            if n:
-                out[c.tgid] = out.get(c.tgid, 0) + n
-        return out
+        return dict(self._held.get(gpu, {}))
 
     def pids_on(self, gpu: int) -> list[int]:
-        return sorted({c.tgid for c in self.clients.values()
-                       if any(o.gpu == gpu and o.size for o in c.objects.values())})
+        """The processes holding device memory on this GPU (what GET_PIDS lists)."""
+        return sorted(self._held.get(gpu, {}))
 
 
 def _host_memblock_size() -> int | None:

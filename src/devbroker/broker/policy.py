@@ -16,7 +16,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from devbroker.broker import limits as _limits
 from devbroker.broker.allow import CAPABILITIES, DEFAULT_CAPABILITIES
+from devbroker.broker.limits import TenantLimits
 
 BACKENDS = ("emulated", "real")
 DEFAULT_DRIVER_VERSION = "535.309.01"
@@ -59,14 +61,37 @@ class RateLimit:
     burst: int
 
 
+# What a tenant without `rate_limit` gets (broker/limits.py says why this much).
+DEFAULT_RATE_LIMIT = RateLimit(_limits.DEFAULT_RATE, _limits.DEFAULT_BURST)
+
+
 @dataclass(frozen=True)
 class TenantPolicy:
     name: str
     gpus: tuple[int, ...]
     memory_quota: int  # bytes, on each of the tenant's GPUs
     capabilities: tuple[str, ...]
-    rate_limit: RateLimit | None = None  # None: unlimited
+    # Paces every request kind (opens, page and /proc reads, lookups, ioctls). None (only
+    # from code, never from a file: a file without the key gets DEFAULT_RATE_LIMIT): unpaced.
+    rate_limit: RateLimit | None = None
     uids: tuple[int, ...] | None = None  # None: any uid may use the tenant's nodes
+    limits: TenantLimits = _limits.DEFAULTS  # open files, RM clients, RM objects
+
+
+@dataclass(frozen=True)
+class ControlAccess:
+    """Who may use the control socket, besides root of the broker's pid namespace (always
+    admin). Checked against the caller's SO_PEERCRED uid and its groups (docs/security.md)."""
+
+    admin_uids: tuple[int, ...] = ()
+    admin_groups: tuple[int, ...] = ()
+    readonly_uids: tuple[int, ...] = ()
+    readonly_groups: tuple[int, ...] = ()
+
+    def opens_socket(self) -> bool:
+        """Whether anyone but root may connect (the socket is then 0666, the run dir 0711)."""
+        return any((self.admin_uids, self.admin_groups, self.readonly_uids,
+                    self.readonly_groups))
 
 
 @dataclass(frozen=True)
@@ -82,6 +107,7 @@ class Policy:
     broker: BrokerConfig
     tenants: Mapping[str, TenantPolicy]  # read-only mapping, in file order
     source: str = field(default="<policy>", compare=False)
+    control: ControlAccess = ControlAccess()
 
     def to_toml(self) -> str:
         """Canonical TOML; load_policy_text(p.to_toml()) == p."""
@@ -104,6 +130,14 @@ class Policy:
                            f"burst = {t.rate_limit.burst} }}")
             if t.uids is not None:
                 out.append(f"uids = [{', '.join(map(str, t.uids))}]")
+            if t.limits != _limits.DEFAULTS:
+                out.append("limits = { " + ", ".join(f"{k} = {getattr(t.limits, k)}"
+                                                     for k in _limits.KEYS) + " }")
+        c = self.control
+        if c != ControlAccess():
+            out += ["", "[control]"]
+            for key in _CONTROL_KEYS:
+                out.append(f"{key} = [{', '.join(map(str, getattr(c, key)))}]")
         return "\n".join(out) + "\n"
 
     def describe(self) -> str:
@@ -117,14 +151,22 @@ class Policy:
             lines.append("  GPUs: the host's")
         for t in self.tenants.values():
             rate = (f"{t.rate_limit.requests_per_second:g} req/s, burst {t.rate_limit.burst}"
-                    if t.rate_limit else "unlimited")
+                    if t.rate_limit else "unpaced")
             uids = ", ".join(map(str, t.uids)) if t.uids is not None else "any"
             lines.append(f"  tenant {t.name}: GPUs {', '.join(map(str, t.gpus))}; "
                          f"quota {format_size(t.memory_quota)} per GPU; "
                          f"capabilities {', '.join(t.capabilities) or '(none)'}; "
-                         f"rate {rate}; uids {uids}")
+                         f"rate {rate}; uids {uids}; at most {t.limits.open_files} open "
+                         f"files, {t.limits.rm_clients} RM clients, {t.limits.rm_objects} "
+                         "RM objects")
         if not self.tenants:
             lines.append("  no tenants")
+        c = self.control
+        lines.append(f"  control socket: admin root (broker's pid namespace)"
+                     f"{', uids ' + ', '.join(map(str, c.admin_uids)) if c.admin_uids else ''}"
+                     f"{', gids ' + ', '.join(map(str, c.admin_groups)) if c.admin_groups else ''}"
+                     f"; read-only uids {', '.join(map(str, c.readonly_uids)) or '-'}, "
+                     f"gids {', '.join(map(str, c.readonly_groups)) or '-'}")
         return "\n".join(lines)
 
 
@@ -274,7 +316,7 @@ class _Loader:
 
     # -- sections
     def policy(self, data: dict) -> Policy:
-        self.table(data, (), {"broker": "", "tenant": ""}, "the policy")
+        self.table(data, (), {"broker": "", "tenant": "", "control": ""}, "the policy")
         broker = self.broker(data.get("broker", {}))
         tenants: dict[str, TenantPolicy] = {}
         raw = data.get("tenant", {})
@@ -293,7 +335,19 @@ class _Loader:
                 tenants[name] = self.tenant(name, t, ("tenant", name), broker)
         else:
             self.fail(("tenant",), "tenant must be [tenant.NAME] tables or [[tenant]] entries")
-        return Policy(broker=broker, tenants=MappingProxyType(tenants), source=self.name)
+        control = self.control(data.get("control", {}))
+        return Policy(broker=broker, tenants=MappingProxyType(tenants), source=self.name,
+                      control=control)
+
+    def control(self, c: Any) -> ControlAccess:
+        path = ("control",)
+        self.table(c, path, {k: "" for k in _CONTROL_KEYS}, "[control]")
+        got = {k: self.int_list(c[k], path + (k,), k) for k in _CONTROL_KEYS if k in c}
+        for k, ids in got.items():
+            if 0 in ids:
+                self.fail(path + (k,), f"{k} lists 0: root is always admin; a read-only "
+                                       "root would be a false promise")
+        return ControlAccess(**got)
 
     def broker(self, b: Any) -> BrokerConfig:
         path = ("broker",)
@@ -386,16 +440,32 @@ class _Loader:
                                      f"(known: {', '.join(sorted(CAPABILITIES))})")
             if c not in caps:
                 caps.append(c)
-        rate = None
+        rate = DEFAULT_RATE_LIMIT
         if "rate_limit" in t:
             rate = self.rate_limit(t["rate_limit"], path + ("rate_limit",))
+        limits = _limits.DEFAULTS
+        if "limits" in t:
+            limits = self.limits(t["limits"], path + ("limits",))
         uids = None
         if "uids" in t:
             uids = self.int_list(t["uids"], path + ("uids",), "uids")
             if not uids:
                 self.fail(path + ("uids",), "uids = [] admits nobody; omit it to admit any uid")
         return TenantPolicy(name=name, gpus=gpus, memory_quota=quota, capabilities=tuple(caps),
-                            rate_limit=rate, uids=uids)
+                            rate_limit=rate, uids=uids, limits=limits)
+
+    def limits(self, lim: Any, path: tuple) -> TenantLimits:
+        self.table(lim, path, {k: "" for k in _limits.KEYS}, "limits")
+        got = {}
+        for key in _limits.KEYS:
+            if key in lim:
+                # 1 at least: a tenant that may hold no file or client could run nothing,
+                # which is what removing it from the policy is for.
+                got[key] = self.integer(lim[key], path + (key,), f"limits.{key}", 1)
+                if got[key] > _LIMIT_MAX:
+                    self.fail(path + (key,), f"limits.{key} = {got[key]} is beyond any "
+                                             f"sane use (at most {_LIMIT_MAX})")
+        return TenantLimits(**got)
 
     def rate_limit(self, r: Any, path: tuple) -> RateLimit:
         self.table(r, path, _RATE_KEYS, "rate_limit")
@@ -411,7 +481,11 @@ class _Loader:
 
 _BROKER_KEYS = {"backend": "", "driver_version": "", "audit_log": "", "gpu": ""}
 _GPU_KEYS = {"name": "", "uuid": "", "pci_bus_id": "", "memory": ""}
-_TENANT_KEYS = {"gpus": "", "memory_quota": "", "capabilities": "", "rate_limit": "", "uids": ""}
+_TENANT_KEYS = {"gpus": "", "memory_quota": "", "capabilities": "", "rate_limit": "", "uids": "",
+                "limits": ""}
+_CONTROL_KEYS = ("admin_uids", "admin_groups", "readonly_uids", "readonly_groups")
+# Each RM object costs the broker ~0.5 KiB: 2^24 of them would be 8 GiB.
+_LIMIT_MAX = 1 << 24
 _RATE_KEYS = {"requests_per_second": "", "burst": ""}
 
 

@@ -305,14 +305,12 @@ def active_device_ids(broker, s, abi, out, ctx):
 # another tenant is using it (issue 13 item 7): it is rewritten to what the tenant alone
 # would see, i.e. whether the tenant itself holds a device object of that GPU.
 GPU_ID_INFO_IN_USE = 0x1
-DEVICE_CLASS = 0x80  # NV01_DEVICE_0
 
 
 def id_info_in_use(broker, s, abi, out, ctx):
     index = gpu_index_for_id(broker, out.gpuId)
-    mine = index is not None and any(o.rm_class == DEVICE_CLASS and o.gpu == index
-                                     for c in s.tenant.clients.values()
-                                     for o in c.objects.values())
+    # O(the tenant's clients): each keeps a count of its device objects per GPU.
+    mine = index is not None and any(c.holds_device(index) for c in s.tenant.clients.values())
     flags = (out.gpuFlags & ~GPU_ID_INFO_IN_USE) | (GPU_ID_INFO_IN_USE if mine else 0)
     return out.replace(gpuFlags=flags)
 

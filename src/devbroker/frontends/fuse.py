@@ -31,7 +31,7 @@ from typing import Callable, Mapping, Sequence, Union
 import trio
 
 from devbroker.abi.nodes import NodeKind
-from devbroker.broker import memgate
+from devbroker.broker import limits, memgate
 from devbroker.broker.interface import (
     BrokerInterface,
     Caller,
@@ -280,6 +280,9 @@ class FuseFrontend:
         self._root = _Inode(w.ROOT_ID, "dir", w.ROOT_ID, b"", None, nlookup=1)
         self._inodes: dict[int, _Inode] = {w.ROOT_ID: self._root}
         self._handles: dict[int, _Handle] = {}
+        # Handles of /proc view files and directories each tenant holds (not broker
+        # sessions: the broker never sees them), bounded by its open-files limit.
+        self._private_held: dict[str, int] = {}
         self._sessions_by_pollkh: dict[int, int] = {}
         self._pending_notify: list[bytes] = []
         # The read buffer must hold the largest request: a WRITE of max_write or an
@@ -599,18 +602,41 @@ class FuseFrontend:
             return
         handler = self._SYNC.get(type(req))
         if handler is not None:
-            try:
-                handler(self, req)
-            except Exception:
-                log.exception("FUSE %s failed", type(req).__name__)
-                if req.expects_reply:
-                    self._error(req.unique, errno.EIO)
+            if type(req) in self._PACED:
+                # A tenant's lookups, stats, readdirs... are requests like its ioctls: they
+                # take its tokens (issue 13 item 8). With a token at hand (the usual case)
+                # they are answered at once; without, they wait in a task of their own.
+                tenant = self._tenant_of(req)
+                if not limits.pace_nowait(self.broker, tenant):
+                    self._nursery.start_soon(self._paced_sync, handler, req, tenant)
+                    return
+            self._run_sync(handler, req)
             return
         handler = self._ASYNC.get(type(req))
         if handler is not None:
             self._nursery.start_soon(self._run_async, handler, req)
             return
         self._error(req.unique, errno.ENOSYS)
+
+    def _run_sync(self, handler, req) -> None:
+        try:
+            handler(self, req)
+        except Exception:
+            log.exception("FUSE %s failed", type(req).__name__)
+            if req.expects_reply:
+                self._error(req.unique, errno.EIO)
+
+    async def _paced_sync(self, handler, req, tenant: str | None) -> None:
+        await limits.pace(self.broker, tenant)
+        self._run_sync(handler, req)
+
+    def _tenant_of(self, req) -> str | None:
+        """The tenant whose tree a request is about (None: the mount's root, which only the
+        host sees)."""
+        fh = getattr(req, "fh", None)
+        h = self._handles.get(fh) if fh is not None else None
+        ino = h.inode if h is not None else self._inodes.get(req.header.nodeid)
+        return ino.tenant if ino is not None else None
 
     async def _run_async(self, handler, req) -> None:
         try:
@@ -697,6 +723,32 @@ class FuseFrontend:
         self._send(w.encode_attr(req.unique, self._attr(ino), attr_valid=self._attr_ttl(ino),
                                  minor=self.proto_minor))
 
+    def _hold_private(self, req, ino: _Inode, what: str) -> bool:
+        """Count one more /proc-view handle of ino's tenant, or refuse it (EMFILE, audited)
+        at the tenant's open-files limit. False: refused and answered."""
+        if ino.tenant is None:
+            return True
+        held = self._private_held.get(ino.tenant, 0)
+        path = b"/".join(self._path_parts(ino)).decode(errors="replace")
+        if limits.front_end_open_refusal(self.broker, ino.tenant, held, pid=req.header.pid,
+                                         what=f"{what} {path}"):
+            self._error(req.unique, errno.EMFILE)
+            return False
+        self._private_held[ino.tenant] = held + 1
+        return True
+
+    def _drop_private(self, h: _Handle) -> None:
+        t = h.inode.tenant
+        if t is not None and self._private_held.get(t):
+            self._private_held[t] -= 1
+
+    def _path_parts(self, ino: _Inode) -> list[bytes]:
+        parts = []
+        while ino.nodeid != w.ROOT_ID and len(parts) < 64:
+            parts.append(ino.name)
+            ino = self._inodes.get(ino.parent, self._root)
+        return parts[::-1]
+
     def _private_fh(self) -> int:
         fh = self._next_private_fh
         self._next_private_fh += 1
@@ -710,6 +762,8 @@ class FuseFrontend:
         parent = self._inodes.get(ino.parent, self._root)
         listing = [(ino, b".", False), (parent, b"..", False)]
         listing += [(c, name, True) for name, c in ino.children.items()]
+        if not self._hold_private(req, ino, "opendir"):
+            return
         fh = self._private_fh()
         self._handles[fh] = _Handle("dir", ino, listing=listing)
         self._send(w.encode_open(req.unique, fh, 0))
@@ -748,7 +802,9 @@ class FuseFrontend:
         self._send(reply)
 
     def _on_releasedir(self, req: w.ReleaseDir) -> None:
-        self._handles.pop(req.fh, None)
+        h = self._handles.pop(req.fh, None)
+        if h is not None:
+            self._drop_private(h)
         self._send(w.encode_reply(req.unique))
 
     def _on_statfs(self, req: w.StatFs) -> None:
@@ -813,6 +869,9 @@ class FuseFrontend:
             if req.flags & os.O_ACCMODE != os.O_RDONLY:
                 self._error(req.unique, errno.EACCES)
                 return
+            await limits.pace(self.broker, ino.tenant)
+            if not self._hold_private(req, ino, "open"):
+                return
             data = _render(ino.content)
             fh = self._private_fh()
             self._handles[fh] = _Handle("file", ino, data=data)
@@ -845,6 +904,7 @@ class FuseFrontend:
             self._error(req.unique, errno.EBADF)
             return
         if h.kind == "file":
+            await limits.pace(self.broker, h.inode.tenant)
             self._send(w.encode_data(req.unique, h.data[req.offset:req.offset + req.size]))
             return
         if h.kind != "node":
@@ -864,6 +924,8 @@ class FuseFrontend:
 
     async def _on_release(self, req: w.Release) -> None:
         h = self._handles.pop(req.fh, None)
+        if h is not None and h.kind != "node":
+            self._drop_private(h)
         if h is not None and h.kind == "node":
             try:
                 await self.broker.release(ReleaseRequest(h.session))
@@ -960,6 +1022,12 @@ class FuseFrontend:
         w.Unknown: _on_unknown,
         w.CuseInit: _on_unknown,
     }
+    # Answered inline, but on a tenant's behalf: paced by its rate (see _dispatch). Never
+    # paced: INIT, FORGET (no reply), INTERRUPT, DESTROY, and the releases (they give back).
+    _PACED = frozenset({w.Lookup, w.GetAttr, w.SetAttr, w.OpenDir, w.ReadDir, w.ReadDirPlus,
+                        w.StatFs, w.Access, w.GetXattr, w.ListXattr, w.Write, w.Flush,
+                        w.Fsync})
+
     _ASYNC = {
         w.Open: _on_open,
         w.Read: _on_read,
