@@ -25,7 +25,7 @@ from devbroker.abi import DecodeError, registry, vidmem
 from devbroker.abi import status as nvstatus
 from devbroker.abi.nodes import NodeKind
 from devbroker.backends.base import Backend, DriverCall, DriverResult
-from devbroker.broker import allow, rewrite
+from devbroker.broker import allow, limits, rewrite
 from devbroker.broker.audit import AuditLog
 from devbroker.broker.effects import (
     STATE_LOCK, DriverIoctl, Effect, RateLimit, ReadMemory, ResolveFd, Steps, WriteMemory,
@@ -281,6 +281,7 @@ class Broker:
 
     # ------------------------------------------------------------------ open
     async def open(self, req: OpenRequest) -> OpenReply:
+        await limits.take(self.tenants.get(req.tenant))  # opens are paced (issue 13 item 8)
         return self.open_now(req)
 
     @_locked
@@ -301,6 +302,10 @@ class Broker:
             tenant.refusals += 1
             self.audit.deny(tenant=tenant.name, pid=req.caller.pid, what=what, reason=refusal)
             return OpenReply(errno=errno.EACCES)
+        if over := limits.open_refusal(tenant):
+            tenant.refusals += 1
+            self.audit.deny(tenant=tenant.name, pid=req.caller.pid, what=what, reason=over)
+            return OpenReply(errno=errno.EMFILE)
         try:
             if req.want_file and getattr(self.backend, "tenant_files", False):
                 file = self.backend.open(req.node, req.minor, tenant_file=True, flags=req.flags)
@@ -356,6 +361,7 @@ class Broker:
             return MapReadReply(errno=errno.EBADF)
         if not self._same_sandbox(s, req.caller):
             return MapReadReply(errno=errno.EACCES)
+        await limits.take(s.tenant)  # page reads are paced like ioctls (issue 13 item 8)
         if s.node is NodeKind.GPU and s.minor not in s.tenant.gpus:
             # Issue 13 item 4: no more pages of a revoked GPU (its memory can still be freed).
             self._deny(s, f"mmap read nvidia{s.minor}", f"GPU {s.minor} was revoked from "
@@ -906,6 +912,8 @@ class Broker:
                 raise Refusal(f"{where}: client handle {v.hObjectNew:#x} is held by another "
                               "tenant (answered as the driver answers a duplicate handle)",
                               status=nvstatus.NV_ERR_INSERT_DUPLICATE_NAME, what=where)
+            if over := limits.alloc_refusal(s.tenant, root_client=True):
+                raise Refusal(over, status=nvstatus.NV_ERR_INSUFFICIENT_RESOURCES, what=where)
             f = s.file
             if getattr(f, "runs_in_caller", False) and not f.continued_root_allocs and not s.clients:
                 # The driver records the caller's pid as the client's owner, and RM_MAP_MEMORY
@@ -940,6 +948,8 @@ class Broker:
         if v.hObjectNew and v.hObjectNew in client.objects:
             raise Refusal(f"{where}: handle {v.hObjectNew:#x} already exists",
                           status=nvstatus.NV_ERR_INSERT_DUPLICATE_NAME, what=where)
+        if over := limits.alloc_refusal(s.tenant, root_client=False):
+            raise Refusal(over, status=nvstatus.NV_ERR_INSUFFICIENT_RESOURCES, what=where)
         ref = abi.nested(call)
         nested = yield from self._read_nested(s, req, ref)
         params = ref.spec.decode(nested) if (nested is not None and ref.spec is not None) else None
@@ -1078,6 +1088,8 @@ class Broker:
         if p.hObjectNew in client.objects:
             raise Refusal(f"{where}: handle {p.hObjectNew:#x} already exists",
                           status=nvstatus.NV_ERR_INSERT_DUPLICATE_NAME, what=where)
+        if over := limits.alloc_refusal(s.tenant, root_client=False):
+            raise Refusal(over, status=nvstatus.NV_ERR_INSUFFICIENT_RESOURCES, what=where)
         gpu = client.objects[p.hObjectParent].gpu
         charge = int(p.limit) + 1 if p.hClass in allow.DEVICE_MEMORY_CLASSES else 0
         fd_files = yield from self._translate_fds(s, req, call.value, rule.fd_fields, where)

@@ -44,7 +44,7 @@ import trio
 from devbroker.abi.nodes import NodeKind
 from devbroker.broker import memgate
 from devbroker.broker.effects import (
-    Await, Blocking, HandOver, NotHere, ReadMemory, Steps, WriteMemory, perform_async,
+    Await, Blocking, HandOver, NotHere, RateLimit, ReadMemory, Steps, WriteMemory, perform_async,
     perform_blocking, run_async, run_blocking,
 )
 from devbroker.broker.procinfo import pid_namespace, stat_nosync as _stat_nosync
@@ -783,6 +783,9 @@ class SeccompSupervisor:
         req = OpenRequest(caller=caller, tenant=self.tenant, node=spec.kind, minor=spec.minor,
                           flags=flags, want_file=self.real_files)
         open_now = getattr(self.broker, "open_now", None)
+        limiter = getattr(getattr(self.broker, "tenants", {}).get(self.tenant), "limiter", None)
+        if open_now and limiter is not None and not limiter.try_acquire():
+            yield RateLimit(limiter)  # opens are paced like ioctls (issue 13 item 8)
         reply = open_now(req) if open_now else (yield Await(self.broker.open, (req,)))
         if reply.errno:
             return w.NotifResp.fail(n.id, reply.errno)
