@@ -109,14 +109,22 @@ class RunningBroker:
     # "seccomp"; tests parametrized over front ends set it.
     frontend = "auto"
 
-    def exec(self, tenant: str, *argv: str, timeout: float = 120, **kw):
-        return self.cli("exec", "--tenant", tenant, "--frontend", self.frontend, "--", *argv,
-                        timeout=timeout, **kw)
+    # Tenants run as root unless a test says otherwise (`devbroker exec` itself defaults to
+    # nobody): the stronger tenant, and the venv's interpreter may sit where only root can
+    # go. Options such as --bind go in `opts`.
+    def _exec_args(self, tenant: str, argv, uid: int | None, opts) -> list[str]:
+        ids = ["--uid", str(uid)] if uid is not None else []
+        return ["exec", "--tenant", tenant, "--frontend", self.frontend, *ids, *opts, "--",
+                *argv]
 
-    def exec_popen(self, tenant: str, *argv: str, **kw) -> subprocess.Popen:
-        return subprocess.Popen(DEVBROKER + ["--run-dir", str(self.run_dir), "exec",
-                                             "--tenant", tenant, "--frontend", self.frontend,
-                                             "--", *argv], **kw)
+    def exec(self, tenant: str, *argv: str, timeout: float = 120, uid: int | None = 0,
+             opts: tuple = (), **kw):
+        return self.cli(*self._exec_args(tenant, argv, uid, opts), timeout=timeout, **kw)
+
+    def exec_popen(self, tenant: str, *argv: str, uid: int | None = 0, opts: tuple = (),
+                   **kw) -> subprocess.Popen:
+        return subprocess.Popen(DEVBROKER + ["--run-dir", str(self.run_dir),
+                                             *self._exec_args(tenant, argv, uid, opts)], **kw)
 
     def audit(self) -> list[dict]:
         path = self.run_dir / "audit.log"

@@ -84,9 +84,13 @@ class Broker:
 
     frontend = "auto"
 
-    def exec(self, tenant: str, *argv: str, **kw) -> subprocess.CompletedProcess:
+    def exec(self, tenant: str, *argv: str, as_root: bool = False,
+             **kw) -> subprocess.CompletedProcess:
+        # nvidia-smi runs as `devbroker exec`'s default uid (nobody); Python programs as root,
+        # since the venv's interpreter may be where only root can go.
+        ids = ["--uid", "0"] if as_root else []
         return subprocess.run(self.cli + ["exec", "--tenant", tenant, "--frontend",
-                                          self.frontend, "--", *argv],
+                                          self.frontend, *ids, "--", *argv],
                               capture_output=True, text=True, timeout=TIMEOUT, env=self.env,
                               **kw)
 
@@ -129,7 +133,7 @@ def broker(tmp_path_factory, request):
             time.sleep(0.2)
         # Alice holds 1 GiB of device memory through the broker for the whole module.
         holder = subprocess.Popen(
-            b.cli + ["exec", "--tenant", "alice", "--frontend", b.frontend, "--",
+            b.cli + ["exec", "--tenant", "alice", "--frontend", b.frontend, "--uid", "0", "--",
                      sys.executable, "-m",
                      "devbroker.tools.probe", "--alloc", "1GiB", "--keep"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -228,7 +232,7 @@ def test_query_full(broker, tenant):
 
 
 def _pynvml(broker, tenant) -> dict:
-    r = broker.exec(tenant, sys.executable, str(HERE / "nvml_script.py"))
+    r = broker.exec(tenant, sys.executable, str(HERE / "nvml_script.py"), as_root=True)
     assert r.returncode == 0, r.stdout + r.stderr
     return json.loads(r.stdout)
 
@@ -293,7 +297,7 @@ HOLD_AND_QUERY = (
 
 def _hold_and_query(broker, tenant):
     r = broker.exec(tenant, "sh", "-c", HOLD_AND_QUERY.format(
-        py=sys.executable, script=HERE / "nvml_script.py", smi=NVIDIA_SMI))
+        py=sys.executable, script=HERE / "nvml_script.py", smi=NVIDIA_SMI), as_root=True)
     assert r.returncode == 0, r.stdout + r.stderr
     holder = int(re.search(r"^HOLDER=(\d+)$", r.stdout, re.M).group(1))
     nvml = json.loads(re.search(r"^NVML=(.*)$", r.stdout, re.M).group(1))

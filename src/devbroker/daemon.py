@@ -13,7 +13,9 @@ import trio
 
 from devbroker.broker import procview
 from devbroker.broker.audit import AuditLog
-from devbroker.broker.control import ControlError, ControlServer
+from devbroker.broker.control import (
+    ROLE_ADMIN, ControlError, ControlServer, Peer, peer_of, role_of,
+)
 from devbroker.broker.core import Broker
 
 log = logging.getLogger("devbroker")
@@ -137,7 +139,25 @@ class BrokerService:
                                f"(tenants: {', '.join(sorted(self.broker.tenants))})")
         return {"dir": str(self.paths.tenant_dir(t)), "gpus": list(self.broker.tenants[t].gpus),
                 "seccomp": str(self.paths.seccomp), "backend": self.backend.name,
-                "real_files": bool(getattr(self.backend, "tenant_files", False))}
+                "real_files": bool(getattr(self.backend, "tenant_files", False)),
+                # for `devbroker exec` to hide it when it is outside the run dir
+                "audit": str(self.audit.path) if self.audit.path else None}
+
+    def _control_refused(self, peer: Peer, op: str, reason: str) -> None:
+        self.audit.write("control-refused", pid=peer.pid, uid=peer.uid, op=op, reason=reason)
+
+    def _access(self):
+        return getattr(self.broker.policy, "control", None)
+
+    def _set_modes(self, control: ControlServer | None = None) -> None:
+        """The run dir is 0700 unless the policy gives a non-root uid a control role: then
+        0711 (the socket reachable; nothing in the dir listable, and the audit log 0600,
+        the seccomp socket 0600 and the FUSE mount's 0700 root still keep them out)."""
+        access = self._access()
+        self.paths.run_dir.chmod(0o711 if access is not None and access.opens_socket()
+                                 else 0o700)
+        if control is not None:
+            control.set_mode()
 
     # -- the seccomp hand-over socket
     async def _serve_seccomp(self, nursery, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -162,6 +182,18 @@ class BrokerService:
         try:
             while True:
                 conn, _ = await sock.accept()
+                try:
+                    peer = await trio.to_thread.run_sync(peer_of, conn)
+                except OSError:
+                    conn.close()
+                    continue
+                if role_of(peer, self._access()) != ROLE_ADMIN:
+                    # Handing over a listener names the tenant it serves: whoever may do
+                    # it could be any tenant. The operator's `devbroker exec` only.
+                    self._control_refused(peer, "seccomp hand-over",
+                                          "only an admin of the broker's pid namespace")
+                    conn.close()
+                    continue
                 nursery.start_soon(self._attach_seccomp, conn, nursery, json, os, _socket,
                                    struct)
         finally:
@@ -223,7 +255,7 @@ class BrokerService:
         # The run dir holds the control socket and the audit log: the operator's alone.
         # Tenants reach their nodes through bind mounts, which need no access to it.
         self.paths.run_dir.mkdir(parents=True, exist_ok=True)
-        self.paths.run_dir.chmod(0o700)
+        self._set_modes()
         # A broker that died leaves its mount behind (ENOTCONN on any access): detach it
         # before touching the path, so a restart serves again without operator help.
         await trio.to_thread.run_sync(detach_stale_mount, str(self.paths.mount))
@@ -233,7 +265,8 @@ class BrokerService:
             "policy.show": self._policy_show,
             "policy.apply": self._policy_apply,
             "tenant.dir": self._tenant_dir,
-        })
+        }, access=self._access, on_refusal=self._control_refused)
+        self.broker.on_policy_change.append(lambda p: self._set_modes(control))
         async with FuseFrontend(self.paths.mount, self.broker) as fe:
             self.frontend = fe
             fe.set_tree(tenant_tree(self.broker))

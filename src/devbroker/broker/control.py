@@ -1,27 +1,122 @@
-"""The operator's control socket: JSON lines over a Unix stream socket (root only).
+"""The operator's control socket: JSON lines over a Unix stream socket, with roles.
 
 Requests: {"op": "status"}, {"op": "policy.show"}, {"op": "policy.apply", "text": ..., "name": ...},
 {"op": "tenant.dir", "tenant": ...}. Each gets one JSON line back: {"ok": true, ...} or
 {"ok": false, "error": "..."}. A bad policy is refused with its line and reason, and the
 running policy stays in force.
+
+Who may ask what is decided per connection from the caller's kernel credentials
+(SO_PEERCRED, and its groups from /proc, pinned with a pidfd so a recycled pid cannot stand
+in for it), never from anything the caller says (issue 13: a root tenant reached another
+broker's socket and applied a policy there):
+
+* **admin** (every op): uid 0, or a uid/group the policy's `[control] admin_uids` /
+  `admin_groups` names;
+* **read** (`status`, `policy.show`): a uid/group in `readonly_uids` / `readonly_groups`;
+* nobody else. And only callers in the broker's own pid namespace get any role: a tenant of
+  `devbroker exec` (or of any container) is in a pid namespace of its own, so even a root
+  tenant that found a socket gets nothing.
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import trio
 
 MAX_REQUEST = 1 << 20
+REQUEST_TIMEOUT = 10.0  # seconds a connection may take to send its request line
+ROLE_READ = "read"
+ROLE_ADMIN = "admin"
+# The role each operation needs (anything not listed needs admin).
+OP_ROLES = {"status": ROLE_READ, "policy.show": ROLE_READ,
+            "policy.apply": ROLE_ADMIN, "tenant.dir": ROLE_ADMIN}
+_SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5
+
+
+@dataclass(frozen=True)
+class Peer:
+    """The process at the other end of a connection, as the kernel names it."""
+
+    pid: int
+    uid: int
+    gid: int
+    groups: frozenset[int]
+    same_pidns: bool  # in the broker's own pid namespace
+
+    def describe(self) -> str:
+        return f"pid {self.pid} uid {self.uid} gid {self.gid}"
+
+
+def peer_of(sock: socket.socket) -> Peer:
+    """The credentials of a connected Unix socket's peer. Its groups and pid namespace are
+    read from /proc/<pid>, and the peer is then checked to be alive through a pidfd taken
+    for the connection (SO_PEERPIDFD; pidfd_open on older kernels): what was read was that
+    very process, not one that got its pid later."""
+    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                        struct.calcsize("3i")))
+    pidfd = -1
+    try:
+        try:
+            pidfd = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD)
+        except OSError:
+            pidfd = os.pidfd_open(pid) if pid > 0 else -1
+        groups: set[int] = {gid}
+        same = False
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("Groups:"):
+                        groups.update(int(g) for g in line.split()[1:])
+            same = os.readlink(f"/proc/{pid}/ns/pid") == os.readlink("/proc/self/ns/pid")
+            if pidfd >= 0:
+                signal.pidfd_send_signal(pidfd, 0)
+            else:
+                same = False
+        except (OSError, ValueError):
+            same = False  # gone, or unreadable: no role
+        return Peer(pid, uid, gid, frozenset(groups), same)
+    finally:
+        if pidfd >= 0:
+            os.close(pidfd)
+
+
+def role_of(peer: Peer, access: Any) -> str | None:
+    """The role a peer gets under a policy's ControlAccess (None: no role at all)."""
+    if not peer.same_pidns:
+        return None
+    if (peer.uid == 0 or peer.uid in getattr(access, "admin_uids", ())
+            or peer.groups & set(getattr(access, "admin_groups", ()))):
+        return ROLE_ADMIN
+    if (peer.uid in getattr(access, "readonly_uids", ())
+            or peer.groups & set(getattr(access, "readonly_groups", ()))):
+        return ROLE_READ
+    return None
+
+
+def allowed(role: str | None, op: str) -> bool:
+    need = OP_ROLES.get(op, ROLE_ADMIN)
+    return role == ROLE_ADMIN or (role == ROLE_READ and need == ROLE_READ)
 
 
 class ControlServer:
-    def __init__(self, path: str | Path, handlers: dict[str, Callable[[dict], Any]]):
+    """`access()` returns the running policy's ControlAccess (read at each connection, so a
+    policy apply takes effect at once); `on_refusal(peer, op, reason)` records a refused
+    caller (the audit log). Without `access`, only root of the broker's pid namespace."""
+
+    def __init__(self, path: str | Path, handlers: dict[str, Callable[[dict], Any]], *,
+                 access: Callable[[], Any] | None = None,
+                 on_refusal: Callable[[Peer, str, str], None] | None = None):
         self.path = Path(path)
         self.handlers = handlers
+        self.access = access or (lambda: None)
+        self.on_refusal = on_refusal
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -31,7 +126,7 @@ class ControlServer:
             pass
         sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         await sock.bind(str(self.path))
-        os.chmod(self.path, 0o600)  # the policy is the operator's, not the tenants'
+        self.set_mode()
         sock.listen(16)
         listener = trio.SocketListener(sock)
         task_status.started()
@@ -43,21 +138,49 @@ class ControlServer:
             except FileNotFoundError:
                 pass
 
+    def set_mode(self) -> None:
+        """0600 while only root has a role; 0666 when the policy gives others one (each
+        connection is then checked by its credentials, not by the file's mode)."""
+        access = self.access()
+        opened = access is not None and access.opens_socket()
+        try:
+            os.chmod(self.path, 0o666 if opened else 0o600)
+        except FileNotFoundError:
+            pass
+
     async def _handle(self, stream: trio.SocketStream) -> None:
         async with stream:
+            try:
+                peer = await trio.to_thread.run_sync(peer_of, stream.socket)
+            except OSError:
+                return
+            role = role_of(peer, self.access())
             buf = b""
-            while b"\n" not in buf:
-                chunk = await stream.receive_some(65536)
-                if not chunk:
-                    return
-                buf += chunk
-                if len(buf) > MAX_REQUEST:
-                    await stream.send_all(_line({"ok": False, "error": "request too large"}))
-                    return
+            # A caller that connects and says nothing holds one task, for a while only.
+            with trio.move_on_after(REQUEST_TIMEOUT) as idle:
+                while b"\n" not in buf:
+                    chunk = await stream.receive_some(65536)
+                    if not chunk:
+                        return
+                    buf += chunk
+                    if len(buf) > MAX_REQUEST:
+                        await stream.send_all(_line({"ok": False,
+                                                     "error": "request too large"}))
+                        return
+            if idle.cancelled_caught:
+                return
             try:
                 req = json.loads(buf.split(b"\n", 1)[0])
-                handler = self.handlers.get(req.get("op"))
-                if handler is None:
+                op = req.get("op")
+                handler = self.handlers.get(op)
+                if not allowed(role, str(op)):
+                    why = ("not in the broker's pid namespace" if not peer.same_pidns else
+                           f"uid {peer.uid} has no control role" if role is None else
+                           f"role {role} may not {op}")
+                    if self.on_refusal is not None:
+                        self.on_refusal(peer, str(op), why)
+                    reply = {"ok": False, "error": f"permission denied: {why}"}
+                elif handler is None:
                     reply = {"ok": False, "error": f"unknown op {req.get('op')!r}"}
                 else:
                     reply = {"ok": True, **(handler(req) or {})}

@@ -10,6 +10,10 @@ import time
 from pathlib import Path
 
 
+# The uid `devbroker exec` runs a command as when neither --uid nor sudo says otherwise.
+NOBODY = 65534
+
+
 def add_parsers(sub) -> None:
     p = sub.add_parser("run", help="run the broker in the foreground")
     p.add_argument("--policy", help="policy TOML file (default: the built-in example)")
@@ -23,8 +27,15 @@ def add_parsers(sub) -> None:
     p = sub.add_parser("exec", help="run a command as a tenant, in a sandbox whose "
                                     "/dev/nvidia* are the broker's nodes")
     p.add_argument("--tenant", required=True)
-    p.add_argument("--uid", type=int, help="run the command as this uid")
-    p.add_argument("--gid", type=int, help="run the command as this gid")
+    p.add_argument("--uid", type=int,
+                   help="run the command as this uid (default: the user who ran sudo, else "
+                        f"{NOBODY}); --uid 0 for root, which still gets no CAP_SYS_ADMIN, "
+                        "no host writes and no broker socket (docs/sandbox.md)")
+    p.add_argument("--gid", type=int, help="run the command as this gid (default: the uid's)")
+    p.add_argument("--bind", action="append", default=[], metavar="SRC[:DST][:ro|rw]",
+                   help="show host path SRC at DST (default SRC) to the command, read-only "
+                        "unless :rw; repeatable. The rest of the host file system is "
+                        "read-only and /tmp is the command's own")
     p.add_argument("--cwd", help="directory to run the command in (default: the current one; "
                                  "it must be reachable by the command's uid)")
     p.add_argument("--no-stat-shim", dest="stat_shim", action="store_false",
@@ -112,7 +123,7 @@ def cmd_run(args) -> int:
 # --------------------------------------------------------------------------- exec
 def cmd_exec(args) -> int:
     from devbroker.broker.control import ControlError, call
-    from devbroker.sandbox import SandboxError, exec_main
+    from devbroker.sandbox import Bind, SandboxError, exec_main
 
     _require_root("exec")
     argv = list(args.argv)
@@ -131,14 +142,29 @@ def cmd_exec(args) -> int:
     frontend = args.frontend
     if frontend == "auto":
         frontend = "seccomp" if info.get("real_files") else "fuse"
+    uid, gid = _tenant_ids(args)
+    # The audit log may live outside the run dir (policy audit_log, --audit): hidden too.
+    hide = [Path(args.run_dir)] + ([Path(info["audit"])] if info.get("audit") else [])
     try:
-        return exec_main(Path(info["dir"]), argv, uid=args.uid, gid=args.gid, cwd=args.cwd,
-                         hide=[Path(args.run_dir)], stat_shim=args.stat_shim,
+        return exec_main(Path(info["dir"]), argv, uid=uid, gid=gid, cwd=args.cwd,
+                         hide=hide, stat_shim=args.stat_shim,
                          frontend=frontend, seccomp_socket=info.get("seccomp"),
-                         tenant=args.tenant)
+                         tenant=args.tenant, binds=[Bind.parse(b) for b in args.bind])
     except SandboxError as e:
         print(f"devbroker exec: cannot set up the sandbox: {e}", file=sys.stderr)
         return 125
+
+
+def _tenant_ids(args) -> tuple[int, int | None]:
+    """Who the command runs as: --uid, else the user who ran `sudo devbroker exec`, else
+    nobody — never root unless asked (issue 13: a root tenant owned the host)."""
+    if args.uid is not None:
+        return args.uid, args.gid
+    sudo_uid, sudo_gid = os.environ.get("SUDO_UID", ""), os.environ.get("SUDO_GID", "")
+    if sudo_uid.isdigit() and int(sudo_uid) != 0:
+        return int(sudo_uid), (args.gid if args.gid is not None
+                               else int(sudo_gid) if sudo_gid.isdigit() else None)
+    return NOBODY, args.gid if args.gid is not None else NOBODY
 
 
 # --------------------------------------------------------------------------- status

@@ -286,7 +286,9 @@ class _FuseBroker:
         return [sys.executable, "-m", "devbroker.cli.main", "--run-dir", str(self.run_dir), *args]
 
     def exec_argv(self, tenant: str, argv: list[str]) -> list[str]:
-        return self.cli("exec", "--tenant", tenant, "--", *argv)
+        # As root (capabilities reduced): the stronger attacker; `devbroker exec` runs
+        # tenants as nobody unless told.
+        return self.cli("exec", "--tenant", tenant, "--uid", "0", "--", *argv)
 
     def control(self, req: dict) -> dict:
         from devbroker.broker.control import call

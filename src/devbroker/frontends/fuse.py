@@ -517,7 +517,10 @@ class FuseFrontend:
         t = self._mtime
         if ino.kind == "dir":
             subdirs = sum(1 for c in ino.children.values() if c.kind == "dir")
-            return w.Attr(ino=ino.nodeid, mode=stat.S_IFDIR | 0o555, nlink=2 + subdirs,
+            # The root is root's alone: tenants reach their nodes through bind mounts and
+            # never walk the mount, and no other local user may walk to them either.
+            perms = 0o700 if ino.nodeid == w.ROOT_ID else 0o555
+            return w.Attr(ino=ino.nodeid, mode=stat.S_IFDIR | perms, nlink=2 + subdirs,
                           atime=t, mtime=t, ctime=t)
         if ino.kind == "node":
             return w.Attr(ino=ino.nodeid, mode=stat.S_IFREG | 0o666, size=NODE_SIZE,

@@ -1,8 +1,8 @@
 """`devbroker exec`: run a command that sees only its tenant's broker nodes (see docs/sandbox.md)."""
 from devbroker.sandbox.sandbox import (
-    ROOT_CAPABILITIES, SandboxError, SandboxSpec, exec_main, run_here, run_in_sandbox,
+    ROOT_CAPABILITIES, Bind, SandboxError, SandboxSpec, exec_main, run_here, run_in_sandbox,
     tenant_nodes,
 )
 
-__all__ = ["ROOT_CAPABILITIES", "SandboxError", "SandboxSpec", "exec_main", "run_here",
+__all__ = ["ROOT_CAPABILITIES", "Bind", "SandboxError", "SandboxSpec", "exec_main", "run_here",
            "run_in_sandbox", "tenant_nodes"]

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from devbroker.sandbox.sandbox import (
-    EXIT_SETUP_FAILED, ROOT_CAPABILITIES, SandboxError, SandboxSpec, run_here,
+    EXIT_SETUP_FAILED, ROOT_CAPABILITIES, Bind, SandboxError, SandboxSpec, run_here,
 )
 
 
@@ -36,6 +36,8 @@ def parse_args(argv: list[str]) -> SandboxSpec:
     ap.add_argument("--frontend", choices=["fuse", "seccomp"], default="fuse")
     ap.add_argument("--seccomp-socket")
     ap.add_argument("--tenant")
+    ap.add_argument("--bind", action="append", default=[], metavar="SRC[:DST][:ro|rw]",
+                    help="show a host path (read-only unless :rw); repeatable")
     ap.add_argument("command", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
@@ -45,12 +47,13 @@ def parse_args(argv: list[str]) -> SandboxSpec:
                        readonly=tuple(a.readonly), capabilities=caps,
                        driver_version=a.driver_version, pass_fds=tuple(a.pass_fd),
                        stat_shim=a.stat_shim, frontend=a.frontend,
-                       seccomp_socket=a.seccomp_socket, tenant=a.tenant)
+                       seccomp_socket=a.seccomp_socket, tenant=a.tenant,
+                       binds=tuple(Bind.parse(b) for b in a.bind))
 
 
 def main(argv: list[str] | None = None) -> int:
-    spec = parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        spec = parse_args(sys.argv[1:] if argv is None else argv)
         return run_here(spec)
     except SandboxError as e:
         print(f"devbroker exec: {e}", file=sys.stderr)

@@ -21,6 +21,7 @@ See docs/sandbox.md for why each step is there and what this does not defend.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
@@ -93,6 +94,36 @@ class SandboxError(Exception):
     """The sandbox could not be set up (bad arguments, not root, missing tenant dir)."""
 
 
+# Binds may not land where the device view is built: they would replace it.
+_NO_BIND_UNDER = ("/dev", "/proc", "/sys")
+
+
+@dataclass(frozen=True)
+class Bind:
+    """A host path the command line binds into the tenant's view (`--bind SRC[:DST][:rw]`):
+    read-only unless writable — the rest of the host file system is read-only anyway."""
+
+    src: Path
+    dst: Path
+    writable: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> "Bind":
+        """SRC, SRC:DST, SRC:ro|rw or SRC:DST:ro|rw (DST defaults to SRC)."""
+        parts = text.split(":")
+        mode = None
+        if len(parts) > 1 and parts[-1] in ("ro", "rw"):
+            mode = parts.pop()
+        if len(parts) > 2 or not parts[0]:
+            raise SandboxError(f"bad --bind {text!r} (SRC[:DST][:ro|rw], paths without ':')")
+        src = Path(parts[0])
+        dst = Path(parts[1]) if len(parts) == 2 and parts[1] else src
+        return cls(src, dst, writable=(mode == "rw"))
+
+    def text(self) -> str:
+        return f"{self.src}:{self.dst}:{'rw' if self.writable else 'ro'}"
+
+
 @dataclass(frozen=True)
 class SandboxSpec:
     tenant_dir: Path
@@ -118,6 +149,9 @@ class SandboxSpec:
     frontend: str = "fuse"
     seccomp_socket: str | None = None
     tenant: str | None = None
+    # Host paths made visible (read-only unless writable): the host file system is
+    # otherwise read-only to the command, and /tmp is a tmpfs of its own.
+    binds: tuple[Bind, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "tenant_dir", Path(self.tenant_dir))
@@ -127,6 +161,8 @@ class SandboxSpec:
         object.__setattr__(self, "capabilities", frozenset(self.capabilities))
         object.__setattr__(self, "groups", tuple(self.groups))
         object.__setattr__(self, "pass_fds", tuple(self.pass_fds))
+        object.__setattr__(self, "binds", tuple(b if isinstance(b, Bind) else Bind.parse(b)
+                                                for b in self.binds))
         if self.frontend not in ("fuse", "seccomp"):
             raise SandboxError(f"unknown front end {self.frontend!r} (fuse, seccomp)")
         if self.frontend == "seccomp":
@@ -143,7 +179,8 @@ def exec_main(tenant_dir: Path, argv: Sequence[str], *, uid: int | None = None,
               env: Mapping[str, str] | None = None, hide: Sequence[Path] = (),
               readonly: Sequence[Path] = (), driver_version: str | None = None,
               stat_shim: bool = True, frontend: str = "fuse",
-              seccomp_socket: str | None = None, tenant: str | None = None) -> int:
+              seccomp_socket: str | None = None, tenant: str | None = None,
+              binds: Sequence[Bind | str] = ()) -> int:
     """What `devbroker exec` runs: the command's exit status (128+N if killed by signal N;
     125 if the sandbox failed, 126/127 if the command could not be executed).
 
@@ -154,7 +191,7 @@ def exec_main(tenant_dir: Path, argv: Sequence[str], *, uid: int | None = None,
                        groups=tuple(groups), cwd=cwd, env=env, hide=tuple(hide),
                        readonly=tuple(readonly), driver_version=driver_version,
                        stat_shim=stat_shim, frontend=frontend, seccomp_socket=seccomp_socket,
-                       tenant=tenant)
+                       tenant=tenant, binds=tuple(binds))
     return run_here(spec)
 
 
@@ -192,6 +229,8 @@ def spec_to_args(spec: SandboxSpec) -> list[str]:
         args += ["--driver-version", spec.driver_version]
     for fd in spec.pass_fds:
         args += ["--pass-fd", str(fd)]
+    for b in spec.binds:
+        args += ["--bind", b.text()]
     if not spec.stat_shim and spec.frontend == "fuse":
         args += ["--no-stat-shim"]
     if spec.frontend == "seccomp":
@@ -389,6 +428,15 @@ def _preflight(spec: SandboxSpec) -> None:
     unknown = spec.capabilities - linux.CAPABILITY_NUMBERS.keys()
     if unknown:
         raise SandboxError(f"unknown capabilities: {', '.join(sorted(unknown))}")
+    for b in spec.binds:
+        if not b.src.is_absolute() or not b.dst.is_absolute():
+            raise SandboxError(f"--bind {b.text()}: SRC and DST must be absolute paths")
+        if not os.path.lexists(b.src):
+            raise SandboxError(f"--bind {b.text()}: {b.src} does not exist")
+        dst = os.path.normpath(b.dst)
+        if dst == "/" or any(dst == d or dst.startswith(d + "/") for d in _NO_BIND_UNDER):
+            raise SandboxError(f"--bind {b.text()}: not onto / or under /dev, /proc, /sys "
+                               "(the tenant's device view is built there)")
 
 
 def _supervise(child: int, *, reap_all: bool) -> int:
@@ -480,10 +528,21 @@ def _command_main(spec: SandboxSpec, shim_fd: int | None = None) -> None:
         where = spec.cwd or _caller_cwd()
         try:
             os.chdir(where)
-        except PermissionError as e:
-            # Typical: a checkout under a 0700 home and --uid N. Say what to do about it.
-            raise PermissionError(e.errno, f"{e.strerror}: {where} (the command runs as uid "
-                                  f"{os.getuid()}, which cannot enter it; pass --cwd DIR)") from None
+        except (PermissionError, FileNotFoundError) as e:
+            if spec.cwd is None:
+                # The caller's directory is not the command's to enter (a 0700 home and the
+                # default uid, or under the host's /tmp, which the tenant does not see):
+                # start in / and say so, rather than fail a command that never asked.
+                _fail("changing directory", OSError(e.errno, f"{e.strerror}: {where} (as uid "
+                      f"{os.getuid()}, in the tenant's view); running in / instead (--cwd "
+                      "DIR to choose)"))
+                os.chdir("/")
+            elif isinstance(e, PermissionError):
+                raise PermissionError(e.errno, f"{e.strerror}: {where} (the command runs as "
+                                      f"uid {os.getuid()}, which cannot enter it; pass --cwd "
+                                      "DIR)") from None
+            else:
+                raise
         step = "exec"
         # Python ignores SIGPIPE and SIGXFSZ, and ignored dispositions survive exec.
         for sig in (*_WAITED_SIGNALS, signal.SIGPIPE, signal.SIGXFSZ):
@@ -544,27 +603,89 @@ def tenant_nodes(tenant_dir: Path) -> list[str]:
 
 
 def build_view(spec: SandboxSpec, *, proc_devices: str | None = None) -> None:
-    """In the new mount namespace: /dev, /proc, /sys views, then hide what must be hidden.
+    """In the new mount namespace: the host file system read-only, /dev, /proc, /sys views,
+    hide what must be hidden, a private /tmp, then the command line's binds.
     ``proc_devices``: the text the tenant's /proc/devices shows (None: the host's)."""
     os.umask(0o022)
     tenant = spec.tenant_dir
+    # Every mount the tenant inherits from the host, at once (issue 13: a root tenant wrote
+    # a broker source file and had the broker import it). Mounts made below are new and
+    # writable where they must be (/dev/shm, /dev/pts, /tmp, the node binds).
+    linux.mount_setattr("/", set_=linux.MOUNT_ATTR_RDONLY, recursive=True)
     # Found before /proc is replaced and before anything is stacked on top of it.
     fuse_root = fuse_mount_containing(tenant)
-    # Every devbroker mount on the host (other broker instances too), not only this one.
+    # Every devbroker mount on the host (other broker instances too), not only this one,
+    # and the run directory above each (its control socket, seccomp socket, audit log).
     broker_mounts = [mp for mp, _root, fstype in linux.mountinfo()
                      if fstype == BROKER_FSTYPE and mp != "/"]
+    run_dirs = [os.path.dirname(mp) for mp in broker_mounts if os.path.dirname(mp) != "/"]
     _build_dev(tenant, char_nodes=_char_nodes(spec, proc_devices))
     _build_proc(tenant, proc_devices)
     _build_sys(tenant, spec.driver_version or _driver_version_from(tenant))
     # The nodes are already bound (a bind holds the file, not its path), so the directory
     # they came from can now be covered: the tenant cannot walk to its siblings.
     covered: set[str] = set()
-    for path in (*spec.hide, *([fuse_root] if fuse_root else []), *broker_mounts):
-        if str(path) not in covered and os.path.isdir(path):
-            covered.add(str(path))
+    for path in (*spec.hide, *run_dirs, *([fuse_root] if fuse_root else []), *broker_mounts):
+        if str(path) in covered:
+            continue
+        covered.add(str(path))
+        if os.path.isdir(path):
             _cover(Path(path))
+        elif os.path.isfile(path):
+            _cover_file(Path(path))
     for path in spec.readonly:
         linux.remount_bind(path, MS_RDONLY)
+    # Taken after the covers (a bind of a directory above a run dir shows the cover) and
+    # before the private /tmp (a source under the host's /tmp stays reachable).
+    trees = [(b, _clone_bind(b)) for b in spec.binds]
+    _private_tmp()
+    for b, fd in trees:
+        try:
+            _attach_bind(b, fd)
+        finally:
+            os.close(fd)
+
+
+def _private_tmp() -> None:
+    """A tmpfs of the tenant's own on /tmp: writable scratch space that no other tenant and
+    nothing on the host shares (sockets two tenants could meet on, files they could pass).
+    Its size is the kernel's default (half the RAM); nothing limits host memory here."""
+    if os.path.isdir("/tmp"):
+        linux.mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
+
+
+def _clone_bind(b: Bind) -> int:
+    """A detached copy of the bind's source tree, read-only unless writable (then only its
+    top mount is made writable: mounts under it, covers included, stay read-only)."""
+    try:
+        fd = linux.open_tree_clone(b.src, recursive=True)
+    except FileNotFoundError:
+        raise OSError(errno.ENOENT, f"--bind {b.text()}: {b.src} is not in the tenant's view "
+                      "(the broker's run directories stay hidden)") from None
+    try:
+        if b.writable:
+            linux.mount_setattr("", dirfd=fd, clear=linux.MOUNT_ATTR_RDONLY)
+        linux.mount_setattr("", dirfd=fd, set_=linux.MOUNT_ATTR_NOSUID | linux.MOUNT_ATTR_NODEV)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _attach_bind(b: Bind, fd: int) -> None:
+    dst = str(b.dst)
+    if not os.path.lexists(dst):
+        try:
+            if os.path.isdir(f"/proc/self/fd/{fd}"):
+                os.makedirs(dst, 0o755)
+            else:
+                os.makedirs(os.path.dirname(dst), 0o755, exist_ok=True)
+                os.close(os.open(dst, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o644))
+        except OSError as e:
+            raise OSError(e.errno, f"--bind {b.text()}: cannot make {dst} ({e.strerror}); the "
+                          "host file system is read-only: bind onto an existing path or "
+                          "under /tmp") from None
+    linux.move_mount(fd, dst)
 
 
 def fuse_mount_containing(path: Path) -> str | None:
@@ -638,8 +759,10 @@ def _build_dev(tenant: Path, char_nodes: dict[str, int] | None = None) -> None:
         # A bind target must exist and be a non-directory like its source.
         os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o666))
         linux.mount(str(tenant / name), target, None, MS_BIND)
-        # nodev stays off: with the CUSE/kmod front ends these are real character devices.
-        linux.remount_bind(target, MS_NOSUID | MS_NOEXEC)
+        # Writable (the copy of the host's mount is read-only, and the nodes are opened
+        # O_RDWR); nodev stays off: with the CUSE/kmod front ends these are real devices.
+        linux.mount_setattr(target, clear=linux.MOUNT_ATTR_RDONLY,
+                            set_=linux.MOUNT_ATTR_NOSUID | linux.MOUNT_ATTR_NOEXEC)
     # Read-only: the tenant cannot plant its own nvidia* files, /dev/nvidia-caps, symlinks.
     linux.remount_bind("/dev", MS_RDONLY)
 
@@ -729,6 +852,18 @@ def _cover(path: Path) -> None:
     """Hide a directory under an empty read-only tmpfs."""
     linux.mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
                 "mode=0555,size=4k")
+
+
+def _cover_file(path: Path) -> None:
+    """Hide a file (an audit log outside the run dir) under an empty read-only one. The empty
+    file is made in the tenant's /dev/shm, bound, and unlinked there: nothing shows."""
+    tmp = "/dev/shm/.devbroker-cover"
+    os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o444))
+    try:
+        linux.mount(tmp, path, None, MS_BIND)
+        linux.remount_bind(path, MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    finally:
+        os.unlink(tmp)
 
 
 # ------------------------------------------------------------------------------ privileges
