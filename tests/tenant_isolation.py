@@ -1,10 +1,15 @@
-"""Tenant-side programs for issue 13 items 4, 6 and 7 (tests/test_isolation_13.py), run inside
+"""Tenant-side programs for issue 13 items 4-7 (tests/test_isolation_13.py), run inside
 `devbroker exec` like tests/tenant_prog.py: real ioctls on /dev/nvidia*, one JSON object per
 line on stdout."""
 from __future__ import annotations
 
+import array
+import ctypes
 import fcntl
 import json
+import mmap
+import os
+import socket
 import sys
 
 from devbroker.abi import iowr
@@ -122,7 +127,76 @@ def id_info() -> None:
     out(what="id-info", before=before, after=after, v1_after=old)
 
 
+SECRET = b"alice's page, not bob's"
+PAGE = 4096
+
+
+def map_owner(sock: str) -> None:
+    """Item 5, the owner: map the page, read it, write into it (the pages are now in the
+    kernel's page cache of the node), then hand the mapped file to whoever asks."""
+    c = _client()
+    fd, m = c.map_shared_data(c.open_gpu(c.attached_ids()[0]), PAGE)
+    first = m[:PAGE]
+    m[:len(SECRET)] = SECRET
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind("\0" + sock)
+    srv.listen(1)
+    out(what="owner", read=first.hex()[:16], wrote=m[:len(SECRET)].decode())
+    conn, _ = srv.accept()
+    conn.sendmsg([b"F"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+    conn.close()
+    sys.stdin.readline()
+    # The file went to another sandbox: it maps no more pages, the owner's included (the
+    # access faults: SIGBUS, reported by the parent of a forked reader).
+    out(what="owner-after", read=_touch(m, write=False))
+
+
+def _touch(m: mmap.mmap, *, write: bool) -> str:
+    """Read (or write) the mapping's first bytes in a child: a refused page kills the
+    toucher with SIGBUS, which is the answer, not a failure of the test program."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            if write:
+                m[:4] = b"bob!"
+                os.write(w, b"wrote")
+            else:
+                os.write(w, bytes(m[:len(SECRET)]))
+        finally:
+            os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 4096):
+        data += chunk
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        return f"signal {os.WTERMSIG(status)}"
+    return data.decode(errors="replace")
+
+
+def map_thief(sock: str) -> None:
+    """Item 5, the other tenant: get the owner's mapped node file over the socket, map it
+    and try to read and write the pages the owner faulted in."""
+    own = _client()  # bob's own client (the audit record names him by it)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect("\0" + sock)
+    _, anc, _, _ = s.recvmsg(1, socket.CMSG_SPACE(4))
+    fd = array.array("i", anc[0][2][:4])[0]
+    m = mmap.mmap(fd, PAGE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    vec = (ctypes.c_ubyte * 1)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(PAGE), vec)
+    out(what="thief", resident=vec[0] & 1, read=_touch(m, write=False),
+        write=_touch(m, write=True))
+    own.close()
+
+
 if __name__ == "__main__":
     cmd, *rest = sys.argv[1:]
     {"gpu-ids": gpu_ids, "foreign-clients": foreign_clients, "revoke": revoke,
-     "client-dup": client_dup, "id-info": id_info}[cmd](*rest)
+     "client-dup": client_dup, "id-info": id_info, "map-owner": map_owner,
+     "map-thief": map_thief}[cmd](*rest)

@@ -1,4 +1,4 @@
-"""Issue 13 items 4, 6 and 7 through real `devbroker exec` tenants and a real broker
+"""Issue 13 items 4 to 7 through real `devbroker exec` tenants and a real broker
 (emulated backend), plus the GPU-id finder (a pure function) over every allowed control.
 
 4. A policy change that takes GPU 0 from alice refuses every further call on her GPU-0
@@ -7,14 +7,19 @@
 6. GPU ids are checked wherever the ABI's parameters hold one (0x13a, 0x289 and the rest
    refuse another GPU's id as GET_PCI_INFO does; 0x288's answer lists only hers), and client
    handles in allocation parameters (hParentClient, hTargetClient) must be the tenant's.
+5. A node file mapped and written by its owner, passed over a Unix socket (SCM_RIGHTS) to
+   another tenant and mapped there: the pages the owner faulted in are neither read nor
+   written by the other tenant (FUSE front end: the page cache is the kernel's).
 7. A root client asked for with another tenant's handle is answered byte for byte as a
    duplicate of the tenant's own; GET_ID_INFO(_V2)'s in-use flag says only whether the
    tenant itself holds the GPU.
 """
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -260,3 +265,34 @@ def test_in_use_flag_shows_only_the_tenants_own_use(start_broker):
     finally:
         bob.stdin.close()
         bob.wait(timeout=30)
+
+
+# ------------------------------------------------------------------ item 5
+@pytest.mark.root
+def test_passed_node_file_shows_the_other_tenant_none_of_the_owners_pages(start_broker):
+    b = start_broker(SHARED)
+    b.frontend = "fuse"
+    sock = f"devbroker-test-{uuid.uuid4().hex[:12]}"
+    owner = b.exec_popen("alice", *TENANT, "map-owner", sock, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        got = readline_json(owner)
+        # The owner's own mapping works: the page (zeros in the emulator) and its write.
+        assert got == {"what": "owner", "read": "0" * 16, "wrote": "alice's page, not bob's"}
+        r = b.exec("bob", *TENANT, "map-thief", sock, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        thief = lines(r.stdout)[0]
+        # Not in bob's view of the page cache, and every access of his is refused.
+        assert thief == {"what": "thief", "resident": 0, "read": f"signal {signal.SIGBUS}",
+                         "write": f"signal {signal.SIGBUS}"}, thief
+        owner.stdin.write("\n")
+        owner.stdin.flush()
+        # The passed file maps no more pages for anyone (ioctls on it stay the owner's).
+        assert readline_json(owner) == {"what": "owner-after", "read": f"signal {signal.SIGBUS}"}
+        # One record, the user's (bob), naming the owner.
+        passed = [a for a in b.audit() if "passed to another sandbox" in a.get("reason", "")]
+        assert len(passed) == 1, passed
+        assert passed[0]["tenant"] == "bob" and passed[0]["what"].startswith("alice's nvidiactl")
+    finally:
+        owner.stdin.close()
+        owner.wait(timeout=30)

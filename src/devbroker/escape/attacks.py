@@ -21,6 +21,7 @@ import errno
 import fcntl
 import json
 import os
+import signal
 import socket
 import stat
 import struct
@@ -662,6 +663,60 @@ def a_fd_pass_register(ctx: Ctx) -> Outcome:
     for fd in fds:
         os.close(fd)
     return combine(outs)
+
+
+def _touch_page(addr: int, *, write: bool) -> str:
+    """Read (or write) a mapped page in a forked child: a refused page ends the child with
+    SIGBUS, which is the refusal; otherwise what was read ("wrote" for a write)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            if write:
+                ctypes.memmove(addr, b"bob!", 4)
+                os.write(w, b"wrote")
+            else:
+                os.write(w, ctypes.string_at(addr, 64))
+        finally:
+            os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 4096):
+        data += chunk
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        return signal.Signals(os.WTERMSIG(status)).name
+    return data.split(b"\0", 1)[0].decode(errors="replace")
+
+
+def a_fd_pass_mmap(ctx: Ctx) -> Outcome:
+    """The victim's mapped node file (NVML's shared-data page, faulted in and written by the
+    victim), received over a Unix socket and mapped: read and write its pages."""
+    fds = victim_fds(ctx)
+    idx = ctx.victim.get("map_fd_index")
+    try:
+        if idx is None or idx >= len(fds):
+            return Outcome("error", "", f"the victim has no mapped file to give "
+                           f"({ctx.victim.get('map_error', 'none sent')})")
+        ctx.client()  # a client of the attacker's own: its sandbox is known to the broker
+        addr = libc.mmap(None, PAGE, 3, 1, fds[idx], 0)  # PROT_RW, MAP_SHARED
+        if addr in (None, ctypes.c_void_p(-1).value):
+            return refused(ename(ctypes.get_errno()), "mmap of the victim's file")
+        vec = (ctypes.c_ubyte * 1)()
+        libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(PAGE), vec)
+        read = _touch_page(addr, write=False)
+        write = _touch_page(addr, write=True)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    detail = f"resident {vec[0] & 1}, read: {read}, write: {write}"
+    if ctx.victim.get("map_secret", "\0") in read:
+        return escaped(f"read the victim's page through its passed file ({detail})")
+    if write == "wrote" or read not in ("SIGBUS",):
+        return escaped(f"the victim's page was mapped for the attacker ({detail})")
+    return refused("SIGBUS", detail)
 
 
 def a_foreign_client(ctx: Ctx) -> Outcome:
@@ -1513,6 +1568,13 @@ ATTACKS: list[Attack] = [
                "no_audit": "the victim's placeholder is a memfd the attacker's supervisor does "
                            "not know: its ioctls are CONTINUEd to the kernel (ENOTTY) and never "
                            "reach the broker, so there is nothing to audit"}}),
+    Attack("fd-pass-mmap", "victim's mapped nvidiactl (its page faulted in and written) "
+           "received over a Unix socket and mapped", "cross-tenant", E, ("SIGBUS",),
+           "front end (FUSE page cache)", "passed to another sandbox", a_fd_pass_mmap, True,
+           frontends=("fuse",),
+           na={"seccomp": "the tenant's files are placeholders or real driver files: no FUSE "
+                          "page cache between tenants", "kmod": "the module maps a broker memfd "
+                          "per file", "cuse": "CUSE nodes have no mmap"}),
     Attack("fd-pass-register", "victim's ctl fd as REGISTER_FD.ctl_fd on the attacker's GPU fd",
            "cross-tenant", E, ("EBADF", "EINVAL"), "broker", "NV_ESC_REGISTER_FD",
            a_fd_pass_register, True),

@@ -47,9 +47,12 @@ def run_attacks(ids: list[str]) -> int:
     return 0
 
 
+MAP_SECRET = b"victim's mapped page"
+
+
 def victim(sock_name: str, alloc: int) -> int:
     """Hold a client, a device-memory allocation on every GPU, and hand the fds out."""
-    from devbroker.tools.probe import Client
+    from devbroker.tools.probe import Client, NvError
 
     c = Client()
     # Handles of its own numbering: the attacker's Client counts from 0xA55A0000, and the
@@ -65,6 +68,16 @@ def victim(sock_name: str, alloc: int) -> int:
         gpus[str(g["minor"])] = gid
         if first is None:
             first = dict(g, hmemory=hmem)
+    # The page NVML maps (RM shared data), faulted in and written: the page cache now holds
+    # it. Handed out too (issue 13 item 5: another tenant mapping this file must not see
+    # it). Best effort: a front end without node mappings (CUSE) has no such file.
+    extra: dict = {}
+    try:
+        map_fd, page = c.map_shared_data(first)
+        page[:len(MAP_SECRET)] = MAP_SECRET
+        extra = {"map_fd_index": 1 + len(c.gpu_fds), "map_secret": MAP_SECRET.decode()}
+    except (OSError, ValueError, NvError) as e:
+        map_fd, extra = -1, {"map_error": str(e)}
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind("\0" + sock_name)
     srv.listen(8)
@@ -75,7 +88,8 @@ def victim(sock_name: str, alloc: int) -> int:
                 conn, _ = srv.accept()
             except OSError:
                 return
-            fds = array.array("i", [c.ctl, *c.gpu_fds.values()])
+            fds = array.array("i", [c.ctl, *c.gpu_fds.values()]
+                              + ([map_fd] if map_fd >= 0 else []))
             try:
                 conn.sendmsg([b"F"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds.tobytes())])
             finally:
@@ -84,7 +98,7 @@ def victim(sock_name: str, alloc: int) -> int:
     threading.Thread(target=serve, daemon=True).start()
     out(what="victim", pid=os.getpid(), client=c.hclient, hdevice=first["hdevice"],
         hsubdevice=first["hsubdevice"], hmemory=first["hmemory"], gpu_ids=gpus,
-        sock=sock_name)
+        sock=sock_name, **extra)
     sys.stdin.read()
     return 0
 

@@ -32,6 +32,7 @@ import trio
 
 from devbroker.abi.nodes import NodeKind
 from devbroker.broker import limits, memgate
+from devbroker.broker.procinfo import pid_namespace
 from devbroker.broker.interface import (
     BrokerInterface,
     Caller,
@@ -176,6 +177,11 @@ class _Handle:
     listing: list = field(default_factory=list)  # directory snapshot
     served_pages: bool = False
     poll_kh: int | None = None
+    # Who opened a node file: a request on it from another sandbox means the file was
+    # passed out (issue 13 item 5), and from then on it serves no page to anyone.
+    opener: Caller | None = None
+    opener_ns: str | None = None
+    passed: bool = False
 
 
 # --- helpers ------------------------------------------------------------------------------
@@ -283,6 +289,10 @@ class FuseFrontend:
         # Handles of /proc view files and directories each tenant holds (not broker
         # sessions: the broker never sees them), bounded by its open-files limit.
         self._private_held: dict[str, int] = {}
+        # Node files are opened FOPEN_DIRECT_IO when the kernel lets such files be mapped
+        # shared (FUSE_DIRECT_IO_ALLOW_MMAP, Linux 6.6): every mmap() of one then drops the
+        # inode's cached pages first (see _on_open).
+        self.node_direct_io = False
         self._sessions_by_pollkh: dict[int, int] = {}
         self._pending_notify: list[bytes] = []
         # The read buffer must hold the largest request: a WRITE of max_write or an
@@ -665,11 +675,12 @@ class FuseFrontend:
             return
         want = w.InitReply(
             max_readahead=0,  # a fault reads exactly the page touched, nothing around it
-            flags=w.BIG_WRITES | w.MAX_PAGES | w.PARALLEL_DIROPS,
+            flags=w.BIG_WRITES | w.MAX_PAGES | w.PARALLEL_DIROPS | w.DIRECT_IO_ALLOW_MMAP,
             max_write=self.max_write,
             max_pages=self._max_pages,
         )
         r = w.negotiate_init(req, want)
+        self.node_direct_io = bool(r.flags & w.DIRECT_IO_ALLOW_MMAP)
         self._send(w.encode_init(req.unique, r))
         if r.major == w.KERNEL_VERSION and req.major == w.KERNEL_VERSION:
             self.proto_minor = r.minor
@@ -725,6 +736,40 @@ class FuseFrontend:
         # has no contents to truncate, and its size must stay large for mmap.
         self._send(w.encode_attr(req.unique, self._attr(ino), attr_valid=self._attr_ttl(ino),
                                  minor=self.proto_minor))
+
+    def _passed_out(self, h: _Handle, caller: Caller) -> bool:
+        """Is this request on a node file made from outside the sandbox that opened it (the
+        file was passed over a Unix socket)? The first time: every cached page of the
+        inode is dropped (from every mapping: the kernel unmaps them), the file serves no
+        more pages — to its owner either — and the audit log says so. The broker refuses
+        the request itself (same check, broker.core._same_sandbox); this is what the page
+        cache needs on top: pages already cached are never asked for again."""
+        o = h.opener
+        # pid 0: a request the kernel makes on no process's behalf (not a tenant's use)
+        if o is None or h.passed or caller.pid == o.pid or caller.pid <= 0:
+            return False
+        ns = pid_namespace(caller.pid)
+        if caller.uid == o.uid and (h.opener_ns is None or ns == h.opener_ns):
+            return False  # another process of the same sandbox (a child, say)
+        h.passed = True
+        self._pending_notify.append(w.encode_notify_inval_inode(h.inode.nodeid, 0, 0))
+        self._nursery.start_soon(self._flush_notify)
+        audit = getattr(self.broker, "audit", None)
+        if audit is not None:
+            owner = h.inode.tenant
+            # The record is the user's: the tenant whose sandbox the caller is in, when one
+            # of its own node files says so (found once per passed file, not per request).
+            user = next((x.inode.tenant for x in self._handles.values()
+                         if x.kind == "node" and x.opener_ns == ns and ns is not None
+                         and x.opener is not None and x.opener.uid == caller.uid), None)
+            name = h.inode.name.decode(errors="replace")
+            audit.deny(tenant=user or owner, pid=caller.pid, node=name,
+                       what=f"{owner}'s {name} used by pid {caller.pid}",
+                       reason=f"node file of tenant {owner} (opened by pid {o.pid}, uid "
+                              f"{o.uid}) passed to another sandbox ({user or 'unknown tenant'}, "
+                              f"uid {caller.uid}): its cached pages are dropped and it serves "
+                              "no more pages")
+        return True
 
     def _hold_private(self, req, ino: _Inode, what: str) -> bool:
         """Count one more /proc-view handle of ino's tenant, or refuse it (EMFILE, audited)
@@ -895,11 +940,17 @@ class FuseFrontend:
             await self.broker.release(ReleaseRequest(fh))
             self._error(req.unique, errno.EIO)
             return
-        self._handles[fh] = _Handle("node", ino, session=fh)
+        self._handles[fh] = _Handle("node", ino, session=fh, opener=caller,
+                                    opener_ns=pid_namespace(caller.pid))
         # No FOPEN_KEEP_CACHE: the kernel drops the inode's cached pages on this open, so
-        # a fresh context never sees pages another context mapped. No FOPEN_DIRECT_IO:
-        # shared mmaps must fill through the page cache (READ -> broker.map_read).
-        self._send(w.encode_open(req.unique, fh, w.FOPEN_NOFLUSH))
+        # a fresh context never sees pages another context mapped. FOPEN_DIRECT_IO (where
+        # the kernel still allows shared mappings of such files): every mmap() of the file
+        # drops the inode's cached pages before it maps anything, so a tenant that got this
+        # file passed over a socket never finds the pages its owner faulted in before
+        # (issue 13 item 5); its own faults reach us (READ) and are refused. Mappings still
+        # fill through the page cache (READ -> broker.map_read).
+        flags = w.FOPEN_NOFLUSH | (w.FOPEN_DIRECT_IO if self.node_direct_io else 0)
+        self._send(w.encode_open(req.unique, fh, flags))
 
     async def _on_read(self, req: w.Read) -> None:
         h = self._handles.get(req.fh)
@@ -914,6 +965,9 @@ class FuseFrontend:
             self._error(req.unique, errno.EISDIR)
             return
         caller = self._caller(req.header)
+        if self._passed_out(h, caller) or h.passed:
+            self._error(req.unique, errno.EACCES)  # the faulting access gets SIGBUS
+            return
         rep = await self.broker.map_read(MapReadRequest(caller, h.session, req.offset, req.size))
         if rep.errno:
             self._error(req.unique, rep.errno)
@@ -950,6 +1004,7 @@ class FuseFrontend:
         if req.cmd == WHOAMI_IOCTL and caller.pid == os.getpid():
             self._send(w.encode_ioctl(req.unique, 0, struct.pack("<Q", h.session)[:req.out_size]))
             return
+        self._passed_out(h, caller)  # the broker refuses the call itself
         memory = ProcessMemory(caller.pid)
         # Restricted FUSE ioctls carry the argument only for commands that encode a size
         # and direction. UVM commands are bare numbers: arg is None and the broker reads
@@ -989,6 +1044,9 @@ class FuseFrontend:
         ready = select.POLLIN | select.POLLRDNORM
         if h.kind != "node":
             self._send(w.encode_poll(req.unique, ready))
+            return
+        if self._passed_out(h, self._caller(req.header)):
+            self._error(req.unique, errno.EACCES)
             return
         if req.flags & w.POLL_SCHEDULE_NOTIFY:
             h.poll_kh = req.kh

@@ -24,6 +24,7 @@ NV01_ROOT_CLIENT = 0x41
 NV01_DEVICE_0 = 0x80
 NV20_SUBDEVICE_0 = 0x2080
 NV01_MEMORY_LOCAL_USER = 0x40
+RM_USER_SHARED_DATA = 0xDE
 INVALID_GPU_ID = 0xFFFFFFFF
 # What CUDA sent for its device allocations in the torch trace (BRIEF §2).
 CUDA_MEM_FLAGS = 0x1C101
@@ -159,6 +160,25 @@ class Client:
         got = {e.index: e.data for e in list(p.fbInfoList)[:3]}
         total, free = got[0x08] * 1024, got[0x16] * 1024
         return {"total": total, "free": free, "used": total - free}
+
+    def map_shared_data(self, g: dict, length: int = 4096):
+        """What NVML does for RM's shared-data page (BRIEF §2): a fresh nvidiactl fd,
+        RM_MAP_MEMORY of an RM_USER_SHARED_DATA object (class 0xde) with that fd, then a
+        shared mapping of the fd. Returns (fd, mmap object), read-write."""
+        import mmap
+
+        hshared = self.alloc(g["hsubdevice"], RM_USER_SHARED_DATA,
+                             self.new("NV00DE_ALLOC_PARAMETERS"))
+        fd = os.open(f"{self.dev}/nvidiactl", os.O_RDWR | os.O_CLOEXEC)
+        spec = self.abi.escape("NV_ESC_RM_MAP_MEMORY").params
+        v = spec.decode(bytes(spec.size))
+        v = v.replace(params=v.params.replace(hClient=self.hclient, hDevice=g["hdevice"],
+                                              hMemory=hshared, length=length), fd=fd)
+        out = self.escape(self.ctl, "NV_ESC_RM_MAP_MEMORY", v)
+        if out.params.status != nvs.NV_OK:
+            os.close(fd)
+            raise NvError("RM_MAP_MEMORY of RM_USER_SHARED_DATA", out.params.status)
+        return fd, mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 
     def alloc_device_memory(self, hdev: int, size: int) -> int:
         p = self.new("NV_MEMORY_ALLOCATION_PARAMS", owner=self.hclient, type=0,
