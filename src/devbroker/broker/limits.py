@@ -34,10 +34,12 @@ DEFAULT_OPEN_FILES = 4096
 DEFAULT_RM_CLIENTS = 1024
 DEFAULT_RM_OBJECTS = 65536
 # The rate every tenant gets when its policy names none: CUDA's initialisation (~700
-# requests) and nvidia-smi (~300) fit in one burst; a flood is held to a few thousand
-# requests per second, a fraction of what one broker thread serves.
-DEFAULT_RATE = 5000.0
-DEFAULT_BURST = 10000
+# requests) and nvidia-smi (~300) fit in one burst, steady CUDA work makes almost none. A
+# flood is held to what leaves other tenants their latency: on the 2-core development VM a
+# tenant flooding every request kind at 2000/s moved another tenant's NVML start-up p50 by
+# 1.6x, unpaced by 3.3x (scripts/bench_noisy.py, docs/benchmarks.md).
+DEFAULT_RATE = 2000.0
+DEFAULT_BURST = 4000
 
 
 @dataclass(frozen=True)

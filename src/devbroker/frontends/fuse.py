@@ -1048,6 +1048,7 @@ class FuseFrontend:
         if self._passed_out(h, self._caller(req.header)):
             self._error(req.unique, errno.EACCES)
             return
+        await limits.pace(self.broker, h.inode.tenant)  # a poll loop is a request flood too
         if req.flags & w.POLL_SCHEDULE_NOTIFY:
             h.poll_kh = req.kh
         poll = getattr(self.broker, "poll", None)

@@ -1,0 +1,232 @@
+"""Issue 13 item 8: per-tenant limits on every kind of request, with real brokers and real
+`devbroker exec` tenants (FUSE front end), and the indexes that keep other tenants' objects
+out of every call's work.
+
+- Counts: open node files, RM clients, RM objects, /proc-view handles are refused past the
+  tenant's limits (EMFILE / NV_ERR_INSUFFICIENT_RESOURCES), each refusal audited.
+- Pace: opens, page reads, /proc reads, lookups and readdirs take the tenant's tokens like
+  its ioctls (seen in `status`: the flooder's requests waited; not a timing).
+- The noisy neighbour: while one tenant floods with every request kind, another tenant's
+  NVML-style sequence completes with the right answers every time (the benchmark,
+  scripts/bench_noisy.py, measures the latency; this test asserts completion only).
+- The emulator's indexes (in-use flag, processes, memory per process, a file's clients) give
+  what a walk over every client gives, through allocations, frees and closes.
+"""
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+
+from devbroker.abi import status as nvs
+from devbroker.abi.nodes import NodeKind
+from tenant_io import lines, readline_json
+
+NOISY = [sys.executable, "-m", "devbroker.tools.noisy"]
+
+GPUS = """
+[broker]
+backend = "emulated"
+driver_version = "580.159.04"
+
+[[broker.gpu]]
+name = "NVIDIA H200"
+uuid = "GPU-11111111-2222-3333-4444-555555555555"
+pci_bus_id = "0000:00:06.0"
+memory = "141GiB"
+"""
+POLICY = GPUS + """
+[tenant.quiet]
+gpus = [0]
+memory_quota = "16GiB"
+
+[tenant.noisy]
+gpus = [0]
+memory_quota = "16GiB"
+rate_limit = { requests_per_second = 100, burst = 10 }
+limits = { open_files = 16, rm_clients = 8, rm_objects = 64 }
+"""
+
+LIMITS_PROG = r'''
+import errno, json, os, sys
+from devbroker.tools.probe import Client, NvError
+def out(**kw): print(json.dumps(kw), flush=True)
+c = Client(); c.check_version(); c.open_root()
+g = c.open_gpu(c.attached_ids()[0])
+# open files: 3 are held (nvidiactl, nvidia0, and this one's ctl); open until refused
+held, err = [], None
+while len(held) < 100:
+    try:
+        held.append(os.open("/dev/nvidiactl", os.O_RDWR))
+    except OSError as e:
+        err = errno.errorcode[e.errno]; break
+out(what="open-files", opened=len(held), errno=err)
+for fd in held:
+    os.close(fd)
+views, err = [], None
+while len(views) < 100:
+    try:
+        views.append(open("/proc/driver/nvidia/version"))
+    except OSError as e:
+        err = errno.errorcode[e.errno]; break
+out(what="proc-view-files", opened=len(views), errno=err)
+for f in views:
+    f.close()
+clients, status = 0, 0
+while clients < 100:
+    try:
+        c.alloc(0, 0x41, handle=0, root=0); clients += 1
+    except NvError as e:
+        status = e.status; break
+out(what="rm-clients", allocated=clients, status=status)
+objects, status = 0, 0
+while objects < 1000:
+    try:
+        c.alloc(g["hsubdevice"], 0xDE, c.new("NV00DE_ALLOC_PARAMETERS")); objects += 1
+    except NvError as e:
+        status = e.status; break
+out(what="rm-objects", allocated=objects, status=status)
+'''
+
+
+@pytest.mark.root
+def test_counts_are_refused_past_the_limits_and_audited(start_broker):
+    b = start_broker(POLICY)
+    b.frontend = "fuse"
+    r = b.exec("noisy", sys.executable, "-c", LIMITS_PROG, timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = {x["what"]: x for x in lines(r.stdout)}
+    # 16 open node files: nvidiactl and nvidia0 of the client, then 14 more.
+    assert got["open-files"] == {"what": "open-files", "opened": 14, "errno": "EMFILE"}
+    # /proc view files are counted apart from node files, against the same number.
+    assert got["proc-view-files"] == {"what": "proc-view-files", "opened": 16,
+                                      "errno": "EMFILE"}
+    # 8 clients: the first one's, then 7.
+    assert got["rm-clients"] == {"what": "rm-clients", "allocated": 7,
+                                 "status": nvs.NV_ERR_INSUFFICIENT_RESOURCES}
+    # 64 objects in all: 8 root clients, device and subdevice, then 54 more.
+    assert got["rm-objects"] == {"what": "rm-objects", "allocated": 54,
+                                 "status": nvs.NV_ERR_INSUFFICIENT_RESOURCES}
+    reasons = [a["reason"] for a in b.audit() if a["event"] == "deny" and a["tenant"] == "noisy"]
+    for key in ("limits.open_files = 16", "limits.rm_clients = 8", "limits.rm_objects = 64"):
+        assert any(key in x for x in reasons), (key, reasons)
+    assert any("open /proc view files" in x for x in reasons)
+    t = b.tenant("noisy")
+    assert t["refusals"] >= 4
+    # Everything it opened was closed and the limits do not linger: the counts went back.
+    assert t["open_files"] == 0
+
+
+@pytest.mark.root
+def test_noisy_neighbour_flood_of_every_kind_the_quiet_tenant_still_completes(start_broker):
+    b = start_broker(POLICY)
+    b.frontend = "fuse"
+    flood = b.exec_popen("noisy", *NOISY, "flood", "--seconds", "6", "--threads-per-kind", "2",
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert readline_json(flood)["what"] == "flood-start"
+        r = b.exec("quiet", *NOISY, "quiet", "--n", "15", timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        q = lines(r.stdout)[0]
+        assert q["all_right"], q["wrong"]
+        assert len(q["latencies_us"]) == 15
+        first = q["first"]
+        assert first["gpus"] == [{"name": "NVIDIA H200",
+                                  "uuid": "GPU-11111111-2222-3333-4444-555555555555",
+                                  "minor": 0, "memory": 16 << 30}]
+        assert "580.159.04" in first["version"]
+        done = readline_json(flood, timeout=120)
+    finally:
+        flood.wait(timeout=120)
+    counts, errors = done["counts"], done["errors"]
+    # Every kind was sent, and the limits refused what is counted.
+    assert set(counts) == {"open", "ioctl", "page-read", "proc-read", "lookup", "readdir",
+                           "poll", "rm-client", "rm-object"}, counts
+    assert "status 0x1a" in errors.get("rm-client", {}), errors  # NV_ERR_INSUFFICIENT_RESOURCES
+    assert "status 0x1a" in errors.get("rm-object", {}), errors
+    noisy, quiet = b.tenant("noisy"), b.tenant("quiet")
+    # The flooder waited for its tokens (every kind takes them); the quiet tenant never did.
+    assert noisy["rate_limited"] > 0 and quiet["rate_limited"] == 0
+    # All of the flood is paced: at 100/s (burst 10) for ~6 s, not the thousands per second
+    # each kind makes unpaced — counted, not timed.
+    assert sum(counts.values()) < 100 * 6 * 3, counts
+    records = [a for a in b.audit() if a.get("tenant") == "noisy"]
+    assert any(a["event"] == "deny" and "limits.rm_clients" in a["reason"] for a in records)
+
+
+def test_emulator_indexes_match_a_walk_over_every_client():
+    """The in-use flag, the process list and memory per process, and the clients closed
+    with a file come from indexes kept at each allocation and free: after any sequence of
+    allocations, frees (of clients, devices, memory) and closes they say what a walk over
+    every client and object says."""
+    import trio
+
+    from devbroker.abi import iowr, registry
+    from devbroker.backends.base import DriverCall
+    from devbroker.backends.emulated import EmulatedBackend
+
+    be = EmulatedBackend(version="580.159.04")
+    abi = registry.get("580.159.04")
+    rng = random.Random(13)
+
+    def escape(f, name: str, params=None, **fields) -> object:
+        spec = abi.escape(name)
+        value = spec.params.decode(bytes(spec.params.size)).replace(**fields)
+        call = abi.decode_ioctl(NodeKind.CTL, iowr(spec.number, spec.params.size),
+                                value.encode())
+        nested = params.encode() if params is not None else None
+        dc = DriverCall(call, nested, {}, abi=abi, tgid=1000 + f.id)
+        return spec.params.decode(trio.run(be.ioctl, f, dc).arg)
+
+    def struct(name: str, **fields):
+        st = abi.struct(name)
+        return st.decode(bytes(st.size)).replace(**fields)
+
+    def walk_in_use(gpu):
+        return any(o.rm_class == 0x80 and o.gpu == gpu
+                   for c in be.clients.values() for o in c.objects.values())
+
+    def walk_held(gpu):
+        out = {}
+        for c in be.clients.values():
+            n = sum(o.size for o in c.objects.values() if o.gpu == gpu)
+            if n:
+                out[c.tgid] = out.get(c.tgid, 0) + n
+        return out
+
+    files, live = [], []  # live: (file, client, device, memory) handles
+    for step in range(300):
+        op = rng.random()
+        if op < 0.15 or not files:
+            files.append(be.open(NodeKind.CTL, 0))
+        elif op < 0.55:
+            f = rng.choice(files)
+            h = escape(f, "NV_ESC_RM_ALLOC", hClass=0x41).hObjectNew
+            dev = 0x5000 + step
+            escape(f, "NV_ESC_RM_ALLOC", struct("NV0080_ALLOC_PARAMETERS",
+                                                deviceId=rng.randrange(2)),
+                   hRoot=h, hObjectParent=h, hObjectNew=dev, hClass=0x80)
+            escape(f, "NV_ESC_RM_ALLOC", struct(
+                "NV_MEMORY_ALLOCATION_PARAMS", owner=h, flags=0x1C101, attr=0x18000000,
+                size=rng.choice([2, 4, 8]) << 20, alignment=2 << 20),
+                hRoot=h, hObjectParent=dev, hObjectNew=dev + 1, hClass=0x40)
+            live.append((f, h, dev, dev + 1))
+        elif op < 0.8 and live:
+            f, h, dev, mem = live.pop(rng.randrange(len(live)))
+            # the client, the device with its memory, or the memory alone
+            escape(f, "NV_ESC_RM_FREE", hRoot=h, hObjectOld=rng.choice([h, dev, mem]))
+        elif len(files) > 1:
+            f = files.pop(rng.randrange(len(files)))
+            be.close(f)
+            live = [x for x in live if x[0] is not f]
+        for gpu in (0, 1):
+            assert be.device_in_use(gpu) == walk_in_use(gpu), step
+            assert be.memory_by_pid(gpu) == walk_held(gpu), step
+            assert be.pids_on(gpu) == sorted(walk_held(gpu)), step
+            assert be.used[gpu] == sum(walk_held(gpu).values()), step
+        for f in files:
+            assert be._clients_of_file.get(f.id, set()) == {
+                h for h, c in be.clients.items() if c.file_id == f.id}, step
+    assert any(be.device_in_use(g) for g in (0, 1)) and be.clients  # not trivially empty
