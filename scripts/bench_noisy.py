@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from devbroker.testing.tenant_binds import bind_args
+
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "devbroker.cli.main"]
 NOISY = [sys.executable, "-m", "devbroker.tools.noisy"]
@@ -86,8 +88,8 @@ def main() -> int:
             time.sleep(0.1)
 
         def exec_(tenant: str, *argv: str, **kw) -> subprocess.Popen:
-            return subprocess.Popen(run + ["exec", "--tenant", tenant, "--uid", "0", "--",
-                                           *argv], text=True, **kw)
+            return subprocess.Popen(run + ["exec", "--tenant", tenant, "--uid", "0",
+                                           *bind_args(), "--", *argv], text=True, **kw)
 
         def quiet_run(flood: bool) -> dict:
             q = exec_("quiet", *NOISY, "quiet", "--n", str(a.n), "--wait",

@@ -113,9 +113,12 @@ class RunningBroker:
     # nobody): the stronger tenant, and the venv's interpreter may sit where only root can
     # go. Options such as --bind go in `opts`.
     def _exec_args(self, tenant: str, argv, uid: int | None, opts) -> list[str]:
+        from devbroker.testing.tenant_binds import bind_args
+
         ids = ["--uid", str(uid)] if uid is not None else []
-        return ["exec", "--tenant", tenant, "--frontend", self.frontend, *ids, *opts, "--",
-                *argv]
+        # A checkout under /tmp is not in the tenant's view (its /tmp is its own): bound in.
+        return ["exec", "--tenant", tenant, "--frontend", self.frontend, *ids, *bind_args(),
+                *opts, "--", *argv]
 
     def exec(self, tenant: str, *argv: str, timeout: float = 120, uid: int | None = 0,
              opts: tuple = (), **kw):

@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -105,10 +106,11 @@ def test_root_tenant_cannot_write_the_host_file_system(start_broker, host_dir):
     broker = start_broker(POLICY)
     source = REPO / "src" / "devbroker" / "broker" / "limits.py"
     before = source.read_bytes()
+    mine = f"/tmp/devbroker-test-{os.getpid()}-{time.monotonic_ns()}"
     got = attempts(broker, f"append={source}",
                    f"create={REPO / 'src' / 'devbroker' / 'planted.py'}",
                    f"create={host_dir / 'planted'}", "create=/etc/devbroker-planted",
-                   "create=/tmp/mine")
+                   f"create={mine}")
     # The attack: a broker source file patched from inside a root tenant.
     assert got[f"append={source}"]["result"] == "EROFS"
     assert got[f"create={REPO / 'src' / 'devbroker' / 'planted.py'}"]["result"] == "EROFS"
@@ -118,19 +120,25 @@ def test_root_tenant_cannot_write_the_host_file_system(start_broker, host_dir):
     assert not (REPO / "src" / "devbroker" / "planted.py").exists()
     assert not Path("/etc/devbroker-planted").exists()
     # /tmp is the tenant's own: writable there, and nothing of it reaches the host.
-    assert got["create=/tmp/mine"]["result"] == "ok"
-    assert not Path("/tmp/mine").exists()
+    assert got[f"create={mine}"]["result"] == "ok"
+    assert not Path(mine).exists()
 
 
 def test_tmp_is_private_to_each_tenant(start_broker, host_dir):
     broker = start_broker(POLICY)
+    from devbroker.testing.tenant_binds import paths
+
     marker = Path(tempfile.mkstemp(prefix="host-only-", dir="/tmp")[1])
+    # Only what the tests bind in (a checkout under the host's /tmp) may show there.
+    bound = sorted({p.split("/")[2] for p in paths()})
     try:
         got = attempts(broker, "listdir=/tmp", "create=/tmp/first")
-        assert got["listdir=/tmp"]["got"] == []  # nothing of the host's /tmp
+        assert got["listdir=/tmp"]["got"] == bound  # nothing else of the host's /tmp
+        assert marker.name not in got["listdir=/tmp"]["got"]
         # A second tenant process does not find the first one's file either.
         again = attempts(broker, "listdir=/tmp")
-        assert again["listdir=/tmp"]["got"] == []
+        assert again["listdir=/tmp"]["got"] == bound
+        assert not Path("/tmp/first").exists()
     finally:
         marker.unlink()
 

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from devbroker.testing.tenant_binds import bind_args
+
 pytestmark = [pytest.mark.nvidia, pytest.mark.root]
 
 HERE = Path(__file__).resolve().parent
@@ -90,7 +92,7 @@ class Broker:
         # since the venv's interpreter may be where only root can go.
         ids = ["--uid", "0"] if as_root else []
         return subprocess.run(self.cli + ["exec", "--tenant", tenant, "--frontend",
-                                          self.frontend, *ids, "--", *argv],
+                                          self.frontend, *ids, *bind_args(), "--", *argv],
                               capture_output=True, text=True, timeout=TIMEOUT, env=self.env,
                               **kw)
 
@@ -133,7 +135,8 @@ def broker(tmp_path_factory, request):
             time.sleep(0.2)
         # Alice holds 1 GiB of device memory through the broker for the whole module.
         holder = subprocess.Popen(
-            b.cli + ["exec", "--tenant", "alice", "--frontend", b.frontend, "--uid", "0", "--",
+            b.cli + ["exec", "--tenant", "alice", "--frontend", b.frontend, "--uid", "0",
+                     *bind_args(), "--",
                      sys.executable, "-m",
                      "devbroker.tools.probe", "--alloc", "1GiB", "--keep"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

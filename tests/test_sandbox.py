@@ -111,6 +111,9 @@ def tenants(tmp_path: Path) -> Path:
 
 
 def sandbox_cmd(tenant_dir: Path, argv: list[str], **kw) -> list[str]:
+    from devbroker.testing.tenant_binds import paths
+
+    kw.setdefault("binds", tuple(paths()))  # a checkout under /tmp: the tenant's is its own
     spec = SandboxSpec(tenant_dir=tenant_dir, argv=tuple(argv), **kw)
     return [sys.executable, "-m", "devbroker.sandbox", *spec_to_args(spec), "--", *argv]
 

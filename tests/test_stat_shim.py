@@ -396,6 +396,9 @@ def sandboxed(tenant_dir: Path, argv: list[str], **kw) -> subprocess.CompletedPr
     from devbroker.sandbox import SandboxSpec
     from devbroker.sandbox.sandbox import spec_to_args
 
+    from devbroker.testing.tenant_binds import paths
+
+    kw.setdefault("binds", tuple(paths()))  # a checkout under /tmp: the tenant's is its own
     spec = SandboxSpec(tenant_dir=tenant_dir, argv=tuple(argv), **kw)
     return subprocess.run([sys.executable, "-m", "devbroker.sandbox", *spec_to_args(spec),
                            "--", *argv], capture_output=True, text=True, timeout=120)

@@ -288,7 +288,10 @@ class _FuseBroker:
     def exec_argv(self, tenant: str, argv: list[str]) -> list[str]:
         # As root (capabilities reduced): the stronger attacker; `devbroker exec` runs
         # tenants as nobody unless told.
-        return self.cli("exec", "--tenant", tenant, "--uid", "0", "--", *argv)
+        from devbroker.testing.tenant_binds import bind_args
+
+        # (a checkout under /tmp is bound in: the tenant's /tmp is its own)
+        return self.cli("exec", "--tenant", tenant, "--uid", "0", *bind_args(), "--", *argv)
 
     def control(self, req: dict) -> dict:
         from devbroker.broker.control import call
