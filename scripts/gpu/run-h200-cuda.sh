@@ -61,8 +61,12 @@ for i in $(seq 1 150); do [ -S "$RUN/seccomp.sock" ] && break; sleep 0.2
 cat "$W/broker.log"
 DB=("$PY" -m devbroker.cli.main --run-dir "$RUN")
 put broker_threads_caps "$(for t in /proc/$BROKER/task/*; do echo "$(cat $t/comm) $(grep CapEff $t/status | tr -d '\t')"; done | sort | uniq -c | paste -sd';')"
+# As root (`devbroker exec` defaults to nobody), with the checkout (if it is under /tmp) and
+# /tmp/site bound in: each tenant's /tmp is its own; the host's files are read-only to it.
+mapfile -t BINDS < <("$PY" -c 'from devbroker.testing.tenant_binds import bind_args; print("\n".join(bind_args()))')
+BINDS+=(--bind /tmp/site)  # the carried wheels (PYTHONPATH)
 texec() { local t=$1; shift
-  timeout 240 "${DB[@]}" exec --tenant "$t" -- env PYTHONPATH="$PYTHONPATH" PYTHONUNBUFFERED=1 "$@"; }
+  timeout 240 "${DB[@]}" exec --tenant "$t" --uid 0 "${BINDS[@]}" -- env PYTHONPATH="$PYTHONPATH" PYTHONUNBUFFERED=1 "$@"; }
 
 step "c8: torch init (8 GiB quota)"
 put c8_init "$(texec c8 $CC init 2>&1 | tail -30)"

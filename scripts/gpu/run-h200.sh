@@ -76,9 +76,13 @@ ls -la "$RUN/nodes" "$RUN/nodes/t16" 2>&1 | head -20
 # Tenants run in `devbroker exec` sandboxes, as a user would: the broker's FUSE nodes at
 # /dev/nvidia*, the tenant's /proc/driver/nvidia view, and the seccomp stat shim that makes
 # NVML see character devices 195:N (docs/sandbox.md).
+# As root (`devbroker exec` defaults to nobody), with the checkout (if it is under /tmp) and
+# /tmp/site bound in: each tenant's /tmp is its own; the host's files are read-only to it.
+mapfile -t BINDS < <("$PY" -c 'from devbroker.testing.tenant_binds import bind_args; print("\n".join(bind_args()))')
+BINDS+=(--bind /tmp/site)  # the carried wheels (PYTHONPATH)
 texec() { # texec TENANT CMD...
   local t=$1; shift
-  "${DB[@]}" exec --tenant "$t" -- env PYTHONPATH="$PYTHONPATH" PYTHONUNBUFFERED=1 "$@"
+  "${DB[@]}" exec --tenant "$t" --uid 0 "${BINDS[@]}" -- env PYTHONPATH="$PYTHONPATH" PYTHONUNBUFFERED=1 "$@"
 }
 step "sandbox smoke test"
 texec t16 /bin/sh -c 'ls -l /dev/nvidia*; cat /proc/driver/nvidia/params | head -3'

@@ -280,9 +280,11 @@ def cmd_demo(args) -> int:
         subprocess.run(me + ["status"], check=False)
         for tenant in _demo_tenants(paths):
             print(f"\n== tenant {tenant}: what it sees through devbroker", flush=True)
-            for cmd in _demo_commands():
-                print(f"$ devbroker exec --tenant {tenant} -- {' '.join(cmd)}", flush=True)
-                subprocess.run(me + ["exec", "--tenant", tenant, "--"] + cmd, check=False)
+            for opts, cmd in _demo_commands():
+                print(f"$ devbroker exec --tenant {tenant} {' '.join(opts)}{' ' if opts else ''}"
+                      f"-- {' '.join(cmd)}", flush=True)
+                subprocess.run(me + ["exec", "--tenant", tenant, *opts, "--"] + cmd,
+                               check=False)
         print("\n== broker status after the tenants ran", flush=True)
         subprocess.run(me + ["status"], check=False)
         print(f"\n== audit log ({paths.audit}), last lines", flush=True)
@@ -327,9 +329,16 @@ def _demo_tenants(paths) -> list[str]:
     return [t["name"] for t in snap["tenants"]]
 
 
-def _demo_commands() -> list[list[str]]:
+def _demo_commands() -> list[tuple[list[str], list[str]]]:
+    """(exec options, command). nvidia-smi runs as exec's default uid (nobody); the probe is
+    this interpreter, which may live where only root can go (a venv under /root), so it runs
+    as root — and with the checkout bound in when it is under /tmp (the tenant's /tmp is
+    its own)."""
+    from devbroker.testing.tenant_binds import bind_args
+
     cmds = []
     if shutil.which("nvidia-smi"):
-        cmds.append(["nvidia-smi"])
-    cmds.append([sys.executable, "-m", "devbroker.tools.probe", "--alloc", "1GiB"])
+        cmds.append(([], ["nvidia-smi"]))
+    cmds.append((["--uid", "0", *bind_args()],
+                 [sys.executable, "-m", "devbroker.tools.probe", "--alloc", "1GiB"]))
     return cmds
