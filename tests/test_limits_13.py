@@ -213,6 +213,12 @@ def test_emulator_indexes_match_a_walk_over_every_client():
                 size=rng.choice([2, 4, 8]) << 20, alignment=2 << 20),
                 hRoot=h, hObjectParent=dev, hObjectNew=dev + 1, hClass=0x40)
             live.append((f, h, dev, dev + 1))
+        elif op < 0.65 and len(live) > 1:
+            # a duplicate of one client's memory in another client (RM_DUP_OBJECT): one
+            # charge for both handles, kept by whichever is left
+            (_, ha, _, mema), (fb, hb, devb, _) = rng.sample(live, 2)
+            escape(fb, "NV_ESC_RM_DUP_OBJECT", hClient=hb, hParent=devb,
+                   hObject=0x9000 + step, hClientSrc=ha, hObjectSrc=mema)
         elif op < 0.8 and live:
             f, h, dev, mem = live.pop(rng.randrange(len(live)))
             # the client, the device with its memory, or the memory alone
@@ -230,3 +236,50 @@ def test_emulator_indexes_match_a_walk_over_every_client():
             assert be._clients_of_file.get(f.id, set()) == {
                 h for h, c in be.clients.items() if c.file_id == f.id}, step
     assert any(be.device_in_use(g) for g in (0, 1)) and be.clients  # not trivially empty
+    assert any(o.share for c in be.clients.values() for o in c.objects.values())
+
+
+def test_broker_running_totals_match_a_walk_with_duplicates():
+    """The broker's books: each client's charged bytes and device count per GPU are running
+    totals (the quota check and the in-use rewrite read them). Through adds, removes,
+    duplicates sharing one charge (RM_DUP_OBJECT) and drops of whole clients, they equal a
+    walk over the objects."""
+    from devbroker.broker.objects import RmClient, drop_objects, share
+
+    rng = random.Random(8)
+    clients = {h: RmClient(h, 0, 100 + h) for h in range(1, 5)}
+    live: list[tuple[RmClient, int]] = []
+    for step in range(600):
+        c = rng.choice(list(clients.values()))
+        op = rng.random()
+        if op < 0.3:
+            dev = 0x100 + step
+            c.add(dev, 0x80, c.handle, gpu=rng.randrange(2))
+            mem = 0x10000 + step
+            c.add(mem, 0x40, dev, charged=rng.choice([2, 4, 8]) << 20)
+            live.append((c, mem))
+        elif op < 0.5 and live:
+            src, h = rng.choice(live)
+            if h in src.objects:
+                obj = src.objects[h]
+                d = c.add(0x20000 + step, obj.rm_class, c.handle, gpu=obj.gpu)
+                share(obj, d)
+                live.append((c, d.handle))
+        elif op < 0.8 and live:
+            owner, h = live.pop(rng.randrange(len(live)))
+            if h in owner.objects:
+                drop_objects(owner.remove(h))
+        elif op < 0.85:
+            gone = clients.pop(c.handle)
+            drop_objects(gone.objects.values())
+            clients[c.handle] = RmClient(c.handle, 0, 100 + c.handle)
+            live = [x for x in live if x[0] is not gone]
+        for cl in clients.values():
+            walk: dict[int, int] = {}
+            for o in cl.objects.values():
+                if o.charged and o.gpu is not None:
+                    walk[o.gpu] = walk.get(o.gpu, 0) + o.charged
+            assert cl.charged_by_gpu() == walk, step
+            for g in (0, 1):
+                assert cl.holds_device(g) == any(o.rm_class == 0x80 and o.gpu == g
+                                                 for o in cl.objects.values()), step
