@@ -32,7 +32,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from conftest import DEVBROKER, RunningBroker  # noqa: E402
-from oci_helpers import Runtime, apply_cdi, load_config, make_bundle, save_config  # noqa: E402
+from devbroker.testing.oci import Runtime, apply_cdi, load_config, make_bundle, save_config  # noqa: E402
 
 pytestmark = [pytest.mark.root, pytest.mark.nvidia]
 

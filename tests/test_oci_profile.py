@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from devbroker.frontends import seccompwire as w  # noqa: E402
 from devbroker.oci import cdi, profile, state  # noqa: E402
 from libseccomp import compile_section  # noqa: E402
-from oci_helpers import CDIError, apply_cdi, validate_cdi  # noqa: E402
+from devbroker.testing.oci import CDIError, apply_cdi, validate_cdi  # noqa: E402
 
 ALLOW, NOTIFY = w.SECCOMP_RET_ALLOW, w.SECCOMP_RET_USER_NOTIF
 KILL_THREAD = w.SECCOMP_RET_KILL_THREAD

@@ -1,4 +1,4 @@
-"""Real OCI runtimes for the tests: bundles, a CDI applier, runc and crun.
+"""Real OCI runtimes for the tests and the escape harness: bundles, a CDI applier, runc, crun.
 
 * :func:`make_bundle` - an OCI bundle whose root file system is built from the host's own
   ``/usr`` and ``/etc`` (read-only binds; Debian 12 has merged ``/usr``, so ``/bin`` and
