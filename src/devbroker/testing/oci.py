@@ -176,8 +176,10 @@ def apply_cdi(config: dict, spec: dict, devices: list[str]) -> dict:
 # --------------------------------------------------------------------------- bundles
 def make_bundle(base: Path, args: list[str], *, tenant_tree: Path | None = None,
                 env: list[str] | None = None, annotations: dict | None = None,
-                cwd: str = "/", uid: int = 0, gid: int = 0) -> Path:
-    """An OCI bundle at base (config.json + rootfs/) running args."""
+                cwd: str = "/", uid: int = 0, gid: int = 0,
+                binds: tuple[str, ...] = ()) -> Path:
+    """An OCI bundle at base (config.json + rootfs/) running args. ``binds``: more host
+    directories shown read-only at the same path (a Python environment under /opt, say)."""
     rootfs = base / "rootfs"
     for d in ("usr", "etc", "proc", "sys", "dev", "tmp", "root", "run", "opt/devbroker"):
         (rootfs / d).mkdir(parents=True, exist_ok=True)
@@ -208,6 +210,10 @@ def make_bundle(base: Path, args: list[str], *, tenant_tree: Path | None = None,
     if tenant_tree is not None:
         mounts.append({"destination": "/opt/devbroker", "type": "bind",
                        "source": str(tenant_tree), "options": ["rbind", "ro", "nosuid", "nodev"]})
+    for host in binds:
+        (rootfs / host.lstrip("/")).mkdir(parents=True, exist_ok=True)
+        mounts.append({"destination": host, "type": "bind", "source": host,
+                       "options": ["rbind", "ro", "nosuid", "nodev"]})
     config = {
         "ociVersion": "1.0.2",
         "process": {
