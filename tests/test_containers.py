@@ -191,11 +191,12 @@ def test_views_in_the_container(broker, runc, tmp_path):
 
 
 # --------------------------------------------------------------------------- seccomp hand-over
-def test_killing_the_container_frees_everything(broker, runc, tmp_path, tenant_tree):
-    """A container holding 512 MiB through the seccomp hand-over (named by annotation): the
-    audit log names tenant and container; after `runc kill -9` the broker holds nothing of
-    it (`devbroker status`)."""
-    b = bundle(broker, tmp_path, "bob", "seccomp",
+@pytest.mark.parametrize("frontend", ["seccomp", "fuse"])
+def test_killing_the_container_frees_everything(broker, runc, tmp_path, tenant_tree, frontend):
+    """A container holding 512 MiB through the hand-over (named by annotation): the audit log
+    names tenant and container; after `runc kill -9` the broker holds nothing of it
+    (`devbroker status`)."""
+    b = bundle(broker, tmp_path, "bob", frontend,
                ["/usr/bin/python3", "-m", "devbroker.tools.probe", "--alloc", "512MiB",
                 "--keep"], tenant_tree=tenant_tree, via="annotation",
                annotations={"devbroker.io/tenant": "bob"},
@@ -214,7 +215,8 @@ def test_killing_the_container_frees_everything(broker, runc, tmp_path, tenant_t
         assert bob["memory"]["1"]["used"] == 512 * MiB and bob["open_files"] > 0, bob
         assert bob["processes"] and bob["clients"] > 0, bob
         rec = _attached(broker, cid)
-        assert (rec["tenant"], rec["frontend"]) == ("bob", "seccomp"), rec
+        assert (rec["tenant"], rec["frontend"]) == ("bob", frontend), rec
+        assert broker.cli("status").returncode == 0  # also while a container is attached
         assert rec["named_by"] == ["annotation devbroker.io/tenant"], rec
         st = runc.state(cid)
         assert st and st["pid"] == rec["pid"], (st, rec)

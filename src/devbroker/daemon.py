@@ -103,6 +103,7 @@ class BrokerService:
         self.broker = Broker(policy, self.backend, self.audit, recorder=recorder)
         self.frontend = None
         self.supervisors: set = set()  # seccomp supervisors of attached tenants
+        self.stat_shims: set = set()  # stat shims of containers with FUSE nodes (oci/agent.py)
 
     # -- control socket handlers
     def _status(self, req: dict) -> dict:
@@ -242,7 +243,8 @@ class BrokerService:
                          files="real" if real and frontend == "seccomp" else
                          "placeholder" if frontend == "seccomp" else "fuse nodes",
                          **audit_fields)
-        self.supervisors.add(sup)
+        running = self.supervisors if frontend == "seccomp" else self.stat_shims
+        running.add(sup)
 
         async def serve_one():
             try:
@@ -256,7 +258,7 @@ class BrokerService:
                     finally:
                         os.close(listener)
             finally:
-                self.supervisors.discard(sup)
+                running.discard(sup)
                 # What the listener answered over its life, and the time it took.
                 stats = getattr(sup, "stats", None)
                 where = {k: audit_fields[k] for k in ("via", "container", "pid")
