@@ -72,3 +72,33 @@ def test_cli_lists_attacks():
                        capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "class-83de" in r.stdout and "flood" in r.stdout
+
+
+# Issue 17: the attacks a container changes, from inside runc containers made from
+# `devbroker cdi` and `devbroker oci-seccomp` (victim and attacker in containers of their
+# own, the seccomp listener handed over by runc itself). Seconds per run.
+CONTAINERS = ("runc-fuse", "runc-seccomp")
+
+
+def _container_cases():
+    from devbroker.escape.harness import _select
+
+    return [pytest.param(fe, a.id, id=f"{fe}-{a.id}") for fe in CONTAINERS
+            for a in _select(fe, None)[0]]
+
+
+@pytest.mark.parametrize("front_end,attack_id", _container_cases())
+def test_attack_from_a_container_is_refused(front_end, attack_id):
+    test_attack_is_refused_and_audited(front_end, attack_id)
+
+
+@pytest.mark.parametrize("front_end", CONTAINERS)
+def test_container_report(front_end):
+    from devbroker.escape.harness import CONTAINER_ATTACKS
+
+    r = report(front_end)
+    assert sorted(x.attack.id for x in r.rows) == sorted(a.id for a in ATTACKS)
+    ran = {x.attack.id for x in r.rows if x.verdict != "N/A"}
+    want = set(CONTAINER_ATTACKS) - ({"io-uring"} if front_end == "runc-fuse" else set())
+    assert ran == want
+    assert not r.notes, r.notes  # among them: both containers attached through runc

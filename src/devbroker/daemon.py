@@ -42,6 +42,12 @@ class RunPaths:
         """Where a sandbox (or a container runtime) hands over a tenant's seccomp listener."""
         return self.run_dir / "seccomp.sock"
 
+    @property
+    def oci_seccomp(self) -> Path:
+        """Where container runtimes send a container's seccomp listener (OCI
+        linux.seccomp.listenerPath; devbroker.oci.agent)."""
+        return self.run_dir / "oci-seccomp.sock"
+
     def tenant_dir(self, tenant: str) -> Path:
         return self.mount / tenant
 
@@ -99,6 +105,7 @@ class BrokerService:
         self.broker = Broker(policy, self.backend, self.audit, recorder=recorder)
         self.frontend = None
         self.supervisors: set = set()  # seccomp supervisors of attached tenants
+        self.stat_shims: set = set()  # stat shims of containers with FUSE nodes (oci/agent.py)
 
     # -- control socket handlers
     def _status(self, req: dict) -> dict:
@@ -200,10 +207,9 @@ class BrokerService:
             sock.close()
 
     async def _attach_seccomp(self, conn, nursery, json, os, _socket, struct) -> None:
-        from devbroker.frontends.seccomp import SeccompSupervisor, default_nodes
-
         with conn:
             fds: list[int] = []
+            tenant = None
             try:
                 with trio.fail_after(10):
                     msg, anc, _flags, _addr = await conn.recvmsg(
@@ -216,37 +222,82 @@ class BrokerService:
                 tenant = req.get("tenant")
                 if len(fds) != 1:
                     raise ValueError("send exactly one seccomp listener fd")
-                if tenant not in self.broker.tenants or " (revoked)" in str(tenant):
-                    raise ValueError(f"no tenant {tenant!r} in the running policy")
-                gpus = self.broker.tenants[tenant].gpus
-                real = bool(getattr(self.backend, "tenant_files", False))
-                sup = SeccompSupervisor(self.broker, tenant, default_nodes(gpus=gpus),
-                                        real_files=real)
+                listener = fds.pop()
+                await self.attach_listener(nursery, tenant, listener, frontend="seccomp")
             except Exception as e:  # noqa: BLE001 - a bad hand-over costs that tenant only
                 for fd in fds:
                     os.close(fd)
-                self.audit.write("error", tenant=str(locals().get("tenant")),
-                                 what="seccomp hand-over", reason=str(e))
+                self.audit.write("error", tenant=str(tenant), what="seccomp hand-over",
+                                 reason=str(e))
                 try:
                     await conn.send((json.dumps({"ok": False, "error": str(e)}) + "\n").encode())
                 except OSError:
                     pass
                 return
-            listener = fds[0]
-            self.audit.write("tenant-attached", tenant=tenant, frontend="seccomp",
-                             files="real" if real else "placeholder")
-            self.supervisors.add(sup)
             await conn.send(b'{"ok": true}\n')
+
+    def check_tenant(self, tenant) -> None:
+        """ValueError unless tenant is one of the running policy's (not revoked)."""
+        if not isinstance(tenant, str) or tenant not in self.broker.tenants \
+                or " (revoked)" in tenant:
+            raise ValueError(f"no tenant {tenant!r} in the running policy")
+
+    async def attach_listener(self, nursery, tenant: str, listener: int, *,
+                              frontend: str = "seccomp", **audit_fields) -> None:
+        """Serve a tenant's seccomp listener from now on (its ownership passes here, also
+        when this raises). ``frontend``: "seccomp" (the seccomp front end's supervisor: opens,
+        ioctls, mmaps) or "fuse" (the stat shim for the tenant's FUSE node files, for
+        containers whose /dev/nvidia* are those files). Used by ``devbroker exec`` (over
+        RUN_DIR/seccomp.sock) and by container runtimes (devbroker.oci.agent)."""
+        import os
+
+        try:
+            self.check_tenant(tenant)
+            real = bool(getattr(self.backend, "tenant_files", False))
+            if frontend == "seccomp":
+                from devbroker.frontends.seccomp import SeccompSupervisor, default_nodes
+
+                sup = SeccompSupervisor(self.broker, tenant,
+                                        default_nodes(gpus=self.broker.tenants[tenant].gpus),
+                                        real_files=real)
+            elif frontend == "fuse":
+                from devbroker.oci.agent import stat_shim_for
+
+                # In a worker thread: the node files are this process's own FUSE mount.
+                sup = await trio.to_thread.run_sync(stat_shim_for,
+                                                    self.paths.tenant_dir(tenant))
+            else:
+                raise ValueError(f"unknown front end {frontend!r}")
+        except BaseException:
+            os.close(listener)
+            raise
+        self.audit.write("tenant-attached", tenant=tenant, frontend=frontend,
+                         files="real" if real and frontend == "seccomp" else
+                         "placeholder" if frontend == "seccomp" else "fuse nodes",
+                         **audit_fields)
+        running = self.supervisors if frontend == "seccomp" else self.stat_shims
+        running.add(sup)
 
         async def serve_one():
             try:
-                await sup.serve(listener)
+                if frontend == "fuse":
+                    from devbroker.oci.agent import serve_stat_shim
+
+                    await serve_stat_shim(sup, listener)  # closes the listener
+                else:
+                    try:
+                        await sup.serve(listener)
+                    finally:
+                        os.close(listener)
             finally:
-                os.close(listener)
-                self.supervisors.discard(sup)
+                running.discard(sup)
                 # What the listener answered over its life, and the time it took.
-                self.audit.write("tenant-detached", tenant=tenant, frontend="seccomp",
-                                 **dataclasses.asdict(sup.stats))
+                stats = getattr(sup, "stats", None)
+                where = {k: audit_fields[k] for k in ("via", "container", "pid")
+                         if k in audit_fields}
+                self.audit.write("tenant-detached", tenant=tenant, frontend=frontend, **where,
+                                 **(dataclasses.asdict(stats)
+                                    if dataclasses.is_dataclass(stats) else {}))
         nursery.start_soon(serve_one)
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -274,6 +325,10 @@ class BrokerService:
             async with trio.open_nursery() as nursery:
                 await nursery.start(control.serve)
                 await nursery.start(self._serve_seccomp, nursery)
+                from devbroker.oci.agent import OciSeccompAgent
+
+                self.oci_agent = OciSeccompAgent(self)
+                await nursery.start(self.oci_agent.serve, nursery)
                 self.broker.set_spawner(nursery.start_soon)
                 prepare = getattr(self.backend, "prepare_tenant_files", None)
                 if prepare is not None:  # while this thread still may mount (real.py)

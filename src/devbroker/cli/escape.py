@@ -16,9 +16,13 @@ def add_parser(sub) -> None:
                     "could not be run. fuse/seccomp need root; kmod/cuse boot the QEMU/TCG "
                     "guest (scripts/qemu/setup.sh) and run the same attacks there against "
                     "the kernel module's or CUSE's char nodes, tenants as uids 1001/1002.")
-    p.add_argument("--frontend", choices=["fuse", "seccomp", "kmod", "cuse"], default="fuse",
+    p.add_argument("--frontend",
+                   choices=["fuse", "seccomp", "kmod", "cuse", "runc-fuse", "runc-seccomp"],
+                   default="fuse",
                    help="front end to attack (default fuse; kmod and cuse run in the QEMU "
-                        "guest, ~1-2 min per boot)")
+                        "guest, ~1-2 min per boot; runc-fuse/runc-seccomp run victim and "
+                        "attacker in runc containers made from `devbroker cdi` and "
+                        "`devbroker oci-seccomp`)")
     p.add_argument("--guest-timeout", type=float, default=900,
                    help="kmod/cuse: limit for the whole guest boot in seconds (default 900)")
     p.add_argument("--backend", choices=["emulated", "real"], default="emulated",

@@ -96,7 +96,16 @@ def policy_text(backend: str) -> str:
 
 SRC = str(Path(__file__).resolve().parents[2])
 GUEST_FRONT_ENDS = ("kmod", "cuse")
-FRONT_ENDS = ("fuse", "seccomp", *GUEST_FRONT_ENDS)
+# Containers started by runc from devbroker's CDI spec and seccomp section (issue 17), by the
+# front end their /dev/nvidia* use. The attacks are the ones a container changes: how the
+# tenant reaches devices, nodes, mounts, other processes' fds and the broker's files. The
+# broker-level attacks (handles, classes, controls, quota) run the same broker code as the
+# fuse/seccomp runs and are listed N/A here.
+CONTAINER_FRONT_ENDS = {"runc-fuse": "fuse", "runc-seccomp": "seccomp"}
+CONTAINER_ATTACKS = ("real-nodes", "mknod-ctl", "mknod-gpu", "mknod-uvm", "proc-broker",
+                     "control-socket", "umount-node", "userns-umount", "open-by-handle",
+                     "io-uring", "uvm-tools", "fd-pass", "fd-pass-register", "foreign-client")
+FRONT_ENDS = ("fuse", "seccomp", *GUEST_FRONT_ENDS, *CONTAINER_FRONT_ENDS)
 
 
 class GuestUnavailable(RuntimeError):
@@ -171,11 +180,18 @@ def _lines(text: str) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- judging
+# Attacks that use the victim's own open files: the broker records the refusal under the
+# tenant whose file it is (its node directory), naming the attacker's pid in "what" ("nvidiactl
+# used by pid N"). The victim is idle while the attacks run.
+_AUDITED_AS_VICTIM = frozenset({"fd-pass"})
+
+
 def _match_audit(attack: Attack, res: dict, audit: list[dict]) -> dict | None:
     t0, t1 = res.get("t0", 0) - 0.05, res.get("t1", 0) + 0.5
     needle = re.compile(attack.audit or "", re.I)
+    tenants = {ATTACKER} | ({VICTIM} if attack.id in _AUDITED_AS_VICTIM else set())
     for rec in audit:
-        if rec.get("event") != "deny" or rec.get("tenant") != ATTACKER:
+        if rec.get("event") != "deny" or rec.get("tenant") not in tenants:
             continue
         if not (t0 <= rec.get("ts", 0) <= t1):
             continue
@@ -239,16 +255,30 @@ def _select(front_end: str, ids: list[str] | None) -> tuple[list[Attack], list[A
     for a in ATTACKS:
         if ids and a.id not in ids:
             continue
+        if front_end in CONTAINER_FRONT_ENDS:
+            base = CONTAINER_FRONT_ENDS[front_end]
+            # The container is the sandbox: its attacks apply to both kinds of nodes; the
+            # seccomp filter's own (io_uring) only where the filter is the front end's.
+            applies = a.id in CONTAINER_ATTACKS and (base in a.frontends or "fuse" in a.frontends)
+            (run if applies else skip).append(a.for_frontend(base))
+            continue
         (run if front_end in a.frontends else skip).append(a.for_frontend(front_end))
     return run, skip
 
 
 _NA = {"seccomp": "needs the sandbox (seccomp alone is not a boundary, docs/seccomp.md)",
+       "runc-fuse": "broker-level: the same broker code as the fuse run (tests/test_escape.py)",
+       "runc-seccomp": "broker-level: the same broker code as the seccomp run "
+                       "(tests/test_escape.py)",
        "fuse": "seccomp-filter specific",
        "kmod": "does not apply to the module's nodes", "cuse": "does not apply to CUSE nodes"}
 
 
 def _na_rows(front_end: str, skip: list[Attack]) -> list[Row]:
+    if front_end in CONTAINER_FRONT_ENDS:
+        return [Row(a, "N/A", layer=a.layer, detail=_NA[front_end] if a.id not in
+                    CONTAINER_ATTACKS else "the seccomp filter's own (io_uring): no filter "
+                    "covers opens with FUSE nodes") for a in skip]
     return [Row(a, "N/A", layer=a.layer, detail=a.na.get(front_end) or _NA[front_end])
             for a in skip]
 
@@ -459,6 +489,93 @@ def _run_seccomp(attacks: list[Attack], work: Path, flood: bool, report: Report,
     audit.close()
 
 
+# --------------------------------------------------------------------------- containers
+def _container_bundle(b: "_FuseBroker", work: Path, spec: dict, tenant: str, base: str,
+                      argv: list[str], env: list[str]) -> Path:
+    from devbroker.testing import oci, tenant_tree
+
+    bundle = work / f"bundle-{tenant}-{uuid.uuid4().hex[:6]}"
+    bundle.mkdir()
+    oci.make_bundle(bundle, argv, tenant_tree=tenant_tree.ensure(),
+                    env=["PYTHONPATH=/opt/devbroker/src", *env])
+    config = oci.load_config(bundle)
+    oci.apply_cdi(config, spec, [f"devbroker.io/gpu={tenant}"])
+    oci.save_config(bundle, config)
+    r = subprocess.run(b.cli("oci-seccomp", "--frontend", base, "--tenant", tenant,
+                             "--config", str(bundle / "config.json")),
+                       capture_output=True, text=True, env=_env(), timeout=60)
+    if r.returncode != 0:
+        raise RuntimeError(f"devbroker oci-seccomp: {r.stderr}")
+    return bundle
+
+
+def _run_container(front_end: str, attacks: list[Attack], work: Path, report: Report,
+                   backend: str = "emulated") -> None:
+    """Victim (alice) and attacker (bob) in runc containers made from `devbroker cdi`'s spec
+    and `devbroker oci-seccomp`'s section; Debian's python3 runs the tenant side from the
+    tenant tree (bound read-only at /opt/devbroker)."""
+    from devbroker.testing import oci
+
+    base = CONTAINER_FRONT_ENDS[front_end]
+    b = _FuseBroker(work, policy_text(backend))
+    rt = oci.Runtime("runc", work / "runc-state")
+    victim = None
+    vid = f"escape-victim-{uuid.uuid4().hex[:8]}"
+    try:
+        r = subprocess.run(b.cli("cdi", "--frontend", base), capture_output=True, text=True,
+                           env=_env(), timeout=60)
+        if r.returncode != 0:
+            raise RuntimeError(f"devbroker cdi: {r.stderr}")
+        spec = json.loads(r.stdout)
+        py = ["/usr/bin/python3", "-m", "devbroker.escape.tenant"]
+        sock = f"devbroker-escape-{uuid.uuid4().hex[:12]}"
+        vb = _container_bundle(b, work, spec, VICTIM, base,
+                               ["/bin/sh", "-c", '/bin/true; /bin/true; exec "$@"', "sh", *py,
+                                "--victim", sock], [])
+        victim = rt.popen(vb, vid, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+        line = victim.stdout.readline()
+        if not line:
+            raise RuntimeError(f"victim container failed: {victim.stderr.read()}")
+        vinfo = json.loads(line)
+        procs = next(t for t in b.control({"op": "status"})["tenants"]
+                     if t["name"] == VICTIM)["processes"]
+        vinfo["host_pid"] = procs[0] if procs else None
+        vinfo["tenant"] = VICTIM
+        ctx = {"frontend": base, "run_dir": str(b.run_dir), "broker_pid": b.proc.pid,
+               "own_gpu": 0, "victim_gpu": 1, "quota": ATTACKER_QUOTA, "victim": vinfo}
+        ab = _container_bundle(b, work, spec, ATTACKER, base, [*py, *[a.id for a in attacks]],
+                               [f"DEVBROKER_ESCAPE_CTX={json.dumps(ctx)}"])
+        aid = f"escape-attacker-{uuid.uuid4().hex[:8]}"
+        try:
+            r = rt.run(ab, aid, capture_output=True, text=True, timeout=300,
+                       stdin=subprocess.DEVNULL)
+        finally:
+            rt.delete(aid)
+        results = {x["id"]: x for x in _lines(r.stdout) if "id" in x}
+        if r.returncode != 0:
+            report.notes.append(f"attacker container exited {r.returncode}: {r.stderr[-2000:]}")
+        audit = _read_audit(b.run_dir / "audit.log")
+        attached = {a.get("tenant") for a in audit if a.get("event") == "tenant-attached"
+                    and a.get("via") == "oci"}
+        if attached != {VICTIM, ATTACKER}:
+            report.notes.append(f"containers attached through the runtime's hand-over: "
+                                f"{sorted(map(str, attached))}")
+        report.rows += [judge(a, results.get(a.id), audit) for a in attacks]
+        report.info.append(f"runc containers from `devbroker cdi --frontend {base}` and "
+                           f"`devbroker oci-seccomp --frontend {base}`; tenants {VICTIM} "
+                           f"(victim) and {ATTACKER} (attacker) as root in their containers")
+    finally:
+        if victim is not None:
+            try:
+                victim.stdin.close()
+                victim.wait(timeout=20)
+            except Exception:
+                victim.kill()
+        rt.delete(vid)
+        b.stop()
+
+
 # --------------------------------------------------------------------------- QEMU guest
 _GUEST_SETUP = {"kmod": "insmod kmod/devbroker.ko major=195 gpus=2 timeout_ms=5000",
                 "cuse": "modprobe cuse"}
@@ -587,13 +704,14 @@ def run_escape_tests(front_end: str = "fuse", *, ids: list[str] | None = None,
     if front_end in GUEST_FRONT_ENDS:
         return run_guest_escape_tests([front_end], ids=ids, flood=flood,
                                       workdir=workdir)[front_end]
-    if front_end not in ("fuse", "seccomp"):
+    if front_end not in ("fuse", "seccomp", *CONTAINER_FRONT_ENDS):
         raise ValueError(f"front end {front_end!r}: one of {', '.join(FRONT_ENDS)}")
     if os.geteuid() != 0:
         raise PermissionError("escape-test needs root (FUSE mounts, namespaces, seccomp)")
     report = Report(front_end)
     attacks, skip = _select(front_end, ids)
-    flood = flood and (not ids or "flood" in ids)
+    # The flood measures the broker's rate limiting, which containers do not change.
+    flood = flood and (not ids or "flood" in ids) and front_end not in CONTAINER_FRONT_ENDS
     tmp = None
     if workdir is None:
         tmp = tempfile.TemporaryDirectory(prefix="devbroker-escape-")
@@ -604,6 +722,8 @@ def run_escape_tests(front_end: str = "fuse", *, ids: list[str] | None = None,
     try:
         if front_end == "fuse":
             _run_fuse(attacks, work, flood, report, backend)
+        elif front_end in CONTAINER_FRONT_ENDS:
+            _run_container(front_end, attacks, work, report, backend)
         else:
             _run_seccomp(attacks, work, flood, report, backend)
     finally:

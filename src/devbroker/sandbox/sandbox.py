@@ -772,27 +772,7 @@ def _build_proc(tenant: Path, proc_devices: str | None = None) -> None:
     # it stays reachable, and /proc/<pid> now lists only this pid namespace.
     linux.umount2("/proc", MNT_DETACH)
     linux.mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    # procfs refuses mkdir, and /proc/driver is global (it shows the host's driver whatever
-    # the pid namespace): cover it with a tmpfs that holds only the tenant's view.
-    linux.mount("tmpfs", "/proc/driver", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                "mode=0755,size=64k")
-    os.mkdir("/proc/driver/nvidia", 0o555)
-    view = tenant / "proc" / "driver" / "nvidia"
-    if view.is_dir():
-        linux.mount(str(view), "/proc/driver/nvidia", None, MS_BIND | MS_REC)
-        linux.remount_bind("/proc/driver/nvidia", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    if proc_devices is not None:
-        # /proc/devices with the NVIDIA majors NVML looks up (nvidia-uvm's must match what the
-        # stat shim reports for /dev/nvidia-uvm). Written into the /proc/driver tmpfs while it
-        # is still writable, bound, and unlinked: the bind keeps the inode, nothing shows.
-        tmp = "/proc/driver/.devices"
-        with open(tmp, "w") as f:
-            f.write(proc_devices)
-        os.chmod(tmp, 0o444)
-        linux.mount(tmp, "/proc/devices", None, MS_BIND)
-        linux.remount_bind("/proc/devices", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
-        os.unlink(tmp)
-    linux.remount_bind("/proc/driver", MS_RDONLY)
+    mount_proc_driver_view("/proc", tenant, proc_devices)
     for name in PROC_MASKED_FILES:
         if os.path.isfile(f"/proc/{name}"):
             linux.mount("/dev/null", f"/proc/{name}", None, MS_BIND)
@@ -806,6 +786,34 @@ def _build_proc(tenant: Path, proc_devices: str | None = None) -> None:
             linux.remount_bind(path, MS_RDONLY)
 
 
+def mount_proc_driver_view(proc: str, tenant: Path, proc_devices: str | None = None) -> None:
+    """On the procfs at ``proc``: ``driver`` becomes a read-only tmpfs holding only
+    ``nvidia/``, a bind of the tenant's ``proc/driver/nvidia``; ``devices`` (with
+    ``proc_devices``) a read-only bind of that text. Shared with the OCI hook
+    (devbroker.oci.hook), which passes the container's procfs as a /proc/self/fd path."""
+    # procfs refuses mkdir, and /proc/driver is global (it shows the host's driver whatever
+    # the pid namespace): cover it with a tmpfs that holds only the tenant's view.
+    linux.mount("tmpfs", f"{proc}/driver", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                "mode=0755,size=64k")
+    os.mkdir(f"{proc}/driver/nvidia", 0o555)
+    view = tenant / "proc" / "driver" / "nvidia"
+    if view.is_dir():
+        linux.mount(str(view), f"{proc}/driver/nvidia", None, MS_BIND | MS_REC)
+        linux.remount_bind(f"{proc}/driver/nvidia", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    if proc_devices is not None:
+        # /proc/devices with the NVIDIA majors NVML looks up (nvidia-uvm's must match what the
+        # stat shim reports for /dev/nvidia-uvm). Written into the /proc/driver tmpfs while it
+        # is still writable, bound, and unlinked: the bind keeps the inode, nothing shows.
+        tmp = f"{proc}/driver/.devices"
+        with open(tmp, "w") as f:
+            f.write(proc_devices)
+        os.chmod(tmp, 0o444)
+        linux.mount(tmp, f"{proc}/devices", None, MS_BIND)
+        linux.remount_bind(f"{proc}/devices", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        os.unlink(tmp)
+    linux.remount_bind(f"{proc}/driver", MS_RDONLY)
+
+
 def _driver_version_from(tenant: Path) -> str | None:
     try:
         text = (tenant / "proc" / "driver" / "nvidia" / "version").read_text()
@@ -816,22 +824,7 @@ def _driver_version_from(tenant: Path) -> str | None:
 
 
 def _build_sys(tenant: Path, driver_version: str | None) -> None:
-    # NVML checks access("/sys/module/nvidia/initstate") first: without it, it decides
-    # there is no driver and scans PCI config space for NVIDIA devices instead. sysfs
-    # refuses mkdir, so the tenant gets a tmpfs /sys/module with only the NVIDIA modules
-    # (which also stops the host's module parameters from leaking in).
-    linux.mount("tmpfs", "/sys/module", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                "mode=0755,size=64k")
-    for module in ("nvidia", "nvidia_uvm"):
-        target = f"/sys/module/{module}"
-        os.mkdir(target, 0o755)
-        given = tenant / "sys" / "module" / module
-        if given.is_dir():
-            linux.mount(str(given), target, None, MS_BIND | MS_REC)
-            continue
-        Path(target, "initstate").write_text("live\n")
-        if module == "nvidia" and driver_version:
-            Path(target, "version").write_text(driver_version + "\n")
+    mount_sys_module_view("/sys/module", tenant, driver_version)
     if os.path.isdir("/sys/firmware"):
         _cover(Path("/sys/firmware"))  # ACPI tables, EFI variables
     # sysfs attributes are root-owned: uid 0 writes many of them (PCI remove/reset/rescan,
@@ -846,6 +839,29 @@ def _build_sys(tenant: Path, driver_version: str | None) -> None:
             # tenant too.
             if os.path.ismount(mp):
                 raise
+
+
+def mount_sys_module_view(module_dir: str, tenant: Path, driver_version: str | None) -> None:
+    """A read-only tmpfs on ``module_dir`` (a sysfs ``module`` directory) with only the
+    NVIDIA modules: ``nvidia/{initstate,version}``, ``nvidia_uvm/initstate`` (or binds of
+    the tenant's ``sys/module/<m>`` where the broker provides them). Shared with the OCI hook.
+
+    NVML checks access("/sys/module/nvidia/initstate") first: without it, it decides there
+    is no driver and scans PCI config space for NVIDIA devices instead. sysfs refuses mkdir,
+    hence the tmpfs (which also stops the host's module parameters from leaking in)."""
+    linux.mount("tmpfs", module_dir, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                "mode=0755,size=64k")
+    for module in ("nvidia", "nvidia_uvm"):
+        target = f"{module_dir}/{module}"
+        os.mkdir(target, 0o755)
+        given = tenant / "sys" / "module" / module
+        if given.is_dir():
+            linux.mount(str(given), target, None, MS_BIND | MS_REC)
+            continue
+        Path(target, "initstate").write_text("live\n")
+        if module == "nvidia" and driver_version:
+            Path(target, "version").write_text(driver_version + "\n")
+    linux.remount_bind(module_dir, MS_RDONLY)
 
 
 def _cover(path: Path) -> None:

@@ -1,0 +1,162 @@
+"""`devbroker cdi | oci-seccomp | oci-hook`: containers started by an OCI runtime (runc, crun,
+podman) get a tenant's devices without `devbroker exec` (docs/containers.md)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+FRONTEND_HELP = ("fuse: /dev/nvidia* are the broker's FUSE node files (bind mounts) and only "
+                 "stat() goes through seccomp; seccomp: /dev/nvidia* are character nodes and "
+                 "every open/ioctl/mmap of them goes to the broker through seccomp user "
+                 "notification (what CUDA needs with the real backend). auto (default): "
+                 "seccomp when the broker runs the real backend, else fuse")
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("cdi", help="write a CDI spec for the running broker's tenants "
+                                   "(kind devbroker.io/gpu, one device per tenant)")
+    p.add_argument("--frontend", choices=["auto", "fuse", "seccomp"], default="auto",
+                   help=FRONTEND_HELP)
+    p.add_argument("--output", "-o", metavar="FILE",
+                   help="write here (e.g. /etc/cdi/devbroker.json) instead of stdout")
+    p.set_defaults(func=cmd_cdi)
+
+    p = sub.add_parser("oci-seccomp", help="the linux.seccomp section that hands a "
+                                           "container's seccomp listener to the broker")
+    p.add_argument("--frontend", choices=["auto", "fuse", "seccomp"], default="auto",
+                   help=FRONTEND_HELP)
+    p.add_argument("--tenant", help="name the tenant in listenerMetadata (else: the "
+                                    "devbroker.io/tenant annotation or a CDI device request)")
+    p.add_argument("--flag", action="append", default=[], metavar="SECCOMP_FILTER_FLAG_…",
+                   help="OCI seccomp flag to add, e.g. SECCOMP_FILTER_FLAG_WAIT_KILLABLE_RECV "
+                        "(runtimes that know it; runc 1.1 and crun 1.8 do not)")
+    p.add_argument("--config", metavar="CONFIG_JSON",
+                   help="write the section into this config.json (sets noNewPrivileges, and "
+                        "the devbroker.io/tenant annotation with --tenant) instead of printing")
+    p.add_argument("--replace", action="store_true",
+                   help="with --config: replace a seccomp section that is already there")
+    p.set_defaults(func=cmd_oci_seccomp)
+
+    p = sub.add_parser("oci-hook", help="createContainer hook (run by the runtime, state on "
+                                        "stdin): the tenant's /proc/driver/nvidia, "
+                                        "/proc/devices and /sys/module views")
+    p.add_argument("--tenant", required=True)
+    p.set_defaults(func=cmd_oci_hook)
+
+
+def _status(run_dir: str) -> dict:
+    from devbroker.broker.control import call
+    from devbroker.daemon import RunPaths
+
+    return call(RunPaths(Path(run_dir)).control, {"op": "status"})
+
+
+def _frontend(args, what: str) -> str:
+    if args.frontend != "auto":
+        return args.frontend
+    from devbroker.broker.control import ControlError
+
+    try:
+        snap = _status(args.run_dir)
+    except ControlError as e:
+        sys.exit(f"devbroker {what}: --frontend auto asks the broker: {e}")
+    return "seccomp" if snap.get("backend") == "real" else "fuse"
+
+
+def hook_argv(run_dir: str) -> list[str]:
+    """How the runtime runs `devbroker oci-hook`: this interpreter (absolute, so the runtime
+    needs no PATH), the package as a module."""
+    return [os.path.abspath(sys.executable), "-m", "devbroker.cli.main",
+            "--run-dir", os.path.abspath(run_dir), "oci-hook"]
+
+
+def cmd_cdi(args) -> int:
+    from devbroker.broker.control import ControlError
+    from devbroker.daemon import RunPaths
+    from devbroker.frontends.statshim import proc_devices_view
+    from devbroker.oci.cdi import TenantNodes, cdi_spec
+
+    frontend = _frontend(args, "cdi")
+    try:
+        snap = _status(args.run_dir)
+    except ControlError as e:
+        print(f"devbroker cdi: {e}", file=sys.stderr)
+        return 1
+    paths = RunPaths(Path(args.run_dir).resolve())
+    tenants = []
+    for t in snap["tenants"]:
+        d = paths.tenant_dir(t["name"])
+        try:
+            nodes = tuple(sorted(os.listdir(d)))
+        except OSError:
+            continue  # revoked, or not served
+        tenants.append(TenantNodes(t["name"], str(d), nodes))
+    with open("/proc/devices") as f:
+        _text, uvm = proc_devices_view(f.read())
+    try:
+        spec, skipped = cdi_spec(tenants, frontend=frontend, uvm_major=uvm,
+                                 hook_argv=hook_argv(args.run_dir))
+    except ValueError as e:
+        print(f"devbroker cdi: {e}", file=sys.stderr)
+        return 1
+    for why in skipped:
+        print(f"devbroker cdi: left out {why}", file=sys.stderr)
+    text = json.dumps(spec, indent=2) + "\n"
+    if args.output:
+        out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, out)  # runtimes rescan spec dirs: never show them half a file
+        print(f"devbroker cdi: {len(spec['devices'])} devices ({frontend}) written to {out}",
+              file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def cmd_oci_seccomp(args) -> int:
+    from devbroker.daemon import RunPaths
+    from devbroker.oci.profile import seccomp_section
+    from devbroker.oci.state import TENANT_ANNOTATION
+
+    frontend = _frontend(args, "oci-seccomp")
+    listener = str(RunPaths(Path(args.run_dir).resolve()).oci_seccomp)
+    section = seccomp_section(frontend, listener, tenant=args.tenant, flags=args.flag)
+    if not args.config:
+        print(json.dumps(section, indent=2))
+        return 0
+    path = Path(args.config)
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        print(f"devbroker oci-seccomp: {path}: {e}", file=sys.stderr)
+        return 1
+    linux = config.setdefault("linux", {})
+    if linux.get("seccomp") and not args.replace:
+        print(f"devbroker oci-seccomp: {path} already has a seccomp section (--replace "
+              "drops it: a runtime installs one section per container)", file=sys.stderr)
+        return 1
+    linux["seccomp"] = section
+    # no_new_privs, as devbroker exec sets it: setuid binaries gain nothing under the filter.
+    config.setdefault("process", {})["noNewPrivileges"] = True
+    if args.tenant:
+        config.setdefault("annotations", {})[TENANT_ANNOTATION] = args.tenant
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    return 0
+
+
+def cmd_oci_hook(args) -> int:
+    from devbroker.daemon import RunPaths
+    from devbroker.oci.hook import HookError, run_hook
+
+    tenant_dir = RunPaths(Path(args.run_dir)).tenant_dir(args.tenant)
+    try:
+        run_hook(sys.stdin.read(), tenant_dir)
+    except (HookError, OSError) as e:
+        print(f"devbroker oci-hook: tenant {args.tenant}: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,209 @@
+"""The broker's end of ``linux.seccomp.listenerPath``: container runtimes hand over here.
+
+``RUN_DIR/oci-seccomp.sock`` (mode 0600 in the 0700 run dir: only root's tools, i.e. the
+runtime, reach it). One container per connection: the runtime sends the OCI container process
+state with the seccomp listener attached and closes (devbroker.oci.state). The agent
+
+1. reads the state up to the end of its JSON object (at most 1 MiB, at most 10 s: a
+   runtime cannot hold the broker),
+   keeps only the fd named ``seccompFd`` and checks it is a seccomp listener;
+2. names the tenant (annotation, CDI device request, listenerMetadata; they must agree) and
+   checks it against the running policy;
+3. serves the listener with the supervisor the section was written for:
+   ``frontend=seccomp`` -> the seccomp front end's :class:`SeccompSupervisor` (the code
+   ``devbroker exec --frontend seccomp`` hands over to, ``BrokerService.attach_listener``);
+   ``frontend=fuse`` -> a :class:`~devbroker.frontends.statshim.StatShim` for the tenant's
+   FUSE node files (bound at ``/dev/nvidia*`` by the CDI spec), in a thread of its own.
+
+Any failure: an audit record ``container-refused`` with the reason, and the listener is
+closed. The container's notified system calls then fail with ENOSYS (that is what the kernel
+does once the listener is gone), so a refused container cannot open a file and its start
+fails: closed, not open. The runtime reads no answer.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket as _socket
+import struct
+from pathlib import Path
+
+import trio
+
+from devbroker.oci import state as ocistate
+
+log = logging.getLogger("devbroker.oci")
+
+READ_DEADLINE = 10.0
+MAX_FDS = 8
+SECCOMP_LISTENER_LINK = "anon_inode:seccomp notify"
+
+
+def _close_all(fds) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _fds_from(anc) -> list[int]:
+    fds: list[int] = []
+    for level, typ, data in anc:
+        if level == _socket.SOL_SOCKET and typ == _socket.SCM_RIGHTS:
+            n = len(data) // 4
+            fds.extend(struct.unpack(f"={n}i", data[:4 * n]))
+    return fds
+
+
+def is_seccomp_listener(fd: int) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}") == SECCOMP_LISTENER_LINK
+    except OSError:
+        return False
+
+
+class OciSeccompAgent:
+    """Accepts container runtimes' hand-overs for a BrokerService (daemon.py)."""
+
+    def __init__(self, service):
+        self.service = service
+        self.path: Path = service.paths.oci_seccomp
+        self.attached = 0
+        self.refused = 0
+
+    async def serve(self, nursery, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+        sock = trio.socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+        await sock.bind(str(self.path))
+        os.chmod(self.path, 0o600)
+        sock.listen(16)
+        task_status.started()
+        try:
+            while True:
+                conn, _ = await sock.accept()
+                nursery.start_soon(self._one, conn, nursery)
+        finally:
+            sock.close()
+
+    async def _read(self, conn) -> tuple[bytes, list[int], tuple[int, int, int]]:
+        """(payload, fds, peer (pid, uid, gid)) of one hand-over; the fds are the caller's
+        to close whatever happens next."""
+        creds = conn.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, 12)
+        peer = struct.unpack("=iII", creds)
+        chunks: list[bytes] = []
+        fds: list[int] = []
+        size = 0
+        try:
+            with trio.fail_after(READ_DEADLINE):
+                msg, anc, flags, _ = await conn.recvmsg(
+                    ocistate.MAX_STATE_BYTES + 1, _socket.CMSG_SPACE(4 * MAX_FDS))
+                fds = _fds_from(anc)
+                if flags & _socket.MSG_CTRUNC:
+                    raise ocistate.StateError(f"more than {MAX_FDS} fds sent")
+                while msg:
+                    chunks.append(msg)
+                    size += len(msg)
+                    if size > ocistate.MAX_STATE_BYTES:
+                        raise ocistate.StateError("container process state larger than "
+                                                  f"{ocistate.MAX_STATE_BYTES} bytes")
+                    # Done at the end of the JSON object, not at EOF: runc 1.1 keeps its end
+                    # of the connection open while the container runs (a dup it never
+                    # closes). A strict prefix of an object never parses.
+                    if ocistate.complete(b"".join(chunks)):
+                        break
+                    msg = await conn.recv(65536)
+        except trio.TooSlowError:
+            _close_all(fds)
+            raise ocistate.StateError(f"the runtime did not finish sending its state within "
+                                      f"{READ_DEADLINE:.0f} s") from None
+        except BaseException:
+            _close_all(fds)
+            raise
+        return b"".join(chunks), fds, peer
+
+    async def _one(self, conn, nursery) -> None:
+        audit = self.service.audit
+        fds: list[int] = []
+        st = None
+        hand = None
+        peer = (0, -1, -1)
+        with conn:
+            try:
+                payload, fds, peer = await self._read(conn)
+                if peer[1] != 0:
+                    raise ocistate.StateError(f"peer uid {peer[1]} is not root")
+                st = ocistate.decode_state(payload)
+                idx = st.fd_index()
+                if idx >= len(fds):
+                    raise ocistate.StateError(f"'fds' names {len(st.fds)} fds, "
+                                              f"{len(fds)} were sent")
+                listener = fds.pop(idx)
+                _close_all(fds)
+                fds = [listener]
+                if not is_seccomp_listener(listener):
+                    raise ocistate.StateError("the fd named seccompFd is not a seccomp "
+                                              "listener")
+                hand = ocistate.identify(st)
+                self.service.check_tenant(hand.tenant)
+            except (ocistate.StateError, ValueError, OSError) as e:
+                _close_all(fds)
+                self.refused += 1
+                audit.write("container-refused", tenant=hand.tenant if hand else None,
+                            container=st.container_id if st else None,
+                            pid=st.pid if st else None, runtime_pid=peer[0],
+                            reason=str(e))
+                return
+        fields = {"via": "oci", "container": st.container_id, "pid": st.pid,
+                  "bundle": st.bundle, "named_by": list(hand.sources)}
+        try:
+            await self.service.attach_listener(nursery, hand.tenant, listener,
+                                               frontend=hand.frontend, **fields)
+        except Exception as e:  # noqa: BLE001 - a bad hand-over costs that container only
+            self.refused += 1
+            audit.write("container-refused", tenant=hand.tenant, container=st.container_id,
+                        pid=st.pid, runtime_pid=peer[0], reason=f"attaching: {e}")
+            return
+        self.attached += 1
+
+
+# --------------------------------------------------------------------------- the stat shim
+def stat_shim_for(tenant_dir: Path):
+    """A StatShim for the tenant's FUSE node files (blocking file system access: call it in
+    a worker thread, never on the broker's trio thread, which serves those very files)."""
+    from devbroker.frontends import statshim
+    from devbroker.sandbox.sandbox import tenant_nodes
+
+    names = tenant_nodes(tenant_dir)
+    with open("/proc/devices") as f:
+        _text, uvm = statshim.proc_devices_view(f.read())
+    return statshim.StatShim(statshim.node_table(tenant_dir, names, uvm), names,
+                             log=lambda m: log.warning("stat shim: %s", m))
+
+
+async def serve_stat_shim(shim, listener: int) -> None:
+    """Run shim on listener in a thread of its own until no task uses the filter; owns and
+    closes listener. Cancellation stops the thread (its stop pipe) and returns."""
+    stop_r, stop_w = os.pipe2(os.O_CLOEXEC)
+
+    def run() -> None:
+        try:
+            shim.serve(listener, stop_r)
+        finally:
+            os.close(listener)
+            os.close(stop_r)
+
+    try:
+        await trio.to_thread.run_sync(run, limiter=trio.CapacityLimiter(1),
+                                      abandon_on_cancel=True)
+    finally:
+        try:
+            os.write(stop_w, b"x")
+        except OSError as e:
+            if e.errno != errno.EPIPE:
+                raise
+        os.close(stop_w)
