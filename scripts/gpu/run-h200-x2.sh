@@ -83,8 +83,12 @@ for i in $(seq 1 150); do [ -S "$RUN/seccomp.sock" ] && [ -S "$RUN/control.sock"
 [ -S "$RUN/seccomp.sock" ] || { echo "broker did not start"; cat "$W/broker.log"; exit 1; }
 cat "$W/broker.log"
 DB=("$PY" -m devbroker.cli.main --run-dir "$RUN")
+# The tenants run this checkout's Python and the carried wheels: root inside the sandbox
+# (exec's default is nobody) and the paths they need bound in (each tenant's /tmp is its own).
+mapfile -t BINDS < <("$PY" -c 'from devbroker.testing.tenant_binds import bind_args; print("\n".join(bind_args()))')
+BINDS+=(--bind /tmp/site)
 texec() { local t=$1; shift
-  timeout 300 "${DB[@]}" exec --tenant "$t" -- env PYTHONPATH="$PYTHONPATH" PYTHONUNBUFFERED=1 "$@"; }
+  timeout 300 "${DB[@]}" exec --tenant "$t" --uid 0 "${BINDS[@]}" -- env PYTHONPATH="$PYTHONPATH" PYTHONUNBUFFERED=1 "$@"; }
 
 for t in a b c; do
   step "tenant $t: what it sees (torch, pynvml, nvidia-smi, /proc)"
