@@ -2,6 +2,7 @@
 # The README's second command (and what CI runs): install what the tests need, run them.
 #   scripts/test.sh [pytest args...]
 # Environment: DEVBROKER_SKIP_INSTALL=1 skips the apt installs (nvidia-smi 535, runc/crun,
+# Environment: DEVBROKER_SKIP_INSTALL=1 skips the apt installs (nvidia-smi 535, Prometheus,
 # QEMU guest kernel) when they are already there; DEVBROKER_SLOW=1 also runs the suites marked slow.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,6 +12,8 @@ if [ "${DEVBROKER_SKIP_INSTALL:-0}" != 1 ]; then
     [ -x scripts/install-nvidia-clients.sh ] && scripts/install-nvidia-clients.sh
     # Debian's runc and crun for the container tests (issue 17).
     [ -x scripts/install-container-runtimes.sh ] && scripts/install-container-runtimes.sh
+    # Prometheus + promtool and systemd-analyze for the operations tests.
+    [ -x scripts/install-ops-tools.sh ] && scripts/install-ops-tools.sh
     # A Debian guest kernel for the kernel-module and CUSE front ends (QEMU/TCG).
     [ -x scripts/qemu/setup.sh ] && scripts/qemu/setup.sh
 fi

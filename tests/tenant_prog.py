@@ -244,10 +244,92 @@ def dup(size: str, foreign: str = "0") -> None:
     # the driver's root-object case: a client handle is not an object to duplicate
     status, _ = dup_call(c2, g2["hdevice"], c1.hclient, c1.hclient)
     out(what="client-as-object", status=status)
+def nvml_loop(held: str = "64MiB", step: str = "2MiB") -> None:
+    """Issue 18: NVML-style queries and allocations in a loop until a line (or EOF) on stdin.
+
+    A line "window" on stdin prints the calls so far and the longest call since the last
+    window (and starts a new one); any other line (or EOF) ends the loop, and the end report
+    lists the calls of 5 ms or more since the last window (start time, duration).
+
+    Holds `held` for the whole run, then per iteration: the memory query NVML makes
+    (FB_GET_INFO_V2), an allocation of `step`, the query again, the free, the query again.
+    Every answer is checked against what it must be while the tenant's other processes hold
+    still: the tenant's memory used as first seen after allocating `held` (+ `step` while
+    that is held). Any ioctl error, driver status
+    other than NV_OK or wrong memory figure is a failure, reported with its time. Prints
+    "ready" after the first iteration and, at the end, the counts and the longest single
+    call (the longest pause this tenant saw)."""
+    import select
+    import time
+
+    from devbroker.tools.probe import parse_size
+
+    c = Client()
+    c.check_version()
+    c.open_root()
+    g = c.open_gpu(c.attached_ids()[0])
+    step_n = parse_size(step)
+    c.alloc_device_memory(g["hdevice"], parse_size(held))
+    base = c.memory(g["hsubdevice"])["used"]
+    calls = iterations = 0
+    failures: list[dict] = []
+    longest, longest_at = 0.0, 0.0
+    slow: list[list[float]] = []  # [wall-clock start, seconds] of calls of 5 ms or more
+
+    def timed(what, fn, *a):
+        nonlocal calls, longest, longest_at
+        t0 = time.monotonic()
+        w0 = time.time()
+        try:
+            return fn(*a)
+        except (OSError, NvError) as e:
+            failures.append({"what": what, "at": time.time(), "error": str(e),
+                             "errno": getattr(e, "errno", None),
+                             "status": getattr(e, "status", None)})
+            return None
+        finally:
+            dt = time.monotonic() - t0
+            calls += 1
+            if dt > longest:
+                longest, longest_at = dt, w0
+            if dt >= 0.005 and len(slow) < 2000:
+                slow.append([round(w0, 6), round(dt, 6)])
+
+    def query(expect: int) -> None:
+        m = timed("query", c.memory, g["hsubdevice"])
+        if m is not None and m["used"] != expect:
+            failures.append({"what": "query", "at": time.time(),
+                             "error": f"used {m['used']}, expected {expect}"})
+
+    while True:
+        query(base)
+        h = timed("alloc", c.alloc_device_memory, g["hdevice"], step_n)
+        if h is not None:
+            query(base + step_n)
+            status = timed("free", c.free, g["hdevice"], h)
+            if status not in (None, nvs.NV_OK):
+                failures.append({"what": "free", "at": time.time(), "status": status})
+            query(base)
+        iterations += 1
+        if iterations == 1:
+            out(what="ready", pid=os.getpid())
+        if select.select([sys.stdin], [], [], 0)[0]:
+            line = sys.stdin.readline().strip()
+            if line != "window":
+                break
+            # The longest call since the last window: a baseline to compare a pause with.
+            out(what="window", calls=calls, longest_call_s=round(longest, 6),
+                longest_at=longest_at, failed=len(failures))
+            longest = 0.0
+            slow.clear()
+    out(what="done", iterations=iterations, calls=calls, failures=failures[:20],
+        failed=len(failures), longest_call_s=round(longest, 6), longest_at=longest_at,
+        slow_calls=slow, memory=c.memory(g["hsubdevice"]))
 
 
 if __name__ == "__main__":
     cmd, *rest = sys.argv[1:]
     {"refusals": refusals, "hold": hold, "ioctl-after-line": ioctl_after_line,
      "foreign-client": foreign_client, "cuda-rules": cuda_rules,
-     "own-mount-ptr": own_mount_ptr, "hold-aligned": hold_aligned, "dup": dup}[cmd](*rest)
+     "own-mount-ptr": own_mount_ptr, "hold-aligned": hold_aligned, "dup": dup,
+     "nvml-loop": nvml_loop}[cmd](*rest)

@@ -428,3 +428,65 @@ def test_unreadable_file(tmp_path):
     with pytest.raises(PolicyError) as info:
         load_policy(tmp_path / "missing.toml")
     assert info.value.file.endswith("missing.toml") and info.value.line is None
+
+
+# ------------------------------------------------------------------------------ issue 18
+TENANT = '\n[tenant.a]\ngpus = [0]\nmemory_quota = "1GiB"\n'
+
+
+def test_metrics_and_alerts_defaults_and_values():
+    p = policy(TENANT)
+    assert p.broker.metrics is None  # no endpoint unless the policy asks for one
+    a = p.broker.alerts
+    assert (a.quota_percent, a.refusals_per_minute, a.escape_attempts, a.escape_window) == \
+        (90.0, 120, 3, 600)
+    p = policy('[broker.metrics]\nlisten = "127.0.0.1:9464"\n\n[broker.alerts]\n'
+               'quota_percent = 80.5\nrefusals_per_minute = 0\nescape_attempts = 1\n'
+               'escape_window = 60\n' + TENANT)
+    m = p.broker.metrics
+    assert (m.host, m.port, m.allow_remote, m.listen) == ("127.0.0.1", 9464, False,
+                                                          "127.0.0.1:9464")
+    a = p.broker.alerts
+    assert (a.quota_percent, a.refusals_per_minute, a.escape_attempts, a.escape_window) == \
+        (80.5, 0, 1, 60)
+    assert load_policy_text(p.to_toml()) == p
+    assert "metrics: 127.0.0.1:9464" in p.describe()
+    for listen, host in (("localhost:1", "127.0.0.1"), ("[::1]:9464", "::1"),
+                         ("127.0.0.2:0", "127.0.0.2")):
+        m = policy(f'[broker.metrics]\nlisten = "{listen}"\n' + TENANT).broker.metrics
+        assert m.host == host
+        assert load_policy_text(policy(f'[broker.metrics]\nlisten = "{listen}"\n'
+                                       + TENANT).to_toml()).broker.metrics == m
+    m = policy('[broker.metrics]\nlisten = "0.0.0.0:9464"\nallow_remote = true\n'
+               + TENANT).broker.metrics
+    assert (m.host, m.allow_remote) == ("0.0.0.0", True)
+
+
+@pytest.mark.parametrize("body, line, reason", [
+    ('listen = "0.0.0.0:9464"', 18, "reachable from other hosts; the endpoint has no "
+                                    "authentication"),
+    ('listen = "[2001:db8::1]:9464"', 18, "reachable from other hosts"),
+    ('listen = "metrics.example:9464"', 18, "needs an IP address"),
+    ('listen = "127.0.0.1"', 18, "must be ADDRESS:PORT"),
+    ('listen = "127.0.0.1:70000"', 18, "not a TCP port"),
+    ('listen = 9464', 18, "listen must be a string"),
+    ('allow_remote = true', 17, "needs listen"),
+    ('listen = "127.0.0.1:1"\nallow_remote = "yes"', 19, "allow_remote must be true or false"),
+    ('listen = "127.0.0.1:1"\nport = 3', 19, "unknown key 'port' in [broker.metrics]"),
+])
+def test_metrics_errors(body, line, reason):
+    e = error("[broker.metrics]\n" + body + "\n")
+    assert e.line == line and reason in e.reason
+
+
+@pytest.mark.parametrize("body, line, reason", [
+    ("quota_percent = 101", 18, "from 0 (off) to 100"),
+    ("quota_percent = true", 18, "from 0 (off) to 100"),
+    ("refusals_per_minute = -1", 18, "at least 0"),
+    ("escape_attempts = 1.5", 18, "must be an integer"),
+    ("escape_window = 0", 18, "at least 1"),
+    ("quota = 90", 18, "unknown key 'quota' in [broker.alerts]"),
+])
+def test_alert_errors(body, line, reason):
+    e = error("[broker.alerts]\n" + body + "\n")
+    assert e.line == line and reason in e.reason

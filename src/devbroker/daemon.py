@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import dataclasses
@@ -12,7 +13,9 @@ from typing import Any
 import trio
 
 from devbroker.broker import procview
+from devbroker.broker.alerts import AlertMonitor
 from devbroker.broker.audit import AuditLog
+from devbroker.broker.callstats import CallStats, InstrumentedBroker
 from devbroker.broker.control import (
     ROLE_ADMIN, ControlError, ControlServer, Peer, peer_of, role_of,
 )
@@ -103,7 +106,26 @@ class BrokerService:
 
             recorder = Recorder(record)
         self.broker = Broker(policy, self.backend, self.audit, recorder=recorder)
+        # Observed at the boundaries, never inside the core: calls where the front ends
+        # hand them over (InstrumentedBroker), refusals through the audit log.
+        self.callstats = CallStats()
+        self.alerts = AlertMonitor(self.audit)
+        self.audit.observers += [self.callstats.note_refusal, self.alerts.observe]
+        self.front = InstrumentedBroker(self.broker, self.callstats)
+        self.metrics = None  # broker.metrics.MetricsEndpoint while [broker.metrics] is set
+        self.started = 0.0
         self.frontend = None
+        self.control: ControlServer | None = None
+        # Live upgrade (src/devbroker/upgrade.py): what a predecessor handed over (set before
+        # serve()), whether an upgrade is under way, and whether this process handed over.
+        self.adopted = None
+        self.upgrading = False
+        self.handed_over = False
+        self.done = trio.Event()  # serve() returns when set
+        self._seccomp_sock = None  # the listening socket of RUN_DIR/seccomp.sock
+        self._seccomp_accepting: trio.CancelScope | None = None
+        self._attaching = 0  # seccomp hand-overs accepted and not yet attached or refused
+        self.oci_agent = None
         self.supervisors: set = set()  # seccomp supervisors of attached tenants
         self.stat_shims: set = set()  # stat shims of containers with FUSE nodes (oci/agent.py)
 
@@ -116,7 +138,40 @@ class BrokerService:
         snap["seccomp"] = [{"tenant": sup.tenant, "threads": sup.live_threads,
                             **dataclasses.asdict(sup.stats)}
                            for sup in list(self.supervisors)]
+        snap["pid"] = os.getpid()
+        snap["metrics"] = self.metrics.url if self.metrics is not None else None
+        snap["alerts"] = [{"alert": a, "tenant": t, **({"gpu": int(g)} if g else {}), **v}
+                          for (a, t, g), v in sorted(self.alerts.active.items())]
         return snap
+
+    # -- the metrics endpoint
+    def _metrics_snapshot(self) -> dict:
+        from devbroker.broker.metrics import metrics_snapshot
+
+        return metrics_snapshot(self.broker, self.callstats, self.alerts, self.audit,
+                                started=self.started)
+
+    def _configure_metrics(self, cfg, *, sock=None) -> None:
+        """Start, move or stop the endpoint for the policy's [broker.metrics] (cfg, or None).
+        Raises OSError when the new address cannot be bound; the old endpoint then stays."""
+        from devbroker.broker.metrics import BrokerCollector, MetricsEndpoint
+
+        want = (cfg.host, cfg.port) if cfg is not None else None
+        have = self.metrics.address if self.metrics is not None else None
+        if have is not None and want is not None and want[0] == have[0] and want[1] in (0, have[1]):
+            return
+        new = None
+        if want is not None:
+            token = trio.lowlevel.current_trio_token()
+            collector = BrokerCollector(
+                lambda: trio.from_thread.run_sync(self._metrics_snapshot, trio_token=token))
+            new = MetricsEndpoint(collector)
+            new.start(cfg.host, cfg.port, sock=sock)
+        if self.metrics is not None:
+            self.metrics.stop()
+        self.metrics = new
+        if new is not None:
+            self.audit.write("metrics", listen=new.url)
 
     def _policy_show(self, req: dict) -> dict:
         return {"source": self.policy_source or "built-in example",
@@ -126,8 +181,16 @@ class BrokerService:
         from devbroker.broker.policy import PolicyError, load_policy_text
 
         name = req.get("name") or "<policy>"
+        if self.upgrading:
+            raise ControlError("a live upgrade is under way: apply the policy to the new "
+                               "broker once `devbroker upgrade` has returned")
         try:
             policy = load_policy_text(req.get("text", ""), name)
+            try:
+                self._configure_metrics(policy.broker.metrics)
+            except OSError as e:
+                raise ValueError(f"[broker.metrics] listen {policy.broker.metrics.listen}: "
+                                 f"{e.strerror or e}") from None
             self.broker.apply_policy(policy)
         except PolicyError as e:
             self.audit.write("policy-refused", source=name, error=str(e))
@@ -176,37 +239,54 @@ class BrokerService:
         import socket as _socket
         import struct
 
-        path = self.paths.seccomp
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
-        sock = trio.socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
-        await sock.bind(str(path))
-        os.chmod(path, 0o600)
-        sock.listen(16)
+        if self._seccomp_sock is None:
+            path = self.paths.seccomp
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+            std = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+            std.bind(str(path))
+            os.chmod(path, 0o600)
+            std.listen(16)
+            self._seccomp_sock = std
+        sock = trio.socket.from_stdlib_socket(self._seccomp_sock)
         task_status.started()
-        try:
-            while True:
-                conn, _ = await sock.accept()
-                try:
-                    peer = await trio.to_thread.run_sync(peer_of, conn)
-                except OSError:
-                    conn.close()
-                    continue
-                if role_of(peer, self._access()) != ROLE_ADMIN:
-                    # Handing over a listener names the tenant it serves: whoever may do
-                    # it could be any tenant. The operator's `devbroker exec` only.
-                    self._control_refused(peer, "seccomp hand-over",
-                                          "only an admin of the broker's pid namespace")
-                    conn.close()
-                    continue
-                nursery.start_soon(self._attach_seccomp, conn, nursery, json, os, _socket,
-                                   struct)
-        finally:
-            sock.close()
+        # Stopped (not closed) while a live upgrade hands over: connections wait in the
+        # backlog for whichever process serves next. The successor has a duplicate of the
+        # listening socket; this process's copy goes when the process does.
+        while not self.handed_over:
+            with trio.CancelScope() as self._seccomp_accepting:
+                while True:
+                    conn, _ = await sock.accept()
+                    self._attaching += 1  # until attached or refused (live upgrade)
+                    try:
+                        peer = await trio.to_thread.run_sync(peer_of, conn)
+                    except OSError:
+                        conn.close()
+                        self._attaching -= 1
+                        continue
+                    if role_of(peer, self._access()) != ROLE_ADMIN:
+                        # Handing over a listener names the tenant it serves: whoever may
+                        # do it could be any tenant. The operator's `devbroker exec` only.
+                        self._control_refused(peer, "seccomp hand-over",
+                                              "only an admin of the broker's pid namespace")
+                        conn.close()
+                        self._attaching -= 1
+                        continue
+                    nursery.start_soon(self._attach_seccomp, conn, nursery, json, os,
+                                       _socket, struct)
+            self._seccomp_accepting = None
+            while self.upgrading:
+                await trio.sleep(0.01)
 
     async def _attach_seccomp(self, conn, nursery, json, os, _socket, struct) -> None:
+        try:
+            await self._attach_seccomp_counted(conn, nursery, json, os, _socket, struct)
+        finally:
+            self._attaching -= 1
+
+    async def _attach_seccomp_counted(self, conn, nursery, json, os, _socket, struct) -> None:
         with conn:
             fds: list[int] = []
             tenant = None
@@ -257,7 +337,7 @@ class BrokerService:
             if frontend == "seccomp":
                 from devbroker.frontends.seccomp import SeccompSupervisor, default_nodes
 
-                sup = SeccompSupervisor(self.broker, tenant,
+                sup = SeccompSupervisor(self.front, tenant,
                                         default_nodes(gpus=self.broker.tenants[tenant].gpus),
                                         real_files=real)
             elif frontend == "fuse":
@@ -300,58 +380,142 @@ class BrokerService:
                                     if dataclasses.is_dataclass(stats) else {}))
         nursery.start_soon(serve_one)
 
-    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        from devbroker.frontends.fuse import FuseFrontend, detach_stale_mount
+    # -- live upgrade (src/devbroker/upgrade.py does the protocol)
+    async def _upgrade(self, req: dict):
+        from devbroker import upgrade
 
-        # The run dir holds the control socket and the audit log: the operator's alone.
-        # Tenants reach their nodes through bind mounts, which need no access to it.
-        self.paths.run_dir.mkdir(parents=True, exist_ok=True)
-        self._set_modes()
-        # A broker that died leaves its mount behind (ENOTCONN on any access): detach it
-        # before touching the path, so a restart serves again without operator help.
-        await trio.to_thread.run_sync(detach_stale_mount, str(self.paths.mount))
-        self.paths.mount.mkdir(parents=True, exist_ok=True)
-        control = ControlServer(self.paths.control, {
+        if self.upgrading:
+            raise ControlError("a live upgrade is already under way")
+        self.upgrading = True
+        try:
+            return await upgrade.hand_over(self, python=req.get("python"))
+        except upgrade.UpgradeError as e:
+            self.audit.write("upgrade-failed", reason=str(e))
+            raise ControlError(str(e)) from None
+        finally:
+            self.upgrading = False
+
+    def stop_accepting_seccomp(self) -> None:
+        if self._seccomp_accepting is not None:
+            self._seccomp_accepting.cancel()
+
+    def finish(self) -> None:
+        """Stop serving (after a hand-over: without unmounting or closing what the successor
+        now serves)."""
+        self.done.set()
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        import time
+
+        from devbroker.frontends.fuse import FuseFrontend, detach_stale_mount
+        from devbroker.oci.agent import OciSeccompAgent
+
+        adopted = self.adopted
+        if adopted is None:
+            # The run dir holds the control socket and the audit log: the operator's
+            # alone. Tenants reach their nodes through bind mounts, which need no access
+            # to it.
+            self.paths.run_dir.mkdir(parents=True, exist_ok=True)
+            self._set_modes()
+            # A broker that died leaves its mount behind (ENOTCONN on any access): detach
+            # it before touching the path, so a restart serves again without operator help.
+            await trio.to_thread.run_sync(detach_stale_mount, str(self.paths.mount))
+            self.paths.mount.mkdir(parents=True, exist_ok=True)
+        else:
+            self._seccomp_sock = adopted.seccomp
+        control = self.control = ControlServer(self.paths.control, {
             "status": self._status,
             "policy.show": self._policy_show,
             "policy.apply": self._policy_apply,
             "tenant.dir": self._tenant_dir,
-        }, access=self._access, on_refusal=self._control_refused)
+            "upgrade": self._upgrade,
+        }, access=self._access, on_refusal=self._control_refused,
+            sock=adopted.control if adopted else None)
         self.broker.on_policy_change.append(lambda p: self._set_modes(control))
-        async with FuseFrontend(self.paths.mount, self.broker) as fe:
-            self.frontend = fe
-            fe.set_tree(tenant_tree(self.broker))
-            self.broker.on_policy_change.append(lambda p: fe.set_tree(tenant_tree(self.broker)))
-            async with trio.open_nursery() as nursery:
-                await nursery.start(control.serve)
-                await nursery.start(self._serve_seccomp, nursery)
-                from devbroker.oci.agent import OciSeccompAgent
+        self.started = time.time()
+        try:
+            self._configure_metrics(self.broker.policy.broker.metrics,
+                                    sock=adopted.metrics if adopted else None)
+        except OSError as e:
+            raise OSError(e.errno, f"metrics endpoint "
+                                   f"{self.broker.policy.broker.metrics.listen}: {e.strerror}")
+        try:
+            async with FuseFrontend(self.paths.mount, self.front,
+                                    adopt=adopted.fuse if adopted else None) as fe:
+                self.frontend = fe
+                fe.set_tree(tenant_tree(self.broker))
+                self.broker.on_policy_change.append(
+                    lambda p: fe.set_tree(tenant_tree(self.broker)))
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(control.serve)
+                    await nursery.start(self._serve_seccomp, nursery)
+                    self.oci_agent = OciSeccompAgent(self,
+                                                     sock=adopted.oci if adopted else None)
+                    await nursery.start(self.oci_agent.serve, nursery)
+                    nursery.start_soon(self.alerts.run, self.broker)
+                    self.broker.set_spawner(nursery.start_soon)
+                    prepare = getattr(self.backend, "prepare_tenant_files", None)
+                    if prepare is not None:  # while this thread still may mount (real.py)
+                        prepare()
+                    if adopted is None:
+                        self.audit.write("started", backend=self.backend.name,
+                                         driver=self.backend.version,
+                                         mount=str(self.paths.mount),
+                                         tenants=sorted(self.broker.tenants),
+                                         metrics=self.metrics.url if self.metrics else None)
+                    else:
+                        self.audit.write("upgraded", from_pid=adopted.from_pid,
+                                         backend=self.backend.name,
+                                         tenants=sorted(self.broker.tenants),
+                                         sessions=adopted.sessions, books=adopted.books)
 
-                self.oci_agent = OciSeccompAgent(self)
-                await nursery.start(self.oci_agent.serve, nursery)
-                self.broker.set_spawner(nursery.start_soon)
-                prepare = getattr(self.backend, "prepare_tenant_files", None)
-                if prepare is not None:  # while this thread still may mount (real.py)
-                    prepare()
-                self.audit.write("started", backend=self.backend.name,
-                                 driver=self.backend.version, mount=str(self.paths.mount),
-                                 tenants=sorted(self.broker.tenants))
-                task_status.started(self)
-                await fe.wait_closed()
-                nursery.cancel_scope.cancel()
+                    async def fuse_closed():
+                        await fe.wait_closed()
+                        self.done.set()
+                    nursery.start_soon(fuse_closed)
+                    task_status.started(self)
+                    await self.done.wait()
+                    if self.handed_over:
+                        fe.detach()
+                    nursery.cancel_scope.cancel()
+        finally:
+            if self.metrics is not None:
+                self.metrics.stop()
+                self.metrics = None
 
 
-async def run_forever(service: BrokerService, *, quiet: bool = False) -> None:
+async def run_forever(service: BrokerService, *, quiet: bool = False,
+                      started=None) -> None:
+    """Serve until SIGINT/SIGTERM, the FUSE connection ending, or a hand-over to a
+    successor. `started`: an async callable run once serving (the successor's ack)."""
+    from devbroker.upgrade import sd_notify
+
+    async def on_signal(signals, cancel_scope):
+        async for _ in signals:
+            cancel_scope.cancel()
+            return
+
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(on_signal, signals, nursery.cancel_scope)
             await nursery.start(service.serve)
+            # A service manager (systemd Type=notify) learns that this process serves, and
+            # after a live upgrade that it is the service's main process now.
+            import os
+
+            sd_notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS=serving "
+                      f"{len(service.broker.tenants)} tenants")
+            if started is not None:
+                await started()
             if not quiet:
                 print(f"devbroker: {service.backend.name} backend (driver "
                       f"{service.backend.version}), nodes under {service.paths.mount}, "
                       f"control socket {service.paths.control}", file=sys.stderr, flush=True)
+                if service.metrics is not None:
+                    print(f"devbroker: metrics at {service.metrics.url}", file=sys.stderr,
+                          flush=True)
                 for name in sorted(service.broker.tenants):
                     print(f"devbroker: tenant {name}: {service.paths.tenant_dir(name)}",
                           file=sys.stderr, flush=True)
-            async for _ in signals:
-                nursery.cancel_scope.cancel()
-                break
+            await service.done.wait()
+            nursery.cancel_scope.cancel()

@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 
 class _Bucket:
@@ -53,6 +53,11 @@ class AuditLog:
         self._clock = clock
         self._buckets: dict[str, _Bucket] = {}
         self.suppressed_total = 0
+        # Called with every record, before the rate limit decides whether it is written:
+        # metrics and alerts (broker/callstats.py, broker/alerts.py) count every refusal, also
+        # those the file leaves out. Called on the writer's thread; must be quick and not
+        # raise.
+        self.observers: list[Callable[[dict[str, Any]], None]] = []
 
     def _out(self) -> IO[str] | None:
         if self._file is None and self.path is not None:
@@ -93,6 +98,8 @@ class AuditLog:
 
     def write(self, event: str, **fields: Any) -> dict[str, Any]:
         record = {"ts": round(time.time(), 6), "event": event, **fields}
+        for observe in self.observers:
+            observe(record)
         with self._lock:
             if event == "deny" and self.deny_rate > 0 and not self._admit(record):
                 return record

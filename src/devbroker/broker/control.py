@@ -19,6 +19,7 @@ broker's socket and applied a policy there):
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
@@ -105,38 +106,62 @@ def allowed(role: str | None, op: str) -> bool:
     return role == ROLE_ADMIN or (role == ROLE_READ and need == ROLE_READ)
 
 
+class Reply:
+    """A handler's reply with something to do once it has been sent (live upgrade: the old
+    broker exits only after telling the operator which process took over)."""
+
+    def __init__(self, fields: dict, then: Callable[[], None] | None = None):
+        self.fields = fields
+        self.then = then
+
+
 class ControlServer:
-    """`access()` returns the running policy's ControlAccess (read at each connection, so a
+    """Handlers take the request and return a dict, a Reply, or an awaitable of either.
+
+    `access()` returns the running policy's ControlAccess (read at each connection, so a
     policy apply takes effect at once); `on_refusal(peer, op, reason)` records a refused
     caller (the audit log). Without `access`, only root of the broker's pid namespace."""
 
     def __init__(self, path: str | Path, handlers: dict[str, Callable[[dict], Any]], *,
                  access: Callable[[], Any] | None = None,
-                 on_refusal: Callable[[Peer, str, str], None] | None = None):
+                 on_refusal: Callable[[Peer, str, str], None] | None = None,
+                 sock: socket.socket | None = None):
         self.path = Path(path)
         self.handlers = handlers
         self.access = access or (lambda: None)
         self.on_refusal = on_refusal
+        # A live upgrade passes the listening socket on (connections waiting in its backlog
+        # are answered by the successor): sock= serves one handed over.
+        self.sock = sock
+        self._kept = False
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            self.path.unlink()
-        except FileNotFoundError:
-            pass
-        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        await sock.bind(str(self.path))
-        self.set_mode()
-        sock.listen(16)
-        listener = trio.SocketListener(sock)
-        task_status.started()
-        try:
-            await trio.serve_listeners(self._handle, [listener])
-        finally:
+        if self.sock is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             try:
                 self.path.unlink()
             except FileNotFoundError:
                 pass
+            std = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            std.bind(str(self.path))
+            self.set_mode()
+            std.listen(16)
+            self.sock = std
+        listener = trio.SocketListener(trio.socket.from_stdlib_socket(self.sock))
+        task_status.started()
+        try:
+            await trio.serve_listeners(self._handle, [listener])
+        finally:
+            if not self._kept:
+                try:
+                    self.path.unlink()
+                except FileNotFoundError:
+                    pass
+
+    def keep_path(self) -> None:
+        """A successor serves the listening socket now (live upgrade): this server's closing
+        must leave the path alone."""
+        self._kept = True
 
     def set_mode(self) -> None:
         """0600 while only root has a role; 0666 when the policy gives others one (each
@@ -169,6 +194,7 @@ class ControlServer:
                         return
             if idle.cancelled_caught:
                 return
+            then = None
             try:
                 req = json.loads(buf.split(b"\n", 1)[0])
                 op = req.get("op")
@@ -183,12 +209,23 @@ class ControlServer:
                 elif handler is None:
                     reply = {"ok": False, "error": f"unknown op {req.get('op')!r}"}
                 else:
-                    reply = {"ok": True, **(handler(req) or {})}
+                    result = handler(req)
+                    if inspect.isawaitable(result):
+                        result = await result
+                    if isinstance(result, Reply):
+                        result, then = result.fields, result.then
+                    reply = {"ok": True, **(result or {})}
             except ControlError as e:
                 reply = {"ok": False, "error": str(e)}
             except Exception as e:  # a bad request must never take the broker down
                 reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-            await stream.send_all(_line(reply))
+            try:
+                await stream.send_all(_line(reply))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the client went away; what it asked for is done all the same
+            finally:
+                if then is not None:
+                    then()
 
 
 class ControlError(Exception):

@@ -7,6 +7,7 @@ the reason — a typo must never silently widen (or narrow) what a tenant may do
 """
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
 import tomllib
@@ -95,11 +96,37 @@ class ControlAccess:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """The Prometheus endpoint ([broker.metrics]); absent: no endpoint (docs/policy.md)."""
+
+    host: str  # an IP literal (what `listen` names, without brackets)
+    port: int  # 0: any free port (the bound one is in `devbroker status`)
+    allow_remote: bool = False
+
+    @property
+    def listen(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class AlertConfig:
+    """Thresholds that raise an `alert` audit record and devbroker_alert_active
+    ([broker.alerts]); 0 turns one off."""
+
+    quota_percent: float = 90.0  # a tenant's memory used on one GPU >= this % of its quota
+    refusals_per_minute: int = 120  # refusals of one tenant in the last 60 s, at least
+    escape_attempts: int = 3  # escape attempts of one tenant within escape_window seconds
+    escape_window: int = 600
+
+
+@dataclass(frozen=True)
 class BrokerConfig:
     backend: str
     driver_version: str
     audit_log: str | None
     gpus: tuple[GpuSpec, ...]  # for "real", may be empty: the host's GPUs are used
+    metrics: MetricsConfig | None = None
+    alerts: AlertConfig = AlertConfig()
 
 
 @dataclass(frozen=True, eq=True)
@@ -115,6 +142,13 @@ class Policy:
         out = ["[broker]", f"backend = {_q(b.backend)}", f"driver_version = {_q(b.driver_version)}"]
         if b.audit_log is not None:
             out.append(f"audit_log = {_q(b.audit_log)}")
+        if b.metrics is not None:
+            out += ["", "[broker.metrics]", f"listen = {_q(b.metrics.listen)}",
+                    f"allow_remote = {'true' if b.metrics.allow_remote else 'false'}"]
+        a = b.alerts
+        out += ["", "[broker.alerts]", f"quota_percent = {a.quota_percent:g}",
+                f"refusals_per_minute = {a.refusals_per_minute}",
+                f"escape_attempts = {a.escape_attempts}", f"escape_window = {a.escape_window}"]
         for g in b.gpus:
             out += ["", "[[broker.gpu]]", f"name = {_q(g.name)}", f"uuid = {_q(g.uuid)}",
                     f"pci_bus_id = {_q(g.pci_bus_id)}", f"memory = {_size_toml(g.memory)}"]
@@ -144,7 +178,11 @@ class Policy:
         """A human summary for `devbroker policy show`."""
         b = self.broker
         lines = [f"policy {self.source}: backend {b.backend}, driver {b.driver_version}, "
-                 f"audit log {b.audit_log or '(broker default)'}"]
+                 f"audit log {b.audit_log or '(broker default)'}",
+                 f"  metrics: {b.metrics.listen if b.metrics else 'off'}; alerts: quota "
+                 f"{b.alerts.quota_percent:g} %, {b.alerts.refusals_per_minute} refusals/min, "
+                 f"{b.alerts.escape_attempts} escape attempts in {b.alerts.escape_window} s "
+                 "(0 = off)"]
         for g in b.gpus:
             lines.append(f"  GPU {g.index}: {g.name}  {g.uuid}  {g.pci_bus_id}  {format_size(g.memory)}")
         if not b.gpus:
@@ -383,7 +421,64 @@ class _Loader:
                 seen[value] = g.index
         if backend == "emulated" and not gpus:
             self.fail(path, "the emulated backend needs at least one [[broker.gpu]]")
-        return BrokerConfig(backend=backend, driver_version=version, audit_log=audit, gpus=gpus)
+        metrics = self.metrics(b["metrics"]) if "metrics" in b else None
+        alerts = self.alerts(b["alerts"]) if "alerts" in b else AlertConfig()
+        return BrokerConfig(backend=backend, driver_version=version, audit_log=audit, gpus=gpus,
+                            metrics=metrics, alerts=alerts)
+
+    def metrics(self, m: Any) -> MetricsConfig:
+        path = ("broker", "metrics")
+        self.table(m, path, _METRICS_KEYS, "[broker.metrics]")
+        if "listen" not in m:
+            self.fail(path, "[broker.metrics] needs listen (e.g. \"127.0.0.1:9464\"); "
+                            "omit the table for no endpoint")
+        where = path + ("listen",)
+        listen = self.string(m["listen"], where, "listen")
+        host, sep, port_text = listen.rpartition(":")
+        if not sep or not port_text.isdigit():
+            self.fail(where, f"listen must be ADDRESS:PORT (e.g. 127.0.0.1:9464), not {listen!r}")
+        port = int(port_text)
+        if port > 65535:
+            self.fail(where, f"port {port} is not a TCP port (0..65535)")
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        if host == "localhost":
+            host = "127.0.0.1"
+        try:
+            addr = ipaddress.ip_address(host)
+        except ValueError:
+            self.fail(where, f"listen needs an IP address (no host names: what a name resolves "
+                             f"to can change), not {host!r}")
+        allow_remote = m.get("allow_remote", False)
+        if not isinstance(allow_remote, bool):
+            self.fail(path + ("allow_remote",),
+                      f"allow_remote must be true or false, not {_type_name(allow_remote)}")
+        if not addr.is_loopback and not allow_remote:
+            # The endpoint has no authentication and names every tenant, its processes and
+            # its memory: reachable from other hosts only when the operator says so.
+            self.fail(where, f"{listen} is reachable from other hosts; the endpoint has no "
+                             "authentication: use a loopback address, or set allow_remote = "
+                             "true to mean it")
+        return MetricsConfig(host=str(addr), port=port, allow_remote=allow_remote)
+
+    def alerts(self, a: Any) -> AlertConfig:
+        path = ("broker", "alerts")
+        self.table(a, path, _ALERT_KEYS, "[broker.alerts]")
+        pct = a.get("quota_percent", AlertConfig.quota_percent)
+        if (isinstance(pct, bool) or not isinstance(pct, (int, float)) or not math.isfinite(pct)
+                or not 0 <= pct <= 100):
+            self.fail(path + ("quota_percent",),
+                      f"quota_percent must be a number from 0 (off) to 100, not {pct!r}")
+        return AlertConfig(
+            quota_percent=float(pct),
+            refusals_per_minute=self.integer(a.get("refusals_per_minute",
+                                                   AlertConfig.refusals_per_minute),
+                                             path + ("refusals_per_minute",),
+                                             "refusals_per_minute"),
+            escape_attempts=self.integer(a.get("escape_attempts", AlertConfig.escape_attempts),
+                                         path + ("escape_attempts",), "escape_attempts"),
+            escape_window=self.integer(a.get("escape_window", AlertConfig.escape_window),
+                                       path + ("escape_window",), "escape_window (seconds)", 1))
 
     def gpu(self, i: int, g: Any) -> GpuSpec:
         path = ("broker", "gpu", i)
@@ -479,7 +574,11 @@ class _Loader:
         return RateLimit(requests_per_second=rps, burst=burst)
 
 
-_BROKER_KEYS = {"backend": "", "driver_version": "", "audit_log": "", "gpu": ""}
+_BROKER_KEYS = {"backend": "", "driver_version": "", "audit_log": "", "gpu": "", "metrics": "",
+                "alerts": ""}
+_METRICS_KEYS = {"listen": "", "allow_remote": ""}
+_ALERT_KEYS = {"quota_percent": "", "refusals_per_minute": "", "escape_attempts": "",
+               "escape_window": ""}
 _GPU_KEYS = {"name": "", "uuid": "", "pci_bus_id": "", "memory": ""}
 _TENANT_KEYS = {"gpus": "", "memory_quota": "", "capabilities": "", "rate_limit": "", "uids": "",
                 "limits": ""}

@@ -1,6 +1,7 @@
 """`devbroker run | exec | status | policy | demo`."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -22,7 +23,20 @@ def add_parsers(sub) -> None:
     p.add_argument("--audit", help="audit log path (default RUN_DIR/audit.log)")
     p.add_argument("--record", metavar="FILE",
                    help="write every relayed call to FILE in the nvtrace format")
+    # Started by a running broker during `devbroker upgrade`, never by hand: FD is the
+    # socket its predecessor hands the state and the file descriptors over on.
+    p.add_argument("--takeover-fd", type=int, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("upgrade", help="live upgrade: a new broker process (the code "
+                                       "installed now) takes over from the running one "
+                                       "without stopping tenants")
+    p.add_argument("--python", help="interpreter the new broker runs with (default: the "
+                                    "running broker's)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--timeout", type=float, default=180.0,
+                   help="seconds to wait for the upgrade (default 180)")
+    p.set_defaults(func=cmd_upgrade)
 
     p = sub.add_parser("exec", help="run a command as a tenant, in a sandbox whose "
                                     "/dev/nvidia* are the broker's nodes")
@@ -98,6 +112,10 @@ def cmd_run(args) -> int:
     from devbroker.daemon import BrokerService, run_forever
 
     _require_root("run")
+    if args.takeover_fd is not None:
+        from devbroker.upgrade import takeover_main
+
+        return takeover_main(args.run_dir, args.takeover_fd)
     try:
         policy = _load_policy(args.policy)
     except PolicyError as e:
@@ -112,9 +130,10 @@ def cmd_run(args) -> int:
     try:
         trio.run(run_forever, service)
     finally:
-        # The real backend's relay, driver threads and private-node mount go with the broker.
+        # The real backend's relay, driver threads and private-node mount go with the broker
+        # (unless a successor took them over).
         stop = getattr(service.backend, "stop", None)
-        if stop is not None:
+        if stop is not None and not service.handed_over:
             stop()
         service.audit.close()  # writes the summaries of rate-limited refusals
     return 0
@@ -201,6 +220,31 @@ def _human(n: int) -> str:
         if n >= size:
             return f"{n / size:.4g} {unit}"
     return f"{n} B"
+
+
+# --------------------------------------------------------------------------- upgrade
+def cmd_upgrade(args) -> int:
+    from devbroker.broker.control import ControlError, call
+
+    req = {"op": "upgrade"}
+    if args.python:
+        req["python"] = args.python
+    try:
+        reply = call(_paths(args).control, req, timeout=args.timeout)
+    except (ControlError, OSError) as e:
+        print(f"devbroker upgrade: {e}", file=sys.stderr)
+        return 1
+    if not reply.get("ok"):
+        print(f"devbroker upgrade: {reply.get('error')}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(reply))
+    else:
+        pause = reply.get("pause_ms")
+        print(f"broker pid {reply['pid']} took over from pid {reply['old_pid']} "
+              f"({reply['sessions']} open files; tenants' calls paused "
+              f"{'%.1f ms' % pause if pause is not None else 'an unknown time'})")
+    return 0
 
 
 # --------------------------------------------------------------------------- policy

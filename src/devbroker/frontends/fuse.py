@@ -264,7 +264,10 @@ class FuseFrontend:
     def __init__(self, mountpoint: str | os.PathLike, broker: BrokerInterface,
                  tenants: Mapping[str, TenantTree] | None = None, *,
                  entry_ttl: float = 1.0, attr_ttl: float = 1.0,
-                 max_write: int = 128 * 1024, init_timeout: float = 10.0):
+                 max_write: int = 128 * 1024, init_timeout: float = 10.0,
+                 adopt: tuple[int, dict] | None = None):
+        """adopt=(fd, state): serve a mount another broker process made (live upgrade,
+        broker/handover.py): the /dev/fuse fd it passed and its export_state()."""
         self.mountpoint = os.path.abspath(os.fspath(mountpoint))
         self.broker = broker
         self.entry_ttl = entry_ttl
@@ -299,6 +302,18 @@ class FuseFrontend:
         # ioctl argument of max_pages pages, plus headers.
         self._max_pages = 32
         self._bufsize = max(max_write, self._max_pages * 4096) + 4096
+        # Live upgrade: pause() parks the reader and waits for the requests in flight.
+        self._inflight = 0
+        self._idle = trio.Event()
+        self._idle.set()
+        self._pause_requested = False
+        self._parked = trio.Event()
+        self._resume = trio.Event()
+        self._read_wait: trio.CancelScope | None = None
+        self._handed_over = False
+        self._adopted = adopt
+        if adopt is not None:
+            self._import_state(*adopt)
         if tenants:
             self._apply({k: v if isinstance(v, TenantTree) else TenantTree.from_dict(v)
                          for k, v in tenants.items()})
@@ -306,10 +321,11 @@ class FuseFrontend:
 
     # ---- lifecycle -------------------------------------------------------------------
     async def __aenter__(self) -> "FuseFrontend":
-        # Mount before the nursery exists so that a refusal (EBUSY, EPERM) reaches the
-        # caller as a plain OSError rather than inside an exception group.
-        await trio.to_thread.run_sync(detach_stale_mount, self.mountpoint)
-        self._mount()
+        if self._adopted is None:
+            # Mount before the nursery exists so that a refusal (EBUSY, EPERM) reaches the
+            # caller as a plain OSError rather than inside an exception group.
+            await trio.to_thread.run_sync(detach_stale_mount, self.mountpoint)
+            self._mount()
         stack = AsyncExitStack()
         await stack.__aenter__()
         try:
@@ -317,11 +333,12 @@ class FuseFrontend:
             self._nursery = await stack.enter_async_context(trio.open_nursery())
             stack.push_async_callback(self._shutdown)  # runs before the nursery waits
             self._nursery.start_soon(self._serve)
-            with trio.fail_after(self.init_timeout):
-                await self._init_done.wait()
-            # stat runs in a thread: it is answered by this very server.
-            st = await trio.to_thread.run_sync(os.stat, self.mountpoint)
-            self.st_dev = st.st_dev
+            if self._adopted is None:
+                with trio.fail_after(self.init_timeout):
+                    await self._init_done.wait()
+                # stat runs in a thread: it is answered by this very server.
+                st = await trio.to_thread.run_sync(os.stat, self.mountpoint)
+                self.st_dev = st.st_dev
         except BaseException as exc:
             if not await stack.__aexit__(type(exc), exc, exc.__traceback__):
                 raise
@@ -351,7 +368,8 @@ class FuseFrontend:
 
     async def _shutdown(self) -> None:
         self._closed = True
-        if self._mounted:
+        self._resume.set()  # a parked reader sees _closed and returns
+        if self._mounted and not self._handed_over:
             self._mounted = False
             try:
                 _umount_detach(self.mountpoint)
@@ -360,7 +378,9 @@ class FuseFrontend:
         if self._fd >= 0:
             fd, self._fd = self._fd, -1
             trio.lowlevel.notify_closing(fd)
-            os.close(fd)  # aborts the connection: tenants' calls now fail with ENOTCONN
+            # Aborts the connection (tenants' calls then fail with ENOTCONN) unless another
+            # process holds the file too: after a live upgrade the successor does.
+            os.close(fd)
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
 
@@ -384,6 +404,98 @@ class FuseFrontend:
     async def wait_closed(self) -> None:
         """Return once the kernel connection has ended (unmounted, aborted or shut down)."""
         await self._serve_done.wait()
+
+    # ---- live upgrade (broker/handover.py) -------------------------------------------------
+    async def pause(self) -> None:
+        """Stop reading requests and return once every request already read is answered
+        (and the kernel told of every invalidation). Tenants' calls meanwhile wait in the
+        kernel's queue: none fails and none is lost. The caller bounds the wait."""
+        self._pause_requested = True
+        self._resume = trio.Event()
+        self._parked = trio.Event()
+        if self._read_wait is not None:
+            self._read_wait.cancel()
+        if not self._serve_done.is_set():
+            await self._parked.wait()
+        await self._idle.wait()
+        await self._flush_notify()
+
+    def resume(self) -> None:
+        """Read requests again (an upgrade that was called off)."""
+        self._pause_requested = False
+        self._resume.set()
+
+    def detach(self) -> None:
+        """The successor serves this mount now: closing here must not unmount or abort it."""
+        self._handed_over = True
+
+    @property
+    def fd(self) -> int:
+        return self._fd
+
+    def export_state(self) -> dict:
+        """What a successor needs to answer this mount's next request as this process would
+        (paused; plain JSON-able data): the kernel knows inodes by node id and open files by
+        fh, and counts lookups; all three must survive. File contents are not exported:
+        the successor's tree (set_tree) gives them back."""
+        inodes = []
+        for ino in self._inodes.values():
+            parent = self._inodes.get(ino.parent)
+            inodes.append({
+                "id": ino.nodeid, "kind": ino.kind, "parent": ino.parent,
+                "name": ino.name.hex(), "tenant": ino.tenant,
+                "node": [int(ino.node.kind), ino.node.minor] if ino.node else None,
+                "nlookup": ino.nlookup, "removed": ino.removed,
+                "linked": (ino.nodeid != w.ROOT_ID and parent is not None
+                           and parent.children.get(ino.name) is ino),
+            })
+        handles = []
+        for fh, h in self._handles.items():
+            handles.append({
+                "fh": fh, "kind": h.kind, "inode": h.inode.nodeid, "session": h.session,
+                "data": h.data.hex(), "served_pages": h.served_pages, "poll_kh": h.poll_kh,
+                "listing": [[i.nodeid, name.hex(), real] for i, name, real in h.listing],
+                "opener": ([h.opener.pid, h.opener.tid, h.opener.uid, h.opener.gid]
+                           if h.opener is not None else None),
+                "opener_ns": h.opener_ns, "passed": h.passed,
+            })
+        return {"proto_minor": self.proto_minor, "st_dev": self.st_dev, "mtime": self._mtime,
+                "node_direct_io": self.node_direct_io,
+                "next_nodeid": self._next_nodeid, "next_private_fh": self._next_private_fh,
+                "inodes": inodes, "handles": handles}
+
+    def _import_state(self, fd: int, state: dict) -> None:
+        self._fd = fd
+        self._mounted = True
+        self.proto_minor = int(state["proto_minor"])
+        self.node_direct_io = bool(state["node_direct_io"])
+        self.st_dev = state["st_dev"]
+        self._mtime = int(state["mtime"])
+        self._next_nodeid = int(state["next_nodeid"])
+        self._next_private_fh = int(state["next_private_fh"])
+        self._inodes = {}
+        for d in state["inodes"]:
+            node = NodeSpec(NodeKind(d["node"][0]), d["node"][1]) if d["node"] else None
+            self._inodes[d["id"]] = _Inode(d["id"], d["kind"], d["parent"],
+                                           bytes.fromhex(d["name"]), d["tenant"], node=node,
+                                           nlookup=d["nlookup"], removed=d["removed"])
+        for d in state["inodes"]:
+            if d["linked"]:
+                ino = self._inodes[d["id"]]
+                self._inodes[d["parent"]].children[ino.name] = ino
+        self._root = self._inodes[w.ROOT_ID]
+        for d in state["handles"]:
+            ino = self._inodes.get(d["inode"])
+            if ino is None:
+                continue
+            listing = [(self._inodes[i], bytes.fromhex(n), real) for i, n, real in d["listing"]
+                       if i in self._inodes]
+            self._handles[d["fh"]] = _Handle(
+                d["kind"], ino, session=d["session"], data=bytes.fromhex(d["data"]),
+                listing=listing, served_pages=d["served_pages"], poll_kh=d["poll_kh"],
+                opener=Caller(*d["opener"]) if d["opener"] else None,
+                opener_ns=d["opener_ns"], passed=d["passed"])
+        self._init_done.set()
 
     async def put_tenant(self, name: str, tree: TenantTree) -> None:
         current = self.tenants()
@@ -561,13 +673,22 @@ class FuseFrontend:
     async def _serve_loop(self) -> None:
         fd = self._fd
         while not self._closed:
+            if self._pause_requested:
+                # Live upgrade: requests stay queued in the kernel until someone reads them
+                # (the successor, or this process again if the upgrade is called off).
+                self._parked.set()
+                await self._resume.wait()
+                continue
             try:
                 buf = os.read(fd, self._bufsize)
             except BlockingIOError:
                 try:
-                    await trio.lowlevel.wait_readable(fd)
+                    with trio.CancelScope() as self._read_wait:
+                        await trio.lowlevel.wait_readable(fd)
                 except trio.ClosedResourceError:  # _shutdown closed the device
                     return
+                finally:
+                    self._read_wait = None
                 continue
             except InterruptedError:
                 continue
@@ -621,15 +742,27 @@ class FuseFrontend:
                 # they are answered at once; without, they wait in a task of their own.
                 tenant = self._tenant_of(req)
                 if not limits.pace_nowait(self.broker, tenant):
+                    self._begin()
                     self._nursery.start_soon(self._paced_sync, handler, req, tenant)
                     return
             self._run_sync(handler, req)
             return
         handler = self._ASYNC.get(type(req))
         if handler is not None:
+            self._begin()
             self._nursery.start_soon(self._run_async, handler, req)
             return
         self._error(req.unique, errno.ENOSYS)
+
+    def _begin(self) -> None:
+        """A request read and not yet answered (what pause() waits for)."""
+        self._inflight += 1
+        self._idle = trio.Event() if self._idle.is_set() else self._idle
+
+    def _end(self) -> None:
+        self._inflight -= 1
+        if not self._inflight:
+            self._idle.set()
 
     def _run_sync(self, handler, req) -> None:
         try:
@@ -640,8 +773,11 @@ class FuseFrontend:
                 self._error(req.unique, errno.EIO)
 
     async def _paced_sync(self, handler, req, tenant: str | None) -> None:
-        await limits.pace(self.broker, tenant)
-        self._run_sync(handler, req)
+        try:
+            await limits.pace(self.broker, tenant)
+            self._run_sync(handler, req)
+        finally:
+            self._end()
 
     def _tenant_of(self, req) -> str | None:
         """The tenant whose tree a request is about (None: the mount's root, which only the
@@ -658,6 +794,8 @@ class FuseFrontend:
             log.exception("FUSE %s failed", type(req).__name__)
             if req.expects_reply:
                 self._error(req.unique, errno.EIO)
+        finally:
+            self._end()
 
     def _caller(self, h: w.InHeader) -> Caller:
         tid = h.pid

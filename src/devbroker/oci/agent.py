@@ -67,28 +67,50 @@ def is_seccomp_listener(fd: int) -> bool:
 class OciSeccompAgent:
     """Accepts container runtimes' hand-overs for a BrokerService (daemon.py)."""
 
-    def __init__(self, service):
+    def __init__(self, service, *, sock: _socket.socket | None = None):
         self.service = service
         self.path: Path = service.paths.oci_seccomp
         self.attached = 0
         self.refused = 0
+        # Live upgrade (devbroker/upgrade.py): the listening socket a predecessor handed
+        # over (sock=), hand-overs accepted and not finished yet, and the accept loop's
+        # scope, stopped (not closed) while the broker hands over.
+        self.sock = sock
+        self.busy = 0
+        self.accepting: trio.CancelScope | None = None
 
     async def serve(self, nursery, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        try:
-            self.path.unlink()
-        except FileNotFoundError:
-            pass
-        sock = trio.socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
-        await sock.bind(str(self.path))
-        os.chmod(self.path, 0o600)
-        sock.listen(16)
+        if self.sock is None:
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass
+            std = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+            std.bind(str(self.path))
+            os.chmod(self.path, 0o600)
+            std.listen(16)
+            self.sock = std
+        sock = trio.socket.from_stdlib_socket(self.sock)
         task_status.started()
+        while not self.service.handed_over:
+            with trio.CancelScope() as self.accepting:
+                while True:
+                    conn, _ = await sock.accept()
+                    self.busy += 1
+                    nursery.start_soon(self._counted, conn, nursery)
+            self.accepting = None
+            while self.service.upgrading:
+                await trio.sleep(0.01)
+
+    def stop_accepting(self) -> None:
+        if self.accepting is not None:
+            self.accepting.cancel()
+
+    async def _counted(self, conn, nursery) -> None:
         try:
-            while True:
-                conn, _ = await sock.accept()
-                nursery.start_soon(self._one, conn, nursery)
+            await self._one(conn, nursery)
         finally:
-            sock.close()
+            self.busy -= 1
 
     async def _read(self, conn) -> tuple[bytes, list[int], tuple[int, int, int]]:
         """(payload, fds, peer (pid, uid, gid)) of one hand-over; the fds are the caller's

@@ -1,0 +1,330 @@
+"""Per-call counters and latency histograms, taken at the boundary the front ends call.
+
+The broker core is not instrumented: :class:`InstrumentedBroker` wraps the one interface every
+front end calls (open / ioctl / map_read / release, broker/interface.py) and records, per call,
+who (tenant), what (the escape by its driver name, and for RM_CONTROL / RM_ALLOC the control or
+class by name, all from the ABI tables) and how it ended (``ok``, ``refused`` by the broker,
+``error`` with an errno, ``continued`` in the tenant), and how long the broker took.
+
+The hot path pays for plain dict updates only: counters are ints in a dict keyed by a label
+tuple and a histogram is a list of per-bucket counts found with bisect. Nothing here touches
+prometheus_client; the exposition (broker/metrics.py) turns these numbers into metric families
+at scrape time. A call is ``refused`` when the broker wrote a refusal record for it: the audit
+log tells the recorder through :meth:`CallStats.note_refusal`, which marks the call being
+recorded in the same trio task (a context variable: calls of other tasks interleave at every
+await). Label values come from the ABI's own name tables, so their number is bounded whatever
+a tenant sends: an unknown command is ``UNKNOWN``, never its number.
+"""
+from __future__ import annotations
+
+import bisect
+import contextvars
+import threading
+import time
+from typing import Any
+
+from devbroker.abi import registry
+from devbroker.abi.nodes import NodeKind
+
+# Latency bucket bounds in seconds: from the tens of µs the hot path aims at to the tens of
+# ms a driver allocation can take (BRIEF §2: RM_ALLOC p50 301 µs, max 51 ms).
+BUCKETS = (10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3,
+           50e-3, 100e-3, 250e-3, 1.0)
+_BOUNDS_NS = tuple(int(b * 1e9) for b in BUCKETS)
+
+_NV_IOCTL_MAGIC = ord("F")
+_NODE_NAMES = {NodeKind.CTL: "nvidiactl", NodeKind.GPU: "nvidia-gpu", NodeKind.UVM: "nvidia-uvm",
+               NodeKind.UVM_TOOLS: "nvidia-uvm-tools", NodeKind.CAP: "nvidia-cap",
+               NodeKind.OTHER: "other"}
+
+# The call being recorded in this task: a one-element list the refusal hook sets to True.
+_current: contextvars.ContextVar[list | None] = contextvars.ContextVar("devbroker_call",
+                                                                      default=None)
+
+
+_UVM_NODES = frozenset({NodeKind.UVM, NodeKind.UVM_TOOLS})
+_PLAIN, _CONTROL, _ALLOC = 0, 1, 2
+_CACHE_MAX = 4096  # (node, cmd) pairs remembered; a tenant can make up any number of cmds
+
+
+class _Names:
+    """Escape, control, class and UVM names of every driver version the ABI tables know
+    (names are the same across versions where both have them)."""
+
+    def __init__(self) -> None:
+        self.escapes: dict[int, str] = {}
+        self.controls: dict[int, str] = {}
+        self.classes: dict[int, str] = {}
+        self.uvm: dict[int, str] = {}
+        for version in registry.versions():
+            abi = registry.get(version)
+            for nr, spec in abi.escapes.items():
+                self.escapes.setdefault(nr, spec.name)
+            for cmd, spec in abi.controls.items():
+                self.controls.setdefault(cmd, spec.name)
+            for cls, spec in abi.classes.items():
+                self.classes.setdefault(cls, spec.name)
+            for cmd, spec in abi.uvm_cmds.items():
+                self.uvm.setdefault(cmd, spec.name)
+        by_name = {v: k for k, v in self.escapes.items()}
+        self._sub = {by_name.get("NV_ESC_RM_CONTROL", -1): _CONTROL,
+                     by_name.get("NV_ESC_RM_ALLOC", -1): _ALLOC}
+        self._cache: dict[tuple, tuple[str, int]] = {}
+
+    def _escape(self, node: NodeKind, cmd: int) -> tuple[str, int]:
+        if node in _UVM_NODES:
+            return self.uvm.get(cmd, "UNKNOWN"), _PLAIN
+        if (cmd >> 8) & 0xFF != _NV_IOCTL_MAGIC:
+            return "UNKNOWN", _PLAIN
+        nr = cmd & 0xFF
+        return self.escapes.get(nr, "UNKNOWN"), self._sub.get(nr, _PLAIN)
+
+    def ioctl(self, node: NodeKind, cmd: int, arg: bytes | None) -> tuple[str, str]:
+        """(escape, command) label values of one ioctl."""
+        hit = self._cache.get((node, cmd))
+        if hit is None:
+            hit = self._escape(node, cmd)
+            if len(self._cache) < _CACHE_MAX:
+                self._cache[(node, cmd)] = hit
+        name, sub = hit
+        # NVOS54 (RM_CONTROL) has cmd at offset 8; NVOS21/NVOS64 (RM_ALLOC) hClass at 12.
+        if sub and arg is not None and len(arg) >= 16:
+            if sub == _CONTROL:
+                return name, self.controls.get(int.from_bytes(arg[8:12], "little"), "UNKNOWN")
+            return name, self.classes.get(int.from_bytes(arg[12:16], "little"), "UNKNOWN")
+        return name, ""
+
+
+VERDICTS = ("ok", "refused", "error", "continued")
+_OK, _REFUSED, _ERROR, _CONTINUED = range(4)
+_NB = len(_BOUNDS_NS) + 1  # buckets, the last one above every bound
+_HIST = len(VERDICTS)  # where the buckets start in a row
+_SUM = _HIST + _NB  # where the sum of nanoseconds is
+
+
+class CallStats:
+    """What InstrumentedBroker records; read at scrape time (broker/metrics.py).
+
+    One row per (tenant, op, call, command): calls per verdict, latency bucket counts (not
+    cumulative), the sum of nanoseconds. A call costs one dict lookup and three list
+    increments."""
+
+    def __init__(self, clock=time.perf_counter_ns):
+        self.names = _Names()
+        self.clock = clock
+        self.rows: dict[tuple[str, str, str, str], list[int]] = {}
+        # Seccomp listener threads record their tenants' calls concurrently with the trio
+        # thread (broker/effects.py): the row updates are one lock's.
+        self._lock = threading.Lock()
+
+    def note_refusal(self, record: dict[str, Any]) -> None:
+        """AuditLog observer: a refusal record marks the call of the task that wrote it."""
+        if record.get("event") == "deny":
+            cell = _current.get()
+            if cell is not None:
+                cell[0] = True
+
+    def _record(self, key: tuple[str, str, str, str], verdict: int, ns: int) -> None:
+        bucket = _HIST + bisect.bisect_left(_BOUNDS_NS, ns)
+        with self._lock:
+            row = self.rows.get(key)
+            if row is None:
+                row = self.rows[key] = [0] * (_SUM + 1)
+            row[verdict] += 1
+            row[bucket] += 1
+            row[_SUM] += ns
+
+    @property
+    def calls(self) -> dict[tuple[str, str, str, str, str], int]:
+        """(tenant, op, call, command, verdict) -> calls, for the verdicts seen."""
+        out = {}
+        with self._lock:
+            rows = [(k, list(r)) for k, r in self.rows.items()]
+        for key, row in rows:
+            for i, verdict in enumerate(VERDICTS):
+                if row[i]:
+                    out[key + (verdict,)] = row[i]
+        return out
+
+    def histograms(self) -> dict[tuple[str, str, str], tuple[list[tuple[str, int]], float]]:
+        """Cumulative buckets (le, count) and the sum in seconds per (op, call, command):
+        the tenants' rows added up (latency is labelled by kind only, to keep series few)."""
+        merged: dict[tuple[str, str, str], list[int]] = {}
+        with self._lock:
+            rows = [(k, list(r)) for k, r in self.rows.items()]
+        for key, row in rows:
+            m = merged.setdefault(key[1:], [0] * (_NB + 1))
+            for i in range(_NB + 1):
+                m[i] += row[_HIST + i]
+        out = {}
+        for key, m in merged.items():
+            acc, buckets = 0, []
+            for bound, n in zip(BUCKETS, m):
+                acc += n
+                buckets.append((repr(bound), acc))
+            acc += m[_NB - 1]
+            buckets.append(("+Inf", acc))
+            out[key] = (buckets, m[_NB] / 1e9)
+        return out
+
+    def export_state(self) -> dict[str, Any]:
+        """For a successor broker (live upgrade): the rows, as JSON-able lists."""
+        with self._lock:
+            return {"buckets": list(BUCKETS),
+                    "rows": [[*k, list(row)] for k, row in self.rows.items()]}
+
+    def import_state(self, state: dict[str, Any]) -> None:
+        if list(state.get("buckets", [])) != list(BUCKETS):
+            return  # other buckets: start afresh (Prometheus takes it as a counter reset)
+        for tenant, op, call, command, row in state.get("rows", []):
+            if len(row) == _SUM + 1:
+                self.rows[(tenant, op, call, command)] = [int(x) for x in row]
+
+
+def _verdict(cell: list, errno_: int, continued: bool = False) -> int:
+    if cell[0]:
+        return _REFUSED
+    if continued:
+        return _CONTINUED
+    return _ERROR if errno_ else _OK
+
+
+def _observed(steps, cell: list, done):
+    """The broker's steps (broker/effects.py), unchanged, with the refusal marker set while
+    the broker's own code runs — on whichever thread resumes them (a seccomp listener's, or
+    the trio thread after a hand-over) — and `done(reply)` called at the end."""
+    value: Any = None
+    exc: BaseException | None = None
+    try:
+        while True:
+            token = _current.set(cell)
+            try:
+                eff = steps.throw(exc) if exc is not None else steps.send(value)
+            except StopIteration as stop:
+                done(stop.value)
+                return stop.value
+            finally:
+                _current.reset(token)
+            try:
+                value, exc = (yield eff), None
+            except GeneratorExit:
+                raise
+            except Exception as e:
+                value, exc = None, e
+    finally:
+        steps.close()
+
+
+class InstrumentedBroker:
+    """The broker as the front ends see it, with every call counted and timed.
+
+    The async calls (FUSE, CUSE, kmod) and the synchronous ones a seccomp listener thread
+    makes (open_now, ioctl_steps, map_check_now) are wrapped; every other attribute
+    (memgate, poll, sessions, ...) is the wrapped broker's, so a front end cannot tell the
+    difference."""
+
+    def __init__(self, broker: Any, stats: CallStats):
+        self._broker = broker
+        self._stats = stats
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._broker, name)
+
+    async def open(self, req):
+        stats = self._stats
+        cell = [False]
+        token = _current.set(cell)
+        t0 = stats.clock()
+        try:
+            rep = await self._broker.open(req)
+        finally:
+            _current.reset(token)
+        stats._record((req.tenant, "open", _NODE_NAMES.get(req.node, "other"), ""),
+                      _verdict(cell, rep.errno), stats.clock() - t0)
+        return rep
+
+    async def ioctl(self, req):
+        stats = self._stats
+        s = self._broker.sessions.get(req.session)
+        cell = [False]
+        token = _current.set(cell)
+        t0 = stats.clock()
+        try:
+            rep = await self._broker.ioctl(req)
+        finally:
+            _current.reset(token)
+        ns = stats.clock() - t0
+        if s is None:
+            key = ("", "ioctl", "UNKNOWN", "")
+        else:
+            key = (s.tenant.name, "ioctl", *stats.names.ioctl(s.node, req.cmd, req.arg))
+        stats._record(key, _verdict(cell, rep.errno, rep.run_in_caller), ns)
+        return rep
+
+    def open_now(self, req):
+        stats = self._stats
+        cell = [False]
+        token = _current.set(cell)
+        t0 = stats.clock()
+        try:
+            rep = self._broker.open_now(req)
+        finally:
+            _current.reset(token)
+        stats._record((req.tenant, "open", _NODE_NAMES.get(req.node, "other"), ""),
+                      _verdict(cell, rep.errno), stats.clock() - t0)
+        return rep
+
+    def ioctl_steps(self, req):
+        stats = self._stats
+        s = self._broker.sessions.get(req.session)
+        key = (("", "ioctl", "UNKNOWN", "") if s is None else
+               (s.tenant.name, "ioctl", *stats.names.ioctl(s.node, req.cmd, req.arg)))
+        cell = [False]
+        t0 = stats.clock()
+
+        def done(rep):
+            stats._record(key, _verdict(cell, rep.errno, rep.run_in_caller),
+                          stats.clock() - t0)
+        return _observed(self._broker.ioctl_steps(req), cell, done)
+
+    def map_check_now(self, req):
+        stats = self._stats
+        s = self._broker.sessions.get(req.session)
+        cell = [False]
+        token = _current.set(cell)
+        t0 = stats.clock()
+        try:
+            rep = self._broker.map_check_now(req)
+        finally:
+            _current.reset(token)
+        key = (("", "mmap", "UNKNOWN", "") if s is None else
+               (s.tenant.name, "mmap", _NODE_NAMES.get(s.node, "other"), ""))
+        stats._record(key, _verdict(cell, rep.errno), stats.clock() - t0)
+        return rep
+
+    async def map_check(self, req):
+        return self.map_check_now(req)
+
+    async def map_read(self, req):
+        stats = self._stats
+        s = self._broker.sessions.get(req.session)
+        cell = [False]
+        token = _current.set(cell)
+        t0 = stats.clock()
+        try:
+            rep = await self._broker.map_read(req)
+        finally:
+            _current.reset(token)
+        key = (("", "map_read", "UNKNOWN", "") if s is None else
+               (s.tenant.name, "map_read", _NODE_NAMES.get(s.node, "other"), ""))
+        stats._record(key, _verdict(cell, rep.errno), stats.clock() - t0)
+        return rep
+
+    async def release(self, req):
+        stats = self._stats
+        s = self._broker.sessions.get(req.session)
+        t0 = stats.clock()
+        await self._broker.release(req)
+        key = (("", "release", "UNKNOWN", "") if s is None else
+               (s.tenant.name, "release", _NODE_NAMES.get(s.node, "other"), ""))
+        stats._record(key, _OK, stats.clock() - t0)

@@ -1,0 +1,304 @@
+"""Live upgrade, the state part: the broker's books as plain data, and back.
+
+A running broker hands everything a successor process needs to go on serving the same
+tenants (src/devbroker/upgrade.py moves it, with the file descriptors, over a Unix socket):
+
+- the running policy (its canonical TOML: the successor validates it with its own code);
+- the broker core's state: tenants with their counters, RM clients and object trees (hence
+  the quota accounting), sessions (the open files) with their callers and pid namespaces,
+  which client belongs to which tenant, the id counter, the one-time notices;
+- the backend's state (emulated backend: its open files, clients, objects and memory used);
+- the per-call counters and the alert state (so that counters go on rising and an alert that
+  is on is not raised twice);
+- the FUSE front end's inode and open-file tables (frontends/fuse.py: export_state).
+
+Everything is JSON (no pickle): the successor is *new code*, possibly with other classes, and
+must be able to read the state with a format it knows and refuse one it does not. The format
+is versioned (FORMAT). This module reads and writes the Broker's attributes by name and does
+not change the core; :func:`check_supported` refuses an export when the core or the backend
+grew state this module does not know of (a field added without a hand-over would otherwise be
+silently lost in an upgrade); tests/test_upgrade.py keeps the lists honest.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any
+
+FORMAT = 1
+
+# What the hand-over carries (or deliberately leaves, with the reason in the comment). A
+# name appearing on the live objects and missing here stops an upgrade (check_supported).
+BROKER_ATTRS = frozenset({
+    "backend", "audit", "policy", "sessions", "tenants", "client_owner", "_ids", "_logged_once",
+    "memgate",  # rebuilt: its stalled threads belong to the old process
+    "recorder",  # an upgrade is refused while recording (check_supported)
+    "on_policy_change", "spawn", "_trio_token",  # set up by the successor's daemon
+})
+SESSION_FIELDS = frozenset({"id", "tenant", "node", "minor", "caller", "file", "clients",
+                            "closed", "pidns"})
+TENANT_FIELDS = frozenset({"name", "policy", "limiter", "sessions", "clients", "abi_by_tgid",
+                           "refusals", "requests", "continued", "uvm_mapped"})
+CLIENT_FIELDS = frozenset({"handle", "session", "tgid", "objects",
+                           "charged", "devices"})  # running totals: rebuilt from the objects
+OBJECT_FIELDS = frozenset({"handle", "rm_class", "parent", "gpu", "charged", "children",
+                           "share",  # duplicate groups: exported as groups of handles
+                           "owner"})  # the client holding it: rebuilt
+EMULATED_ATTRS = frozenset({"version", "_gpus", "abi", "files", "clients", "_file_ids",
+                            "_client_ids", "_object_ids", "used", "notice", "_noticed",
+                            "memblock_size", "started",
+                            "_calls",  # its lock: the successor's is new
+                            # indexes: rebuilt from the clients and checked against `used`
+                            "_clients_of_file", "_devices_on", "_held"})
+EMU_FILE_FIELDS = frozenset({"id", "node", "minor", "mapping", "registered_ctl"})
+EMU_CLIENT_FIELDS = frozenset({"handle", "file_id", "tgid", "objects"})
+EMU_OBJECT_FIELDS = frozenset({"handle", "rm_class", "parent", "gpu", "size", "children",
+                               "share", "client"})
+# frontends/fuse.py exports these itself (FuseFrontend.export_state)
+FUSE_INODE_FIELDS = frozenset({"nodeid", "kind", "parent", "name", "tenant", "node", "content",
+                               "children", "nlookup", "removed"})
+FUSE_HANDLE_FIELDS = frozenset({"kind", "inode", "session", "data", "listing", "served_pages",
+                                "poll_kh", "opener", "opener_ns", "passed"})
+
+
+class HandoverError(Exception):
+    """This broker's state cannot be handed over (the reason says why); nothing changed."""
+
+
+def _fields(cls) -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(cls))
+
+
+def check_supported(broker, *, frontends: dict[str, int] | None = None) -> None:
+    """Raise HandoverError unless every piece of state can be carried."""
+    from devbroker.backends.emulated import EmuClient, EmuFile, EmuObject
+    from devbroker.broker.core import Session, TenantState
+    from devbroker.broker.objects import RmClient, RmObject
+    from devbroker.frontends.fuse import _Handle, _Inode
+
+    if broker.backend.name != "emulated":
+        # The real backend's relay process, its driver files and the tenant-file executor
+        # are not carried yet (docs/operations.md, "what a live upgrade does not carry").
+        raise HandoverError(f"the {broker.backend.name} backend cannot be handed over yet "
+                            "(only the emulated backend)")
+    if broker.recorder is not None:
+        raise HandoverError("the broker is recording (--record): restart it without, then "
+                            "upgrade")
+    for name, n in (frontends or {}).items():
+        if n:
+            raise HandoverError(f"{n} tenant(s) attached through the {name} front end cannot "
+                                "be handed over yet (only FUSE)")
+    checks = [
+        ("the broker", set(vars(broker)), BROKER_ATTRS),
+        ("a session", _fields(Session), SESSION_FIELDS),
+        ("a tenant", _fields(TenantState), TENANT_FIELDS),
+        ("an RM client", _fields(RmClient), CLIENT_FIELDS),
+        ("an RM object", _fields(RmObject), OBJECT_FIELDS),
+        ("the emulated backend", set(vars(broker.backend)), EMULATED_ATTRS),
+        ("an emulated file", _fields(EmuFile), EMU_FILE_FIELDS),
+        ("an emulated client", _fields(EmuClient), EMU_CLIENT_FIELDS),
+        ("an emulated object", _fields(EmuObject), EMU_OBJECT_FIELDS),
+        ("a FUSE inode", _fields(_Inode), FUSE_INODE_FIELDS),
+        ("a FUSE open file", _fields(_Handle), FUSE_HANDLE_FIELDS),
+    ]
+    for what, have, known in checks:
+        unknown = sorted(have - known)
+        if unknown:
+            raise HandoverError(f"{what} has state the hand-over does not carry: "
+                                f"{', '.join(unknown)} (broker/handover.py)")
+
+
+def _next(counter: itertools.count) -> int:
+    """The value an itertools.count would give next (consumes it: the exporter is done)."""
+    return next(counter)
+
+
+def _key(k: Any) -> Any:
+    return list(k) if isinstance(k, tuple) else k
+
+
+def _unkey(k: Any) -> Any:
+    return tuple(_unkey(x) for x in k) if isinstance(k, list) else k
+
+
+def books(broker) -> dict[str, Any]:
+    """Per tenant: memory used per GPU, RM clients and objects, open files (the accounting a
+    predecessor and its successor must agree on, compared in the upgrade's audit records)."""
+    out = {}
+    for key, t in broker.tenants.items():
+        out[key] = {"memory": {str(g): n for g, n in sorted(t.used().items())},
+                    "clients": len(t.clients),
+                    "objects": sum(len(c.objects) for c in t.clients.values()),
+                    "open_files": len(t.sessions)}
+    return out
+
+
+def _share_groups(clients) -> list[list[list[int]]]:
+    """Duplicate groups (RM_DUP_OBJECT: one object under several handles, possibly in
+    several clients): each as [[client handle, object handle], ...] in the group's order."""
+    groups: dict[int, list] = {}
+    for c in clients:
+        for obj in c.objects.values():
+            if obj.share is not None:
+                groups.setdefault(id(obj.share), obj.share)
+    out = []
+    for members in groups.values():
+        out.append([[_client_handle(m), m.handle] for m in members])
+    return out
+
+
+def _client_handle(obj) -> int:
+    holder = getattr(obj, "owner", None) or getattr(obj, "client", None)
+    return holder.handle
+
+
+def _link_shares(groups, clients: dict[int, Any]) -> None:
+    for group in groups:
+        members = [clients[c].objects[h] for c, h in group]
+        for m in members:
+            m.share = members
+
+
+# ------------------------------------------------------------------------------ broker core
+def _objects(objects: dict) -> list[list]:
+    return [[o.handle, o.rm_class, o.parent, o.gpu, o.charged, sorted(o.children)]
+            for o in objects.values()]
+
+
+def export_broker(broker) -> dict[str, Any]:
+    from devbroker.broker.core import _RevokedTenant
+
+    tenants = []
+    for key, t in broker.tenants.items():
+        tenants.append({
+            "key": key, "name": t.name, "revoked": isinstance(t.policy, _RevokedTenant),
+            "refusals": t.refusals, "requests": t.requests, "continued": t.continued,
+            "rate_limited": t.limiter.waited,
+            "uvm_mapped": [[tgid, n] for tgid, n in t.uvm_mapped.items()],
+            "abi_by_tgid": [[tgid, abi.version] for tgid, abi in t.abi_by_tgid.items()],
+            "clients": [{"handle": c.handle, "session": c.session, "tgid": c.tgid,
+                         "objects": _objects(c.objects)} for c in t.clients.values()],
+            "shares": _share_groups(t.clients.values()),
+        })
+    tenant_key = {id(t): key for key, t in broker.tenants.items()}
+    sessions = []
+    for s in broker.sessions.values():
+        sessions.append({
+            "id": s.id, "tenant": tenant_key[id(s.tenant)], "node": int(s.node),
+            "minor": s.minor, "caller": [s.caller.pid, s.caller.tid, s.caller.uid, s.caller.gid],
+            "file": s.file.id, "clients": sorted(s.clients), "closed": s.closed,
+            "pidns": s.pidns,
+        })
+    return {
+        "next_id": _next(broker._ids),
+        "tenants": tenants,
+        "sessions": sessions,
+        "client_owner": [[h, t] for h, t in broker.client_owner.items()],
+        "logged_once": [_key(k) for k in broker._logged_once],
+    }
+
+
+def import_broker(broker, state: dict[str, Any], files: dict[int, Any]) -> None:
+    """Put exported books into a freshly built Broker (same policy, backend imported)."""
+    from devbroker.abi import registry
+    from devbroker.abi.nodes import NodeKind
+    from devbroker.broker.core import Session, TenantState, _RevokedTenant
+    from devbroker.broker.interface import Caller
+    from devbroker.broker.objects import RmClient, RmObject
+    from devbroker.broker.ratelimit import TokenBucket
+
+    for td in state["tenants"]:
+        key = td["key"]
+        if td["revoked"]:
+            t = broker.tenants[key] = TenantState(td["name"], _RevokedTenant(),
+                                                  TokenBucket(0, 0))
+        else:
+            t = broker.tenants.get(key)
+            if t is None:
+                raise HandoverError(f"tenant {key!r} of the running broker is not in the "
+                                    "policy the successor loaded")
+        t.refusals, t.requests, t.continued = td["refusals"], td["requests"], td["continued"]
+        t.limiter.waited = td["rate_limited"]
+        t.uvm_mapped = {int(tgid): int(n) for tgid, n in td["uvm_mapped"]}
+        t.abi_by_tgid = {int(tgid): registry.get(v) for tgid, v in td["abi_by_tgid"]}
+        t.clients = {}
+        for cd in td["clients"]:
+            objects = {handle: RmObject(handle, cls, parent, gpu=gpu, charged=charged,
+                                        children=set(children))
+                       for handle, cls, parent, gpu, charged, children in cd["objects"]}
+            # RmClient's running totals and each object's owner follow from its objects.
+            c = RmClient(cd["handle"], cd["session"], cd["tgid"], objects=objects)
+            t.clients[c.handle] = c
+        _link_shares(td.get("shares", []), t.clients)
+    broker.sessions = {}
+    for sd in state["sessions"]:
+        t = broker.tenants[sd["tenant"]]
+        s = Session(sd["id"], t, NodeKind(sd["node"]), sd["minor"], Caller(*sd["caller"]),
+                    files[sd["file"]], clients=set(sd["clients"]), closed=sd["closed"],
+                    pidns=sd["pidns"])
+        broker.sessions[s.id] = s
+        t.sessions[s.id] = s
+    broker.client_owner = {int(h): t for h, t in state["client_owner"]}
+    broker._ids = itertools.count(int(state["next_id"]))
+    broker._logged_once = {_unkey(k) for k in state["logged_once"]}
+
+
+# ------------------------------------------------------------------------------ emulated backend
+def export_emulated(backend) -> dict[str, Any]:
+    return {
+        "version": backend.version,
+        "files": [[f.id, int(f.node), f.minor, f.mapping.hex() if f.mapping is not None
+                   else None, f.registered_ctl] for f in backend.files.values()],
+        "clients": [{"handle": c.handle, "file_id": c.file_id, "tgid": c.tgid,
+                     "objects": [[o.handle, o.rm_class, o.parent, o.gpu, o.size,
+                                  sorted(o.children)] for o in c.objects.values()]}
+                    for c in backend.clients.values()],
+        "shares": _share_groups(backend.clients.values()),
+        "next_file": _next(backend._file_ids), "next_client": _next(backend._client_ids),
+        "next_object": _next(backend._object_ids),
+        "used": [[g, n] for g, n in backend.used.items()],
+        "noticed": [_key(k) for k in backend._noticed],
+        "memblock_size": backend.memblock_size, "started": backend.started,
+    }
+
+
+def import_emulated(backend, state: dict[str, Any]) -> dict[int, Any]:
+    """Fill a fresh EmulatedBackend; returns its files by id (for the broker's sessions)."""
+    from devbroker.abi.nodes import NodeKind
+    from devbroker.backends.emulated import EmuClient, EmuFile, EmuObject
+
+    if state["version"] != backend.version:
+        raise HandoverError(f"the emulated driver version changed ({state['version']} -> "
+                            f"{backend.version})")
+    backend.files = {}
+    for fid, node, minor, mapping, registered in state["files"]:
+        backend.files[fid] = EmuFile(fid, NodeKind(node), minor,
+                                     bytes.fromhex(mapping) if mapping is not None else None,
+                                     registered)
+    backend.clients = {}
+    for cd in state["clients"]:
+        c = EmuClient(cd["handle"], cd["file_id"], cd["tgid"])
+        for handle, cls, parent, gpu, size, children in cd["objects"]:
+            c.objects[handle] = EmuObject(handle, cls, parent, gpu=gpu, size=size,
+                                          children=set(children), client=c)
+        backend.clients[c.handle] = c
+    _link_shares(state.get("shares", []), backend.clients)
+    backend._file_ids = itertools.count(int(state["next_file"]))
+    backend._client_ids = itertools.count(int(state["next_client"]))
+    backend._object_ids = itertools.count(int(state["next_object"]))
+    # The indexes (memory used and held per process, devices, clients per file) are
+    # rebuilt from the clients, and must come to the memory the exporter had in use.
+    backend.used = {g.index: 0 for g in backend.gpus()}
+    backend._clients_of_file, backend._devices_on, backend._held = {}, {}, {}
+    for c in backend.clients.values():
+        backend._clients_of_file.setdefault(c.file_id, set()).add(c.handle)
+        for obj in c.objects.values():
+            backend._index(c, obj)
+    exported = {int(g): int(n) for g, n in state["used"]}
+    if {g: n for g, n in backend.used.items() if n} != {g: n for g, n in exported.items() if n}:
+        raise HandoverError(f"the emulated backend's objects come to {backend.used} bytes "
+                            f"in use, its books said {exported}")
+    backend._noticed = {_unkey(k) for k in state["noticed"]}
+    backend.memblock_size = state["memblock_size"]
+    backend.started = state["started"]
+    return backend.files

@@ -1,0 +1,406 @@
+"""Live upgrade: a new broker process takes over from the running one while tenants keep
+making calls (issue 18; docs/operations.md has the operator's side).
+
+`devbroker upgrade` asks the running broker (control op ``upgrade``). The running broker:
+
+1. starts its successor — ``python -m devbroker.cli.main run --takeover-fd N``, the code
+   installed *now*, in the same service cgroup and with the same stdout/stderr — with one end
+   of a Unix socketpair, and waits for its hello (it has imported everything it needs);
+2. freezes: stops the metrics endpoint and the seccomp hand-over socket from accepting
+   (connections wait in their backlogs), stops reading FUSE requests and waits until every
+   request already read has been answered (tenants' further calls wait in the kernel's FUSE
+   queue: none fails, none is lost);
+3. sends its state (broker/handover.py: JSON) with the file descriptors the successor serves
+   on, by SCM_RIGHTS: the /dev/fuse connection, the control socket, the seccomp hand-over
+   socket and the metrics socket, all listening or connected as they are;
+4. waits for the successor to say it has rebuilt the books (``ready``), tells it to go,
+   and steps aside: it closes its copies without unmounting or closing anything the
+   successor serves, answers the operator with the successor's pid and the pause, and exits.
+
+The successor serves from the first request the kernel hands it, tells a service manager it
+is the service's main process now (sd_notify READY=1, MAINPID=), and acknowledges. Until
+``go``, any failure (the successor dies, refuses the state, takes too long) calls the upgrade
+off: the running broker resumes reading where it stopped and nobody noticed anything but
+the pause. What is not carried yet is refused up front (handover.check_supported).
+"""
+from __future__ import annotations
+
+import array
+import json
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from devbroker.broker import handover
+
+HELLO_TIMEOUT = 60.0  # the successor's start (Python, imports) on a busy machine
+DRAIN_TIMEOUT = 10.0  # requests in flight to finish (a rate-limited tenant may be waiting)
+READY_TIMEOUT = 30.0  # the successor to rebuild the books
+GO_TIMEOUT = 30.0
+WARM_UP_NICENESS = 10
+MAX_MESSAGE = 1 << 30
+MAX_FDS = 8
+
+
+class UpgradeError(Exception):
+    """The upgrade was refused or called off; the running broker goes on serving."""
+
+
+# ------------------------------------------------------------------------------ the wire
+class Channel:
+    """Length-prefixed JSON messages with file descriptors (SCM_RIGHTS) over a trio Unix
+    stream socket."""
+
+    _HEADER = struct.Struct("!Q")
+
+    def __init__(self, sock):
+        self.sock = sock
+        self._buf = b""
+
+    async def send(self, obj: Any, fds: list[int] = ()) -> None:
+        data = json.dumps(obj, separators=(",", ":")).encode()
+        buf = memoryview(self._HEADER.pack(len(data)) + data)
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+        n = await self.sock.sendmsg([buf[:1 << 16]], anc)
+        buf = buf[n:]
+        while buf:
+            n = await self.sock.send(buf)
+            buf = buf[n:]
+
+    async def recv(self) -> tuple[Any, list[int]]:
+        fds: list[int] = []
+        while len(self._buf) < self._HEADER.size or len(self._buf) < self._need():
+            data, anc, flags, _ = await self.sock.recvmsg(
+                1 << 16, socket.CMSG_SPACE(MAX_FDS * 4), socket.MSG_CMSG_CLOEXEC)
+            for level, typ, d in anc:
+                if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
+                    fds.extend(array.array("i", d[:len(d) - len(d) % 4]))
+            if flags & socket.MSG_CTRUNC:
+                _close(fds)
+                raise UpgradeError("more file descriptors than expected")
+            if not data:
+                _close(fds)
+                raise EOFError("the other broker process closed the connection")
+            self._buf += data
+        n = self._need()
+        obj, self._buf = json.loads(self._buf[self._HEADER.size:n]), self._buf[n:]
+        return obj, fds
+
+    def _need(self) -> int:
+        (length,) = self._HEADER.unpack_from(self._buf)
+        if length > MAX_MESSAGE:
+            raise UpgradeError(f"a message of {length} bytes")
+        return self._HEADER.size + length
+
+
+def _close(fds) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _attached(service) -> dict[str, int]:
+    """Tenants attached (or being attached) through front ends a hand-over cannot carry."""
+    return {"seccomp": len(service.supervisors) + service._attaching
+            + service.oci_agent.busy,
+            "container stat shim": len(service.stat_shims)}
+
+
+def sd_notify(state: str) -> bool:
+    """Tell a service manager (systemd Type=notify) something; False when there is none."""
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return False
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            s.connect(addr)
+            s.sendall(state.encode())
+    except OSError:
+        return False
+    return True
+
+
+# ------------------------------------------------------------------------------ the running broker
+def export_service(service) -> dict[str, Any]:
+    """The whole state of a paused broker service, as JSON-able data."""
+    from devbroker.broker.effects import STATE_LOCK
+
+    with STATE_LOCK:  # nothing should run now (paused); the books' lock says so for sure
+        return _export_service(service)
+
+
+def _export_service(service) -> dict[str, Any]:
+    policy = service.broker.policy
+    metrics = service.metrics.address if service.metrics is not None else None
+    return {
+        "format": handover.FORMAT,
+        "from_pid": os.getpid(),
+        "policy": {"text": policy.to_toml(), "source": service.policy_source},
+        "audit_path": str(service.audit.path) if service.audit.path else None,
+        "backend": {"name": service.backend.name,
+                    "state": handover.export_emulated(service.backend)},
+        "broker": handover.export_broker(service.broker),
+        "callstats": service.callstats.export_state(),
+        "alerts": service.alerts.export_state(),
+        "fuse": service.frontend.export_state(),
+        "metrics": list(metrics) if metrics else None,
+    }
+
+
+async def hand_over(service, *, python: str | None = None):
+    """The running broker's side (module doc, steps 1–4). Returns the control reply."""
+    from devbroker.broker.control import Reply
+
+    fe = service.frontend
+    try:
+        handover.check_supported(service.broker, frontends=_attached(service))
+    except handover.HandoverError as e:
+        raise UpgradeError(f"live upgrade refused: {e}") from None
+    t_start = time.monotonic()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    argv = [python or sys.executable, "-m", "devbroker.cli.main",
+            "--run-dir", str(service.paths.run_dir), "run", "--takeover-fd", str(theirs.fileno())]
+    # The successor starts (interpreter, imports, tables: about a second of CPU) at a low
+    # priority, so that on a busy host this broker and its tenants keep the CPU; it takes
+    # this process's priority back before the hand-over (takeover_main).
+    env = dict(os.environ, DEVBROKER_PRIORITY=str(os.getpriority(os.PRIO_PROCESS, 0)))
+    nice = shutil.which("nice")
+    if nice is not None:
+        argv = [nice, "-n", str(WARM_UP_NICENESS)] + argv
+    try:
+        proc = subprocess.Popen(argv, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                                env=env)
+    except OSError as e:
+        ours.close()
+        theirs.close()
+        raise UpgradeError(f"live upgrade: cannot start {argv[0]}: {e}") from None
+    theirs.close()
+    chan = Channel(trio.socket.from_stdlib_socket(ours))
+    metrics_sock = None
+    frozen = t_freeze = None
+    dups: list[socket.socket] = []
+    try:
+        with trio.fail_after(HELLO_TIMEOUT):
+            hello, _ = await chan.recv()
+        if hello.get("format") != handover.FORMAT:
+            raise UpgradeError(f"the new broker speaks hand-over format {hello.get('format')}, "
+                               f"this one {handover.FORMAT}")
+        # Freeze. Scrapes and seccomp hand-overs wait in their backlogs.
+        if service.metrics is not None:
+            metrics_sock = await trio.to_thread.run_sync(service.metrics.pause)
+        service.stop_accepting_seccomp()
+        service.oci_agent.stop_accepting()
+        await trio.sleep(0)
+        handover.check_supported(service.broker, frontends=_attached(service))
+        t_freeze, wall_freeze = time.monotonic(), time.time()
+        frozen = True
+        with trio.fail_after(DRAIN_TIMEOUT):
+            await fe.pause()
+        t_drained = time.monotonic()
+        state = export_service(service)
+        books = handover.books(service.broker)
+        dups = [service.control.sock.dup(), service._seccomp_sock.dup(),
+                service.oci_agent.sock.dup()]
+        fds = [fe.fd] + [d.fileno() for d in dups]
+        if metrics_sock is not None:
+            fds.append(metrics_sock.fileno())
+        await chan.send(state, fds)
+        t_sent = time.monotonic()
+        with trio.fail_after(READY_TIMEOUT):
+            reply, _ = await chan.recv()
+        t_ready = time.monotonic()
+        if not reply.get("ready"):
+            raise UpgradeError(f"the new broker refused the state: {reply.get('error')}")
+        await chan.send({"go": True})
+    except (Exception, trio.TooSlowError) as e:
+        # Called off: this process serves on from where it stopped.
+        if proc.poll() is None:
+            proc.kill()
+        await trio.to_thread.run_sync(proc.wait)
+        for d in dups:
+            d.close()
+        if frozen:
+            fe.resume()
+        if metrics_sock is not None:
+            cfg = service.broker.policy.broker.metrics
+            service.metrics.start(cfg.host, metrics_sock.getsockname()[1], sock=metrics_sock)
+        reason = ("the new broker did not answer in time" if isinstance(e, trio.TooSlowError)
+                  else f"{type(e).__name__}: {e}" if not isinstance(e, UpgradeError) else str(e))
+        raise UpgradeError(f"live upgrade called off, broker pid {os.getpid()} goes on "
+                           f"serving: {reason}") from None
+    # Committed: the successor serves the mount from now on.
+    service.handed_over = True
+    service.control.keep_path()
+    for d in dups:
+        d.close()
+    ack = {}
+    with trio.move_on_after(GO_TIMEOUT):
+        try:
+            ack, _ = await chan.recv()
+        except (EOFError, OSError, ValueError):
+            pass
+    serving_at = ack.get("serving_at")
+    pause = (serving_at - t_freeze) if serving_at else None
+    result = {"pid": proc.pid, "old_pid": os.getpid(),
+              "pause_ms": round(pause * 1000, 3) if pause is not None else None,
+              # wall-clock bounds of the pause, for comparing with what tenants saw
+              "frozen_at": wall_freeze, "serving_at": ack.get("serving_wall"),
+              "total_ms": round((time.monotonic() - t_start) * 1000, 1),
+              "sessions": len(service.broker.sessions), "books": books,
+              # where the pause went: requests in flight answered, state exported and sent,
+              # the successor's import, its start of serving
+              "phases_ms": {"drain": _ms(t_drained - t_freeze), "export": _ms(t_sent - t_drained),
+                            "import": _ms(t_ready - t_sent),
+                            "start": _ms(serving_at - t_ready) if serving_at else None}}
+    service.audit.write("upgrade", to_pid=proc.pid, pause_ms=result["pause_ms"],
+                        total_ms=result["total_ms"], sessions=result["sessions"], books=books)
+    return Reply(result, then=service.finish)
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 3)
+
+
+# ------------------------------------------------------------------------------ the successor
+@dataclass
+class Adopted:
+    """What a successor serves on, handed over by its predecessor."""
+
+    fuse: tuple[int, dict]  # the /dev/fuse fd and the front end's exported tables
+    control: socket.socket
+    seccomp: socket.socket
+    oci: socket.socket  # RUN_DIR/oci-seccomp.sock (container runtimes' hand-overs)
+    metrics: socket.socket | None
+    from_pid: int
+    books: dict  # handover.books() right after the import, before serving
+    sessions: int
+
+
+def build_service(run_dir: str | Path, state: dict[str, Any], fds: list[int]):
+    """A BrokerService with the predecessor's books, not yet serving."""
+    from devbroker.broker.policy import load_policy_text
+    from devbroker.daemon import BrokerService
+
+    if state.get("format") != handover.FORMAT:
+        raise handover.HandoverError(f"hand-over format {state.get('format')} (this broker "
+                                     f"reads {handover.FORMAT})")
+    want = 5 if state.get("metrics") else 4
+    if len(fds) != want:
+        raise handover.HandoverError(f"{len(fds)} file descriptors handed over, {want} expected")
+    source = state["policy"]["source"]
+    policy = load_policy_text(state["policy"]["text"], source or "<handed over>")
+    service = BrokerService(policy, run_dir, backend=state["backend"]["name"],
+                            audit_path=state["audit_path"], policy_source=source)
+    if service.backend.name != "emulated":
+        raise handover.HandoverError(f"backend {service.backend.name} cannot be taken over")
+    files = handover.import_emulated(service.backend, state["backend"]["state"])
+    handover.import_broker(service.broker, state["broker"], files)
+    service.callstats.import_state(state["callstats"])
+    service.alerts.import_state(state["alerts"])
+    metrics = None
+    if state.get("metrics"):
+        metrics = socket.socket(fileno=fds[4])
+    service.adopted = Adopted(fuse=(fds[0], state["fuse"]),
+                              control=socket.socket(fileno=fds[1]),
+                              seccomp=socket.socket(fileno=fds[2]),
+                              oci=socket.socket(fileno=fds[3]), metrics=metrics,
+                              from_pid=int(state["from_pid"]),
+                              books=handover.books(service.broker),
+                              sessions=len(service.broker.sessions))
+    return service
+
+
+def takeover_main(run_dir: str, fd: int) -> int:
+    """`devbroker run --takeover-fd FD`: the successor's side."""
+    # Everything slow happens before the hello, while the predecessor still serves: imports,
+    # the ABI tables of every driver version, the metric name tables; at the low priority the
+    # predecessor started us with (hand_over), which is given back before the hello.
+    _warm_up(run_dir)
+    try:
+        prio = int(os.environ.pop("DEVBROKER_PRIORITY", ""))
+        os.setpriority(os.PRIO_PROCESS, 0, prio)  # lowering niceness: root may
+    except (ValueError, PermissionError):
+        pass
+    sock = socket.socket(fileno=fd)
+    return trio.run(_takeover, run_dir, sock)
+
+
+def _warm_up(run_dir: str) -> None:
+    from devbroker import daemon  # noqa: F401
+    from devbroker.abi import registry
+    from devbroker.broker import metrics  # noqa: F401
+    from devbroker.broker.callstats import CallStats
+    from devbroker.frontends import fuse  # noqa: F401
+
+    for version in registry.versions():
+        registry.get(version)
+    CallStats()
+    # A throwaway service on the built-in policy: the first construction imports and builds
+    # what later ones reuse (about 20 ms here), which must not fall into the pause. It
+    # touches no file (the audit log opens on its first record, which it never gets).
+    from devbroker.broker.policy import default_policy
+
+    daemon.BrokerService(default_policy(), run_dir, backend="emulated")
+
+
+async def _takeover(run_dir: str, sock: socket.socket) -> int:
+    from devbroker.daemon import run_forever
+
+    chan = Channel(trio.socket.from_stdlib_socket(sock))
+    await chan.send({"format": handover.FORMAT, "pid": os.getpid()})
+    fds: list[int] = []
+    try:
+        with trio.fail_after(HELLO_TIMEOUT + DRAIN_TIMEOUT):
+            state, fds = await chan.recv()
+    except (EOFError, OSError, ValueError, UpgradeError, trio.TooSlowError) as e:
+        _close(fds)
+        print(f"devbroker: live upgrade: no state from the running broker: {e}",
+              file=sys.stderr, flush=True)
+        return 1
+    try:
+        service = build_service(run_dir, state, fds)
+    except Exception as e:  # noqa: BLE001 - any refusal is reported and calls the upgrade off
+        _close(fds)
+        await chan.send({"ready": False, "error": f"{type(e).__name__}: {e}"})
+        print(f"devbroker: live upgrade: cannot take over: {e}", file=sys.stderr, flush=True)
+        return 1
+    await chan.send({"ready": True})
+    try:
+        with trio.fail_after(GO_TIMEOUT):
+            go, _ = await chan.recv()
+    except (EOFError, OSError, ValueError, trio.TooSlowError) as e:
+        go = {"error": str(e)}
+    if not go.get("go"):
+        # The running broker still serves: close our copies, unmount nothing.
+        _close([service.adopted.fuse[0]])
+        print(f"devbroker: live upgrade called off: {go.get('error', go)}", file=sys.stderr,
+              flush=True)
+        return 1
+
+    async def started():
+        await chan.send({"serving_at": time.monotonic(), "serving_wall": time.time(),
+                         "pid": os.getpid()})
+        print(f"devbroker: took over from pid {service.adopted.from_pid} "
+              f"({len(service.broker.sessions)} open files)", file=sys.stderr, flush=True)
+
+    try:
+        await run_forever(service, quiet=True, started=started)
+    finally:
+        stop = getattr(service.backend, "stop", None)
+        if stop is not None and not service.handed_over:
+            stop()
+        service.audit.close()
+    return 0

@@ -1,0 +1,395 @@
+"""Live upgrade (issue 18): a new broker process takes over from the running one while real
+tenant processes keep making calls through the FUSE nodes.
+
+The longest pause a tenant saw is printed as a benchmark (run with -s to see it); it is not
+a test threshold."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tenant_io import readline_json
+from test_metrics import scrape, total
+from test_prometheus import free_port
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+TENANT = [sys.executable, str(HERE / "tenant_prog.py")]
+UNIT = REPO / "deploy" / "systemd" / "devbroker.service"
+MiB = 1 << 20
+TENANTS = ["t0", "t1", "t2", "t3"]
+
+
+def policy(metrics_port: int | None = None) -> str:
+    out = ['[broker]', 'backend = "emulated"', '']
+    if metrics_port is not None:
+        out += ['[broker.metrics]', f'listen = "127.0.0.1:{metrics_port}"', '']
+    for i in range(2):
+        out += ['[[broker.gpu]]', 'name = "NVIDIA H200"',
+                f'uuid = "GPU-11111111-2222-3333-4444-55555555555{i}"',
+                f'pci_bus_id = "0000:00:0{6 + i}.0"', 'memory = "141GiB"', '']
+    for i, t in enumerate(TENANTS):
+        out += [f'[tenant.{t}]', f'gpus = [{i % 2}]', 'memory_quota = "2GiB"', '']
+    return "\n".join(out)
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie nobody reaped yet counts as gone: it has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def wait_for(pred, what: str, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def successors():
+    """Brokers started by an upgrade are not the test's children: ended here."""
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def accounting(status: dict) -> dict:
+    return {t["name"]: (t["memory"], t["clients"], t["objects"]) for t in status["tenants"]}
+
+
+# ------------------------------------------------------------------------------ no root needed
+def test_handover_knows_all_broker_state():
+    """The hand-over carries the broker's state by attribute name: a field added to the core
+    or the emulated backend without a hand-over must stop upgrades, not vanish in one."""
+    from devbroker.backends.emulated import EmulatedBackend
+    from devbroker.broker.core import Broker
+    from devbroker.broker.handover import HandoverError, check_supported
+    from devbroker.broker.policy import load_policy_text
+
+    broker = Broker(load_policy_text(policy()), EmulatedBackend(version="535.309.01"))
+    check_supported(broker)
+    broker.extra_state = {}
+    with pytest.raises(HandoverError, match="the broker has state the hand-over does not "
+                                            "carry: extra_state"):
+        check_supported(broker)
+    del broker.extra_state
+    with pytest.raises(HandoverError, match="2 tenant.s. attached through the seccomp"):
+        check_supported(broker, frontends={"seccomp": 2})
+
+
+async def test_state_round_trips(tmp_path):
+    """Export → import into a fresh broker and backend → export again: the same books."""
+    from devbroker.abi.nodes import NodeKind
+    from devbroker.backends.emulated import EmulatedBackend
+    from devbroker.broker import handover
+    from devbroker.broker.core import Broker
+    from devbroker.broker.policy import load_policy_text
+    from test_record import POLICY, Tenant
+
+    broker = Broker(load_policy_text(POLICY), EmulatedBackend(version="580.159.04"))
+    t = Tenant(broker)
+    ctl = await t.open(NodeKind.CTL)
+    _, out, _ = await t.alloc(ctl, 0, 0, 0x41)
+    client = out.hObjectNew
+    await t.alloc(ctl, client, client, 0x80, t.new("NV0080_ALLOC_PARAMETERS", deviceId=0),
+                  new=0xA0)
+    mem = t.new("NV_MEMORY_ALLOCATION_PARAMS", owner=client, flags=0x1C101, attr=0x18000000,
+                size=64 << 20, alignment=2 << 20)
+    _, out, _ = await t.alloc(ctl, client, 0xA0, 0x40, mem, new=0xC0)
+    _, out, _ = await t.alloc(ctl, client, 0xA0, 0x40, mem.replace(size=4 << 30), new=0xC1)
+    # A second client holds a duplicate of the 64 MiB (RM_DUP_OBJECT): one charge, shared.
+    ctl2 = await t.open(NodeKind.CTL)
+    _, out, _ = await t.alloc(ctl2, 0, 0, 0x41)
+    client2 = out.hObjectNew
+    await t.alloc(ctl2, client2, client2, 0x80, t.new("NV0080_ALLOC_PARAMETERS", deviceId=0),
+                  new=0xA1)
+    rep, out, _ = await t.esc(ctl2, "NV_ESC_RM_DUP_OBJECT", t.new(
+        "NVOS55_PARAMETERS", hClient=client2, hParent=0xA1, hObject=0xD0, hClientSrc=client,
+        hObjectSrc=0xC0))
+    assert rep.errno == 0 and out.status == 0
+    before = handover.books(broker)
+    assert before["alice"]["memory"] == {"0": 64 << 20}
+    state = json.loads(json.dumps({"broker": handover.export_broker(broker),
+                                   "backend": handover.export_emulated(broker.backend)}))
+    fresh = Broker(load_policy_text(POLICY), EmulatedBackend(version="580.159.04"))
+    files = handover.import_emulated(fresh.backend, state["backend"])
+    handover.import_broker(fresh, state["broker"], files)
+    assert handover.books(fresh) == before
+    again = {"broker": handover.export_broker(fresh),
+             "backend": handover.export_emulated(fresh.backend)}
+    assert json.loads(json.dumps(again)) == state
+    # the imported broker goes on: the tenant's next allocation is checked against the
+    # quota with what it already holds ...
+    t.b = fresh
+    _, out, _ = await t.alloc(ctl, client, 0xA0, 0x40, mem.replace(size=1 << 30), new=0xC2)
+    assert out.status == 0x51  # 64 MiB + 1 GiB > the 1 GiB quota: NV_ERR_NO_MEMORY
+    assert fresh.backend.used[0] == 64 << 20
+    # ... and the duplicate group survived: freeing the original leaves the charge with the
+    # duplicate in both the broker's books and the emulator's, freeing that gives it back.
+    v = t.new("NVOS00_PARAMETERS", hRoot=client, hObjectParent=0xA0, hObjectOld=0xC0)
+    rep, out, _ = await t.esc(ctl, "NV_ESC_RM_FREE", v)
+    assert out.status == 0
+    assert handover.books(fresh)["alice"]["memory"] == {"0": 64 << 20}
+    assert fresh.backend.used[0] == 64 << 20
+    v = t.new("NVOS00_PARAMETERS", hRoot=client2, hObjectParent=0xA1, hObjectOld=0xD0)
+    rep, out, _ = await t.esc(ctl2, "NV_ESC_RM_FREE", v)
+    assert out.status == 0
+    assert handover.books(fresh)["alice"]["memory"] == {"0": 0}
+    assert fresh.backend.used[0] == 0
+
+
+def test_systemd_unit_verifies(tmp_path):
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.fail("systemd-analyze is missing: scripts/install-ops-tools.sh installs it")
+    # The unit names /usr/local/bin/devbroker; verify it as installed from this checkout.
+    exe = str(Path(sys.executable).parent / "devbroker")
+    assert os.access(exe, os.X_OK), exe
+    text = UNIT.read_text()
+    assert [line.split("=", 1)[0] for line in text.splitlines()
+            if line.startswith("Exec")] == ["ExecStart", "ExecReload"]
+    unit = tmp_path / "devbroker.service"
+    unit.write_text(text.replace("/usr/local/bin/devbroker", exe))
+    r = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stderr == "" and r.stdout == "", r.stdout + r.stderr
+    assert "Type=notify" in text and "NotifyAccess=all" in text
+    assert "ExecReload=/usr/local/bin/devbroker --run-dir /run/devbroker upgrade" in text
+
+
+# ------------------------------------------------------------------------------ real processes
+@pytest.mark.root
+def test_four_tenants_see_no_failed_or_lost_call_across_an_upgrade(start_broker, successors):
+    mport = free_port()
+    broker = start_broker(policy(mport))
+    old_pid = broker.proc.pid
+    url = f"http://127.0.0.1:{mport}/metrics"
+    procs: list[subprocess.Popen] = []
+    try:
+        # Each tenant holds memory in one process across the upgrade (i + 1) * 128 MiB ...
+        for i, t in enumerate(TENANTS):
+            p = broker.exec_popen(t, *TENANT, "hold", f"{(i + 1) * 128}MiB",
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            procs.append(p)
+            assert readline_json(p)["memory"]["used"] == (i + 1) * 128 * MiB
+        before = broker.status()
+        assert before["pid"] == old_pid
+        for i, t in enumerate(TENANTS):
+            assert accounting(before)[t][0] == {str(i % 2): {"used": (i + 1) * 128 * MiB,
+                                                             "quota": 2048 * MiB}}
+        # ... and loops on NVML-style queries and allocations in another.
+        loops = []
+        for t in TENANTS:
+            p = broker.exec_popen(t, *TENANT, "nvml-loop", "64MiB", "2MiB",
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            procs.append(p)
+            loops.append(p)
+        for p in loops:
+            assert readline_json(p)["what"] == "ready"
+        # A baseline window of the same length as the upgrade's, in the same run: the
+        # longest call a tenant sees when nothing is being upgraded (this machine is shared).
+        for p in loops:
+            p.stdin.write("window\n")
+            p.stdin.flush()
+            readline_json(p)
+        time.sleep(1.5)
+        baseline = []
+        for p in loops:
+            p.stdin.write("window\n")
+            p.stdin.flush()
+            baseline.append(readline_json(p))
+        calls_before = total(scrape(url), "devbroker_calls_total")
+        t_upgrade = time.monotonic()
+
+        r = broker.cli("upgrade", "--json", timeout=200)
+        assert r.returncode == 0, r.stderr + broker.output()
+        reply = json.loads(r.stdout)
+        new_pid = reply["pid"]
+        successors.append(new_pid)
+        assert reply["old_pid"] == old_pid and new_pid != old_pid
+        # The old process exits by itself; the new one answers the same control socket.
+        assert broker.proc.wait(timeout=30) == 0
+        assert not alive(old_pid)
+        assert broker.status()["pid"] == new_pid
+        top = broker.cli("top", "--once")
+        assert top.returncode == 0 and f"pid {new_pid}" in top.stdout, top.stdout + top.stderr
+
+        # the loops go on against the new broker: the window is as long as the baseline's
+        time.sleep(max(0.0, 1.5 - (time.monotonic() - t_upgrade)))
+        results = []
+        for p in loops:
+            p.stdin.write("stop\n")
+            p.stdin.flush()
+            results.append(readline_json(p))
+            p.wait(timeout=30)
+        for t, res in zip(TENANTS, results):
+            assert res["what"] == "done"
+            assert res["failed"] == 0, (t, res["failures"])
+            assert res["iterations"] > 10
+        # The tenants' calls before and after were served: more calls counted than before
+        # the upgrade, by the new broker's metrics (counters carried over).
+        m = scrape(url)
+        assert total(m, "devbroker_info", pid=str(new_pid)) == 1
+        assert total(m, "devbroker_calls_total") > calls_before
+
+        # Accounting: at the hand-over the new broker's books were the old one's exactly ...
+        audit = broker.audit()
+        handed = next(a for a in audit if a["event"] == "upgrade")
+        taken = next(a for a in audit if a["event"] == "upgraded")
+        assert handed["to_pid"] == new_pid and taken["from_pid"] == old_pid
+        assert taken["books"] == handed["books"] == reply["books"]
+        # ... and with the loops gone, status shows what it showed before the upgrade.
+        wait_for(lambda: all(t["open_files"] == 2 for t in broker.status()["tenants"]),
+                 "the loops' files released")
+        after = broker.status()
+        assert accounting(after) == accounting(before)
+        assert [t["processes"] for t in after["tenants"]] == \
+            [t["processes"] for t in before["tenants"]]
+
+        def ms(values):
+            return ", ".join(f"{v * 1000:.1f}" for v in values)
+
+        # Per tenant: the longest call that overlapped the freeze (the pause it saw), and the
+        # longest one anywhere in the upgrade's window (the successor's start competes for the
+        # same 2 cores), against the longest in the baseline window.
+        frozen, serving = reply["frozen_at"], reply["serving_at"]
+        spanning = [max([d for start, d in r["slow_calls"]
+                         if start <= serving and start + d >= frozen] or [0.0])
+                    for r in results]
+        print(f"\nlive upgrade benchmark: broker-side pause {reply['pause_ms']} ms "
+              f"({reply['phases_ms']}; whole "
+              f"upgrade {reply['total_ms']} ms, successor start included). Longest call per "
+              f"tenant, ms: spanning the pause [{ms(spanning)}]; anywhere in the upgrade "
+              f"window [{ms(r['longest_call_s'] for r in results)}]; in a baseline window of "
+              f"the same length before it [{ms(b['longest_call_s'] for b in baseline)}]. "
+              f"{sum(r['calls'] for r in results)} calls, none failed")
+
+        # The holders give their memory back to the new broker.
+        for p in procs[:4]:
+            p.stdin.close()
+            p.wait(timeout=30)
+        wait_for(lambda: all(t["open_files"] == 0 for t in broker.status()["tenants"]),
+                 "every file released")
+        assert all(m["used"] == 0 for t in broker.status()["tenants"]
+                   for m in t["memory"].values())
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.root
+def test_a_successor_that_fails_calls_the_upgrade_off(start_broker, tmp_path):
+    broker = start_broker(policy())
+    old_pid = broker.proc.pid
+    loop = broker.exec_popen("t0", *TENANT, "nvml-loop", stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert readline_json(loop)["what"] == "ready"
+        # An interpreter that exits at once: no hello, the running broker serves on.
+        r = broker.cli("upgrade", "--python", "/bin/false", timeout=200)
+        assert r.returncode == 1
+        assert f"called off, broker pid {old_pid} goes on serving" in r.stderr
+        # One that starts but refuses the state (a format it does not read).
+        fake = tmp_path / "fake-successor"
+        fake.write_text(f"#!{sys.executable}\n" + FAKE_SUCCESSOR)
+        fake.chmod(0o755)
+        r = broker.cli("upgrade", "--python", str(fake), timeout=200)
+        assert r.returncode == 1
+        assert "the new broker refused the state: HandoverError: no thanks" in r.stderr
+        time.sleep(0.5)
+        loop.stdin.write("stop\n")
+        loop.stdin.flush()
+        done = readline_json(loop)
+        assert done["failed"] == 0, done["failures"]
+        assert broker.proc.poll() is None and broker.status()["pid"] == old_pid
+        failed = [a for a in broker.audit() if a["event"] == "upgrade-failed"]
+        assert len(failed) == 2
+    finally:
+        loop.kill()
+        loop.wait()
+
+
+# Speaks the successor's side of the protocol and refuses the state it gets.
+FAKE_SUCCESSOR = r'''
+import sys, trio, socket
+from devbroker import upgrade
+
+async def main(fd):
+    chan = upgrade.Channel(trio.socket.from_stdlib_socket(socket.socket(fileno=fd)))
+    await chan.send({"format": upgrade.handover.FORMAT, "pid": 0})
+    state, fds = await chan.recv()
+    upgrade._close(fds)
+    await chan.send({"ready": False, "error": "HandoverError: no thanks"})
+
+trio.run(main, int(sys.argv[sys.argv.index("--takeover-fd") + 1]))
+'''
+
+
+@pytest.mark.root
+def test_upgrade_refused_while_a_seccomp_tenant_is_attached(start_broker):
+    broker = start_broker(policy())
+    broker.frontend = "seccomp"
+    p = broker.exec_popen("t0", *TENANT, "hold", "64MiB", stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True)
+    try:
+        readline_json(p)
+        r = broker.cli("upgrade", timeout=200)
+        assert r.returncode == 1
+        assert "live upgrade refused: 1 tenant(s) attached through the seccomp front end " \
+               "cannot be handed over yet" in r.stderr
+        assert broker.status()["pid"] == broker.proc.pid
+    finally:
+        p.stdin.close()
+        p.wait(timeout=30)
+
+
+@pytest.mark.root
+def test_service_manager_hears_ready_and_the_new_main_pid(start_broker, successors,
+                                                          tmp_path, monkeypatch):
+    """What systemd's Type=notify sees: READY=1 from the broker, then, after an upgrade,
+    MAINPID= of the successor (before the old process exits) and READY=1."""
+    path = tmp_path / "notify"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(str(path))
+    listener.settimeout(60)
+    monkeypatch.setenv("NOTIFY_SOCKET", str(path))
+    broker = start_broker(policy())
+    first = listener.recv(4096).decode().split("\n")
+    assert "READY=1" in first and f"MAINPID={broker.proc.pid}" in first
+    r = broker.cli("upgrade", "--json", timeout=200)
+    assert r.returncode == 0, r.stderr
+    new_pid = json.loads(r.stdout)["pid"]
+    successors.append(new_pid)
+    second = listener.recv(4096).decode().split("\n")
+    assert "READY=1" in second and f"MAINPID={new_pid}" in second
+    assert broker.proc.wait(timeout=30) == 0
+    # and the new broker can be upgraded in turn
+    r = broker.cli("upgrade", "--json", timeout=200)
+    assert r.returncode == 0, r.stderr
+    third = json.loads(r.stdout)
+    successors.append(third["pid"])
+    assert third["old_pid"] == new_pid
+    assert f"MAINPID={third['pid']}" in listener.recv(4096).decode().split("\n")
+    wait_for(lambda: not alive(new_pid), "the second broker's exit")
+    assert broker.status()["pid"] == third["pid"]
+    listener.close()
