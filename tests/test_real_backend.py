@@ -248,3 +248,24 @@ def test_relay_exits_when_the_broker_goes():
     assert r.proc.returncode == 0
     assert not os.path.exists(f"/proc/{pid}/status") or \
         "zombie" in open(f"/proc/{pid}/status").read()
+
+
+def test_real_backend_refuses_a_driver_without_tables(tmp_path):
+    """Issue 19: an unknown driver may lay its structs out differently; the backend (and so
+    `devbroker run --backend real`, which prints this OSError) refuses to start, naming the
+    supported versions, before it starts a relay or opens a device."""
+    from devbroker.backends.real import RealBackend
+
+    (tmp_path / "version").write_text(
+        "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  999.1.2  Release Build  "
+        "(dvs-builder@U22-I3-AF03-09-1)  Sun Jan  1 00:00:00 UTC 2026\nGCC version:  gcc 12\n")
+    with pytest.raises(OSError) as e:
+        RealBackend(proc=tmp_path, discover=False, relay_uid=None)
+    msg = str(e.value)
+    assert e.value.errno == errno.ENOTSUP
+    assert "999.1.2" in msg and "580.159.04" in msg and "535.309.01" in msg
+    assert "docs/abi.md" in msg
+    (tmp_path / "version").write_text("garbage\n")
+    with pytest.raises(OSError) as e:
+        RealBackend(proc=tmp_path, discover=False, relay_uid=None)
+    assert e.value.errno == errno.ENOTSUP and "(unreadable)" in str(e.value)

@@ -48,8 +48,11 @@ class OpSpec:
 
     `params` is the StructSpec of its argument (None when it takes none).  For escapes
     whose argument size varies (RM_ALLOC: NVOS21 or NVOS64; CARD_INFO: an array) the
-    accepted layouts are in `variants` (size -> StructSpec).  `flags` holds policy facts
-    such as "privileged"."""
+    accepted layouts are in `variants` (size -> StructSpec).  `flags` holds devbroker's own
+    markers ("unpublished": in no open header).  `driver_flags` are the driver's flags for
+    it, from the driver source (controls: RMCTRL_FLAGS_* of the exported-method tables, e.g.
+    "NON_PRIVILEGED", "PRIVILEGED", "INTERNAL", "ROUTE_TO_PHYSICAL"; classes: RS_FLAGS_* of
+    resource_list.h, e.g. "ALLOC_NON_PRIVILEGED"), None where the source has no entry."""
 
     kind: str  # "frontend" | "rm" | "control" | "class" | "uvm"
     number: int
@@ -59,6 +62,7 @@ class OpSpec:
     variants: dict = field(default_factory=dict, compare=False, hash=False)
     array_of: StructSpec | None = None  # argument is N of these (CARD_INFO)
     source: str = ""
+    driver_flags: frozenset | None = None
 
     @property
     def size(self) -> int:
@@ -66,7 +70,56 @@ class OpSpec:
 
     @property
     def privileged(self) -> bool:
-        return "privileged" in self.flags
+        return self.driver_flags is not None and "PRIVILEGED" in self.driver_flags
+
+    @property
+    def unpublished(self) -> bool:
+        return "unpublished" in self.flags
+
+    def driver_refusal(self) -> tuple[str, str] | None:
+        """(flag, what the driver does) when the driver itself refuses this control or class
+        to a caller that is neither root (CAP_SYS_ADMIN) nor the kernel, by its flags; None
+        when it lets such a caller through, or when the driver source has no flags for it.
+
+        Controls (control.c: serverControl_ValidateCookie, rmControlValidateClientPrivilegeAccess;
+        rmapi_gss_legacy_control.c): INTERNAL -> NV_ERR_NOT_SUPPORTED unless RM calls itself;
+        PRIVILEGED -> root only; an exported control with none of NON_PRIVILEGED, PRIVILEGED,
+        INTERNAL is KERNEL_PRIVILEGED (the default: kernel clients only); a GSS legacy number
+        in a LEGACY_PRIVILEGED category -> root only. Classes (alloc_free.c:
+        _serverAllocValidatePrivilege): ALLOC_KERNEL_PRIVILEGED, ALLOC_PRIVILEGED, no privilege
+        flag at all (refused), INTERNAL_ONLY; clients (ROOT_OBJECT) are not checked there."""
+        f = self.driver_flags
+        if f is None:
+            return None
+        if self.kind == "control":
+            if "INTERNAL" in f:
+                return ("RMCTRL_FLAGS_INTERNAL", "only RM itself may call it (the driver "
+                        "answers NV_ERR_NOT_SUPPORTED)")
+            if "GSS_LEGACY_PRIVILEGED" in f:
+                return ("RM_GSS_LEGACY_MASK_PRIVILEGED", "a LEGACY_PRIVILEGED category: the "
+                        "driver forwards it to GSP for root (CAP_SYS_ADMIN) and kernel clients only")
+            if "PRIVILEGED" in f:
+                return ("RMCTRL_FLAGS_PRIVILEGED", "the driver allows it to root "
+                        "(CAP_SYS_ADMIN) and kernel clients only")
+            if "NO_EXPORT_ENTRY" not in f and "NON_PRIVILEGED" not in f:
+                return ("RMCTRL_FLAGS_KERNEL_PRIVILEGED", "none of NON_PRIVILEGED, PRIVILEGED, "
+                        "INTERNAL: the driver allows it to kernel clients only")
+            return None
+        if self.kind == "class":
+            if "ROOT_OBJECT" in f:
+                return None
+            if "ALLOC_KERNEL_PRIVILEGED" in f:
+                return ("RS_FLAGS_ALLOC_KERNEL_PRIVILEGED", "the driver allocates it for "
+                        "kernel clients only")
+            if "ALLOC_PRIVILEGED" in f:
+                return ("RS_FLAGS_ALLOC_PRIVILEGED", "the driver allocates it for root "
+                        "(CAP_SYS_ADMIN) and kernel clients only")
+            if "ALLOC_NON_PRIVILEGED" not in f:
+                return ("RS_FLAGS (no privilege flag)", "the driver refuses to allocate a "
+                        "class without a privilege flag")
+            if "INTERNAL_ONLY" in f:
+                return ("RS_FLAGS_INTERNAL_ONLY", "only RM itself may allocate it")
+        return None
 
 
 @dataclass(frozen=True)
@@ -119,15 +172,16 @@ class DriverABI:
     """The tables of one driver version (built by registry; treat as read-only)."""
 
     def __init__(self, version: str, *, tag: str, escapes: dict[int, OpSpec],
-                 controls: dict[int, OpSpec], classes: dict[int, OpSpec],
-                 uvm: dict[int, OpSpec], structs: dict[str, StructSpec]):
+                 controls, classes, uvm: dict[int, OpSpec], structs, unpublished=None):
         self.version = version
         self.tag = tag  # the open-gpu-kernel-modules tag the layouts were read from
         self.escapes = escapes
-        self.controls = controls
+        self.controls = controls  # published controls (and unpublished ones of known size)
         self.classes = classes
         self.uvm_cmds = uvm
         self.structs = structs
+        self._unpublished = unpublished
+        self._unpub_cache: dict[int, OpSpec] = {}
         self._escape_by_name = {s.name: s for s in escapes.values()}
 
     def __repr__(self) -> str:
@@ -140,7 +194,25 @@ class DriverABI:
         return self.escapes.get(nr_or_name)
 
     def control(self, cmd: int) -> OpSpec | None:
+        """A control of the tables (published, or unpublished of a known size), else None."""
         return self.controls.get(cmd)
+
+    def control_op(self, cmd: int) -> OpSpec:
+        """Any control number: the table's entry, else an unpublished one named by its range
+        (flags {"unpublished"}, no layout)."""
+        op = self.controls.get(cmd)
+        if op is not None:
+            return op
+        op = self._unpub_cache.get(cmd)
+        if op is None:
+            if self._unpublished is None:
+                op = OpSpec("control", cmd, f"UNKNOWN_CONTROL(0x{cmd:x})",
+                            flags=frozenset({"unpublished"}))
+            else:
+                op = self._unpublished(cmd & 0xFFFFFFFF)
+            if len(self._unpub_cache) < 4096:  # a hostile client may send any number
+                self._unpub_cache[cmd] = op
+        return op
 
     def rm_class(self, class_id: int) -> OpSpec | None:
         return self.classes.get(class_id)
@@ -152,8 +224,7 @@ class DriverABI:
         return self.structs[name]
 
     def control_name(self, cmd: int) -> str:
-        s = self.controls.get(cmd)
-        return s.name if s else f"UNKNOWN_CONTROL(0x{cmd:x})"
+        return self.control_op(cmd).name
 
     def class_name(self, class_id: int) -> str:
         s = self.classes.get(class_id)
@@ -222,9 +293,8 @@ class DriverABI:
             return None
         name = call.name
         if name == "NV_ESC_RM_CONTROL":
-            op = self.controls.get(v.cmd)
-            ref = NestedRef(v.params, v.paramsSize, op.params if op else None, "params",
-                            "paramsSize", op)
+            op = self.control_op(v.cmd)
+            ref = NestedRef(v.params, v.paramsSize, op.params, "params", "paramsSize", op)
         elif name == "NV_ESC_RM_ALLOC":
             op = self.classes.get(v.hClass)
             size, sf = v.paramsSize, "paramsSize"

@@ -1,25 +1,45 @@
-"""Per-driver-version registry.  A version is data: a header table (generated from the
-open-gpu-kernel-modules tag closest to it), optionally a diff table on top of another one,
-plus the hand-written facts in tables/base.py.  See docs/abi.md, "Adding a version".
+"""Per-driver-version registry.  A version is data: the table generated from the
+open-gpu-kernel-modules tag closest to it (scripts/abigen), plus the hand-written facts in
+tables/base.py.  See docs/abi.md, "Adding a driver version".
+
+Tables are large (every published control, class and UVM command, ~3000 structs), so a
+DriverABI builds each StructSpec and OpSpec the first time it is asked for.
 """
 from __future__ import annotations
 
 import importlib
 import threading
+from collections.abc import Mapping
 
 from .driver import DriverABI, OpSpec
 from .errors import UnknownVersion
-from .spec import StructSpec, parse_fields
+from .spec import Field, StructSpec, parse_fields
 from .tables import base as _base
 
-# driver version -> (header table module, diff module or None, escape overrides, note)
+# The tag whose table module is complete; every other tag's module holds its differences.
+BASE_TAG = "580.142"
+
+# driver version -> the open-gpu-kernel-modules tag its layouts are read from, and why.
+# A driver that NVIDIA tagged uses its own tag; the two untagged releases seen on real
+# machines use the newest tag of their branch (their ABI was checked against traces).
 VERSIONS: dict[str, dict] = {
-    "580.159.04": {"table": "hdr_580_142", "diff": None, "escapes": {},
-                   "note": "layouts from tag 580.142, the newest 580 tag published"},
-    "535.309.01": {"table": "hdr_580_142", "diff": "hdr_535_288_01",
-                   "escapes": _base.ESCAPES_535,
-                   "note": "layouts from tag 535.288.01, the newest 535 tag published"},
+    "595.45.04": {"tag": "595.45.04", "note": "tagged, newest of the 595 branch"},
+    "590.48.01": {"tag": "590.48.01", "note": "tagged, newest of the 590 branch"},
+    "580.159.04": {"tag": "580.142",
+                   "note": "untagged (the H200's driver): layouts from 580.142, the newest "
+                           "580 tag; checked against the recorded H200 sessions"},
+    "580.142": {"tag": "580.142", "note": "tagged"},
+    "575.64.05": {"tag": "575.64.05", "note": "tagged, newest of the 575 branch"},
+    "570.211.01": {"tag": "570.211.01", "note": "tagged, newest of the 570 branch"},
+    "550.163.01": {"tag": "550.163.01", "note": "tagged, newest of the 550 branch"},
+    "535.309.01": {"tag": "535.288.01",
+                   "note": "untagged (Debian 12's user-space stack): layouts from 535.288.01, "
+                           "the newest 535 tag"},
+    "535.288.01": {"tag": "535.288.01", "note": "tagged, newest of the 535 branch"},
 }
+
+TABLE_NAMES = ("STRUCTS", "CONTROLS", "CLASSES", "UVM", "ESCAPES", "CATEGORIES", "DEPRECATED",
+               "LEGACY")
 
 _cache: dict[str, DriverABI] = {}
 _lock = threading.Lock()
@@ -27,6 +47,25 @@ _lock = threading.Lock()
 
 def versions() -> list[str]:
     return sorted(VERSIONS)
+
+
+def tags() -> list[str]:
+    return sorted({v["tag"] for v in VERSIONS.values()})
+
+
+def supported(version: str) -> bool:
+    return version in VERSIONS
+
+
+def require_supported(version: str, what: str = "driver") -> str:
+    """Return `version` if the registry has its tables, else raise UnknownVersion with a
+    message that names the supported versions and how to add one."""
+    if version in VERSIONS:
+        return version
+    raise UnknownVersion(
+        f"{what} {version!r} has no ABI tables in this devbroker; supported driver versions: "
+        f"{', '.join(versions())}. A driver of another version may lay out its structs "
+        "differently: add it first (docs/abi.md, \"Adding a driver version\").")
 
 
 def get(version: str) -> DriverABI:
@@ -42,6 +81,10 @@ def get(version: str) -> DriverABI:
     return abi
 
 
+def table_module(tag: str) -> str:
+    return "hdr_" + tag.replace(".", "_")
+
+
 def _load(mod: str):
     return importlib.import_module(f"{__package__}.tables.{mod}")
 
@@ -54,20 +97,28 @@ def _merge(base: dict, changed: dict, removed: list) -> dict:
     return out
 
 
-def raw_tables(version: str) -> dict:
-    """The merged data tables of a version (before building specs); used by tests."""
-    v = VERSIONS[version]
-    t = _load(v["table"])
-    tabs = {"STRUCTS": t.STRUCTS, "CONTROLS": t.CONTROLS, "CLASSES": t.CLASSES,
-            "UVM": t.UVM, "SIZES": t.SIZES}
-    tag = t.TAG
-    if v["diff"]:
-        d = _load(v["diff"])
-        tag = d.TAG
+_raw: dict[str, dict] = {}
+
+
+def raw_tag_tables(tag: str) -> dict:
+    """The merged data tables of one tag (before building specs)."""
+    tabs = _raw.get(tag)
+    if tabs is not None:
+        return tabs
+    b = _load(table_module(BASE_TAG))
+    tabs = {k: getattr(b, k) for k in TABLE_NAMES}
+    if tag != BASE_TAG:
+        d = _load(table_module(tag))
         tabs = {k: _merge(tabs[k], getattr(d, k + "_CHANGED"), getattr(d, k + "_REMOVED"))
-                for k in tabs}
+                for k in TABLE_NAMES}
     tabs["TAG"] = tag
+    _raw[tag] = tabs
     return tabs
+
+
+def raw_tables(version: str) -> dict:
+    """The merged data tables of a driver version (used by tests and tools)."""
+    return raw_tag_tables(VERSIONS[version]["tag"])
 
 
 def _annotate(name: str, dsl: str) -> str:
@@ -82,42 +133,64 @@ def _annotate(name: str, dsl: str) -> str:
     return " ".join(items)
 
 
+class _Lazy(Mapping):
+    """A read-only mapping whose values are built on first access (thread-safe enough: two
+    threads may both build one value; either result is the same)."""
+
+    def __init__(self, keys, build):
+        self._keys = keys
+        self._build = build
+        self._done: dict = {}
+
+    def __getitem__(self, key):
+        v = self._done.get(key)
+        if v is None:
+            if key not in self._keys:
+                raise KeyError(key)
+            v = self._done[key] = self._build(key)
+        return v
+
+    def get(self, key, default=None):
+        v = self._done.get(key)
+        if v is not None:
+            return v
+        if key not in self._keys:
+            return default
+        return self[key]
+
+    def __contains__(self, key):
+        return key in self._keys
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self):
+        return len(self._keys)
+
+
 def _build(version: str, v: dict) -> DriverABI:
     tabs = raw_tables(version)
     raw = dict(tabs["STRUCTS"])
-    raw.setdefault("NvU32", ("value:u32", "nvtypes.h"))
-    specs: dict[str, StructSpec] = {}
 
-    def lookup(name: str) -> StructSpec:
-        s = specs.get(name)
-        if s is not None:
-            return s
+    def make(name: str) -> StructSpec:
         dsl, src = raw[name]
         if dsl.startswith("="):  # typedef alias of another struct
-            s = lookup(dsl[1:])
-        elif dsl.startswith("union<"):
+            return structs[dsl[1:]]
+        if dsl.startswith("union<"):
             sz, al = dsl[6:-1].split(",")
-            from .spec import Field
-            s = StructSpec(name, [Field("raw", "union", size=int(sz), align=int(al))], source=src)
-        else:
-            s = StructSpec(name, parse_fields(_annotate(name, dsl), lookup), source=src)
-        specs[name] = s
-        return s
+            return StructSpec(name, [Field("raw", "union", size=int(sz), align=int(al))],
+                              source=src)
+        return StructSpec(name, parse_fields(_annotate(name, dsl), structs.__getitem__),
+                          source=src)
 
-    for name in raw:
-        lookup(name)
+    structs = _Lazy(raw, make)
 
     def spec_or_none(name):
-        return lookup(name) if name and name in raw else None
+        return structs[name] if name and name in raw else None
 
     escapes = {}
-    esc_table = dict(_base.ESCAPES)
-    for nr, e in v["escapes"].items():
-        if e is None:
-            esc_table.pop(nr, None)
-        else:
-            esc_table[nr] = e
-    for nr, (ename, sname, extra) in esc_table.items():
+    for nr, ename in tabs["ESCAPES"].items():
+        sname, extra = _base.ESCAPE_STRUCTS.get(ename, (None, {}))
         kind = "frontend" if nr >= 200 else "rm"
         variants = {}
         for vn in extra.get("variants", ()):
@@ -125,24 +198,77 @@ def _build(version: str, v: dict) -> DriverABI:
             if vs is not None:
                 variants[vs.size] = vs
         escapes[nr] = OpSpec(kind, nr, ename, spec_or_none(sname), variants=variants,
-                             array_of=spec_or_none(extra.get("array_of")), source="nv-ioctl-numbers.h/nv_escape.h")
-    controls = {}
-    for cmd, (cname, pname, src) in tabs["CONTROLS"].items():
-        controls[cmd] = OpSpec("control", cmd, cname, spec_or_none(pname), source=src)
-    for cmd, cname in _base.NAMED_FROM_NVOC.items():
-        controls.setdefault(cmd, OpSpec("control", cmd, cname, None,
-                                        source="src/nvidia/generated/g_subdevice_nvoc.c"))
-    for cmd, size in _base.UNPUBLISHED_CONTROLS.items():
-        if cmd in controls:
-            continue
-        prefix = f"NV{cmd >> 16:04X}"
-        pname = f"{prefix}_CTRL_UNPUBLISHED_{cmd:08X}_PARAMS"
-        ps = StructSpec(pname, parse_fields(f"data:bytes[{size}]", lookup), source="observed")
-        controls[cmd] = OpSpec("control", cmd, f"{prefix}_CTRL_CMD_UNPUBLISHED_{cmd:08X}", ps,
-                               flags=frozenset({"unpublished"}), source="observed in traces")
-    classes = {cid: OpSpec("class", cid, cname, spec_or_none(pname), source="class/cl*.h")
-               for cid, (cname, pname) in tabs["CLASSES"].items()}
+                             array_of=spec_or_none(extra.get("array_of")),
+                             source="nv-ioctl-numbers.h/nv_escape.h")
+    ctl_tab = tabs["CONTROLS"]
+    deprecated = tabs["DEPRECATED"]
+    legacy = tabs["LEGACY"]
+
+    def control_flags(cmd: int):
+        """The driver's flags for a control, as the kernel applies them: a deprecated control
+        runs as its V2 control (its flags, plus DEPRECATED_V2); a number with the GSS legacy
+        bits (on a GPU object) is forwarded to GSP (GSS_LEGACY, or GSS_LEGACY_PRIVILEGED when
+        only root may send it); NO_EXPORT_ENTRY: the kernel's export tables do not list it."""
+        entry = ctl_tab.get(deprecated.get(cmd, cmd)) or ctl_tab.get(cmd)
+        flags = entry[3] if entry is not None else None
+        extra = set()
+        if cmd in deprecated:
+            extra.add("DEPRECATED_V2")
+        mask, priv = legacy.get("gss_mask", 0), legacy.get("gss_privileged_mask", 0)
+        if mask and cmd & mask and cmd >> 16:
+            extra.add("GSS_LEGACY_PRIVILEGED" if priv and cmd & priv == priv else "GSS_LEGACY")
+        if flags is None and not extra:
+            return None
+        if flags is None:
+            extra.add("NO_EXPORT_ENTRY")
+        return frozenset(flags or ()) | extra
+
+    def make_control(cmd: int) -> OpSpec:
+        if cmd in ctl_tab:
+            cname, pname, src, _flags = ctl_tab[cmd]
+            return OpSpec("control", cmd, cname, spec_or_none(pname), source=src,
+                          driver_flags=control_flags(cmd))
+        return unpublished(cmd)
+
+    categories = tabs["CATEGORIES"]
+
+    def unpublished(cmd: int) -> OpSpec:
+        """A control no header of this tag defines: named by its range, no published
+        layout; opaque bytes of the size real clients were seen to send, where known."""
+        name = unpublished_control_name(cmd, categories)
+        size = _base.UNPUBLISHED_CONTROLS.get(cmd)
+        ps = None
+        if size is not None:
+            ps = StructSpec(name.replace("_CTRL_CMD_", "_CTRL_", 1) + "_PARAMS",
+                            parse_fields(f"data:bytes[{size}]", structs.__getitem__),
+                            source="observed")
+        return OpSpec("control", cmd, name, ps, flags=frozenset({"unpublished"}),
+                      source="in no open header (named by its range)",
+                      driver_flags=control_flags(cmd))
+
+    ctl_keys = set(ctl_tab) | set(_base.UNPUBLISHED_CONTROLS)
+    controls = _Lazy(ctl_keys, make_control)
+    cls_tab = tabs["CLASSES"]
+
+    def make_class(cid: int) -> OpSpec:
+        cname, pname, src, flags = cls_tab[cid]
+        return OpSpec("class", cid, cname, spec_or_none(pname), source=src,
+                      driver_flags=None if flags is None else frozenset(flags))
+
+    classes = _Lazy(set(cls_tab), make_class)
     uvm = {cmd: OpSpec("uvm", cmd, uname, spec_or_none(pname), source="uvm_ioctl.h")
            for cmd, (uname, pname) in tabs["UVM"].items()}
     return DriverABI(version, tag=tabs["TAG"], escapes=escapes, controls=controls,
-                     classes=classes, uvm=uvm, structs=specs)
+                     classes=classes, uvm=uvm, structs=structs, unpublished=unpublished)
+
+
+def unpublished_control_name(cmd: int, categories: dict) -> str:
+    """A stable name for a control in no header: its class, the name of its category (the
+    range NVIDIA's headers name, e.g. CLK_LEGACY_NON_PRIVILEGED for 0x2080_90xx) and its
+    index: 0x20809001 -> NV2080_CTRL_CMD_CLK_LEGACY_NON_PRIVILEGED_UNPUBLISHED_01."""
+    cls, cat, idx = cmd >> 16, (cmd >> 8) & 0xFF, cmd & 0xFF
+    prefix = f"NV{cls:04X}_CTRL_CMD"
+    cname = categories.get(cls, {}).get(cat)
+    if cname is not None and cname != "RESERVED":
+        return f"{prefix}_{cname}_UNPUBLISHED_{idx:02X}"
+    return f"{prefix}_UNPUBLISHED_{cat:02X}{idx:02X}"

@@ -64,6 +64,8 @@ class TraceDecoder:
             ev.call_out = (abi.decode_ioctl(ev.node, rec.cmd, rec.out, window=True)
                            if rec.out else None)
             ev.ref = abi.nested(ev.call_in)
+            if ev.call_in.name == "NV_ESC_RM_CONTROL":
+                ev.op_name = abi.control_name(ev.call_in.value.cmd)
             if ev.ref is not None:
                 ev.op_name = ev.ref.op.name if ev.ref.op else _unknown_op(ev.call_in)
                 # the recorder captured min(size, readable) bytes; class-sized windows are longer
@@ -143,10 +145,15 @@ def format_event(abi: DriverABI, i: int, ev: Event) -> str:
 
 
 def stats(abi: DriverABI, records) -> dict:
+    """Counts by node, escape, UVM command, class, control and status, and what the tables
+    do not know: `unknown` counts every escape, UVM command, class or control without a
+    table entry, and every control NVIDIA publishes no header for (named by its range,
+    "… (unpublished: no published layout)"); `unpublished` holds the keys of `unknown` that
+    are such controls. Anything else in `unknown` is a gap in the tables."""
     dec = TraceDecoder(abi)
     out = {"records": Counter(), "nodes": Counter(), "escapes": Counter(), "uvm": Counter(),
            "classes": Counter(), "controls": Counter(), "statuses": Counter(),
-           "unknown": Counter(), "errors": []}
+           "unknown": Counter(), "unpublished": set(), "errors": []}
     for i, rec in enumerate(records):
         ev = dec.decode(rec)
         try:
@@ -169,11 +176,18 @@ def stats(abi: DriverABI, records) -> dict:
         if c.name == "NV_ESC_RM_CONTROL":
             out["controls"][ev.op_name] += 1
             out["statuses"][_status.name(v.status)] += 1
+            op = abi.control_op(c.value.cmd)
+            if op.unpublished:
+                key = f"{op.name} (0x{op.number:x}, unpublished: no published layout)"
+                out["unknown"][key] += 1
+                out["unpublished"].add(key)
+                continue
         elif c.name == "NV_ESC_RM_ALLOC":
             out["classes"][ev.op_name] += 1
             out["statuses"][_status.name(v.status)] += 1
         if ev.op_name.startswith("UNKNOWN"):
             out["unknown"][ev.op_name] += 1
-        if ev.ref is not None and ev.ref.spec is None and not ev.op_name.startswith("UNKNOWN"):
+        if ev.ref is not None and ev.ref.spec is None and ev.ref.size \
+                and not ev.op_name.startswith("UNKNOWN"):
             out["unknown"][f"{ev.op_name} (no param layout)"] += 1
     return out

@@ -30,8 +30,18 @@ KiB = 1 << 10
 # Values the real driver uses, from the headers (see docs/emulator.md).
 NV_RM_API_VERSION_REPLY_UNRECOGNIZED = 0
 NV_RM_API_VERSION_REPLY_RECOGNIZED = 1
+NV_RM_API_VERSION_CMD_STRICT = 0
+NV_RM_API_VERSION_CMD_RELAXED = ord("1")
+NV_RM_API_VERSION_CMD_QUERY = ord("2")
+NV_RM_API_VERSION_STRING_LENGTH = 64
 INVALID_GPU_ID = 0xFFFFFFFF
 NV_PCI_VENDOR_NVIDIA = 0x10DE
+NV01_ROOT_CLIENT = 0x41
+# NVOS33_FLAGS (nvos.h): escape.c resets the caching type to DEFAULT on every RM_MAP_MEMORY
+NVOS33_FLAGS_CACHING_TYPE_SHIFT, NVOS33_FLAGS_CACHING_TYPE_MASK = 23, 0x7 << 23
+NVOS33_FLAGS_CACHING_TYPE_DEFAULT = 6
+NVOS33_FLAGS_MAPPING_SHIFT, NVOS33_FLAGS_MAPPING_MASK = 15, 0x3 << 15
+NVOS33_FLAGS_MAPPING_DIRECT = 1
 
 
 @dataclass(frozen=True)
@@ -155,10 +165,30 @@ class EmulatedBackend:
         call = dc.call
         handler = getattr(self, call.name, None) if call.name.isupper() or call.name.startswith("NV_") else None
         if handler is None:
-            self._note(("escape", call.name), f"emulator: {call.name} is not modelled")
-            return DriverResult(arg=call.encode(), errno=errno.EINVAL)
+            return self._not_modelled(dc)
         with self._calls:
             return handler(file, dc)
+
+    def _not_modelled(self, dc) -> DriverResult:
+        """An escape or UVM command the emulator does not model: NV_ERR_NOT_SUPPORTED in its
+        status field (top level, or in the `params` it wraps), as the driver reports what it
+        cannot do; EINVAL only for the few without a status field."""
+        call = dc.call
+        v = call.value
+        target = v
+        if v is not None and "params" in v.spec.by_name and v.spec.by_name["params"].kind == "struct":
+            target = v.params
+        status = ([f.name for f in target.spec.fields if f.kind == "status"]
+                  if target is not None else [])
+        if not status:
+            self._note(("escape", call.name), f"emulator: {call.name} is not modelled: EINVAL")
+            return DriverResult(arg=call.encode(), errno=errno.EINVAL)
+        self._note(("escape", call.name), f"emulator: {call.name} is not modelled: "
+                   "NV_ERR_NOT_SUPPORTED")
+        out = target.replace(**{status[0]: nvs.NV_ERR_NOT_SUPPORTED})
+        if target is not v:
+            out = v.replace(params=out)
+        return DriverResult(arg=out.encode())
 
     # ------------------------------------------------------------------ helpers
     def _note(self, key, msg: str) -> None:
@@ -229,33 +259,47 @@ class EmulatedBackend:
 
     # ------------------------------------------------------------------ frontend escapes
     def NV_ESC_CHECK_VERSION_STR(self, f, dc):
-        v = dc.call.value
-        asked = bytes(v.versionString).split(b"\0", 1)[0].decode("ascii", "replace")
-        if asked in registry.versions():
-            return DriverResult(arg=v.replace(reply=NV_RM_API_VERSION_REPLY_RECOGNIZED).encode())
-        # Like the driver: refuse, and tell the client which version it is talking to.
-        mine = self.version.encode().ljust(len(bytes(v.versionString)), b"\0")
-        out = v.replace(reply=NV_RM_API_VERSION_REPLY_UNRECOGNIZED, versionString=mine)
-        return DriverResult(arg=out.encode(), errno=errno.EINVAL)
+        """As RmPerformVersionCheck (osapi.c): the reply is RECOGNIZED whatever follows (the
+        ioctl exists); cmd QUERY ('2') copies the driver's version string and succeeds;
+        RELAXED ('1') compares up to the first '.'; anything else compares the whole string.
+        A mismatch copies the driver's version into versionString and fails with EINVAL.
+        The emulator speaks every version of the registry (the broker then decodes the
+        client's calls with that version's ABI), so any of them matches; QUERY reports the
+        version it was configured as."""
+        v = dc.call.value.replace(reply=NV_RM_API_VERSION_REPLY_RECOGNIZED)
+        size = len(bytes(v.versionString))
+        mine = self.version.encode()[: size - 1].ljust(size, b"\0")
+        if v.cmd == NV_RM_API_VERSION_CMD_QUERY:
+            return DriverResult(arg=v.replace(versionString=mine).encode())
+        asked = bytes(v.versionString)
+        relaxed = v.cmd == NV_RM_API_VERSION_CMD_RELAXED
+        if any(_version_matches(asked, k.encode(), relaxed) for k in registry.versions()):
+            return DriverResult(arg=v.encode())
+        return DriverResult(arg=v.replace(versionString=mine).encode(), errno=errno.EINVAL)
 
     def NV_ESC_SYS_PARAMS(self, f, dc):
         return DriverResult(arg=dc.call.encode())
 
     def NV_ESC_CARD_INFO(self, f, dc):
+        """As nvidia_read_card_info (nv.c): every entry zeroed, then one valid entry per GPU;
+        fewer entries than GPUs is EINVAL. The emulated GPU has no PCI BARs or interrupt
+        line in this machine: their addresses and the IRQ read 0; the BAR sizes are facts of
+        the board where recorded (H200_FACTS), else 0."""
         v = dc.call.value
         entries = list(v.entries) if hasattr(v, "entries") else list(v)
+        if len(entries) < len(self._gpus):
+            return DriverResult(arg=dc.call.encode(), errno=errno.EINVAL)
         out = []
         for i, e in enumerate(entries):
+            e = e.spec.zero()
             if i < len(self._gpus):
                 g = self._gpus[i]
+                bars = _board_facts(g.pci_device_id)
                 e = e.replace(valid=1, pci_info=e.pci_info.replace(
-                    domain=g.domain, bus=g.bus, slot=g.slot, function=g.function,
+                    domain=g.domain, bus=g.bus, slot=g.slot,
                     vendor_id=NV_PCI_VENDOR_NVIDIA, device_id=g.pci_device_id),
-                    gpu_id=g.gpu_id, interrupt_line=0, reg_address=0, reg_size=0,
-                    fb_address=0, fb_size=g.memory_bytes, minor_number=g.index,
-                    dev_name=f"nvidia{g.index}".encode().ljust(len(bytes(e.dev_name)), b"\0"))
-            else:
-                e = e.replace(valid=0)
+                    gpu_id=g.gpu_id, reg_size=bars.get("bar0_size", 0),
+                    fb_size=bars.get("bar1_size", 0), minor_number=g.index)
             out.append(e)
         nv = v.replace(entries=out) if hasattr(v, "entries") else out
         return DriverResult(arg=nv.encode())
@@ -285,10 +329,11 @@ class EmulatedBackend:
             if h in self.clients:
                 return self._status(dc, nvs.NV_ERR_INSERT_DUPLICATE_NAME)
             c = EmuClient(h, f.id, dc.tgid)
-            c.objects[h] = EmuObject(h, cls, 0, client=c)
+            c.objects[h] = EmuObject(h, NV01_ROOT_CLIENT, 0, client=c)
             self.clients[h] = c
             self._clients_of_file.setdefault(f.id, set()).add(h)
-            return self._status(dc, nvs.NV_OK, hObjectNew=h)
+            # escape.c forces every user-space client allocation to NV01_ROOT_CLIENT
+            return self._status(dc, nvs.NV_OK, hObjectNew=h, hClass=NV01_ROOT_CLIENT)
         c = self.clients.get(v.hRoot)
         if c is None:
             return self._status(dc, nvs.NV_ERR_INVALID_CLIENT)
@@ -363,7 +408,8 @@ class EmulatedBackend:
         offset = (self.used[gpu] + align - 1) // align * align
         if offset + size > self._gpus[gpu].memory_bytes:
             offset = 0  # 0 satisfies every alignment
-        params = params.replace(size=size, offset=offset, limit=offset + size - 1)
+        # limit is the last byte relative to the allocation (size - 1), as the H200 answered
+        params = params.replace(size=size, offset=offset, limit=size - 1)
         return nvs.NV_OK, gpu, size, params
 
     CLASS_ALLOC = {
@@ -382,7 +428,10 @@ class EmulatedBackend:
             self._free_client(v.hRoot)
             return self._status(dc, nvs.NV_OK)
         if v.hObjectOld not in c.objects:
-            return self._status(dc, nvs.NV_ERR_INVALID_OBJECT_HANDLE)
+            # resserv's compatibility mode (rs_server.c): freeing an object that does not
+            # exist in an existing client is NV_OK (CUDA frees handles before it allocates
+            # them: the H200 answered NV_OK)
+            return self._status(dc, nvs.NV_OK)
         stack = [v.hObjectOld]
         while stack:
             obj = c.objects.pop(stack.pop(), None)
@@ -440,8 +489,14 @@ class EmulatedBackend:
         # never-updated snapshot), and NVML falls back to "N/A" for what it would show.
         length = max(int(p.length), 1)
         target.mapping = bytes((length + 4095) // 4096 * 4096)
+        # escape.c: the caching type is always reset to DEFAULT; RM maps this system-memory
+        # page DIRECT (what the H200 answered for it).
+        flags = (p.flags & ~NVOS33_FLAGS_CACHING_TYPE_MASK & ~NVOS33_FLAGS_MAPPING_MASK
+                 | NVOS33_FLAGS_CACHING_TYPE_DEFAULT << NVOS33_FLAGS_CACHING_TYPE_SHIFT
+                 | NVOS33_FLAGS_MAPPING_DIRECT << NVOS33_FLAGS_MAPPING_SHIFT)
         return DriverResult(arg=v.replace(params=p.replace(
-            status=nvs.NV_OK, pLinearAddress=0x7E0000000000 + target.id * 0x10000)).encode())
+            status=nvs.NV_OK, flags=flags,
+            pLinearAddress=0x7E0000000000 + target.id * 0x10000)).encode())
 
     def NV_ESC_RM_UNMAP_MEMORY(self, f, dc):
         v = dc.call.value
@@ -503,6 +558,27 @@ class EmulatedBackend:
     def pids_on(self, gpu: int) -> list[int]:
         """The processes holding device memory on this GPU (what GET_PIDS lists)."""
         return sorted(self._held.get(gpu, {}))
+
+
+def _board_facts(pci_device_id: int) -> dict:
+    from devbroker.backends.emulated_controls import H200_FACTS
+
+    return H200_FACTS.get(pci_device_id, {})
+
+
+def _version_matches(client: bytes, rm: bytes, relaxed: bool) -> bool:
+    """RmPerformVersionCheck's comparison: character by character up to the first
+    difference; equal through the terminating NUL (or, relaxed, through the first '.')."""
+    for i in range(NV_RM_API_VERSION_STRING_LENGTH):
+        c = client[i] if i < len(client) else 0
+        r = rm[i] if i < len(rm) else 0
+        if c != r:
+            return False
+        if relaxed and c == ord("."):
+            return True
+        if c == 0:
+            return True
+    return False
 
 
 def _host_memblock_size() -> int | None:

@@ -96,7 +96,7 @@ def attach_ids(backend, client, obj, p):
             break
         if i != NV0000_CTRL_GPU_ATTACH_ALL_PROBED_IDS and i not in known:
             return nvs.NV_ERR_INVALID_ARGUMENT, p.replace(failedId=i)
-    return nvs.NV_OK, p.replace(failedId=INVALID_GPU_ID)
+    return nvs.NV_OK, p  # failedId is only written on failure (the H200 left it as sent)
 
 
 NV0000_CTRL_GPU_DETACH_ALL_ATTACHED_IDS = 0x0000FFFF
@@ -245,6 +245,10 @@ H200_FACTS = {
         "subsystem": 0x18BF10DE,  # pciSubSystemId (board 0x18bf, vendor NVIDIA)
         "revision": 0xA1,  # pciRevisionId
         "compute_class": 0xCBC0,  # HOPPER_COMPUTE_A, the class NVML named in GET_PIDS
+        # CARD_INFO reg_size / fb_size: the sizes of BAR0 (registers) and BAR1 (the
+        # framebuffer aperture, 256 GiB on the H200 board; not the memory size)
+        "bar0_size": 16 << 20,
+        "bar1_size": 256 << 30,
         # NV0080_CTRL_CMD_GPU_GET_CLASSLIST_V2: the 103 classes the H200 listed (nvml trace,
         # record #109), in its order. NVML 535 looks for the compute class (HOPPER_COMPUTE_A,
         # 0xcbc0) in it and names that class in GET_PIDS (ID_TYPE_CLASS) to list running
@@ -414,11 +418,13 @@ NV2080_CTRL_GPU_PARTITION_ID_INVALID = 0xFFFFFFFF
 @control(0x2080018E)  # NV2080_CTRL_CMD_GPU_GET_PID_INFO
 def get_pid_info(backend, client, obj, p):
     """Per-process video memory: what the process's clients hold on this GPU (the emulator's
-    own accounting; nothing is shared or duped, no protected memory). A pid that holds
-    nothing here gets the driver's per-entry NV_ERR_INVALID_ARGUMENT (no such process on
-    this GPU); an unknown index NV_ERR_INVALID_ARGUMENT too. No MIG: subscription INVALID."""
+    own accounting; nothing is shared or duped, no protected memory). As
+    subdeviceCtrlCmdGpuGetPidInfo / gpuFindClientInfoWithPidIterator: a count of 0 or above
+    the list is NV_ERR_INVALID_ARGUMENT; per entry, pid 0 or an index other than
+    VIDEO_MEMORY_USAGE is NV_ERR_INVALID_ARGUMENT, any other pid NV_OK with what it holds
+    (0 when it holds nothing: the H200 answered so). No MIG: subscription INVALID."""
     n = p.pidInfoListCount
-    if n > len(p.pidInfoList):
+    if n <= 0 or n > len(p.pidInfoList):
         return nvs.NV_ERR_INVALID_ARGUMENT, p
     held = backend.memory_by_pid(obj.gpu)
     entries = list(p.pidInfoList)
@@ -426,11 +432,15 @@ def get_pid_info(backend, client, obj, p):
         e = entries[i]
         sub = e.smcSubscription.replace(computeInstanceId=NV2080_CTRL_GPU_PARTITION_ID_INVALID,
                                         gpuInstanceId=NV2080_CTRL_GPU_PARTITION_ID_INVALID)
-        if e.index != NV2080_CTRL_GPU_PID_INFO_INDEX_VIDEO_MEMORY_USAGE or e.pid not in held:
+        if e.index != NV2080_CTRL_GPU_PID_INFO_INDEX_VIDEO_MEMORY_USAGE:
             entries[i] = e.replace(result=nvs.NV_ERR_INVALID_ARGUMENT, smcSubscription=sub)
             continue
         raw = len(bytes(e.data.raw))
-        data = held[e.pid].to_bytes(8, "little").ljust(raw, b"\0")  # memPrivate, rest 0
+        if e.pid == 0:
+            entries[i] = e.replace(result=nvs.NV_ERR_INVALID_ARGUMENT, smcSubscription=sub,
+                                   data=e.data.replace(raw=bytes(raw)))
+            continue
+        data = held.get(e.pid, 0).to_bytes(8, "little").ljust(raw, b"\0")  # memPrivate
         entries[i] = e.replace(result=nvs.NV_OK, data=e.data.replace(raw=data),
                                smcSubscription=sub)
     return nvs.NV_OK, p.replace(pidInfoList=entries)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from devbroker.abi import iowr, registry
+from devbroker.abi import UnknownVersion, iowr, registry
 from devbroker.abi import status as nvs
 from devbroker.abi.nodes import NodeKind
 from devbroker.abi.spec import StructSpec, StructValue
@@ -440,15 +440,14 @@ class RealBackend:
         self.dev = dev
         self.proc = Path(proc)
         try:
-            self.version = parse_version((self.proc / "version").read_text()) or "580.159.04"
+            self.version = parse_version((self.proc / "version").read_text()) or "(unreadable)"
         except OSError as e:
             raise OSError(e.errno, f"no NVIDIA driver on this host ({self.proc}/version: "
                           f"{e.strerror})") from None
-        if self.version not in registry.versions():
-            self.notice(f"real backend: driver {self.version} has no ABI tables here; "
-                        f"decoding with 580.159.04")
-        self.abi = registry.get(self.version if self.version in registry.versions()
-                                else "580.159.04")
+        try:  # an unknown driver may lay its structs out differently: refuse to start
+            self.abi = registry.get(registry.require_supported(self.version, "NVIDIA driver"))
+        except UnknownVersion as e:
+            raise OSError(errno.ENOTSUP, f"real backend: {e}") from None
         self.memblock_size = _memblock_size()
         # Where the seccomp front end's per-open device nodes are made (tenantfile.py).
         self.private_dir = Path(private_dir or "/run/devbroker/private-nodes")

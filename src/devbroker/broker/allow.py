@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from devbroker.abi import registry
+from devbroker.abi import status as nvstatus
 from devbroker.abi.nodes import NodeKind
 
 CAPABILITIES = {
@@ -302,9 +304,17 @@ def in_caller_reason(call, rm_class: int | None = None) -> str:
 class ControlRule:
     capability: str
     reason: str
+    # Set when the driver's own flags refuse this control to a caller that is neither root
+    # nor the kernel (abi OpSpec.driver_refusal): the flag, why, and the status the driver
+    # answers. Such a control is refused whatever the policy grants: the broker must not
+    # become the privileged caller the driver would otherwise refuse (its relay runs without
+    # capabilities, but the emulator and a relay started with them would not refuse).
+    driver_flag: str = ""
+    driver_why: str = ""
+    driver_status: int = nvstatus.NV_ERR_INSUFFICIENT_PERMISSIONS
 
     def granted(self, caps: frozenset[str]) -> bool:
-        return self.capability in caps
+        return not self.driver_flag and self.capability in caps
 
 
 _NVML_CONTROLS = {
@@ -461,5 +471,43 @@ ANSWERED_CONTROLS: dict[int, tuple[str, str, object]] = {
 CONTROLS[0x2080200A] = ControlRule("compute", ANSWERED_CONTROLS[0x2080200A][1])
 
 
-def control_rule(cmd: int) -> ControlRule | None:
-    return CONTROLS.get(cmd)
+def _driver_refusal(cmd: int, abi) -> tuple[str, str, str] | None:
+    """(flag, why, version) when the driver refuses `cmd` to an unprivileged caller: by the
+    tables of `abi`, or (abi None: documentation, tests) of any supported version."""
+    abis = [abi] if abi is not None else [registry.get(v) for v in registry.versions()]
+    for a in abis:
+        ref = a.control_op(cmd).driver_refusal()
+        if ref is not None:
+            return ref[0], ref[1], a.version
+    return None
+
+
+def control_rule(cmd: int, abi=None) -> ControlRule | None:
+    """The rule for a control: None when it is not on the allowlist; for one that is, a rule
+    whose `driver_flag` is set (and `granted()` False) when the driver's own flags reserve it
+    for root, the kernel or RM itself, in the ABI of `abi` (the caller's driver version; None:
+    in any supported version)."""
+    rule = CONTROLS.get(cmd)
+    if rule is None:
+        return None
+    ref = _driver_refusal(cmd, abi)
+    if ref is None:
+        return rule
+    flag, why, version = ref
+    status = (nvstatus.NV_ERR_NOT_SUPPORTED if flag == "RMCTRL_FLAGS_INTERNAL"
+              else nvstatus.NV_ERR_INSUFFICIENT_PERMISSIONS)
+    if abi is None:
+        why = f"{why} (driver {version})"
+    return ControlRule(rule.capability, rule.reason, driver_flag=flag, driver_why=why,
+                       driver_status=status)
+
+
+def control_refusal(rule: ControlRule | None) -> tuple[str, int]:
+    """(reason, NV_STATUS) for a control `control_rule` did not grant: not on the allowlist,
+    reserved by the driver's flags (named), or a capability the tenant lacks."""
+    if rule is None:
+        return "not on the control allowlist", nvstatus.NV_ERR_INSUFFICIENT_PERMISSIONS
+    if rule.driver_flag:
+        return (f"refused whatever the policy grants: the driver marks it {rule.driver_flag} "
+                f"({rule.driver_why})", rule.driver_status)
+    return f"needs capability '{rule.capability}'", nvstatus.NV_ERR_INSUFFICIENT_PERMISSIONS

@@ -839,12 +839,10 @@ class Broker:
                            f"tenant {s.tenant.name}: {where} answered by the broker: "
                            f"{answered[1]}")
                 return self._status_reply(abi, call, nvstatus.NV_OK)
-        ctl_rule = allow.control_rule(v.cmd)
+        ctl_rule = allow.control_rule(v.cmd, abi)
         if ctl_rule is None or not ctl_rule.granted(s.tenant.capabilities()):
-            reason = ("not on the control allowlist" if ctl_rule is None
-                      else f"needs capability '{ctl_rule.capability}'")
-            raise Refusal(f"{where} ({v.cmd:#x}): {reason}",
-                          status=nvstatus.NV_ERR_INSUFFICIENT_PERMISSIONS, what=where)
+            reason, status = allow.control_refusal(ctl_rule)
+            raise Refusal(f"{where} ({v.cmd:#x}): {reason}", status=status, what=where)
         spec = abi.control(v.cmd)
         if spec is not None and spec.params is not None and v.paramsSize != spec.size:
             raise Refusal(f"{where}: paramsSize {v.paramsSize} != {spec.size}",
