@@ -63,7 +63,7 @@ DB=("$PY" -m devbroker.cli.main --run-dir "$RUN")
 put broker_threads_caps "$(for t in /proc/$BROKER/task/*; do echo "$(cat $t/comm) $(grep CapEff $t/status | tr -d '\t')"; done | sort | uniq -c | paste -sd';')"
 # As root (`devbroker exec` defaults to nobody), with the checkout (if it is under /tmp) and
 # /tmp/site bound in: each tenant's /tmp is its own; the host's files are read-only to it.
-mapfile -t BINDS < <("$PY" -c 'from devbroker.testing.tenant_binds import bind_args; print("\n".join(bind_args()))')
+mapfile -t BINDS < <("$PY" -c 'from devbroker.testing.tenant_binds import bind_args; print("\n".join(bind_args()))' | sed '/^$/d')
 BINDS+=(--bind /tmp/site)  # the carried wheels (PYTHONPATH)
 texec() { local t=$1; shift
   timeout 240 "${DB[@]}" exec --tenant "$t" --uid 0 "${BINDS[@]}" -- env PYTHONPATH="$PYTHONPATH" PYTHONUNBUFFERED=1 "$@"; }

@@ -85,7 +85,7 @@ cat "$W/broker.log"
 DB=("$PY" -m devbroker.cli.main --run-dir "$RUN")
 # The tenants run this checkout's Python and the carried wheels: root inside the sandbox
 # (exec's default is nobody) and the paths they need bound in (each tenant's /tmp is its own).
-mapfile -t BINDS < <("$PY" -c 'from devbroker.testing.tenant_binds import bind_args; print("\n".join(bind_args()))')
+mapfile -t BINDS < <("$PY" -c 'from devbroker.testing.tenant_binds import bind_args; print("\n".join(bind_args()))' | sed '/^$/d')
 BINDS+=(--bind /tmp/site)
 texec() { local t=$1; shift
   timeout 300 "${DB[@]}" exec --tenant "$t" --uid 0 "${BINDS[@]}" -- env PYTHONPATH="$PYTHONPATH" PYTHONUNBUFFERED=1 "$@"; }

@@ -78,7 +78,7 @@ ls -la "$RUN/nodes" "$RUN/nodes/t16" 2>&1 | head -20
 # NVML see character devices 195:N (docs/sandbox.md).
 # As root (`devbroker exec` defaults to nobody), with the checkout (if it is under /tmp) and
 # /tmp/site bound in: each tenant's /tmp is its own; the host's files are read-only to it.
-mapfile -t BINDS < <("$PY" -c 'from devbroker.testing.tenant_binds import bind_args; print("\n".join(bind_args()))')
+mapfile -t BINDS < <("$PY" -c 'from devbroker.testing.tenant_binds import bind_args; print("\n".join(bind_args()))' | sed '/^$/d')
 BINDS+=(--bind /tmp/site)  # the carried wheels (PYTHONPATH)
 texec() { # texec TENANT CMD...
   local t=$1; shift

@@ -161,6 +161,13 @@ def _tenant_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "devbroker.escape.tenant", *args]
 
 
+def _capless(argv: list[str]) -> list[str]:
+    """argv run with an empty bounding set (so with no capability after the exec, root or
+    not), as `devbroker exec` runs tenants: with real driver files the broker refuses to
+    continue a call for a task holding CAP_SYS_ADMIN (the driver would see it)."""
+    return ["setpriv", "--bounding-set", "-all", *argv]
+
+
 def _victim_argv(sock: str) -> list[str]:
     # Through sh, so the victim is not pid 2 of its namespace like the attacker is: a leaked
     # victim pid must not look like the attacker's own.
@@ -295,9 +302,13 @@ class _FuseBroker:
         self.run_dir = work / "run"
         self.policy = work / "policy.toml"
         self.policy.write_text(policy)
+        # Against the real driver every relayed call is recorded (work/session.nvtrace), so
+        # that a surprising answer can be read back call by call.
+        record = (["--record", str(work / "session.nvtrace")]
+                  if 'backend = "real"' in policy else [])
         self.log = open(work / "broker.log", "w+")
         self.proc = subprocess.Popen(
-            self.cli("run", "--policy", str(self.policy)), stdout=self.log,
+            self.cli("run", "--policy", str(self.policy), *record), stdout=self.log,
             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             env=_env())
         deadline = time.monotonic() + 60
@@ -368,6 +379,8 @@ def _run_fuse(attacks: list[Attack], work: Path, flood: bool, report: Report,
         env["DEVBROKER_ESCAPE_CTX"] = json.dumps(ctx)
         r = subprocess.run(b.exec_argv(ATTACKER, _tenant_argv(*[a.id for a in attacks])),
                            capture_output=True, text=True, env=env, timeout=300)
+        (work / "attacker.out").write_text(r.stdout)
+        (work / "attacker.err").write_text(r.stderr)
         results = {x["id"]: x for x in _lines(r.stdout) if "id" in x}
         if r.returncode != 0:
             report.notes.append(f"attacker exited {r.returncode}: {r.stderr[-2000:]}")
@@ -418,6 +431,7 @@ def _run_seccomp(attacks: list[Attack], work: Path, flood: bool, report: Report,
     real_files = bool(getattr(broker.backend, "tenant_files", False))
     if real_files:
         broker.backend.prepare_tenant_files()
+    caps = _capless if real_files else (lambda argv: argv)
 
     def nodes(tenant: str):
         return default_nodes(gpus=list(policy.tenants[tenant].gpus))
@@ -437,7 +451,8 @@ def _run_seccomp(attacks: list[Attack], work: Path, flood: bool, report: Report,
         vout = open(work / "victim.out", "w")
         async with trio.open_nursery() as nursery:
             v = await nursery.start(lambda task_status=trio.TASK_STATUS_IGNORED: run_tenant(
-                _victim_argv(sock), broker=broker, tenant=VICTIM, nodes=nodes(VICTIM), real_files=real_files,
+                caps(_victim_argv(sock)), broker=broker, tenant=VICTIM, nodes=nodes(VICTIM),
+                real_files=real_files,
                 stdin=subprocess.PIPE, stdout=vout, stderr=subprocess.DEVNULL, env=env,
                 task_status=task_status))
             vinfo = await read_line(work / "victim.out")
@@ -450,7 +465,7 @@ def _run_seccomp(attacks: list[Attack], work: Path, flood: bool, report: Report,
             aenv = dict(env, DEVBROKER_ESCAPE_CTX=json.dumps(ctx))
             with open(work / "attacker.out", "w") as aout, open(work / "attacker.err", "w") as aerr:
                 with trio.fail_after(300):
-                    rc = await run_tenant(_tenant_argv(*[a.id for a in attacks]), broker=broker,
+                    rc = await run_tenant(caps(_tenant_argv(*[a.id for a in attacks])), broker=broker,
                                           tenant=ATTACKER, nodes=nodes(ATTACKER),
                                           real_files=real_files, stdout=aout,
                                           stderr=aerr, stdin=subprocess.DEVNULL, env=aenv)
@@ -466,14 +481,14 @@ def _run_seccomp(attacks: list[Attack], work: Path, flood: bool, report: Report,
                 async with trio.open_nursery() as n2:
                     async def flooder():
                         with open(fo, "w") as f:
-                            await run_tenant(_tenant_argv("--flood", str(FLOOD_N)), broker=broker,
+                            await run_tenant(caps(_tenant_argv("--flood", str(FLOOD_N))), broker=broker,
                                              tenant=FLOODER, nodes=nodes(FLOODER),
                                              real_files=real_files, stdout=f,
                                              stderr=subprocess.DEVNULL, env=env)
                     n2.start_soon(flooder)
                     await read_line(fo)
                     with open(co, "w") as f:
-                        await run_tenant(_tenant_argv("--calls", str(CALLS_N)), broker=broker,
+                        await run_tenant(caps(_tenant_argv("--calls", str(CALLS_N))), broker=broker,
                                          tenant=VICTIM, nodes=nodes(VICTIM),
                                          real_files=real_files, stdout=f,
                                          stderr=subprocess.DEVNULL, env=env)
