@@ -410,6 +410,9 @@ CONTROLS[0x12B] = ControlRule("compute", "NV0000_CTRL_CMD_SYSTEM_GET_P2P_CAPS_V2
                               "capabilities between GPU ids the caller names; every id in "
                               "gpuIds[gpuCount] must be one of the tenant's GPUs (checked by "
                               "the ABI's GPU-id fields) and the peer ids come back inline")
+CONTROLS[0x20803001] = ControlRule("compute", "NV2080_CTRL_CMD_NVLINK_GET_NVLINK_CAPS: the "
+                                   "NVLink capabilities of the tenant's own subdevice "
+                                   "(read-only; CUDA asks before peer access)")
 CONTROLS[0xA06C0105] = ControlRule("compute", "NVA06C_CTRL_CMD_PREEMPT: preempts the tenant's "
                                    "own channel group (the object is checked to be the "
                                    "tenant's)")

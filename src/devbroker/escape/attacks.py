@@ -61,9 +61,15 @@ class Outcome:
     result: str  # "refused" | "escaped" | "error"
     got: str = ""  # errno / NV_STATUS name(s) seen
     detail: str = ""
+    # Refused by the kernel before anything reached the broker (so no audit record is due):
+    # e.g. userfaultfd for a tenant without CAP_SYS_PTRACE.
+    by_kernel: bool = False
 
     def to_dict(self) -> dict:
-        return {"result": self.result, "got": self.got, "detail": self.detail}
+        out = {"result": self.result, "got": self.got, "detail": self.detail}
+        if self.by_kernel:
+            out["by_kernel"] = True
+        return out
 
 
 def refused(got: str, detail: str = "") -> Outcome:
@@ -1433,7 +1439,8 @@ def a_uffd_ptr(ctx):
                         ctypes.c_long(os.O_CLOEXEC | os.O_NONBLOCK))
     if uffd < 0:
         e = ctypes.get_errno()
-        return refused(ename(e), f"userfaultfd refused to the tenant ({ename(e)})")
+        return Outcome("refused", ename(e), f"userfaultfd refused to the tenant by the kernel "
+                                            f"({ename(e)})", by_kernel=True)
     addr = 0
     try:
         api = bytearray(struct.pack("=QQQ", UFFD_API, 0, 0))

@@ -224,6 +224,10 @@ def judge(attack: Attack, res: dict | None, audit: list[dict]) -> Row:
         row.verdict = "REFUSED"
         row.audit = f"(none) {attack.no_audit}"
         return row
+    if res.get("by_kernel"):  # nothing reached the broker: no record is due
+        row.verdict, row.layer = "REFUSED", "kernel"
+        row.audit = f"(none) refused by the kernel: {row.detail}"
+        return row
     rec = _match_audit(attack, res, audit)
     if rec is None:
         # Refused, but not by the broker (no deny record): e.g. the emulator said no.
@@ -296,6 +300,40 @@ def _read_audit(path: Path) -> list[dict]:
     return _lines(path.read_text())
 
 
+# --------------------------------------------------------------------------- real driver
+def _driver_held(broker, pid) -> dict | None:
+    """The real driver's own accounting of a process's video memory (GPU -> bytes), or None
+    with the emulated backend."""
+    usage = getattr(getattr(broker, "backend", None), "process_vidmem", None)
+    if usage is None or not pid:
+        return None
+    try:
+        return usage(int(pid))
+    except OSError:
+        return None
+
+
+def _driver_evidence(rows, report: Report, before: dict | None, after: dict | None) -> None:
+    """Against the real driver an NV_OK for RM_FREE of the victim's handle under the
+    attacker's own client is no evidence: resserv answers NV_OK for a handle the caller's
+    client does not have (rs_server.c compatibility mode; the emulator does the same since
+    issue 19), and with real driver files the broker lets the driver validate frees on the
+    tenant's own client. What decides is whether the victim's memory is still there, by the
+    driver's own per-process accounting."""
+    if before is None or after is None:
+        return
+    report.info.append(f"victim's video memory by the driver's accounting: {before} before "
+                       f"the attacks, {after} after")
+    for r in rows:
+        if (r.attack.id == "foreign-object" and r.verdict == "ESCAPED"
+                and "RM_FREE of the victim's memory succeeded" in (r.detail or "")
+                and after == before and any(after.values())):
+            r.verdict, r.layer = "REFUSED", "driver (the handle is not in the caller's client)"
+            r.audit = (f"no record needed: the driver's answer NV_OK means no such object in "
+                       f"the attacker's client; the victim still holds {after} bytes")
+            r.detail = "RM_FREE answered NV_OK for an unknown handle; nothing was freed"
+
+
 # --------------------------------------------------------------------------- FUSE
 class _FuseBroker:
     def __init__(self, work: Path, policy: str = POLICY):
@@ -332,7 +370,9 @@ class _FuseBroker:
         from devbroker.testing.tenant_binds import bind_args
 
         # (a checkout under /tmp is bound in: the tenant's /tmp is its own)
-        return self.cli("exec", "--tenant", tenant, "--uid", "0", *bind_args(), "--", *argv)
+        # --frontend fuse: with the real backend `auto` would pick seccomp
+        return self.cli("exec", "--tenant", tenant, "--frontend", "fuse", "--uid", "0",
+                        *bind_args(), "--", *argv)
 
     def control(self, req: dict) -> dict:
         from devbroker.broker.control import call
@@ -463,6 +503,7 @@ def _run_seccomp(attacks: list[Attack], work: Path, flood: bool, report: Report,
             ctx = {"frontend": "seccomp", "run_dir": "", "broker_pid": os.getpid(),
                    "own_gpu": 0, "victim_gpu": 1, "quota": ATTACKER_QUOTA, "victim": vinfo}
             aenv = dict(env, DEVBROKER_ESCAPE_CTX=json.dumps(ctx))
+            held_before = _driver_held(broker, vinfo["host_pid"])
             with open(work / "attacker.out", "w") as aout, open(work / "attacker.err", "w") as aerr:
                 with trio.fail_after(300):
                     rc = await run_tenant(caps(_tenant_argv(*[a.id for a in attacks])), broker=broker,
@@ -475,6 +516,8 @@ def _run_seccomp(attacks: list[Attack], work: Path, flood: bool, report: Report,
             results = {x["id"]: x for x in _lines((work / "attacker.out").read_text())
                        if "id" in x}
             rows = [judge(a, results.get(a.id), _read_audit(audit_path)) for a in attacks]
+            _driver_evidence(rows, report, held_before,
+                             _driver_held(broker, vinfo["host_pid"]))
             report.rows += rows
             if flood:
                 fo, co = work / "flood.out", work / "calls.out"
