@@ -75,6 +75,8 @@ CLIENT_HANDLE_FIELDS = ("hClient", "hRoot", "hClientSrc", "hClientShare", "hClie
 CLIENT_FIELDS_ZERO_OK = frozenset({"hClientShare", "hTargetClient", "hAppClient"})
 OS_EVENT_CLASS = 0x79  # NV01_EVENT_OS_EVENT
 DEBUGGER_CLASS = 0x83DE  # GT200_DEBUGGER
+UNKNOWN_CLASS = -1  # an object whose class the books do not know (a duplicate of one made by
+#                     a continued call)
 
 
 def _locked(method: Callable) -> Callable:
@@ -1115,11 +1117,18 @@ class Broker:
             raise Refusal(f"{where}: parent {v.hParent:#x} is not in client {v.hClient:#x}",
                           status=nvstatus.NV_ERR_INVALID_OBJECT_PARENT, what=where)
         obj = src.objects.get(v.hObjectSrc)
-        if obj is None or v.hObjectSrc == v.hClientSrc:
+        unknown = (obj is None and v.hObjectSrc != v.hClientSrc
+                   and getattr(s.file, "runs_in_caller", False))
+        if (obj is None and not unknown) or v.hObjectSrc == v.hClientSrc:
             raise Refusal(f"{where}: object {v.hObjectSrc:#x} is not an object of client "
                           f"{v.hClientSrc:#x}", status=nvstatus.NV_ERR_INVALID_OBJECT_HANDLE,
                           what=where)
-        self._refuse_revoked(s, obj.gpu, where)
+        # With files that live in the tenant, its clients hold objects made by calls the
+        # kernel continued (system memory, OS descriptors: no video memory, nothing charged),
+        # which the books never saw; the source client is the tenant's, so the driver, which
+        # resolves the handle in that client, is the one to validate it.
+        if obj is not None:
+            self._refuse_revoked(s, obj.gpu, where)
         self._refuse_revoked(s, dst.objects[v.hParent].gpu, where)
         if v.hObject and v.hObject in dst.objects:
             raise Refusal(f"{where}: handle {v.hObject:#x} already exists",
@@ -1127,7 +1136,23 @@ class Broker:
         result = yield from self._call_backend(s, call, req=req)
         out = abi.decode_ioctl(s.node, req.cmd, result.arg).value
         if not result.errno and out.status == nvstatus.NV_OK and out.hObject:
-            share(obj, dst.add(out.hObject, obj.rm_class, v.hParent, gpu=obj.gpu))
+            if obj is not None:
+                share(obj, dst.add(out.hObject, obj.rm_class, v.hParent, gpu=obj.gpu))
+            else:  # class unknown to the books (see above); no charge to share
+                dst.add(out.hObject, UNKNOWN_CLASS, v.hParent)
+        return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
+
+    def _esc_attach_gpus(self, s, abi, req, call, rule) -> IoctlReply:
+        """NV_ESC_ATTACH_GPUS_TO_FD: an array of GPU ids (0: none) the ctl file takes a
+        reference on. Only the tenant's own GPUs: another id is answered as the driver answers
+        an id it cannot attach (EINVAL)."""
+        mine = set(rewrite.tenant_gpu_ids(self, s))
+        ids = [int(e.value) for e in call.value.entries]
+        foreign = [i for i in ids if i and i not in mine]
+        if foreign:
+            raise Refusal(f"{call.name}: GPU id(s) {', '.join(hex(i) for i in foreign)} are not "
+                          "the tenant's", errno_=errno.EINVAL, what=call.name)
+        result = yield from self._call_backend(s, call, req=req)
         return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
     def _esc_rm_objects(self, s, abi, req, call, rule) -> IoctlReply:
