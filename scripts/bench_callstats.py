@@ -38,6 +38,8 @@ memory = "141GiB"
 [tenant.alice]
 gpus = [0]
 memory_quota = "1GiB"
+# far above what the loop sends: the default (2000/s) would pace the loop, not measure it
+rate_limit = { requests_per_second = 100000000, burst = 100000000 }
 """
 
 
