@@ -93,9 +93,10 @@ def allowlist_markdown(version: str = "580.159.04") -> str:
             "exported control with none of NON_PRIVILEGED, PRIVILEGED, INTERNAL: kernel "
             "clients only) and `RM_GSS_LEGACY_MASK_PRIVILEGED` (a LEGACY_PRIVILEGED category) "
             "are `NV_ERR_INSUFFICIENT_PERMISSIONS`; `RMCTRL_FLAGS_INTERNAL` is "
-            "`NV_ERR_NOT_SUPPORTED`, as the driver answers. The last applies to every number "
-            "with both bits of 0xc000 (a LEGACY_PRIVILEGED category), published or not: the "
-            "kernel forwards such numbers to GSP for root only (`rmapi_gss_legacy_control.c`). Every control real CUDA and NVML "
+            "`NV_ERR_NOT_SUPPORTED`, as the driver answers. `RM_GSS_LEGACY_MASK_PRIVILEGED` "
+            "applies to every number with both bits of 0xc000 (a LEGACY_PRIVILEGED category), "
+            "published or not: the kernel forwards such numbers to GSP for root only "
+            "(`rmapi_gss_legacy_control.c`). Every control real CUDA and NVML "
             "traffic sends (the H200 recordings) is NON_PRIVILEGED, a deprecated control whose "
             "V2 is, or an unpublished GSS-legacy query (tests/test_abi_flags.py checks it).", "",
             "| driver | tag | controls in the tables | PRIVILEGED | KERNEL_PRIVILEGED | "
