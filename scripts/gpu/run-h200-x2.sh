@@ -4,6 +4,7 @@
 # Tenant A on GPU 0 (16 GiB), B on GPU 1 (24 GiB), C on both (8 GiB each), the real backend,
 # tenants started with plain `devbroker exec` (seccomp front end with real driver files).
 # Writes into $OUT: run.log, results.json, bundle.tgz (audit and broker logs).
+# X2_ONLY=views: only the views, the routes to the other GPU and the quotas.
 set -u
 OUT=${OUT:-/tmp/h200-x2-out}; mkdir -p "$OUT"
 REPO=$(cd "$(dirname "$0")/../.." && pwd); cd "$REPO"
@@ -106,6 +107,10 @@ step "quotas on each GPU"
 put a_quota "$(texec a $T2 quota 16 2>&1 | tail -20)"
 put b_quota "$(texec b $T2 quota 24 2>&1 | tail -20)"
 put c_quota "$(texec c $T2 quota 8 2>&1 | tail -20)"
+
+if [ "${X2_ONLY:-all}" = views ]; then  # views, routes and quotas only (a short run)
+  kill -TERM $BROKER; wait $BROKER; tar czf "$OUT/bundle.tgz" -C "$W" .; exit 0
+fi
 
 step "c: torchrun, NCCL all-reduce over both GPUs, 100 steps"
 texec c env NCCL_DEBUG=WARN "$TORCHRUN" --standalone --nproc_per_node 2 \

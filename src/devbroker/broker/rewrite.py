@@ -315,7 +315,21 @@ def id_info_in_use(broker, s, abi, out, ctx):
     return out.replace(gpuFlags=flags)
 
 
+def nvlink_caps(broker, s, abi, out, ctx):
+    """NVLINK_GET_NVLINK_CAPS for a tenant that does not have every GPU of the host: no
+    NVLink at all. Seen on the two-H200 host (issue 16): with the links shown, NVML and CUDA
+    in a one-GPU tenant went on to open the peer across them (a device object on a GPU that
+    is not the tenant's: refused) and failed to start. A tenant with all the GPUs sees the
+    driver's answer."""
+    if set(s.tenant.gpus) >= set(range(len(broker.backend.gpus()))):
+        return out
+    zero = {f.name: bytes(f.size) for f in out.spec.fields
+            if f.name in ("discoveredLinks", "enabledLinks")}
+    return out.replace(capsTbl=0, discoveredLinkMask=0, enabledLinkMask=0, **zero)
+
+
 CONTROL_POST: dict[int, Callable] = {
+    0x20803001: nvlink_caps,  # NV2080_CTRL_CMD_NVLINK_GET_NVLINK_CAPS [issue 16]
     0x202: id_info_in_use,  # NV0000_CTRL_CMD_GPU_GET_ID_INFO [issue 13 item 7]
     0x205: id_info_in_use,  # NV0000_CTRL_CMD_GPU_GET_ID_INFO_V2 [issue 13 item 7]
     0x288: active_device_ids,  # NV0000_CTRL_CMD_GPU_GET_ACTIVE_DEVICE_IDS [issue 13 item 6]
