@@ -1142,19 +1142,6 @@ class Broker:
                 dst.add(out.hObject, UNKNOWN_CLASS, v.hParent)
         return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
-    def _esc_attach_gpus(self, s, abi, req, call, rule) -> IoctlReply:
-        """NV_ESC_ATTACH_GPUS_TO_FD: an array of GPU ids (0: none) the ctl file takes a
-        reference on. Only the tenant's own GPUs: another id is answered as the driver answers
-        an id it cannot attach (EINVAL)."""
-        mine = set(rewrite.tenant_gpu_ids(self, s))
-        ids = [int(e.value) for e in call.value.entries]
-        foreign = [i for i in ids if i and i not in mine]
-        if foreign:
-            raise Refusal(f"{call.name}: GPU id(s) {', '.join(hex(i) for i in foreign)} are not "
-                          "the tenant's", errno_=errno.EINVAL, what=call.name)
-        result = yield from self._call_backend(s, call, req=req)
-        return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
-
     def _esc_rm_objects(self, s, abi, req, call, rule) -> IoctlReply:
         """Escapes naming a client and objects in it (UNMAP, DUP within the tenant, …)."""
         self._check_clients(s, call.value, where=call.name)
