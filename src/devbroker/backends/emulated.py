@@ -130,6 +130,10 @@ class EmulatedBackend:
         self._calls = threading.RLock()
 
     # ------------------------------------------------------------------ Backend API
+    def gpu_index_of_instance(self, instance: int) -> int | None:
+        """The emulated driver numbers device instances as its GPUs."""
+        return instance if 0 <= instance < len(self._gpus) else None
+
     def gpus(self) -> list[EmulatedGpu]:
         return self._gpus
 

@@ -102,6 +102,9 @@ class RealGpu(PciLocation):
     pci_bus_id: str
     gpu_id: int
     memory_bytes: int = 0
+    # The driver's device instance (NV0080_ALLOC_PARAMETERS.deviceId): given at attach time,
+    # not the minor number. Seen on the two-H200 host: GPU minor 0 was instance 1 (issue 16).
+    device_instance: int | None = None
 
 
 def parse_information(text: str) -> dict[str, str]:
@@ -493,7 +496,8 @@ class RealBackend:
                             f"{self.proc}/gpus (ids there: {[hex(i) for i in by_id]})")
                 continue
             out.append(RealGpu(g.index, q.get("name") or g.name, q.get("uuid") or g.uuid,
-                               g.pci_bus_id, g.gpu_id, q.get("memory_bytes", 0)))
+                               g.pci_bus_id, g.gpu_id, q.get("memory_bytes", 0),
+                               q.get("device_instance")))
         if out:
             self._gpus = sorted(out, key=lambda g: g.index)
         self.notice("real backend: GPUs " + "; ".join(
@@ -503,6 +507,15 @@ class RealBackend:
     # -- Backend API
     def gpus(self) -> list[RealGpu]:
         return self._gpus
+
+    def gpu_index_of_instance(self, instance: int) -> int | None:
+        """The GPU (minor) a device instance names, as the driver numbered them at start
+        (the broker keeps every GPU's file open, so the numbering holds); minor = instance
+        where discovery could not ask the driver."""
+        known = {g.device_instance: g.index for g in self._gpus if g.device_instance is not None}
+        if known:
+            return known.get(instance)
+        return instance if any(g.index == instance for g in self._gpus) else None
 
     def node_path(self, node: NodeKind, minor: int) -> str:
         if node is NodeKind.CTL:

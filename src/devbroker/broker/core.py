@@ -972,11 +972,15 @@ class Broker:
                           what=where)
         gpu = client.objects[v.hObjectParent].gpu
         if cls == DEVICE_CLASS:
-            gpu = params.deviceId if params is not None else 0
-            if gpu not in s.tenant.gpus:
-                raise Refusal(f"{where}: device {gpu} is not one of the tenant's GPUs "
-                              f"{list(s.tenant.gpus)}", status=nvstatus.NV_ERR_INVALID_ARGUMENT,
-                              what=where)
+            # deviceId is the driver's device instance, which is not the GPU's minor number
+            # (numbered at attach time: on the two-H200 host minor 0 was instance 1).
+            instance = params.deviceId if params is not None else 0
+            lookup = getattr(self.backend, "gpu_index_of_instance", None)
+            gpu = lookup(instance) if lookup is not None else instance
+            if gpu is None or gpu not in s.tenant.gpus:
+                raise Refusal(f"{where}: device instance {instance} (GPU {gpu}) is not one of "
+                              f"the tenant's GPUs {list(s.tenant.gpus)}",
+                              status=nvstatus.NV_ERR_INVALID_ARGUMENT, what=where)
         memory = cls in allow.DEVICE_MEMORY_CLASSES
         # The quota is checked on what the driver will take from the card: the size rounded
         # up to its page size. The requested alignment only places the allocation (issue 13:

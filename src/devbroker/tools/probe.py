@@ -136,7 +136,10 @@ class Client:
 
     def open_gpu(self, gpu_id: int) -> dict:
         info = self.control(self.hclient, 0x205, self.params(0x205, gpuId=gpu_id))
-        minor = info.deviceInstance
+        # The node's minor number comes from CARD_INFO: the device instance is not it (the
+        # driver numbers instances at attach time).
+        minor = next((int(e.minor_number) for e in self.card_info()
+                      if e.valid and int(e.gpu_id) == gpu_id), info.deviceInstance)
         fd = os.open(f"{self.dev}/nvidia{minor}", os.O_RDWR | os.O_CLOEXEC)
         self.gpu_fds[minor] = fd
         self.escape(fd, "NV_ESC_REGISTER_FD", self.new("nv_ioctl_register_fd_t",
