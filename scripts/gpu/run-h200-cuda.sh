@@ -19,23 +19,8 @@ PY=$(command -v python3)
 RUN=/run/devbroker-cuda
 RES="$OUT/results.json"; echo '{}' > "$RES"
 ONLY=${ONLY:-all}
-step() { echo; echo "=== $* [$(date +%T)]"; }
-put() { "$PY" - "$RES" "$1" "$2" <<'PYEOF'
-import json, sys
-p, k, v = sys.argv[1:4]
-d = json.load(open(p))
-try: d[k] = json.loads(v.strip().splitlines()[-1]) if v.strip() else v
-except Exception: d[k] = v[-2000:]
-json.dump(d, open(p, "w"), indent=1)
-PYEOF
-}
-last() { tail -1; }
-
-step "install carried wheels"
-"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH="$REPO/src:/tmp/site"
-chmod -R a+rX /tmp/site "$REPO" 2>/dev/null
+. scripts/gpu/lib.sh
+install_wheels
 "$PY" -c 'import trio, torch, sys; print("python", sys.version.split()[0], "trio", trio.__version__, "torch", torch.__version__)'
 cat /proc/driver/nvidia/version; nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
 CC="$PY scripts/gpu/cuda_checks.py"

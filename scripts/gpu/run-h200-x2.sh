@@ -15,23 +15,8 @@ PY=$(command -v python3)
 TORCHRUN=$(dirname "$PY")/torchrun
 RUN=/run/devbroker-x2
 RES="$OUT/results.json"; echo '{}' > "$RES"
-step() { echo; echo "=== $* [$(date +%T)]"; }
-put() { "$PY" - "$RES" "$1" "$2" <<'PYEOF'
-import json, sys
-p, k, v = sys.argv[1:4]
-d = json.load(open(p))
-try: d[k] = json.loads(v.strip().splitlines()[-1]) if v.strip() else v
-except Exception: d[k] = v[-3000:]
-json.dump(d, open(p, "w"), indent=1)
-PYEOF
-}
-last() { tail -1; }
-
-step "install carried wheels"
-"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH="$REPO/src:/tmp/site"
-chmod -R a+rX /tmp/site "$REPO" 2>/dev/null
+. scripts/gpu/lib.sh
+install_wheels
 nvidia-smi -L
 nvidia-smi --query-gpu=index,uuid,pci.bus_id,memory.total,memory.used --format=csv
 nvidia-smi topo -m 2>&1 | head -8
