@@ -18,6 +18,7 @@ a tenant sends: an unknown command is ``UNKNOWN``, never its number.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import contextvars
 import threading
 import time
@@ -25,6 +26,7 @@ from typing import Any
 
 from devbroker.abi import registry
 from devbroker.abi.nodes import NodeKind
+from devbroker.broker.effects import around_each_step
 
 # Latency bucket bounds in seconds: from the tens of µs the hot path aims at to the tens of
 # ms a driver allocation can take (BRIEF §2: RM_ALLOC p50 301 µs, max 51 ms).
@@ -193,26 +195,18 @@ def _observed(steps, cell: list, done):
     """The broker's steps (broker/effects.py), unchanged, with the refusal marker set while
     the broker's own code runs — on whichever thread resumes them (a seccomp listener's, or
     the trio thread after a hand-over) — and `done(reply)` called at the end."""
-    value: Any = None
-    exc: BaseException | None = None
+    reply = yield from around_each_step(steps, lambda: _marking(cell))
+    done(reply)
+    return reply
+
+
+@contextlib.contextmanager
+def _marking(cell: list):
+    token = _current.set(cell)
     try:
-        while True:
-            token = _current.set(cell)
-            try:
-                eff = steps.throw(exc) if exc is not None else steps.send(value)
-            except StopIteration as stop:
-                done(stop.value)
-                return stop.value
-            finally:
-                _current.reset(token)
-            try:
-                value, exc = (yield eff), None
-            except GeneratorExit:
-                raise
-            except Exception as e:
-                value, exc = None, e
+        yield
     finally:
-        steps.close()
+        _current.reset(token)
 
 
 class InstrumentedBroker:

@@ -162,13 +162,14 @@ def _step(steps: Steps, value: Any = None, exc: BaseException | None = None) -> 
     return steps.send(value)
 
 
-def locked(steps: Steps) -> Steps:
-    """The same steps, their own code run under STATE_LOCK (released at each effect)."""
+def around_each_step(steps: Steps, around: Callable[[], Any]) -> Steps:
+    """The same steps, each stretch of their own code (and their closing) run inside the
+    context manager around() returns; the effects in between pass through untouched."""
     value: Any = None
     exc: BaseException | None = None
     try:
         while True:
-            with STATE_LOCK:
+            with around():
                 try:
                     eff = _step(steps, value, exc)
                 except StopIteration as stop:
@@ -180,8 +181,13 @@ def locked(steps: Steps) -> Steps:
             except Exception as e:
                 value, exc = None, e
     finally:
-        with STATE_LOCK:
+        with around():
             steps.close()  # a no-op when they ended; runs their cleanups when abandoned
+
+
+def locked(steps: Steps) -> Steps:
+    """The same steps, their own code run under STATE_LOCK (released at each effect)."""
+    return around_each_step(steps, lambda: STATE_LOCK)
 
 
 def run_blocking(steps: Steps, perform: Callable[[Effect], Any]) -> Any:
@@ -226,13 +232,3 @@ async def run_async(steps: Steps, perform: Callable[[Effect], Any],
         # their cleanups (a quota reservation) run here and not in the GC.
         steps.close()
         raise
-
-
-def run_now(steps: Steps) -> Any:
-    """Run steps that must not wait for anything (a programming error if they do)."""
-    try:
-        eff = _step(steps)
-    except StopIteration as stop:
-        return stop.value
-    steps.close()
-    raise RuntimeError(f"steps asked for {type(eff).__name__} where no effect is possible")

@@ -31,13 +31,6 @@ class TokenBucket:
         self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
         self.updated = now
 
-    def would_wait(self) -> bool:
-        if self.rate <= 0:
-            return False
-        with self._math:
-            now = time.monotonic()
-            return min(self.burst, self.tokens + (now - self.updated) * self.rate) < 1.0
-
     def try_acquire(self) -> bool:
         """Take a token if one is there now (any thread); False: acquire() must wait."""
         if self.rate <= 0:  # unlimited

@@ -44,7 +44,7 @@ import trio
 from devbroker.abi.nodes import NodeKind
 from devbroker.broker import memgate
 from devbroker.broker.effects import (
-    Await, Blocking, HandOver, NotHere, RateLimit, ReadMemory, Steps, WriteMemory, perform_async,
+    Await, Blocking, HandOver, RateLimit, ReadMemory, Steps, WriteMemory, perform_async,
     perform_blocking, run_async, run_blocking,
 )
 from devbroker.broker.procinfo import pid_namespace, stat_nosync as _stat_nosync
@@ -57,7 +57,7 @@ from devbroker.broker.interface import (
     OpenRequest,
     ReleaseRequest,
 )
-from devbroker.backends.tenantfile import drop_driver_capabilities_for_thread
+from devbroker.backends.tenantfile import CAP_SYS_ADMIN, drop_driver_capabilities_for_thread
 from devbroker.frontends import seccompwire as w
 from devbroker.frontends.procmem import vm_write_many
 
@@ -72,7 +72,6 @@ _libc.inotify_rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]
 
 IN_DELETE_SELF = 0x00000400
 IN_IGNORED = 0x00008000
-CAP_SYS_ADMIN = 21
 PIDFD_THREAD = os.O_EXCL  # Linux 6.9: a pidfd for a (non-leader) thread
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _PATH_MAX = 4096
