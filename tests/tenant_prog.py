@@ -4,6 +4,7 @@ Each sub-command does real syscalls on /dev/nvidia* and prints one JSON object p
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import json
@@ -244,6 +245,77 @@ def dup(size: str, foreign: str = "0") -> None:
     # the driver's root-object case: a client handle is not an object to duplicate
     status, _ = dup_call(c2, g2["hdevice"], c1.hclient, c1.hclient)
     out(what="client-as-object", status=status)
+def export_import(size: str) -> None:
+    """Object export through an fd between two processes of the tenant (issue 16: NCCL and
+    CUDA IPC with POSIX fds): process 1 allocates device memory, exports it into a fresh
+    nvidiactl file with OS_UNIX_EXPORT_OBJECTS_TO_FD, frees its own handle and passes the
+    file to process 2 over a Unix socket (SCM_RIGHTS); process 2 imports it under its own
+    device. Steps wait for a line on stdin so that the test can read `devbroker status`."""
+    import socket
+
+    from devbroker.tools.probe import parse_size
+
+    def control(c, cmd, **fields):
+        p = c.params(cmd, **fields)
+        pbuf = ctypes.create_string_buffer(p.encode(), p.spec.size)
+        v = c.new("NVOS54_PARAMETERS", hClient=c.hclient, hObject=c.hclient, cmd=cmd,
+                  params=ctypes.addressof(pbuf), paramsSize=p.spec.size)
+        got = c.escape(c.ctl, "NV_ESC_RM_CONTROL", v)
+        return got.status, p.spec.decode(pbuf.raw[:p.spec.size])
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    pid = os.fork()
+    if pid == 0:  # process 2: the importer
+        a.close()
+        _msg, fds, _flags, _addr = socket.recv_fds(b, 16, 1)
+        c2 = Client()
+        c2.check_version()
+        c2.open_root()
+        g2 = c2.open_gpu(c2.attached_ids()[0])
+        mine = c2.handle()
+        st, got = control(c2, 0x3D0C, fd=fds[0], hParent=g2["hdevice"], objects=[mine],
+                          numObjects=1, index=0)
+        out(what="imported", status=st, handle=got.objects[0], type=got.objectTypes[0],
+            fd_seen=got.fd, fd_sent=fds[0])
+        os.close(fds[0])
+        sys.stdin.readline()
+        out(what="import-freed", status=c2.free(g2["hdevice"], mine))
+        # a file that is not one of the tenant's nvidiactl files: refused
+        with open("/dev/null", "rb") as null:
+            st, _ = control(c2, 0x3D0C, fd=null.fileno(), hParent=g2["hdevice"],
+                            objects=[c2.handle()], numObjects=1, index=0)
+        out(what="import-not-ours", status=st)
+        sys.stdin.readline()
+        os._exit(0)
+    b.close()
+    c1 = Client()
+    c1.check_version()
+    c1.open_root()
+    g1 = c1.open_gpu(c1.attached_ids()[0])
+    mem = c1.alloc_device_memory(g1["hdevice"], parse_size(size))
+    # NV_ESC_ATTACH_GPUS_TO_FD (CUDA sends it in multi-GPU jobs): own GPU id, then another
+    attach = {}
+    for name, gid in (("own", c1.attached_ids()[0]), ("other", 0xBAD00)):
+        buf = bytearray(gid.to_bytes(4, "little"))
+        try:
+            fcntl.ioctl(c1.ctl, iowr(0xD4, 4), buf, True)
+            attach[name] = 0
+        except OSError as e:
+            attach[name] = e.errno
+    out(what="attach", **attach)
+    xfd = os.open("/dev/nvidiactl", os.O_RDWR | os.O_CLOEXEC)
+    st, _ = control(c1, 0x3D0B, fd=xfd, hDevice=g1["hdevice"], maxObjects=1,
+                    objects=[mem], numObjects=1, index=0)
+    st_info, info = control(c1, 0x3D08, fd=xfd)
+    out(what="exported", status=st, info_status=st_info, max_objects=info.maxObjects)
+    sys.stdin.readline()
+    out(what="original-freed", status=c1.free(g1["hdevice"], mem))
+    socket.send_fds(a, [b"x"], [xfd])
+    os.close(xfd)  # the importer's copy (and the export slot) is all that holds it now
+    os.waitpid(pid, 0)
+    out(what="done")
+
+
 def nvml_loop(held: str = "64MiB", step: str = "2MiB") -> None:
     """Issue 18: NVML-style queries and allocations in a loop until a line (or EOF) on stdin.
 
@@ -332,4 +404,5 @@ if __name__ == "__main__":
     {"refusals": refusals, "hold": hold, "ioctl-after-line": ioctl_after_line,
      "foreign-client": foreign_client, "cuda-rules": cuda_rules,
      "own-mount-ptr": own_mount_ptr, "hold-aligned": hold_aligned, "dup": dup,
+     "export-import": export_import,
      "nvml-loop": nvml_loop}[cmd](*rest)

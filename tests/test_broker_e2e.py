@@ -2,6 +2,7 @@
 real tenant processes doing real ioctls (issue 3's acceptance list)."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -283,3 +284,54 @@ def test_dup_object_inside_the_tenant_keeps_one_charge_and_never_crosses_tenants
             if proc is not None:
                 proc.kill()
                 proc.wait()
+
+
+def test_objects_exported_through_an_fd_stay_charged_and_inside_the_tenant(broker):
+    """OS_UNIX_EXPORT_OBJECTS_TO_FD / IMPORT_OBJECTS_FROM_FD between two processes of one
+    tenant (issue 16: NCCL, CUDA IPC): the export file passed over SCM_RIGHTS imports the
+    memory in the other process; the charge stays while the export slot or any handle
+    holds the memory (the driver keeps it alive in the slot), and goes when all are gone; a
+    file that is not one of the tenant's nvidiactl files is refused."""
+    p = broker.exec_popen("alice", *TENANT, "export-import", "1GiB",
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        def step() -> dict:
+            return json.loads(p.stdout.readline())
+
+        def go() -> None:
+            p.stdin.write("\n")
+            p.stdin.flush()
+
+        # ATTACH_GPUS_TO_FD: the tenant's own GPU id is attached, an id not its is EINVAL
+        assert step() == {"what": "attach", "own": 0, "other": errno.EINVAL}
+        d = step()
+        assert d == {"what": "exported", "status": nvs.NV_OK, "info_status": nvs.NV_OK,
+                     "max_objects": 1}
+        assert broker.tenant("alice")["memory"]["0"]["used"] == 1 * GiB
+        go()
+        d = step()
+        assert d == {"what": "original-freed", "status": nvs.NV_OK}
+        d = step()  # the child imported it from the passed file
+        assert d["what"] == "imported" and d["status"] == nvs.NV_OK and d["type"] == 1
+        assert d["fd_seen"] == d["fd_sent"]  # the tenant's own fd number, not the broker's
+        # freed by its exporter, held by the slot and the import: still one charge
+        assert broker.tenant("alice")["memory"]["0"]["used"] == 1 * GiB
+        go()
+        d = step()
+        assert d == {"what": "import-freed", "status": nvs.NV_OK}
+        d = step()
+        assert d == {"what": "import-not-ours", "status": nvs.NV_ERR_INVALID_PARAMETER}
+        go()
+        assert step() == {"what": "done"}
+        p.wait(timeout=30)
+        # every file closed: the export slot let go too
+        wait_for(lambda: broker.tenant("alice")["memory"]["0"]["used"] == 0,
+                 "the exported memory's charge to go with the export file")
+        denies = [a for a in broker.audit() if a.get("event") == "deny"
+                  and "EXPORT" in a.get("what", "") + a.get("reason", "")
+                  or "IMPORT_OBJECTS" in a.get("what", "")]
+        assert any("is not one of the tenant's nvidiactl files" in a["reason"]
+                   for a in denies), denies
+    finally:
+        p.kill()
+        p.wait()

@@ -58,6 +58,11 @@ class DriverCall:
     # Numbers in the broker's own fd table, valid for this call only.
     file_fd: int | None = None
     fds: dict[str, int] = field(default_factory=dict)
+    # fds inside the nested parameters (EXPORT/IMPORT_OBJECTS_TO/FROM_FD): byte offset ->
+    # (the tenant's fd number, the session file it was checked to be). For files that live
+    # in the tenant the broker writes its duplicate's number there; other backends find the
+    # file in fd_files ("params.<field>").
+    nested_fds: dict[int, tuple[int, Any]] = field(default_factory=dict)
 
 
 @dataclass

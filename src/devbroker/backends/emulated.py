@@ -101,6 +101,7 @@ class EmuFile:
     minor: int
     mapping: bytes | None = None  # what an mmap of this file shows (set by RM_MAP_MEMORY)
     registered_ctl: int | None = None
+    export: Any = None  # emulated_export.ExportSlots once objects were exported into it
 
 
 class EmulatedBackend:
@@ -307,6 +308,14 @@ class EmulatedBackend:
             out.append(e)
         nv = v.replace(entries=out) if hasattr(v, "entries") else out
         return DriverResult(arg=nv.encode())
+
+    def NV_ESC_ATTACH_GPUS_TO_FD(self, f, dc):
+        """nv.c: on a ctl file only; every id must name a GPU (nvidia_dev_get), else
+        EINVAL. The emulated GPUs are always initialised, so holding them changes nothing."""
+        known = {g.gpu_id for g in self._gpus}
+        if f.node is not NodeKind.CTL or any(e.value not in known for e in dc.call.value.entries):
+            return DriverResult(arg=dc.call.encode(), errno=errno.EINVAL)
+        return DriverResult(arg=dc.call.encode())
 
     def NV_ESC_REGISTER_FD(self, f, dc):
         ctl = dc.fd_files.get("ctl_fd")
@@ -522,7 +531,9 @@ class EmulatedBackend:
                        f"({v.cmd:#x}) is not modelled: NV_ERR_NOT_SUPPORTED")
             return self._status(dc, nvs.NV_ERR_NOT_SUPPORTED)
         params = spec.params.decode(dc.nested)
-        if getattr(handler, "wants_embedded", False):
+        if getattr(handler, "wants_call", False):  # fds in the parameters (emulated_export)
+            status, params = handler(self, c, obj, params, dc)
+        elif getattr(handler, "wants_embedded", False):
             status, params = handler(self, c, obj, params, dc.embedded, abi=dc.abi or self.abi)
         else:
             status, params = handler(self, c, obj, params)
@@ -598,3 +609,4 @@ def _host_memblock_size() -> int | None:
 CONTROL_HANDLERS: dict[int, Callable[..., tuple[int, Any]]] = {}
 
 from devbroker.backends import emulated_controls  # noqa: E402,F401  (registers handlers)
+from devbroker.backends import emulated_export  # noqa: E402,F401  (registers handlers)

@@ -111,6 +111,14 @@ ESCAPES: dict[str, Rule] = {
                                  "clients, the source object and the new parent must be the "
                                  "tenant's; device memory keeps its charge until its last handle "
                                  "is freed", handler="rm_dup"),
+    # Once refused: on the two-H200 host one-GPU tenants' NVML failed in the run that first
+    # allowed it; that run's failure was the device instance being taken for the minor
+    # (docs/hardware.md), which also broke the runs where this was refused again.
+    "NV_ESC_ATTACH_GPUS_TO_FD": Rule("compute", "keeps the GPUs it names open on the tenant's "
+                                     "own ctl file (CUDA sends it for the GPUs a process "
+                                     "uses); every id must be one of the tenant's GPUs, "
+                                     "others are refused with EINVAL like an unknown id",
+                                     handler="attach_gpus", nodes=frozenset({NodeKind.CTL})),
     "NV_ESC_RM_ALLOC_MEMORY": Rule("compute", "memory for the tenant's own client: same class "
                                    "allowlist and quota as RM_ALLOC",
                                    handler="rm_alloc_memory", fd_fields=("fd",)),
@@ -162,12 +170,6 @@ REFUSED_ESCAPES: dict[str, str] = {
     "NV_ESC_RM_I2C_ACCESS": "raw I2C bus access to the board",
     "NV_ESC_RM_SHARE": "shares an object with other clients (cross-tenant)",
     "NV_ESC_SET_NUMA_STATUS": "changes the GPU's NUMA onlining state (host-global)",
-    # Allowed for a tenant's own ids for one run on the two-H200 host (issue 16): one-GPU
-    # tenants' NVML then asked for the other GPU's device and failed to start; refused, it
-    # fell back and worked. Kept refused until that is understood.
-    "NV_ESC_ATTACH_GPUS_TO_FD": "attaches GPUs by id to a file, bypassing the node the tenant "
-                                "was given (with the tenant's own ids, NVML of one-GPU tenants "
-                                "failed on the two-GPU host)",
     "NV_ESC_IOCTL_XFER_CMD": "indirect wrapper; no supported client sends it",
     "NV_ESC_RM_EXPORT_OBJECT_TO_FD": "exports an object to an fd other processes can import",
     "NV_ESC_RM_IMPORT_OBJECT_FROM_FD": "imports an object exported by another process",
@@ -420,6 +422,21 @@ CONTROLS[0x20803001] = ControlRule("compute", "NV2080_CTRL_CMD_NVLINK_GET_NVLINK
 CONTROLS[0xA06C0105] = ControlRule("compute", "NVA06C_CTRL_CMD_PREEMPT: preempts the tenant's "
                                    "own channel group (the object is checked to be the "
                                    "tenant's)")
+
+# Object export through an fd (cuMemExportToShareableHandle with POSIX fds: NCCL and CUDA
+# IPC between the tenant's processes, issue 16): core._ctl_object_fd.
+_FD_EXPORT = ("; the fd must be one of the tenant's own nvidiactl files (the broker passes "
+              "the driver its duplicate), so exported slots hold only the tenant's objects and "
+              "only its processes import them; a filled slot keeps the object's charge until "
+              "the file is closed")
+CONTROLS[0x3D0B] = ControlRule("compute", "NV0000_CTRL_CMD_OS_UNIX_EXPORT_OBJECTS_TO_FD: "
+                               "exports objects of the caller's client into an fd's slots"
+                               + _FD_EXPORT)
+CONTROLS[0x3D0C] = ControlRule("compute", "NV0000_CTRL_CMD_OS_UNIX_IMPORT_OBJECTS_FROM_FD: "
+                               "new handles in the caller's client for exported objects"
+                               + _FD_EXPORT)
+CONTROLS[0x3D08] = ControlRule("compute", "NV0000_CTRL_CMD_OS_UNIX_GET_EXPORT_OBJECT_INFO: "
+                               "slot count and metadata of an export fd" + _FD_EXPORT)
 
 REFUSED_CONTROLS: dict[int, str] = {
     0x20800134: "ECC configuration", 0x20800136: "ECC configuration",

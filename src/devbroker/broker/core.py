@@ -75,6 +75,15 @@ CLIENT_HANDLE_FIELDS = ("hClient", "hRoot", "hClientSrc", "hClientShare", "hClie
 CLIENT_FIELDS_ZERO_OK = frozenset({"hClientShare", "hTargetClient", "hAppClient"})
 OS_EVENT_CLASS = 0x79  # NV01_EVENT_OS_EVENT
 DEBUGGER_CLASS = 0x83DE  # GT200_DEBUGGER
+# Controls whose parameters name one of the caller's nvidiactl files by fd (`fd`): objects
+# exported into that file's slots and imported from them by another process of the tenant
+# (cuMemExportToShareableHandle with POSIX fds: NCCL, CUDA IPC; issue 16). The driver looks the
+# fd up in the calling process (nv_get_file_private), so the broker passes its own duplicate.
+EXPORT_OBJECTS_TO_FD = 0x3D0B  # NV0000_CTRL_CMD_OS_UNIX_EXPORT_OBJECTS_TO_FD
+IMPORT_OBJECTS_FROM_FD = 0x3D0C  # NV0000_CTRL_CMD_OS_UNIX_IMPORT_OBJECTS_FROM_FD
+GET_EXPORT_OBJECT_INFO = 0x3D08  # NV0000_CTRL_CMD_OS_UNIX_GET_EXPORT_OBJECT_INFO
+OBJECT_FD_CONTROLS = frozenset({EXPORT_OBJECTS_TO_FD, IMPORT_OBJECTS_FROM_FD,
+                                GET_EXPORT_OBJECT_INFO})
 UNKNOWN_CLASS = -1  # an object whose class the books do not know (a duplicate of one made by
 #                     a continued call)
 
@@ -558,9 +567,11 @@ class Broker:
     def _call_backend(self, s: Session, call, nested: bytes | None = None,
                             fd_files: dict | None = None,
                             embedded: dict | None = None, *, req: IoctlRequest | None = None,
-                            rm_class: int | None = None) -> DriverResult:
+                            rm_class: int | None = None,
+                            nested_fds: dict | None = None) -> DriverResult:
         dc = DriverCall(call, nested, fd_files or {}, abi=self._abi(s), tgid=s.caller.pid,
-                        embedded=embedded if embedded is not None else {})
+                        embedded=embedded if embedded is not None else {},
+                        nested_fds=nested_fds or {})
         if getattr(s.file, "runs_in_caller", False):
             # A driver file that lives in the tenant (seccomp + real backend).
             if allow.in_caller_reason(call, rm_class):
@@ -599,7 +610,17 @@ class Broker:
         try:
             dc.file_fd = dup(req.fd, s.file)
             for path, target in dc.fd_files.items():
+                if path.startswith("params."):
+                    continue  # in the nested parameters: nested_fds below
                 dc.fds[path] = dup(int(_get_path(dc.call.value, path)), target)
+            if dc.nested_fds:
+                # An fd inside the parameters: the driver looks it up in the broker's own
+                # fd table, so the private copy names the broker's duplicate.
+                nested = bytearray(dc.nested or b"")
+                for offset, (number, target) in dc.nested_fds.items():
+                    nested[offset:offset + 4] = dup(number, target).to_bytes(4, "little",
+                                                                             signed=True)
+                dc.nested = bytes(nested)
             self._confirm(req)  # after the last read and dup, before the driver sees them
             started = time.monotonic_ns()
             result = yield DriverIoctl(self.backend, s.file, dc)
@@ -862,6 +883,9 @@ class Broker:
             # Every GPU id the parameters name must be one of the tenant's (by the ABI's
             # fields, for every control: issue 13 item 6).
             rewrite.require_own_gpu_ids(self, s, abi, v.cmd, params)
+        if v.cmd in OBJECT_FD_CONTROLS:  # an fd of the tenant's in the parameters
+            return (yield from self._ctl_object_fd(s, abi, req, call, client, params, ref,
+                                                   where))
         embedded = yield from self._read_embedded(s, req, abi, params, where)
         result = yield from self._call_backend(s, call, nested, embedded=embedded, req=req)
         out_value = abi.decode_ioctl(s.node, req.cmd, result.arg).value
@@ -1144,6 +1168,110 @@ class Broker:
                 share(obj, dst.add(out.hObject, obj.rm_class, v.hParent, gpu=obj.gpu))
             else:  # class unknown to the books (see above); no charge to share
                 dst.add(out.hObject, UNKNOWN_CLASS, v.hParent)
+        return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
+
+    # ------------------------------------------------------------------ exported objects
+    @staticmethod
+    def _export_holder_handle(sid: int) -> int:
+        """The books' stand-in for the driver's export slots of one ctl file: a client
+        handle no driver handle can equal (driver handles are u32)."""
+        return -1 - sid
+
+    def _ctl_object_fd(self, s: Session, abi, req: IoctlRequest, call, client: RmClient,
+                       params, ref, where: str) -> IoctlReply:
+        """EXPORT_OBJECTS_TO_FD / IMPORT_OBJECTS_FROM_FD / GET_EXPORT_OBJECT_INFO.
+
+        The fd must be one of this tenant's nvidiactl files (so the slots hold only this
+        tenant's objects and only its processes import them). The driver's export keeps the
+        memory alive in its own internal client until the export file is closed or the slot
+        is overwritten, whatever the exporter frees: the books give each filled slot a handle
+        in a holder client owned by the export file's session, sharing the object's charge
+        (objects.share), so the quota counts the memory until the driver lets it go. An
+        import gives the importer a handle that shares the slot's charge, like RM_DUP_OBJECT.
+        """
+        v = call.value
+        tenant_fd = int(params.fd)
+        sid = None
+        if tenant_fd >= 0 and req.resolve_fd is not None:
+            sid = yield ResolveFd(req.resolve_fd, tenant_fd)
+        target = self.sessions.get(sid) if sid is not None else None
+        if (target is None or target.closed or target.tenant is not s.tenant
+                or target.node is not NodeKind.CTL):
+            raise Refusal(f"{where}: fd {tenant_fd} is not one of the tenant's nvidiactl "
+                          "files", status=nvstatus.NV_ERR_INVALID_PARAMETER, what=where)
+        in_caller = getattr(s.file, "runs_in_caller", False)
+        if getattr(self.backend, "tenant_files", False) and not in_caller:
+            # Relayed real files (FUSE front end): the relay has no file the tenant's fd
+            # could be translated to.
+            raise Refusal(f"{where}: exporting objects through an fd needs the seccomp front "
+                          "end (driver files in the tenant)",
+                          status=nvstatus.NV_ERR_NOT_SUPPORTED, what=where)
+        holder = s.tenant.clients.get(self._export_holder_handle(target.id))
+        if v.cmd == EXPORT_OBJECTS_TO_FD:
+            n = int(params.numObjects)
+            for h in list(params.objects)[:n]:
+                if h and h not in client.objects and not in_caller:
+                    raise Refusal(f"{where}: object {h:#x} is not in client {v.hClient:#x}",
+                                  status=nvstatus.NV_ERR_INVALID_OBJECT_HANDLE, what=where)
+                if h and h in client.objects:
+                    self._refuse_revoked(s, client.objects[h].gpu, where)
+        elif v.cmd == IMPORT_OBJECTS_FROM_FD:
+            if params.hParent not in client.objects:
+                raise Refusal(f"{where}: parent {params.hParent:#x} is not in client "
+                              f"{v.hClient:#x}", status=nvstatus.NV_ERR_INVALID_OBJECT_PARENT,
+                              what=where)
+            self._refuse_revoked(s, client.objects[params.hParent].gpu, where)
+            for h in list(params.objects)[:int(params.numObjects)]:
+                if h and h in client.objects:
+                    raise Refusal(f"{where}: handle {h:#x} already exists",
+                                  status=nvstatus.NV_ERR_INSERT_DUPLICATE_NAME, what=where)
+        fd_offset = ref.spec.by_name["fd"].offset
+        result = yield from self._call_backend(
+            s, call, params.encode(), fd_files={"params.fd": target.file}, req=req,
+            nested_fds={fd_offset: (tenant_fd, target.file)})
+        out_value = abi.decode_ioctl(s.node, req.cmd, result.arg).value
+        ok = not result.errno and out_value.status == nvstatus.NV_OK
+        if ok and result.nested is not None:
+            out = ref.spec.decode(result.nested)
+            if v.cmd == EXPORT_OBJECTS_TO_FD:
+                if holder is None:
+                    h = self._export_holder_handle(target.id)
+                    holder = s.tenant.clients[h] = RmClient(h, target.id, target.caller.pid)
+                    target.clients.add(h)
+                    self.client_owner[h] = s.tenant.name
+                base = int(params.index)
+                for i, h in enumerate(list(params.objects)[:int(params.numObjects)]):
+                    slot = base + i + 1  # (0 would be the holder's own handle)
+                    drop_objects(holder.remove(slot))  # a slot written again lets go
+                    obj = client.objects.get(h) if h else None
+                    if obj is not None:
+                        share(obj, holder.add(slot, obj.rm_class, holder.handle, gpu=obj.gpu))
+                    elif h:
+                        holder.add(slot, UNKNOWN_CLASS, holder.handle)
+            elif v.cmd == IMPORT_OBJECTS_FROM_FD:
+                base = int(params.index)
+                for i, h in enumerate(list(out.objects)[:int(params.numObjects)]):
+                    if not h:
+                        continue
+                    src = holder.objects.get(base + i + 1) if holder is not None else None
+                    if src is not None and src.rm_class != UNKNOWN_CLASS:
+                        share(src, client.add(h, src.rm_class, params.hParent, gpu=src.gpu))
+                    else:
+                        client.add(h, UNKNOWN_CLASS, params.hParent)
+            out = out.replace(fd=tenant_fd)  # the tenant sees its own fd number again
+            yield from self._mem_write(s, req, ref.ptr, out.encode())
+        return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
+
+    def _esc_attach_gpus(self, s, abi, req, call, rule) -> IoctlReply:
+        """NV_ESC_ATTACH_GPUS_TO_FD: the ctl file holds the GPUs it names open (CUDA does it
+        for the GPUs a process uses). Only the tenant's own GPU ids, else EINVAL as the
+        driver answers an id it does not know."""
+        mine = set(rewrite.tenant_gpu_ids(self, s))
+        for e in call.value.entries:
+            if e.value not in mine:
+                raise Refusal(f"{call.name}: GPU id {e.value:#x} is not one of the tenant's",
+                              errno_=errno.EINVAL, what=call.name)
+        result = yield from self._call_backend(s, call, req=req)
         return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
     def _esc_rm_objects(self, s, abi, req, call, rule) -> IoctlReply:
