@@ -83,6 +83,25 @@ for t in a b c; do
   put "${t}_smi" "$(texec $t nvidia-smi --query-gpu=uuid,pci.bus_id,memory.total --format=csv,noheader 2>&1 | paste -sd';')"
 done
 
+if [ "${X2_PERF:-1}" = 1 ]; then
+  step "per-call cost, native then through devbroker (tenant a), one run; a profile of the broker"
+  CC="$PY scripts/gpu/cuda_checks.py"
+  put native_bench "$($CC bench 2>&1 | last)"
+  put native_control "$("$PY" scripts/gpu/tenant_checks.py bench-control 500 2>&1 | last)"
+  put native_nvml_seq "$("$PY" scripts/gpu/tenant_checks.py bench-nvml 30 2>&1 | last)"
+  put dev_bench "$(texec a $CC bench 2>&1 | last)"
+  put dev_control "$(texec a "$PY" scripts/gpu/tenant_checks.py bench-control 500 2>&1 | last)"
+  put dev_nvml_seq "$(texec a "$PY" scripts/gpu/tenant_checks.py bench-nvml 30 2>&1 | last)"
+  SPY=/tmp/site/bin/py-spy
+  if [ -x "$SPY" ]; then
+    "$SPY" record -p $BROKER -r 1000 -d 6 -f raw -o "$OUT/broker-profile.txt" >/dev/null 2>&1 &
+    SPYPID=$!; sleep 0.5
+    texec a "$PY" scripts/gpu/tenant_checks.py bench-control 3000 2>&1 | last
+    wait $SPYPID
+  fi
+  "${DB[@]}" status --json | "$PY" -c "import json,sys; d=json.load(sys.stdin); print(json.dumps(d.get('seccomp', d.get('tenants')))[:1500])"
+fi
+
 step "a cannot reach GPU 1; b cannot reach GPU 0"
 put a_reach_gpu1 "$(texec a $T2 reach "$U1" "$P1" 1 2>&1 | tail -20)"
 put b_reach_gpu0 "$(texec b $T2 reach "$U0" "$P0" 0 2>&1 | tail -20)"

@@ -237,13 +237,21 @@ class StructValue:
             f = self.spec.by_name[name]
         except KeyError:
             raise AttributeError(f"{self.spec.name} has no field {name!r}") from None
+        if f.scalar:  # the hot case (an NVOS54's handles and command), in one frame
+            v = self._vals
+            if v is None:
+                # One unpack of the whole struct (one C call; array fields stay bytes)
+                # costs about what one field's unpack_from does, and the next field is a
+                # list index (issue 14).
+                v = self._vals = list(self.spec._st.unpack(self._raw))
+            return v[f._index]
         return self._get(f)
 
     def _get(self, f: Field) -> Any:
         i = f._index
         if f.scalar:
-            if self._vals is None:  # fast path: one scalar without unpacking everything
-                return f._sst.unpack_from(self._raw, f.offset)[0]
+            if self._vals is None:
+                self._vals = list(self.spec._st.unpack(self._raw))
             return self._vals[i]
         c = self._cache.get(i)
         if c is not None:

@@ -241,6 +241,7 @@ class SupervisorStats:
     ns_open: int = 0
     ns_ioctl: int = 0
     ns_mmap: int = 0
+    sync_wake_up: bool = False  # the kernel wakes listener and tenant on one CPU (6.6+)
 
 
 class _NotifMemory:
@@ -512,6 +513,15 @@ class SeccompSupervisor:
         thread half-done (broker/effects.py HandOver) and answered from there."""
         self._listener = listener_fd
         self._lfd = os.dup(listener_fd)  # the threads' own reference (see _thread_main)
+        try:
+            # Synchronous wake-ups (see seccompwire): on kernels before 6.6, EINVAL and
+            # the ordinary wake-ups.
+            # (the flags are the ioctl's argument itself, not a pointer to them)
+            fcntl.ioctl(self._lfd, w.SECCOMP_IOCTL_NOTIF_SET_FLAGS,
+                        w.SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP)
+            self.stats.sync_wake_up = True
+        except OSError:
+            pass
         self._token = trio.lowlevel.current_trio_token()
         self._hup = trio.Event()
         try:

@@ -133,6 +133,10 @@ SECCOMP_IOCTL_NOTIF_RECV = _IOC(_IOC_READ | _IOC_WRITE, _SECCOMP_IOC_MAGIC, 0, S
 SECCOMP_IOCTL_NOTIF_SEND = _IOC(_IOC_READ | _IOC_WRITE, _SECCOMP_IOC_MAGIC, 1, SECCOMP_NOTIF_RESP_SIZE)
 SECCOMP_IOCTL_NOTIF_ID_VALID = _IOC(_IOC_WRITE, _SECCOMP_IOC_MAGIC, 2, 8)
 SECCOMP_IOCTL_NOTIF_ADDFD = _IOC(_IOC_WRITE, _SECCOMP_IOC_MAGIC, 3, SECCOMP_NOTIF_ADDFD_SIZE)
+SECCOMP_IOCTL_NOTIF_SET_FLAGS = _IOC(_IOC_WRITE, _SECCOMP_IOC_MAGIC, 4, 8)
+# Linux 6.6: wake the listener on the notifying task's CPU and the task on the listener's
+# when answered (the task sleeps meanwhile), instead of two cross-CPU wake-ups per call.
+SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP = 1
 
 # NVIDIA ioctls the filter sends to the supervisor.
 NV_IOCTL_MAGIC = ord("F")
