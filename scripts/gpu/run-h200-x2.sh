@@ -117,9 +117,9 @@ if [ "${X2_ONLY:-all}" = views ]; then  # views, routes and quotas only (a short
 fi
 
 step "c: torchrun, NCCL all-reduce over both GPUs, 100 steps"
-texec c env NCCL_DEBUG=WARN "$TORCHRUN" --standalone --nproc_per_node 2 \
+texec c timeout 150 env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P,SHM "$TORCHRUN" --standalone --nproc_per_node 2 \
   scripts/gpu/two_gpu_checks.py ddp 100 > "$W/ddp.txt" 2>&1; echo "torchrun exit $?" >> "$W/ddp.txt"
-tail -25 "$W/ddp.txt"
+grep -v "^\s*$" "$W/ddp.txt" | grep -iE "warn|error|fail|rank|exit|Traceback|via|P2P|SHM" | tail -40
 put c_ddp "$(grep '"rank"' "$W/ddp.txt" | paste -sd'|')"
 put c_ddp_exit "$(tail -1 "$W/ddp.txt")"
 grep -E '"deny"|"error"' "$W/audit.log" | tail -20 | cut -c1-300
