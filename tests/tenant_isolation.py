@@ -135,7 +135,7 @@ def map_owner(sock: str) -> None:
     """Item 5, the owner: map the page, read it, write into it (the pages are now in the
     kernel's page cache of the node), then hand the mapped file to whoever asks."""
     c = _client()
-    fd, m = c.map_shared_data(c.open_gpu(c.attached_ids()[0]), PAGE)
+    fd, m = c.map_shared_data(c.open_gpu(c.attached_ids()[0]))
     first = m[:PAGE]
     m[:len(SECRET)] = SECRET
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -296,12 +296,15 @@ def export_import(size: str) -> None:
     # NV_ESC_ATTACH_GPUS_TO_FD (CUDA sends it in multi-GPU jobs): own GPU id, then another
     attach = {}
     for name, gid in (("own", c1.attached_ids()[0]), ("other", 0xBAD00)):
-        buf = bytearray(gid.to_bytes(4, "little"))
+        # as CUDA sends it: the ids padded with zeros; each on a fresh ctl file (once per file)
+        buf = bytearray(gid.to_bytes(4, "little") + bytes(4 * 31))
+        fd = os.open("/dev/nvidiactl", os.O_RDWR | os.O_CLOEXEC)
         try:
-            fcntl.ioctl(c1.ctl, iowr(0xD4, 4), buf, True)
+            fcntl.ioctl(fd, iowr(0xD4, len(buf)), buf, True)
             attach[name] = 0
         except OSError as e:
             attach[name] = e.errno
+        os.close(fd)
     out(what="attach", **attach)
     xfd = os.open("/dev/nvidiactl", os.O_RDWR | os.O_CLOEXEC)
     st, _ = control(c1, 0x3D0B, fd=xfd, hDevice=g1["hdevice"], maxObjects=1,

@@ -73,6 +73,13 @@ def _stable_uuid(i: int) -> uuidlib.UUID:
     return uuidlib.uuid5(uuidlib.NAMESPACE_URL, f"devbroker-emulated-gpu-{i}")
 
 
+# Bytes of RM_USER_SHARED_DATA (0xde) a mapping may cover, by driver branch: NVML maps 2608
+# (the 580.159.04 recording), and the H200 answered NV_ERR_INVALID_LIMIT for 4096 (two-GPU
+# run, 2026-11-30 22:18, the escape harness's fd-pass-mmap set-up). Unmeasured branches: no
+# check.
+USER_SHARED_DATA_SIZE = {"580": 2608}
+
+
 @dataclass
 class EmuObject:
     handle: int
@@ -102,6 +109,7 @@ class EmuFile:
     mapping: bytes | None = None  # what an mmap of this file shows (set by RM_MAP_MEMORY)
     registered_ctl: int | None = None
     export: Any = None  # emulated_export.ExportSlots once objects were exported into it
+    attached: bool = False  # ATTACH_GPUS_TO_FD was made on it
 
 
 class EmulatedBackend:
@@ -310,11 +318,12 @@ class EmulatedBackend:
         return DriverResult(arg=nv.encode())
 
     def NV_ESC_ATTACH_GPUS_TO_FD(self, f, dc):
-        """nv.c: on a ctl file only; every id must name a GPU (nvidia_dev_get), else
-        EINVAL. The emulated GPUs are always initialised, so holding them changes nothing."""
-        known = {g.gpu_id for g in self._gpus}
-        if f.node is not NodeKind.CTL or any(e.value not in known for e in dc.call.value.entries):
+        """nv.c (580): a ctl file only, once per file (EINVAL again); each nonzero id is
+        opened with nvidia_dev_get, whose failure the driver ignores (an unknown id is not
+        an error). The emulated GPUs are always initialised: holding them changes nothing."""
+        if f.node is not NodeKind.CTL or f.attached or not dc.call.value.entries:
             return DriverResult(arg=dc.call.encode(), errno=errno.EINVAL)
+        f.attached = True
         return DriverResult(arg=dc.call.encode())
 
     def NV_ESC_REGISTER_FD(self, f, dc):
@@ -500,6 +509,10 @@ class EmulatedBackend:
         # RM_USER_SHARED_DATA (0xde): the page RM publishes polled counters in. The
         # emulation has no counters to publish, so the page reads as zeros (a consistent,
         # never-updated snapshot), and NVML falls back to "N/A" for what it would show.
+        limit = USER_SHARED_DATA_SIZE.get(self.version.split(".")[0])
+        if limit is not None and int(p.offset) + int(p.length) > limit:
+            return DriverResult(arg=v.replace(params=p.replace(
+                status=nvs.NV_ERR_INVALID_LIMIT)).encode())
         length = max(int(p.length), 1)
         target.mapping = bytes((length + 4095) // 4096 * 4096)
         # escape.c: the caching type is always reset to DEFAULT; RM maps this system-memory

@@ -1265,10 +1265,11 @@ class Broker:
     def _esc_attach_gpus(self, s, abi, req, call, rule) -> IoctlReply:
         """NV_ESC_ATTACH_GPUS_TO_FD: the ctl file holds the GPUs it names open (CUDA does it
         for the GPUs a process uses). Only the tenant's own GPU ids, else EINVAL as the
-        driver answers an id it does not know."""
+        driver answers an id it does not know. Zero entries are skipped, as by the driver
+        (CUDA sends a fixed-size array padded with zeros)."""
         mine = set(rewrite.tenant_gpu_ids(self, s))
         for e in call.value.entries:
-            if e.value not in mine:
+            if e.value and e.value not in mine:  # (the driver skips zero entries)
                 raise Refusal(f"{call.name}: GPU id {e.value:#x} is not one of the tenant's",
                               errno_=errno.EINVAL, what=call.name)
         result = yield from self._call_backend(s, call, req=req)

@@ -164,10 +164,11 @@ class Client:
         total, free = got[0x08] * 1024, got[0x16] * 1024
         return {"total": total, "free": free, "used": total - free}
 
-    def map_shared_data(self, g: dict, length: int = 4096):
+    def map_shared_data(self, g: dict, length: int = 2608):
         """What NVML does for RM's shared-data page (BRIEF §2): a fresh nvidiactl fd,
         RM_MAP_MEMORY of an RM_USER_SHARED_DATA object (class 0xde) with that fd, then a
-        shared mapping of the fd. Returns (fd, mmap object), read-write."""
+        shared mapping of the fd. Returns (fd, mmap object), read-write. The length is
+        NVML's (2608 on 580.159.04; the H200 refuses 4096 with NV_ERR_INVALID_LIMIT)."""
         import mmap
 
         hshared = self.alloc(g["hsubdevice"], RM_USER_SHARED_DATA,
