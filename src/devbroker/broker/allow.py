@@ -423,6 +423,10 @@ CONTROLS[0xA06C0105] = ControlRule("compute", "NVA06C_CTRL_CMD_PREEMPT: preempts
                                    "own channel group (the object is checked to be the "
                                    "tenant's)")
 
+CONTROLS[0x410110] = ControlRule("compute", "NV0041_CTRL_CMD_GET_SURFACE_INFO: attributes, "
+                                 "physical size and address space of the tenant's own memory "
+                                 "object (CUDA asks it of memory NCCL imported); the list is "
+                                 "copied in and out by the broker like the driver does")
 # Object export through an fd (cuMemExportToShareableHandle with POSIX fds: NCCL and CUDA
 # IPC between the tenant's processes, issue 16): core._ctl_object_fd.
 _FD_EXPORT = ("; the fd must be one of the tenant's own nvidiactl files (the broker passes "

@@ -920,9 +920,16 @@ def a_attach_foreign(ctx):
                           f"control {cmd:#x} with GPU id {gid:#x}"))
     outs.append(judge(*rm_control(c, c.hclient, 0x205,
                                   c.params(0x205, gpuId=gid).encode()), "GET_ID_INFO_V2"))
-    outs.append(judge(*rm_alloc(c, c.hclient, 0x80, c.new("NV0080_ALLOC_PARAMETERS",
-                                                          deviceId=ctx.victim_gpu).encode())[:2],
-                      "device object on the victim's GPU"))
+    # A device object is asked for by device *instance*, which the driver numbers at attach
+    # time (not the minor: on a two-H200 host GPU minor 0 was instance 1). The attacker
+    # cannot know the victim's, so it tries every instance but its own.
+    own = c.control(c.hclient, 0x205, c.params(0x205, gpuId=c.gpu["gpu_id"])).deviceInstance
+    for inst in range(8):
+        if inst == own:
+            continue
+        outs.append(judge(*rm_alloc(c, c.hclient, 0x80, c.new("NV0080_ALLOC_PARAMETERS",
+                                                              deviceId=inst).encode())[:2],
+                          f"device object on device instance {inst} (own: {own})"))
     return combine(outs)
 
 

@@ -114,6 +114,10 @@ ANNOTATIONS = {
     ("NV0080_CTRL_FIFO_GET_CHANNELLIST_PARAMS", "numChannels"): "size",
     ("NV0080_CTRL_FIFO_GET_CHANNELLIST_PARAMS", "pChannelHandleList"): "ptr->NvU32@numChannels",
     ("NV0080_CTRL_FIFO_GET_CHANNELLIST_PARAMS", "pChannelList"): "ptr->NvU32@numChannels",
+    # NV0041_CTRL_SURFACE_INFO is {index, data}, two NvU32 (ctrl0041.h), copied in and out by
+    # embedded_param_copy.c. NCCL's CUDA asks it of imported memory (two-H200 run, issue 16).
+    ("NV0041_CTRL_GET_SURFACE_INFO_PARAMS", "surfaceInfoListSize"): "size",
+    ("NV0041_CTRL_GET_SURFACE_INFO_PARAMS", "surfaceInfoList"): "ptr->NVXXXX_CTRL_XXX_INFO@surfaceInfoListSize",
 }
 
 # cmd -> observed params size (the same at 535 and 580 where both were seen).
