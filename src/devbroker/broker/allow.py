@@ -254,6 +254,11 @@ CLASSES: dict[int, ClassRule] = {
     0xC661: ClassRule("compute", "usermode doorbell page (write-only)"),
     0x2081: ClassRule("compute", "NV2081 BINAPI object CUDA uses for its own context"),
     0x503C: ClassRule("compute", "third-party P2P object on the tenant's own subdevice"),
+    # NCCL's peer mappings between the two GPUs of one tenant (two-H200 host, issue 16).
+    0x503B: ClassRule("compute", "NV50_P2P: a peer link between two subdevices; the driver "
+                      "looks hSubDevice and hPeerSubDevice up in the allocating client, "
+                      "which holds subdevices of the tenant's own GPUs only (device objects "
+                      "are checked against its GPUs), so both ends are the tenant's"),
     # Seen on the two-H200 host (NVLink): CUDA maps each large allocation into the fabric
     # address space (issue 16); refused, every cudaMalloc above ~2 GiB failed there.
     0xF8: ClassRule("compute", "NV_MEMORY_FABRIC: a fabric (FLA) address range over the "
