@@ -120,7 +120,7 @@ if [ "${X2_ONLY:-all}" = views ]; then  # views, routes and quotas only (a short
 fi
 
 step "c: torchrun, NCCL all-reduce over both GPUs, 100 steps"
-texec c timeout 150 env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P,SHM "$TORCHRUN" --standalone --nproc_per_node 2 \
+texec c timeout 150 env TENANT_QUOTA_GIB=8 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P,SHM "$TORCHRUN" --standalone --nproc_per_node 2 \
   scripts/gpu/two_gpu_checks.py ddp 100 > "$W/ddp.txt" 2>&1; echo "torchrun exit $?" >> "$W/ddp.txt"
 grep -v "^\s*$" "$W/ddp.txt" | grep -iE "warn|error|fail|rank|exit|Traceback|via|P2P|SHM" | tail -40
 put c_ddp "$(grep '"rank"' "$W/ddp.txt" | paste -sd'|')"
@@ -153,11 +153,14 @@ step "kill each tenant's holder: host memory back to the baseline"
 CC="$PY scripts/gpu/cuda_checks.py"
 texec a $CC hold 6 > "$W/hold_a.txt" 2>&1 &
 texec b $CC hold 10 > "$W/hold_b.txt" 2>&1 &
-for i in $(seq 1 200); do grep -q holding "$W/hold_a.txt" && grep -q holding "$W/hold_b.txt" && break; sleep 0.2; done
+texec c env CUDA_VISIBLE_DEVICES=0 $CC hold 5 > "$W/hold_c0.txt" 2>&1 &
+texec c env CUDA_VISIBLE_DEVICES=1 $CC hold 7 > "$W/hold_c1.txt" 2>&1 &
+for i in $(seq 1 200); do grep -q holding "$W/hold_a.txt" && grep -q holding "$W/hold_b.txt" \
+  && grep -q holding "$W/hold_c0.txt" && grep -q holding "$W/hold_c1.txt" && break; sleep 0.2; done
 nvidia-smi --query-gpu=index,memory.used --format=csv
 put host_holding "$("$PY" scripts/gpu/tenant_checks.py nvml 2>&1 | last)"
 "${DB[@]}" status
-for t in a b; do
+for t in a b c; do
   P=$("${DB[@]}" status --json | "$PY" -c "import json,sys; d=json.load(sys.stdin); print(' '.join(str(p) for t in d['tenants'] if t['name']=='$t' for p in t['processes']))")
   echo "tenant $t processes: $P; SIGKILL"; [ -n "$P" ] && kill -9 $P
   sleep 3

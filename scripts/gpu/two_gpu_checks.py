@@ -163,8 +163,9 @@ def quota(gib: float) -> None:
 
 
 def ddp(steps: int) -> None:
-    """Two processes (torchrun), one per GPU: NCCL all-reduce, plus a CUDA IPC handle of a
-    tensor passed from rank 0 to rank 1 (torch.multiprocessing's reductions)."""
+    """Two processes (torchrun), one per GPU: NCCL all-reduce, a copy across the GPUs, a
+    CUDA IPC handle of a tensor passed from rank 0 to rank 1 (torch.multiprocessing's
+    reductions), and the per-GPU quota (TENANT_QUOTA_GIB) with NCCL's buffers held."""
     import torch
     import torch.distributed as dist
 
@@ -189,10 +190,45 @@ def ddp(steps: int) -> None:
         p2p = bool(torch.equal(zz.cpu(), z.cpu()))
     except Exception as e:  # noqa: BLE001
         p2p = f"{type(e).__name__}: {str(e)[:120]}"
+    # CUDA IPC (legacy handles, as torch.multiprocessing passes tensors): rank 0's tensor
+    # opened in rank 1's process.
+    from torch.multiprocessing.reductions import reduce_tensor
+    box = [reduce_tensor(torch.full((1024,), 7.0, device="cuda")) if rank == 0 else None]
+    keep = box[0]
+    dist.broadcast_object_list(box, src=0)
+    ipc: object = "sender"
+    if rank != 0:
+        try:
+            fn, args = box[0]
+            t = fn(*args)
+            ipc = bool(torch.equal(t.cpu(), torch.full((1024,), 7.0)))
+            del t
+        except Exception as e:  # noqa: BLE001
+            ipc = f"{type(e).__name__}: {str(e)[:160]}"
+    dist.barrier()
+    del keep
+    # The tenant's per-GPU quota while NCCL holds its buffers: one allocation beyond it
+    # fails cleanly, and the process goes on allocating after it.
+    quota = int(float(os.environ.get("TENANT_QUOTA_GIB", "8")) * (1 << 30))
+    try:
+        big = torch.empty(quota + (1 << 30), dtype=torch.uint8, device="cuda")
+        over = "allocated (quota not enforced)"
+        del big
+    except torch.cuda.OutOfMemoryError:
+        over = "OutOfMemoryError"
+    except Exception as e:  # noqa: BLE001
+        over = f"{type(e).__name__}: {str(e)[:120]}"
+    try:
+        small = torch.ones(1 << 28, dtype=torch.uint8, device="cuda")
+        after = int(small.sum().item()) == 1 << 28
+        del small
+    except Exception as e:  # noqa: BLE001
+        after = f"{type(e).__name__}: {str(e)[:120]}"
     dist.barrier()
     dist.destroy_process_group()
     out(rank=rank, world=world, steps=steps, allreduce_ok=ok, seconds=round(elapsed, 3),
-        cross_gpu_copy=p2p, device_count=torch.cuda.device_count())
+        cross_gpu_copy=p2p, cuda_ipc=ipc, beyond_quota=over, alloc_after=after,
+        device_count=torch.cuda.device_count())
 
 
 def main() -> None:
