@@ -317,6 +317,18 @@ class EmulatedBackend:
         nv = v.replace(entries=out) if hasattr(v, "entries") else out
         return DriverResult(arg=nv.encode())
 
+    def NV_ESC_RM_SHARE(self, f, dc):
+        """The share policy of an object (rmapiShare): the client and the object must exist.
+        The emulated duplicates follow the default policy (any client may duplicate), so a
+        policy changes nothing else here."""
+        v = dc.call.value
+        c = self.clients.get(v.hClient)
+        if c is None:
+            return self._status(dc, nvs.NV_ERR_INVALID_CLIENT)
+        if v.hObject not in c.objects:
+            return self._status(dc, nvs.NV_ERR_INVALID_OBJECT_HANDLE)
+        return self._status(dc, nvs.NV_OK)
+
     def NV_ESC_ATTACH_GPUS_TO_FD(self, f, dc):
         """nv.c (580): a ctl file only, once per file (EINVAL again); each nonzero id is
         opened with nvidia_dev_get, whose failure the driver ignores (an unknown id is not

@@ -119,6 +119,14 @@ ESCAPES: dict[str, Rule] = {
                                      "uses); every id must be one of the tenant's GPUs, "
                                      "others are refused with EINVAL like an unknown id",
                                      handler="attach_gpus", nodes=frozenset({NodeKind.CTL})),
+    # CUDA's legacy IPC (cudaIpcGetMemHandle, torch.multiprocessing) shares the memory
+    # before another process duplicates it (two-H200 run, issue 16).
+    "NV_ESC_RM_SHARE": Rule("compute", "sets the share policy of one of the tenant's own "
+                            "objects (client and object checked to be its own); what another "
+                            "client may then do with it goes through RM_DUP_OBJECT, which the "
+                            "broker allows only between the tenant's own clients whatever the "
+                            "policy says (a host process outside devbroker is trusted)",
+                            handler="rm_share"),
     "NV_ESC_RM_ALLOC_MEMORY": Rule("compute", "memory for the tenant's own client: same class "
                                    "allowlist and quota as RM_ALLOC",
                                    handler="rm_alloc_memory", fd_fields=("fd",)),
@@ -168,7 +176,6 @@ for _name, _why in {
 REFUSED_ESCAPES: dict[str, str] = {
     "NV_ESC_RM_ACCESS_REGISTRY": "reads/writes the driver's registry (host-global settings)",
     "NV_ESC_RM_I2C_ACCESS": "raw I2C bus access to the board",
-    "NV_ESC_RM_SHARE": "shares an object with other clients (cross-tenant)",
     "NV_ESC_SET_NUMA_STATUS": "changes the GPU's NUMA onlining state (host-global)",
     "NV_ESC_IOCTL_XFER_CMD": "indirect wrapper; no supported client sends it",
     "NV_ESC_RM_EXPORT_OBJECT_TO_FD": "exports an object to an fd other processes can import",
@@ -428,6 +435,10 @@ CONTROLS[0xA06C0105] = ControlRule("compute", "NVA06C_CTRL_CMD_PREEMPT: preempts
                                    "own channel group (the object is checked to be the "
                                    "tenant's)")
 
+CONTROLS[0x20801702] = ControlRule("compute", "NV2080_CTRL_CMD_MC_SERVICE_INTERRUPTS: "
+                                   "asks the driver to service interrupts pending on the "
+                                   "tenant's own GPU now (CUDA's fault handling); nothing is "
+                                   "read back and the driver services them anyway")
 CONTROLS[0x410110] = ControlRule("compute", "NV0041_CTRL_CMD_GET_SURFACE_INFO: attributes, "
                                  "physical size and address space of the tenant's own memory "
                                  "object (CUDA asks it of memory NCCL imported); the list is "

@@ -1262,6 +1262,20 @@ class Broker:
             yield from self._mem_write(s, req, ref.ptr, out.encode())
         return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
+    def _esc_rm_share(self, s, abi, req, call, rule) -> IoctlReply:
+        """NV_ESC_RM_SHARE (NVOS57): the share policy of one of the tenant's own objects."""
+        v = call.value
+        where = call.name
+        client = self._client(s, v.hClient, where)
+        obj = client.objects.get(v.hObject)
+        if obj is None and not getattr(s.file, "runs_in_caller", False):
+            raise Refusal(f"{where}: object {v.hObject:#x} is not in client {v.hClient:#x}",
+                          status=nvstatus.NV_ERR_INVALID_OBJECT_HANDLE, what=where)
+        if obj is not None:
+            self._refuse_revoked(s, obj.gpu, where)
+        result = yield from self._call_backend(s, call, req=req)
+        return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
+
     def _esc_attach_gpus(self, s, abi, req, call, rule) -> IoctlReply:
         """NV_ESC_ATTACH_GPUS_TO_FD: the ctl file holds the GPUs it names open (CUDA does it
         for the GPUs a process uses). Only the tenant's own GPU ids, else EINVAL as the

@@ -813,9 +813,14 @@ def a_dup_object(ctx):
 
 
 def a_share(ctx):
-    c = ctx.client()
-    return _refused_escape(ctx, "NV_ESC_RM_SHARE", hClient=c.hclient,
-                           hObject=c.gpu["hdevice"])
+    """RM_SHARE is allowed on one's own objects (CUDA IPC): the attack sets the share policy
+    of the victim's memory (to let everyone duplicate it). That the victim's own share
+    (the victim shares its memory with everyone, escape/tenant.py) gives no other tenant a
+    duplicate is the dup-object attack's."""
+    v = ctx.victim
+    return _refused_escape(ctx, "NV_ESC_RM_SHARE", hClient=v["client"], hObject=v["hmemory"],
+                           sharePolicy={"target": 0, "accessMask": {"limbs": [1]},
+                                        "type": 1, "action": 0})
 
 
 def a_registry(ctx):
@@ -1607,8 +1612,9 @@ ATTACKS: list[Attack] = [
     # broker answers as the driver answers an unknown client.
     Attack("dup-object", "RM_DUP_OBJECT from the victim's client", "cross-tenant", E,
            ("NV_ERR_INVALID_CLIENT",), "broker", "RM_DUP_OBJECT", a_dup_object, True),
-    Attack("share", "RM_SHARE of an object with other clients", "cross-tenant", E, ("EPERM",),
-           "broker", "NV_ESC_RM_SHARE", a_share),
+    Attack("share", "RM_SHARE setting the share policy of the victim's memory",
+           "cross-tenant", E, ("NV_ERR_INVALID_CLIENT",), "broker", "NV_ESC_RM_SHARE",
+           a_share),
     Attack("attach-foreign", "ATTACH/DETACH_IDS, GET_ID_INFO_V2, device 0x80 on the victim's GPU",
            "cross-tenant", E, ("NV_ERR_INSUFFICIENT_PERMISSIONS", "NV_ERR_INVALID_ARGUMENT"),
            "broker", "not one of the tenant's", a_attach_foreign, True),

@@ -62,12 +62,20 @@ def victim(sock_name: str, alloc: int) -> int:
     c.open_root()
     gpus = {}
     first = None
+    shared = None  # the status of the victim's RM_SHARE (below)
     for gid in c.attached_ids():
         g = c.open_gpu(gid)
         hmem = c.alloc_device_memory(g["hdevice"], alloc)
         gpus[str(g["minor"])] = gid
         if first is None:
             first = dict(g, hmemory=hmem)
+            # Shared with everyone (RS_SHARE_TYPE_ALL, the DUP_OBJECT right), as CUDA IPC
+            # shares memory: the driver would now let any client duplicate it, so the
+            # dup-object attack tests the broker's own refusal.
+            share = c.new("NVOS57_PARAMETERS", hClient=c.hclient, hObject=hmem,
+                          sharePolicy={"target": 0, "accessMask": {"limbs": [1]},
+                                       "type": 1, "action": 0})
+            shared = c.escape(c.ctl, "NV_ESC_RM_SHARE", share).status
     # The page NVML maps (RM shared data), faulted in and written: the page cache now holds
     # it. Handed out too (issue 13 item 5: another tenant mapping this file must not see
     # it). Best effort: a front end without node mappings (CUSE) has no such file.
@@ -98,7 +106,7 @@ def victim(sock_name: str, alloc: int) -> int:
     threading.Thread(target=serve, daemon=True).start()
     out(what="victim", pid=os.getpid(), client=c.hclient, hdevice=first["hdevice"],
         hsubdevice=first["hsubdevice"], hmemory=first["hmemory"], gpu_ids=gpus,
-        sock=sock_name, **extra)
+        sock=sock_name, shared=shared, **extra)
     sys.stdin.read()
     return 0
 
