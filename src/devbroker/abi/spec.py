@@ -53,7 +53,7 @@ class Field:
     """
 
     __slots__ = ("name", "kind", "base", "offset", "size", "align", "count", "elem", "spec",
-                 "points_to", "size_field", "_index", "_conv", "_sst")
+                 "points_to", "size_field", "_index", "_conv", "_sst", "scalar")
 
     def __init__(self, name: str, kind: str, *, count: int | None = None, elem: Any = None,
                  spec: "StructSpec | None" = None, size: int | None = None, align: int = 1,
@@ -68,6 +68,8 @@ class Field:
         self.size_field = size_field
         self.offset = 0
         self._sst = None
+        # A plain attribute, not a property: read for every field access (issue 14).
+        self.scalar = kind in _SCALAR
         if kind in _SCALAR:
             self._sst = struct.Struct("<" + _SCALAR[kind])  # for single-field reads
             self.size = self.align = self._sst.size
@@ -85,10 +87,6 @@ class Field:
             self.size, self.align = size, align
         else:
             raise ValueError(f"unknown field kind {kind!r}")
-
-    @property
-    def scalar(self) -> bool:
-        return self.base in _SCALAR
 
     def __repr__(self) -> str:
         extra = f"[{self.count}]" if self.count is not None else ""

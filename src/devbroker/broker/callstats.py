@@ -191,22 +191,33 @@ def _verdict(cell: list, errno_: int, continued: bool = False) -> int:
     return _ERROR if errno_ else _OK
 
 
-def _observed(steps, cell: list, done):
-    """The broker's steps (broker/effects.py), unchanged, with the refusal marker set while
-    the broker's own code runs — on whichever thread resumes them (a seccomp listener's, or
-    the trio thread after a hand-over) — and `done(reply)` called at the end."""
-    reply = yield from around_each_step(steps, lambda: _marking(cell))
+def _observed(steps, done):
+    """The broker's steps (broker/effects.py), unchanged, and `done(reply)` called at the
+    end. The refusal marker is set while the broker's own code runs — on whichever thread
+    resumes the steps (a seccomp listener's, or the trio thread after a hand-over) — by the
+    broker's own step wrapper (Broker.ioctl_steps(req, around=...)), or by a wrapper of
+    ours for a broker without one."""
+    reply = yield from steps
     done(reply)
     return reply
 
 
-@contextlib.contextmanager
-def _marking(cell: list):
-    token = _current.set(cell)
-    try:
-        yield
-    finally:
-        _current.reset(token)
+class _Marking:
+    """The refusal marker of one call set for a stretch of the broker's code."""
+
+    __slots__ = ("cell", "token")
+
+    def __init__(self, cell: list):
+        self.cell = cell
+
+    def __enter__(self) -> None:
+        self.token = _current.set(self.cell)
+
+    def __exit__(self, *exc) -> None:
+        _current.reset(self.token)
+
+
+_marking = _Marking
 
 
 class InstrumentedBroker:
@@ -279,7 +290,11 @@ class InstrumentedBroker:
         def done(rep):
             stats._record(key, _verdict(cell, rep.errno, rep.run_in_caller),
                           stats.clock() - t0)
-        return _observed(self._broker.ioctl_steps(req), cell, done)
+        try:
+            steps = self._broker.ioctl_steps(req, around=lambda: _Marking(cell))
+        except TypeError:  # a broker whose steps take no wrapper
+            steps = around_each_step(self._broker.ioctl_steps(req), lambda: _Marking(cell))
+        return _observed(steps, done)
 
     def map_check_now(self, req):
         stats = self._stats

@@ -424,11 +424,11 @@ class Broker:
         return await perform_async(eff, self.memgate)
 
 
-    def ioctl_steps(self, req: IoctlRequest) -> Steps:
+    def ioctl_steps(self, req: IoctlRequest, around: Callable[[], Any] | None = None) -> Steps:
         """The whole decision for one ioctl, as steps (effects.py): run by `ioctl` on the
         trio thread, or by a seccomp listener thread (frontends/seccomp.py). The broker's
         books are touched under the state lock only, released at every effect."""
-        return locked(self._ioctl_steps(req))
+        return locked(self._ioctl_steps(req), around)
 
     def _ioctl_steps(self, req: IoctlRequest) -> Steps:
         s = self.sessions.get(req.session)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import functools
 import logging
 import os
 import posixpath
@@ -250,6 +251,8 @@ class _NotifMemory:
     end of the call, together with the argument's (one NOTIF_ID_VALID, so that no write
     reaches a thread that reused the caller's tid, and one process_vm_writev: issue 14);
     nothing the broker decides depends on them having happened earlier."""
+
+    deferred = True  # writes only queue (effects.perform_blocking: no gate for them)
 
     def __init__(self, sup: "SeccompSupervisor", tid: int, nid: int):
         self._sup, self._tid, self._nid = sup, tid, nid
@@ -980,9 +983,9 @@ class SeccompSupervisor:
 
     # -- mmap -------------------------------------------------------------------------------
 
-    @property
+    @functools.cached_property
     def _gate(self) -> memgate.MemoryGate:
-        return memgate.gate_of(self.broker)
+        return memgate.gate_of(self.broker)  # the broker's, for its life
 
     def _audit_memory(self, tid: int, what: str, e: OSError) -> None:
         """A tenant-memory access the gate refused (deadline, stall limit, a page of the
