@@ -873,7 +873,8 @@ class Broker:
         ref = abi.nested(call)
         nested = nested0 if nested0 is not None else (yield from self._read_nested(s, req, ref))
         params = None
-        if nested is not None and ref.spec is not None:
+        if (nested is not None and ref.spec is not None
+                and _control_reads_params(v.cmd, ref.spec)):
             params = ref.spec.decode(nested)
             self._check_clients(s, params, where=where)
             pre = rewrite.CONTROL_PRE.get(v.cmd)
@@ -888,16 +889,20 @@ class Broker:
                                                    where))
         embedded = yield from self._read_embedded(s, req, abi, params, where)
         result = yield from self._call_backend(s, call, nested, embedded=embedded, req=req)
-        out_value = abi.decode_ioctl(s.node, req.cmd, result.arg).value
         out_nested = result.nested
-        if not result.errno and out_value.status == nvstatus.NV_OK and out_nested is not None:
+        if params is not None:  # (else: no post-hook and no embedded buffers to write back)
+            ok = (not result.errno and out_nested is not None
+                  and abi.decode_ioctl(s.node, req.cmd, result.arg).value.status
+                  == nvstatus.NV_OK)
             post = rewrite.CONTROL_POST.get(v.cmd)
-            if post is not None and ref.spec is not None:
+            if ok and post is not None:
                 ctx = rewrite.ControlContext(params, client.objects[v.hObject].gpu)
                 out_nested = post(self, s, abi, ref.spec.decode(out_nested), ctx).encode()
+        else:
+            ok = False
         if out_nested is not None and not result.errno:
             yield from self._mem_write(s, req, ref.ptr, out_nested)
-            if out_value.status == nvstatus.NV_OK:
+            if ok:
                 for name, buf in embedded.items():
                     yield from self._mem_write(s, req, getattr(params, name), bytes(buf))
         return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
@@ -1340,6 +1345,27 @@ class _RevokedTenant:
     memory_quota = 0
     uids = None
     rate_limit = None
+
+
+_PARAMS_READ: dict = {}  # (cmd, params layout) -> bool
+
+
+def _control_reads_params(cmd: int, spec) -> bool:
+    """Whether the broker must look inside a control's parameters: they name clients or GPU
+    ids, point at buffers the broker copies, hold an fd, or the control has a rewrite hook.
+    A fact of the control and its layout, computed once: the others (most of what CUDA
+    sends) pass through as the bytes read, decoded by nobody but the driver (issue 14)."""
+    key = (cmd, spec)
+    known = _PARAMS_READ.get(key)
+    if known is None:
+        names = spec.by_name
+        known = _PARAMS_READ[key] = bool(
+            cmd in rewrite.CONTROL_PRE or cmd in rewrite.CONTROL_POST
+            or cmd in OBJECT_FD_CONTROLS
+            or any(n in names for n in CLIENT_HANDLE_FIELDS)
+            or rewrite.names_gpu_ids(spec)
+            or any(f.kind == "ptr" for _p, f, _o in spec.walk()))
+    return known
 
 
 def embedded_buffers(abi, params) -> list[tuple[str, int]]:

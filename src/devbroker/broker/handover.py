@@ -50,7 +50,8 @@ EMULATED_ATTRS = frozenset({"version", "_gpus", "abi", "files", "clients", "_fil
                             "_calls",  # its lock: the successor's is new
                             # indexes: rebuilt from the clients and checked against `used`
                             "_clients_of_file", "_devices_on", "_held"})
-EMU_FILE_FIELDS = frozenset({"id", "node", "minor", "mapping", "registered_ctl"})
+EMU_FILE_FIELDS = frozenset({"id", "node", "minor", "mapping", "registered_ctl", "export",
+                             "attached"})
 EMU_CLIENT_FIELDS = frozenset({"handle", "file_id", "tgid", "objects"})
 EMU_OBJECT_FIELDS = frozenset({"handle", "rm_class", "parent", "gpu", "size", "children",
                                "share", "client"})
@@ -248,7 +249,10 @@ def export_emulated(backend) -> dict[str, Any]:
     return {
         "version": backend.version,
         "files": [[f.id, int(f.node), f.minor, f.mapping.hex() if f.mapping is not None
-                   else None, f.registered_ctl] for f in backend.files.values()],
+                   else None, f.registered_ctl, f.attached,
+                   None if f.export is None else
+                   [f.export.client.handle, f.export.device_instance, f.export.metadata.hex(),
+                    list(f.export.slots)]] for f in backend.files.values()],
         "clients": [{"handle": c.handle, "file_id": c.file_id, "tgid": c.tgid,
                      "objects": [[o.handle, o.rm_class, o.parent, o.gpu, o.size,
                                   sorted(o.children)] for o in c.objects.values()]}
@@ -271,10 +275,13 @@ def import_emulated(backend, state: dict[str, Any]) -> dict[int, Any]:
         raise HandoverError(f"the emulated driver version changed ({state['version']} -> "
                             f"{backend.version})")
     backend.files = {}
-    for fid, node, minor, mapping, registered in state["files"]:
+    exports = {}
+    for fid, node, minor, mapping, registered, attached, export in state["files"]:
         backend.files[fid] = EmuFile(fid, NodeKind(node), minor,
                                      bytes.fromhex(mapping) if mapping is not None else None,
-                                     registered)
+                                     registered, attached=attached)
+        if export is not None:
+            exports[fid] = export
     backend.clients = {}
     for cd in state["clients"]:
         c = EmuClient(cd["handle"], cd["file_id"], cd["tgid"])
@@ -283,6 +290,10 @@ def import_emulated(backend, state: dict[str, Any]) -> dict[int, Any]:
                                           children=set(children), client=c)
         backend.clients[c.handle] = c
     _link_shares(state.get("shares", []), backend.clients)
+    from devbroker.backends.emulated_export import ExportSlots
+    for fid, (handle, instance, metadata, slots) in exports.items():
+        backend.files[fid].export = ExportSlots(backend.clients[handle], instance,
+                                                bytes.fromhex(metadata), list(slots))
     backend._file_ids = itertools.count(int(state["next_file"]))
     backend._client_ids = itertools.count(int(state["next_client"]))
     backend._object_ids = itertools.count(int(state["next_object"]))

@@ -158,6 +158,7 @@ def _names_gpu_ids(spec) -> bool:
 
 
 _GPU_ID_LAYOUTS: dict = {}  # StructSpec (hashed by identity) -> bool
+names_gpu_ids = _names_gpu_ids  # for the core's per-control plan (core._control_reads_params)
 
 
 def gpu_ids_named(params, prefix: str = "") -> list[tuple[str, int]]:
