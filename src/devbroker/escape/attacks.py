@@ -1488,6 +1488,8 @@ class Attack:
     overrides: dict = field(default_factory=dict, hash=False, compare=False)
     # Per front end the attack does not run on: why it does not apply (the table's N/A).
     na: dict = field(default_factory=dict, hash=False, compare=False)
+    # The backends it applies to (the racing-thread attacks need the real driver's files).
+    backends: tuple[str, ...] = ("emulated", "real")
 
     def for_frontend(self, front_end: str) -> "Attack":
         import dataclasses
@@ -1754,6 +1756,31 @@ ATTACKS += [
                                  "refuses the call (EFAULT, audited) as on seccomp")}),
 ]
 
+# Racing-thread attacks on calls continued in the tenant (issue 12; escape/races.py).
+from devbroker.escape import races as _races  # noqa: E402
+
+_RACE_NA = {"fuse": "continued calls exist only with driver files in the tenant (seccomp "
+                    "front end, real backend)"}
+_RACE_NO_AUDIT = ("a lost race leaves the decided call, which needs no record; a won "
+                  "NVOS02 race is ended by the quota watch with a 'violation' record, judged "
+                  "here by the process's death")
+ATTACKS += [
+    Attack("race-nvos02-class", "a racing thread rewrites a continued OS-descriptor "
+           "allocation (NVOS02, 0x71) into 24 GiB of video memory (0x40)", "quota", E,
+           ("NOT_WON", "KILLED"), "broker (quota watch: the driver's per-process accounting)",
+           None, _races.a_race_nvos02_class, frontends=("seccomp",), no_audit=_RACE_NO_AUDIT,
+           na=_RACE_NA, backends=("real",)),
+    Attack("race-root-class", "a racing thread rewrites the continued root-client allocation "
+           "on a fresh nvidiactl into another class", "cross-tenant", E,
+           ("ROOT_CLIENT_ONLY",), "driver (no client on the file to allocate under)", None,
+           _races.a_race_root_class, frontends=("seccomp",), no_audit=_RACE_NO_AUDIT,
+           na=_RACE_NA, backends=("real",)),
+    Attack("race-direct-open", "the real nvidiactl opened past the broker's path check "
+           "(/proc/self/root/dev/nvidiactl), then an ioctl and an mmap of it", "front end", E,
+           ("EPERM",), "front end (files the broker did not give out)", "did not give out",
+           _races.a_race_direct_open, frontends=("seccomp",), na=_RACE_NA,
+           backends=("real",)),
+]
 BY_ID: dict[str, Attack] = {a.id: a for a in ATTACKS}
 assert len(BY_ID) == len(ATTACKS), "duplicate attack ids"
 

@@ -261,10 +261,19 @@ def judge_flood(front_end: str, flood_done: dict | None, calls_done: dict | None
     return row
 
 
-def _select(front_end: str, ids: list[str] | None) -> tuple[list[Attack], list[Attack]]:
+_BACKEND_NA = "needs the real driver: the emulated backend's files continue no call"
+
+
+def _select(front_end: str, ids: list[str] | None,
+            backend: str = "emulated") -> tuple[list[Attack], list[Attack]]:
     run, skip = [], []
     for a in ATTACKS:
         if ids and a.id not in ids:
+            continue
+        if backend not in a.backends:
+            import dataclasses
+
+            skip.append(dataclasses.replace(a, na={**a.na, front_end: _BACKEND_NA}))
             continue
         if front_end in CONTAINER_FRONT_ENDS:
             base = CONTAINER_FRONT_ENDS[front_end]
@@ -767,7 +776,7 @@ def run_escape_tests(front_end: str = "fuse", *, ids: list[str] | None = None,
     if os.geteuid() != 0:
         raise PermissionError("escape-test needs root (FUSE mounts, namespaces, seccomp)")
     report = Report(front_end)
-    attacks, skip = _select(front_end, ids)
+    attacks, skip = _select(front_end, ids, backend)
     # The flood measures the broker's rate limiting, which containers do not change.
     flood = flood and (not ids or "flood" in ids) and front_end not in CONTAINER_FRONT_ENDS
     tmp = None
