@@ -3,7 +3,7 @@
 #   scripts/test.sh [pytest args...]
 # Environment: DEVBROKER_SKIP_INSTALL=1 skips the apt installs (nvidia-smi 535, runc/crun,
 # Environment: DEVBROKER_SKIP_INSTALL=1 skips the apt installs (nvidia-smi 535, Prometheus,
-# QEMU guest kernel) when they are already there; DEVBROKER_SLOW=1 also runs the suites marked slow.
+# libfuse3-dev, QEMU guest kernel) when they are already there; DEVBROKER_SLOW=1 also runs the suites marked slow.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --test
@@ -14,6 +14,8 @@ if [ "${DEVBROKER_SKIP_INSTALL:-0}" != 1 ]; then
     [ -x scripts/install-container-runtimes.sh ] && scripts/install-container-runtimes.sh
     # Prometheus + promtool and systemd-analyze for the operations tests.
     [ -x scripts/install-ops-tools.sh ] && scripts/install-ops-tools.sh
+    # gcc and libfuse3-dev for the hot-path benchmark's C floor and stand-in driver node.
+    [ -x scripts/install-bench-tools.sh ] && scripts/install-bench-tools.sh
     # A Debian guest kernel for the kernel-module and CUSE front ends (QEMU/TCG).
     [ -x scripts/qemu/setup.sh ] && scripts/qemu/setup.sh
 fi

@@ -1,0 +1,418 @@
+#!/usr/bin/env python3
+"""Benchmark (not a test): the broker's hot path, every path measured in ONE run (issue 14).
+
+One RM_CONTROL NV2080_CTRL_CMD_FB_GET_INFO_V2 (NVML's memory query, three entries) from a
+tenant process, timed call by call (devbroker.tools.hotpath), through:
+
+1. the floor: a C libfuse3 server answering the ioctl as it came (scripts/bench/fuse_echo.c,
+   built here with gcc against libfuse3-dev; scripts/install-bench-tools.sh installs them);
+2. devbroker's FUSE front end with the emulated backend (`devbroker run` + `devbroker exec
+   --frontend fuse`);
+3. devbroker's FUSE front end with the real backend, its relay process driving a stand-in
+   driver node: the same C server mounted as the backend's /dev (every RM call answered
+   NV_OK with the argument as sent, so the broker's decode, relay, rewrite and write-back all
+   run) and a /proc/driver/nvidia made from the emulator's view;
+4. the seccomp front end with the emulated backend (`devbroker exec --frontend seccomp`);
+5. throughput with 1, 4 and 16 tenant processes calling as fast as answered (FUSE, emulated);
+6. fairness: a quiet tenant (one call every 2 ms) alone, then while another tenant floods
+   with 15 busy processes (FUSE, emulated).
+
+Prints a markdown table and writes it into docs/benchmarks.md between the markers
+`<!-- bench_hotpath:begin -->` and `<!-- bench_hotpath:end -->` (--doc PATH elsewhere;
+--short writes nothing unless --doc is given). --short is what CI runs
+(tests/test_bench_hotpath.py): fewer calls, same rows; a crash fails it, a time never does.
+
+    sudo .venv/bin/python scripts/bench_hotpath.py [--short] [--doc PATH] [--n 2000]
+                                                  [--json PATH] [--note TEXT]
+
+Needs root (FUSE mounts, namespaces).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from devbroker.testing.tenant_binds import bind_args  # noqa: E402
+
+CLI = [sys.executable, "-m", "devbroker.cli.main"]
+HOTPATH = [sys.executable, "-m", "devbroker.tools.hotpath"]
+DOC = REPO / "docs" / "benchmarks.md"
+BEGIN, END = "<!-- bench_hotpath:begin -->", "<!-- bench_hotpath:end -->"
+
+GPU = """
+[[broker.gpu]]
+name = "NVIDIA H200"
+uuid = "GPU-11111111-2222-3333-4444-555555555555"
+pci_bus_id = "0000:00:06.0"
+memory = "141GiB"
+"""
+# Not paced: what is measured is the broker, not the tenants' own rate limits.
+TENANTS = """
+[tenant.quiet]
+gpus = [0]
+memory_quota = "16GiB"
+rate_limit = { requests_per_second = 100000000, burst = 100000000 }
+
+[tenant.noisy]
+gpus = [0]
+memory_quota = "16GiB"
+rate_limit = { requests_per_second = 100000000, burst = 100000000 }
+"""
+EMULATED_POLICY = '[broker]\nbackend = "emulated"\ndriver_version = "580.159.04"\n' + GPU + TENANTS
+REAL_POLICY = '[broker]\nbackend = "real"\ndriver_version = "580.159.04"\n' + TENANTS
+
+
+def log(msg: str) -> None:
+    print(f"bench_hotpath: {msg}", file=sys.stderr, flush=True)
+
+
+def pct(ns: list[int], p: float) -> float:
+    xs = sorted(ns)
+    return xs[min(len(xs) - 1, int(p * len(xs)))] / 1000.0
+
+
+def json_line(proc: subprocess.Popen, what: str, timeout: float) -> dict:
+    """The next JSON line the program prints (other lines are passed to stderr)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"program ended before its {what!r} line (rc {proc.wait()})")
+        try:
+            d = json.loads(line)
+        except ValueError:
+            sys.stderr.write(line)
+            continue
+        if d.get("what") == what:
+            return d
+    raise RuntimeError(f"no {what!r} line within {timeout} s")
+
+
+def run_json(argv: list[str], what: str, timeout: float = 300) -> dict:
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    try:
+        d = json_line(p, what, timeout)
+        if p.wait(timeout=60) != 0:
+            raise RuntimeError(f"{argv[-4:]} exited {p.returncode}")
+        return d
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+# ------------------------------------------------------------------ the C server
+def build_echo(work: Path) -> Path:
+    if not shutil.which("gcc") or subprocess.run(["pkg-config", "--exists", "fuse3"]).returncode:
+        if os.geteuid() == 0:
+            subprocess.run(["sh", str(REPO / "scripts" / "install-bench-tools.sh")], check=True)
+        else:
+            raise SystemExit("gcc and libfuse3-dev missing: run scripts/install-bench-tools.sh")
+    flags = subprocess.run(["pkg-config", "--cflags", "--libs", "fuse3"], check=True,
+                           capture_output=True, text=True).stdout.split()
+    out = work / "fuse_echo"
+    subprocess.run(["gcc", "-O2", "-o", str(out), str(REPO / "scripts" / "bench" / "fuse_echo.c"),
+                    *flags], check=True)
+    return out
+
+
+class EchoServer:
+    """fuse_echo mounted at a directory (single-threaded, like the broker's one reader)."""
+
+    def __init__(self, binary: Path, mount: Path):
+        self.mount = mount
+        mount.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen([str(binary), str(mount), "-f", "-s", "-o", "allow_other"])
+        deadline = time.monotonic() + 10
+        while not (mount / "nvidiactl").exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("fuse_echo did not come up")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        subprocess.run(["umount", "-l", str(self.mount)], capture_output=True)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# ------------------------------------------------------------------ the daemon (emulated)
+class Daemon:
+    def __init__(self, work: Path):
+        self.work = work
+        work.mkdir(parents=True, exist_ok=True)
+        (work / "policy.toml").write_text(EMULATED_POLICY)
+        self.run = CLI + ["--run-dir", str(work / "run")]
+        self.log = open(work / "broker.log", "w")
+        self.proc = subprocess.Popen(self.run + ["run", "--policy", str(work / "policy.toml")],
+                                     stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + 60
+        while subprocess.run(self.run + ["status"], capture_output=True).returncode != 0:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the broker did not start; see {work / 'broker.log'}")
+            time.sleep(0.1)
+
+    def exec_argv(self, tenant: str, frontend: str, argv: list[str]) -> list[str]:
+        return self.run + ["exec", "--tenant", tenant, "--uid", "0", "--frontend", frontend,
+                           *bind_args(), "--", *argv]
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        subprocess.run(["umount", "-l", str(self.work / "run" / "nodes")], capture_output=True)
+
+
+# ------------------------------------------------------------------ the stand-in broker
+def serve_standin(work: Path, echo_bin: Path) -> int:
+    """(In a child process.) A broker with the real backend whose /dev is fuse_echo and whose
+    /proc/driver/nvidia is the emulator's view, serving the FUSE front end at work/nodes."""
+    import trio
+
+    from devbroker.backends.emulated import EmulatedGpu
+    from devbroker.backends.real import RealBackend
+    from devbroker.broker import procview
+    from devbroker.broker.audit import AuditLog
+    from devbroker.broker.callstats import CallStats, InstrumentedBroker
+    from devbroker.broker.core import Broker
+    from devbroker.broker.policy import load_policy_text
+    from devbroker.daemon import tenant_tree
+    from devbroker.frontends.fuse import FuseFrontend
+
+    dev = EchoServer(echo_bin, work / "standin-dev")
+    proc = work / "standin-proc"
+    gpu = EmulatedGpu(index=0, name="NVIDIA H200", uuid="GPU-11111111-2222-3333-4444-555555555555",
+                      pci_bus_id="0000:00:06.0", memory_bytes=141 << 30)
+    for rel, data in procview.tenant_view([gpu], (0,), "580.159.04").items():
+        (proc / rel).parent.mkdir(parents=True, exist_ok=True)
+        (proc / rel).write_bytes(data)
+    try:
+        backend = RealBackend(dev=str(dev.mount), proc=proc, discover=False,
+                              private_dir=work / "private-nodes")
+        audit = AuditLog(work / "standin-audit.log")
+        broker = Broker(load_policy_text(REAL_POLICY, "standin"), backend, audit)
+        front = InstrumentedBroker(broker, CallStats())
+
+        async def main():
+            async with FuseFrontend(work / "nodes", front) as fe:
+                fe.set_tree(tenant_tree(broker))
+                async with trio.open_nursery() as n:
+                    broker.set_spawner(n.start_soon)
+                    print(json.dumps({"what": "ready"}), flush=True)
+                    await trio.to_thread.run_sync(sys.stdin.read)
+                    n.cancel_scope.cancel()
+
+        trio.run(main)
+        backend.relay.stop()
+    finally:
+        dev.stop()
+    return 0
+
+
+# ------------------------------------------------------------------ the run
+def measure(a) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="devbroker-hotpath-"))
+    os.chmod(work, 0o755)  # the relay (uid 65534) opens the stand-in's nodes under it
+    rows: dict[str, dict] = {}
+    n = a.n
+    echo_bin = build_echo(work)
+
+    log("floor: C libfuse3 server")
+    echo = EchoServer(echo_bin, work / "floor")
+    try:
+        d = run_json(HOTPATH + ["latency", "--raw", "--n", str(n), "--dev", str(echo.mount)],
+                     "latency")
+        rows["floor"] = {"ns": d["ns"]}
+    finally:
+        echo.stop()
+
+    log("FUSE + real backend against the stand-in node")
+    sw = work / "standin"
+    sw.mkdir()
+    os.chmod(sw, 0o755)
+    host = subprocess.Popen([sys.executable, __file__, "_standin", str(sw), str(echo_bin)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        json_line(host, "ready", 60)
+        from devbroker.backends.real import gpu_id_of
+
+        d = run_json(HOTPATH + ["latency", "--n", str(n), "--dev", str(sw / "nodes" / "quiet"),
+                                "--gpu-id", hex(gpu_id_of("0000:00:06.0"))], "latency")
+        rows["fuse-real"] = {"ns": d["ns"]}
+    finally:
+        host.stdin.close()
+        try:
+            host.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            host.kill()
+            host.wait()
+
+    log("devbroker run (emulated backend)")
+    daemon = Daemon(work / "daemon")
+    try:
+        log("FUSE + emulated")
+        d = run_json(daemon.exec_argv("quiet", "fuse", HOTPATH + ["latency", "--n", str(n)]),
+                     "latency")
+        rows["fuse-emulated"] = {"ns": d["ns"]}
+        log("seccomp + emulated")
+        d = run_json(daemon.exec_argv("quiet", "seccomp", HOTPATH + ["latency", "--n", str(n)]),
+                     "latency")
+        rows["seccomp-emulated"] = {"ns": d["ns"]}
+        for procs in (1, 4, 16):
+            log(f"throughput, {procs} tenant processes")
+            d = run_json(daemon.exec_argv("quiet", "fuse", HOTPATH + [
+                "throughput", "--procs", str(procs), "--seconds", str(a.seconds)]), "throughput")
+            if not d["ok"]:
+                raise RuntimeError(f"a throughput caller failed ({procs} processes)")
+            rows[f"throughput-{procs}"] = {"calls": d["calls"], "seconds": d["seconds"]}
+        log("fairness: quiet tenant alone, then next to a flood")
+        quiet_argv = HOTPATH + ["quiet", "--n", str(a.quiet_n), "--interval", "0.002", "--wait"]
+        rows["quiet-alone"] = quiet_run(daemon, quiet_argv, None)
+        rows["quiet-flooded"] = quiet_run(daemon, quiet_argv, 15)
+    finally:
+        daemon.stop()
+    shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+def quiet_run(daemon: Daemon, argv: list[str], flood_procs: int | None) -> dict:
+    q = subprocess.Popen(daemon.exec_argv("quiet", "fuse", argv), stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    f = None
+    try:
+        json_line(q, "ready", 60)
+        if flood_procs:
+            f = subprocess.Popen(daemon.exec_argv("noisy", "fuse", HOTPATH + [
+                "flood", "--procs", str(flood_procs)]), stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, text=True)
+            json_line(f, "flood-start", 120)
+            time.sleep(0.5)  # every flooding process calling
+        q.stdin.write("go\n")
+        q.stdin.flush()
+        d = json_line(q, "quiet", 300)
+        q.wait(timeout=60)
+        return {"ns": d["ns"]}
+    finally:
+        if f is not None:
+            f.stdin.close()
+            try:
+                f.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                f.kill()
+                f.wait()
+        if q.poll() is None:
+            q.kill()
+            q.wait()
+
+
+# ------------------------------------------------------------------ the table
+LATENCY_ROWS = [
+    ("floor", "C libfuse3 server answering the ioctl (the floor)", None),
+    ("fuse-emulated", "devbroker FUSE + emulated backend", 100),
+    ("fuse-real", "devbroker FUSE + real backend, relay → stand-in node (C FUSE server)", 150),
+    ("seccomp-emulated", "devbroker seccomp front end + emulated backend", None),
+]
+
+
+def table(rows: dict, a) -> tuple[str, dict]:
+    """The markdown table and the numbers it shows (for --json and the CI test)."""
+    nums: dict[str, float] = {}
+    lines = ["| path | n | p50 µs | p90 µs | target |", "| --- | ---: | ---: | ---: | --- |"]
+    for key, label, target in LATENCY_ROWS:
+        ns = rows[key]["ns"]
+        p50, p90 = pct(ns, .5), pct(ns, .9)
+        nums[f"{key}.p50_us"], nums[f"{key}.p90_us"] = p50, p90
+        verdict = "" if target is None else (
+            f"≤ {target}: {'met' if p50 <= target else '**missed**'}")
+        lines.append(f"| {label} | {len(ns)} | {p50:.1f} | {p90:.1f} | {verdict} |")
+    lines += ["", "| throughput (FUSE + emulated, one tenant) | calls/s | target |",
+              "| --- | ---: | --- |"]
+    for procs in (1, 4, 16):
+        r = rows[f"throughput-{procs}"]
+        rate = r["calls"] / r["seconds"]
+        nums[f"throughput-{procs}.calls_per_s"] = rate
+        verdict = "" if procs != 16 else (
+            f"≥ 10,000: {'met' if rate >= 10000 else '**missed**'}")
+        lines.append(f"| {procs} tenant process{'es' if procs > 1 else ''} | {rate:,.0f} | "
+                     f"{verdict} |")
+    alone, flooded = rows["quiet-alone"]["ns"], rows["quiet-flooded"]["ns"]
+    a50, f50 = pct(alone, .5), pct(flooded, .5)
+    ratio = f50 / a50 if a50 else float("inf")
+    nums.update({"quiet-alone.p50_us": a50, "quiet-flooded.p50_us": f50,
+                 "quiet.ratio": ratio})
+    lines += ["", "| fairness (FUSE + emulated) | n | p50 µs | p90 µs | target |",
+              "| --- | ---: | ---: | ---: | --- |",
+              f"| quiet tenant (one call every 2 ms) alone | {len(alone)} | {a50:.1f} | "
+              f"{pct(alone, .9):.1f} | |",
+              f"| the same while another tenant floods (15 processes) | {len(flooded)} | "
+              f"{f50:.1f} | {pct(flooded, .9):.1f} | ≤ 2× alone: "
+              f"{'met' if ratio <= 2 else '**missed**'} ({ratio:.2f}×) |"]
+    return "\n".join(lines), nums
+
+
+def write_doc(path: Path, text: str) -> None:
+    old = path.read_text() if path.exists() else ""
+    block = f"{BEGIN}\n{text}\n{END}"
+    if BEGIN in old and END in old:
+        new = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _m: block, old,
+                     flags=re.S)
+    else:
+        new = old.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(new)
+
+
+def main() -> int:
+    if len(sys.argv) == 4 and sys.argv[1] == "_standin":
+        return serve_standin(Path(sys.argv[2]), Path(sys.argv[3]))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--short", action="store_true", help="CI's run: fewer calls, same rows")
+    ap.add_argument("--n", type=int, help="calls per latency row (default 2000; short 200)")
+    ap.add_argument("--doc", type=Path, help="markdown file whose marked section is rewritten "
+                                             "(default docs/benchmarks.md; short: none)")
+    ap.add_argument("--json", type=Path, help="also write the numbers as JSON here")
+    ap.add_argument("--note", default="", help="a line printed above the table")
+    a = ap.parse_args()
+    if os.geteuid() != 0:
+        print("bench_hotpath: needs root (FUSE mounts, namespaces)", file=sys.stderr)
+        return 2
+    a.n = a.n or (200 if a.short else 2000)
+    a.seconds = 0.5 if a.short else 2.0
+    a.quiet_n = 100 if a.short else 500
+    t0 = time.monotonic()
+    rows = measure(a)
+    text, nums = table(rows, a)
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    head = (f"`scripts/bench_hotpath.py{' --short' if a.short else ''}`, {when}, "
+            f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}, one run "
+            f"({time.monotonic() - t0:.0f} s). One RM_CONTROL FB_GET_INFO_V2 (3 entries) "
+            "per call, timed in the tenant." + (f" {a.note}" if a.note else ""))
+    out = head + "\n\n" + text
+    print(out)
+    doc = a.doc if a.doc is not None else (None if a.short else DOC)
+    if doc is not None:
+        write_doc(doc, out)
+    if a.json is not None:
+        a.json.write_text(json.dumps({"numbers": nums, "short": a.short}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
