@@ -23,6 +23,8 @@ count bounds).
 """
 from __future__ import annotations
 
+import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,3 +137,55 @@ def front_end_open_refusal(broker: Any, tenant: str | None, held: int, *, pid: i
                    reason=f"tenant {tenant} holds {held} open /proc view files and "
                           f"directories, its limit (limits.open_files = {limit})")
     return True
+
+
+# ------------------------------------------------------------------ fair queuing (issue 14)
+class FairQueue:
+    """Requests read but not yet served, served round-robin between tenants.
+
+    Why: the kernel hands a front end its requests in arrival order, whoever sent them. A
+    tenant with 15 busy processes then always has ~15 requests ahead of a quiet tenant's one,
+    and the quiet one waits for all of them (measured before this: 0.47 ms alone, 7.5 ms next
+    to such a flood). A front end that reads everything pending into this queue and takes
+    the next request from here serves each tenant with requests waiting in turn, one request
+    per turn: a quiet tenant's request waits for at most one request of each other busy
+    tenant, however many requests those have queued. Pacing (the token bucket) still bounds
+    how much a tenant may ask for; this decides whose request goes next.
+
+    Thread-safe (the FUSE front end's reader threads share one); O(1) per put and get.
+    """
+
+    def __init__(self) -> None:
+        self._queues: dict[Any, deque] = {}
+        self._turns: deque = deque()  # tenants with requests waiting, next turn first
+        self._lock = threading.Lock()
+        self.pending = 0
+
+    def put(self, tenant: Any, item: Any) -> None:
+        with self._lock:
+            q = self._queues.get(tenant)
+            if q is None:
+                q = self._queues[tenant] = deque()
+                self._turns.append(tenant)
+            q.append(item)
+            self.pending += 1
+
+    def get(self) -> Any:
+        """The next request (the tenant whose turn it is), or None when none waits."""
+        with self._lock:
+            if not self._turns:
+                return None
+            tenant = self._turns.popleft()
+            q = self._queues[tenant]
+            item = q.popleft()
+            if q:
+                self._turns.append(tenant)  # its next request waits for the others' turns
+            else:
+                del self._queues[tenant]
+            self.pending -= 1
+            return item
+
+    def waiting(self) -> dict[Any, int]:
+        """Requests waiting per tenant (for status and tests)."""
+        with self._lock:
+            return {t: len(q) for t, q in self._queues.items()}

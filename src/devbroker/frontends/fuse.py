@@ -20,8 +20,10 @@ import logging
 import os
 import re
 import select
+import signal
 import stat
 import struct
+import threading
 import time
 from contextlib import AsyncExitStack
 import functools
@@ -32,6 +34,9 @@ import trio
 
 from devbroker.abi.nodes import NodeKind
 from devbroker.broker import limits, memgate
+from devbroker.broker.effects import (
+    Await, HandOver, Steps, WriteMemory, perform_async, perform_blocking, run_async, run_blocking,
+)
 from devbroker.broker.procinfo import pid_namespace
 from devbroker.broker.interface import (
     BrokerInterface,
@@ -59,6 +64,8 @@ WHOAMI_IOCTL = w.ioc(w.IOC_READ, 0xDB, 1, 8)
 # fh values of our own handles (static files, directories) live above every plausible
 # broker session id, so node fhs can simply *be* the session id.
 _PRIVATE_FH_BASE = 1 << 62
+
+PIDFD_THREAD = os.O_EXCL  # Linux 6.9: a pidfd for a (non-leader) thread
 
 _MS_NOSUID = 0x2
 _MS_NODEV = 0x4
@@ -309,9 +316,26 @@ class FuseFrontend:
         self._pause_requested = False
         self._parked = trio.Event()
         self._resume = trio.Event()
-        self._read_wait: trio.CancelScope | None = None
         self._handed_over = False
         self._adopted = adopt
+        # Reader threads (see "serving" below): requests read and waiting, by tenant; the
+        # threads' own duplicate of /dev/fuse and the eventfd that wakes them.
+        self._queue = limits.FairQueue()
+        self._tlock = threading.Lock()
+        self._live = 0  # reader threads running
+        self._parked_threads = 0
+        self._thread_busy = 0  # ioctls read by a thread and not yet answered or handed over
+        self._handed = 0  # requests a thread passed to the trio thread, not yet taken up
+        self._serving: dict[int, list] = {}  # thread id -> [unique, since, answered]
+        self._resume_cond = threading.Condition(self._tlock)
+        self._tfd = -1
+        self._tfd_refs = 0
+        self._wake = -1
+        self._token = None
+        self._conn_ended: trio.Event | None = None
+        # thread id -> (thread pidfd, tgid, pid namespace): see _caller
+        self._callers: dict[int, tuple[int, int, str | None]] = {}
+        self._callers_lock = threading.Lock()
         if adopt is not None:
             self._import_state(*adopt)
         if tenants:
@@ -369,6 +393,7 @@ class FuseFrontend:
     async def _shutdown(self) -> None:
         self._closed = True
         self._resume.set()  # a parked reader sees _closed and returns
+        self._wake_threads()
         if self._mounted and not self._handed_over:
             self._mounted = False
             try:
@@ -413,16 +438,22 @@ class FuseFrontend:
         self._pause_requested = True
         self._resume = trio.Event()
         self._parked = trio.Event()
-        if self._read_wait is not None:
-            self._read_wait.cancel()
+        self._wake_threads()
         if not self._serve_done.is_set():
             await self._parked.wait()
+        # Requests the threads read: answered, or taken up by a task of the trio thread
+        # (which _idle then waits for).
+        while self._thread_busy or self._handed:
+            await trio.sleep(0.001)
         await self._idle.wait()
         await self._flush_notify()
 
     def resume(self) -> None:
         """Read requests again (an upgrade that was called off)."""
-        self._pause_requested = False
+        with self._tlock:
+            self._pause_requested = False
+            self._unwake()
+            self._resume_cond.notify_all()
         self._resume.set()
 
     def detach(self) -> None:
@@ -664,50 +695,290 @@ class FuseFrontend:
                               attr_valid=self._attr_ttl(ino), minor=self.proto_minor)
 
     # ---- serving -------------------------------------------------------------------------
+    # Requests are read by reader threads (issue 14), blocking on their own duplicate of
+    # /dev/fuse: no trio wake-up, no task and no 132 KiB buffer per request. An IOCTL on a
+    # node file is decided on the thread that read it (the broker's steps, run_blocking:
+    # broker/effects.py), tenant memory through MemoryGate.direct with the watchdog below
+    # keeping its deadline, as the seccomp front end's listener threads do; a step that
+    # must wait (a rate limit, a relayed driver call, an fd lookup) hands the half-run
+    # steps to the trio thread (HandOver), which finishes and answers them. Every other
+    # request (open, release, page reads, lookups, ...) goes to the trio thread as before.
+    # Fairness: a thread reads everything the kernel has pending into a FairQueue and
+    # serves one tenant's ioctl per turn (broker/limits.py).
+    threads = 1  # one thread answers: a second one waiting contends for the GIL
+    max_extra_threads = 8  # started by the watchdog while every thread is held up
+    busy_hold = 0.1  # seconds all threads must have been busy before another is started
+    watchdog_tick = 0.1
+    drain_batch = 64  # requests read per pass before one is served
+
     async def _serve(self) -> None:
         try:
-            await self._serve_loop()
+            await self._serve_threads()
         finally:
             self._serve_done.set()
 
-    async def _serve_loop(self) -> None:
-        fd = self._fd
-        while not self._closed:
-            if self._pause_requested:
-                # Live upgrade: requests stay queued in the kernel until someone reads them
-                # (the successor, or this process again if the upgrade is called off).
-                self._parked.set()
-                await self._resume.wait()
-                continue
+    async def _serve_threads(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._conn_ended = trio.Event()
+        self._wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self._tfd = os.dup(self._fd)  # the threads' own reference: see _drop_thread_ref
+        self._tfd_refs = 1
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watchdog)
+                for _ in range(self.threads):
+                    self._start_reader()
+                await self._conn_ended.wait()
+                nursery.cancel_scope.cancel()
+        finally:
+            self._closed = True
+            self._wake_threads()
+            self._drop_thread_ref()
+            self._forget_callers()
+
+    def _connection_ended(self) -> None:
+        if self._conn_ended is not None:
+            self._conn_ended.set()
+
+    def _start_reader(self) -> None:
+        with self._tlock:
+            self._tfd_refs += 1
+            self._live += 1
+        threading.Thread(target=self._reader_main, name="fuse-reader", daemon=True).start()
+
+    def _drop_thread_ref(self) -> None:
+        with self._tlock:
+            self._tfd_refs -= 1
+            last = self._tfd_refs == 0
+            fds = (self._tfd, self._wake) if last else ()
+            if last:
+                self._tfd = self._wake = -1
+        for fd in fds:
+            # No thread can use the numbers any more (one held up in a tenant's page keeps
+            # its reference, so it never answers on a number reused meanwhile).
+            os.close(fd)
+
+    def _wake_threads(self) -> None:
+        if self._wake >= 0:
             try:
-                buf = os.read(fd, self._bufsize)
+                os.eventfd_write(self._wake, 1)
+            except OSError:
+                pass
+        with self._tlock:
+            self._resume_cond.notify_all()
+
+    def _unwake(self) -> None:
+        if self._wake >= 0:
+            try:
+                os.eventfd_read(self._wake)
+            except OSError:
+                pass
+
+    def _to_trio(self, fn, *args) -> bool:
+        try:
+            self._token.run_sync_soon(fn, *args)
+            return True
+        except trio.RunFinishedError:
+            return False
+
+    def _reader_main(self) -> None:
+        me = threading.get_native_id()
+        fd = self._tfd
+        buf = bytearray(self._bufsize)  # one buffer for the thread's life
+        view = memoryview(buf)
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        poller.register(self._wake, select.POLLIN)
+        try:
+            while not self._closed:
+                if self._pause_requested:
+                    if self._queue.pending:
+                        self._serve_next(me)  # read before the pause: answered first
+                    else:
+                        self._park()
+                    continue
+                if not self._drain(fd, buf, view):
+                    break
+                if self._serve_next(me):
+                    if self._surplus():
+                        break
+                    continue
+                if not poller.poll(200) and self._surplus():
+                    break  # an extra thread retires when idle
+        except Exception:  # pragma: no cover - a bug must not end the service silently
+            log.exception("FUSE reader thread failed")
+        finally:
+            with self._tlock:
+                self._live -= 1
+            self._drop_thread_ref()
+
+    def _park(self) -> None:
+        with self._tlock:
+            self._parked_threads += 1
+            if self._parked_threads >= self._live:
+                self._to_trio(lambda: self._parked.set())
+            while self._pause_requested and not self._closed:
+                self._resume_cond.wait(0.2)
+            self._parked_threads -= 1
+
+    def _surplus(self) -> bool:
+        """More threads free to read than `threads` (threads held up in a slow call or a
+        stalled page do not count: they are why the others were started)."""
+        now = time.monotonic()
+        held = sum(1 for _u, since, _a in list(self._serving.values())
+                   if now - since > self.busy_hold)
+        with self._tlock:
+            return self._live - held > self.threads
+
+    def _drain(self, fd: int, buf: bytearray, view: memoryview) -> bool:
+        """Read what the kernel has pending (up to drain_batch requests) and route each.
+        False: the connection has ended."""
+        for _ in range(self.drain_batch):
+            try:
+                n = os.readv(fd, [buf])
             except BlockingIOError:
-                try:
-                    with trio.CancelScope() as self._read_wait:
-                        await trio.lowlevel.wait_readable(fd)
-                except trio.ClosedResourceError:  # _shutdown closed the device
-                    return
-                finally:
-                    self._read_wait = None
-                continue
+                return True
             except InterruptedError:
                 continue
             except OSError as e:
                 if e.errno == errno.ENOENT:  # the request was withdrawn before we read it
                     continue
                 if e.errno in (errno.ENODEV, errno.ECONNABORTED, errno.EBADF):
-                    log.info("FUSE connection at %s ended (%s)", self.mountpoint, e)
-                    return
+                    if not self._closed:
+                        log.info("FUSE connection at %s ended (%s)", self.mountpoint, e)
+                    self._to_trio(self._connection_ended)
+                    return False
                 raise
-            self._dispatch(buf)
-            # Let the tasks we just started (and replies) run between requests.
-            await trio.lowlevel.checkpoint()
+            self._route(view[:n])
+        return True
+
+    def _route(self, data) -> None:
+        """(Reader thread.) Queue an ioctl on a node file for this thread; hand anything
+        else to the trio thread."""
+        try:
+            req = w.parse_request(data, minor=self.proto_minor or w.MAX_MINOR)
+        except w.WireError as e:
+            log.error("malformed FUSE request: %s", e)
+            if e.unique is not None:
+                self._error(e.unique, errno.EIO)
+            return
+        kind = type(req)
+        if kind is w.Read and memgate.accessing(req.header.pid) is not None:
+            # A broker thread reading or writing a tenant's memory faulted on a page the
+            # tenant mapped from this very mount (issue 13). Serving it would read a node
+            # for the broker through the tenant's mapping; waiting would be worse (nobody
+            # may be left to answer it). Fail the fault now: the access sees EFAULT and
+            # the broker refuses the tenant's call.
+            memgate.note_own_mount_fault(req.header.pid)
+            self._error(req.unique, errno.EIO)
+            return
+        if kind is w.Ioctl:
+            h = self._handles.get(req.fh)
+            if h is not None and h.kind == "node":
+                with self._tlock:
+                    self._thread_busy += 1
+                self._queue.put(h.inode.tenant, req)
+                return
+        with self._tlock:
+            self._handed += 1
+        if not self._to_trio(self._take_handed, self._dispatch_request, req):
+            with self._tlock:
+                self._handed -= 1
+
+    def _take_handed(self, fn, *args) -> None:
+        """(Trio thread.) Take up what a reader thread handed over."""
+        with self._tlock:
+            self._handed -= 1
+        fn(*args)
+
+    def _serve_next(self, me: int) -> bool:
+        """(Reader thread.) Answer the next queued ioctl here (False: none waits)."""
+        req = self._queue.get()
+        if req is None:
+            return False
+        entry = [req.unique, time.monotonic(), False]
+        self._serving[me] = entry
+        try:
+            steps = self._ioctl_steps(req)
+            try:
+                out = run_blocking(steps, self._perform_here)
+            except HandOver as ho:
+                with self._tlock:
+                    self._handed += 1
+                if not self._to_trio(self._take_handed, self._finish_on_trio, req, ho.steps,
+                                     ho.pending):
+                    with self._tlock:
+                        self._handed -= 1
+                    ho.steps.close()
+                    self._error(req.unique, errno.EIO)
+                return True
+            except Exception:
+                log.exception("FUSE ioctl %#x failed", req.cmd)
+                out = w.encode_error(req.unique, errno.EIO)
+            if not entry[2]:  # not answered by the watchdog meanwhile
+                self._send(out)
+        finally:
+            self._serving.pop(me, None)
+            with self._tlock:
+                self._thread_busy -= 1
+        return True
+
+    def _finish_on_trio(self, req: w.Ioctl, steps: Steps, pending) -> None:
+        self._begin()
+        self._nursery.start_soon(self._finish_task, req, steps, pending)
+
+    async def _finish_task(self, req: w.Ioctl, steps: Steps, pending) -> None:
+        try:
+            out = await run_async(steps, self._perform_async, pending)
+        except Exception:
+            log.exception("FUSE ioctl %#x failed", req.cmd)
+            out = w.encode_error(req.unique, errno.EIO)
+        finally:
+            self._end()
+        self._send(out)
+
+    def _perform_here(self, eff):
+        return perform_blocking(eff, memgate.gate_of(self.broker))
+
+    async def _perform_async(self, eff):
+        return await perform_async(eff, memgate.gate_of(self.broker))
+
+    async def _watchdog(self) -> None:
+        """Keeps the mount answering while its threads are held up: an access to a
+        tenant's memory past the memory gate's deadline is answered with EFAULT and audited
+        (the thread stays in the kernel, counted as stalled); when every thread has been busy
+        for busy_hold (a stalled page, a slow call, a fault on this very mount), another
+        thread is started, so other tenants (and that fault) are still answered."""
+        gate = memgate.gate_of(self.broker)
+        while True:
+            await trio.sleep(self.watchdog_tick)
+            for tid, tenant, what in gate.sweep(self._serving.keys()):
+                held = self._serving.get(tid)
+                if held is None or held[2]:
+                    continue
+                held[2] = True
+                self._error(held[0], errno.EFAULT)
+                audit = getattr(self.broker, "audit", None)
+                if audit is not None:
+                    audit.deny(tenant=tenant, what=what,
+                               reason=f"{what} did not complete within {gate.deadline:g} s "
+                                      "(the page waits on something outside the broker); "
+                                      "its thread is left to the kernel")
+            now = time.monotonic()
+            busy = [since for _u, since, _a in list(self._serving.values())]
+            with self._tlock:
+                live = self._live
+            if (not self._closed and not self._pause_requested and busy
+                    and len(busy) >= live and now - max(busy) > self.busy_hold
+                    and live < self.threads + self.max_extra_threads):
+                self._start_reader()
 
     def _send(self, data: bytes) -> None:
-        if self._fd < 0:
+        fd = self._tfd if self._tfd >= 0 else self._fd
+        if fd < 0:
             return
         try:
-            os.write(self._fd, data)
+            os.write(fd, data)
         except OSError as e:
             # ENOENT: the request was interrupted and withdrawn; the reply has no reader.
             if e.errno != errno.ENOENT:
@@ -716,24 +987,8 @@ class FuseFrontend:
     def _error(self, unique: int, err: int) -> None:
         self._send(w.encode_error(unique, _sanitize_errno(err)))
 
-    def _dispatch(self, buf: bytes) -> None:
-        try:
-            req = w.parse_request(buf, minor=self.proto_minor or w.MAX_MINOR)
-        except w.WireError as e:
-            log.error("malformed FUSE request: %s", e)
-            if e.unique is not None:
-                self._error(e.unique, errno.EIO)
-            return
-        if type(req) is w.Read and memgate.accessing(req.header.pid) is not None:
-            # A broker thread reading or writing a tenant's memory faulted on a page the
-            # tenant mapped from this very mount (issue 13). Serving it would read a node
-            # for the broker through the tenant's mapping; waiting would be worse (before
-            # the memory gate, the fault was taken on this thread: nobody was left to
-            # answer it and the whole broker hung). Fail the fault now: the access sees
-            # EFAULT and the broker refuses the tenant's call.
-            memgate.note_own_mount_fault(req.header.pid)
-            self._error(req.unique, errno.EIO)
-            return
+    def _dispatch_request(self, req) -> None:
+        """(Trio thread.) Answer a request a reader thread handed over."""
         handler = self._SYNC.get(type(req))
         if handler is not None:
             if type(req) in self._PACED:
@@ -798,9 +1053,50 @@ class FuseFrontend:
             self._end()
 
     def _caller(self, h: w.InHeader) -> Caller:
+        """Who sent the request: uid and gid from the request itself, the thread's process
+        and pid namespace from /proc (~30 µs) the first time a thread is seen, then from a
+        cache held by a thread pidfd (PIDFD_THREAD): a signal-0 check on it (~1 µs) tells
+        that the thread is still the one cached, never a new thread that reused the number
+        (a thread's process and pid namespace never change)."""
         tid = h.pid
-        tgid = _tgid_of(tid) if tid else 0
-        return Caller(pid=tgid or tid, tid=tid, uid=h.uid, gid=h.gid)
+        if not tid:
+            return Caller(pid=0, tid=0, uid=h.uid, gid=h.gid)
+        with self._callers_lock:
+            hit = self._callers.get(tid)
+            if hit is not None:
+                try:
+                    signal.pidfd_send_signal(hit[0], 0)
+                    return Caller(pid=hit[1], tid=tid, uid=h.uid, gid=h.gid, pidns=hit[2])
+                except OSError:
+                    del self._callers[tid]
+                    os.close(hit[0])
+        tgid = _tgid_of(tid)
+        ns = pid_namespace(tgid or tid)
+        caller = Caller(pid=tgid or tid, tid=tid, uid=h.uid, gid=h.gid, pidns=ns)
+        if not tgid or ns is None:
+            return caller
+        try:
+            pidfd = os.pidfd_open(tid, PIDFD_THREAD)
+        except OSError:
+            return caller
+        if _tgid_of(tid) != tgid:  # the thread ended and its number was reused meanwhile
+            os.close(pidfd)
+            return caller
+        with self._callers_lock:
+            if len(self._callers) >= 4096:  # threads come and go: drop the oldest half
+                for old in list(self._callers)[:2048]:
+                    os.close(self._callers.pop(old)[0])
+            prev = self._callers.pop(tid, None)
+            if prev is not None:
+                os.close(prev[0])
+            self._callers[tid] = (pidfd, tgid, ns)
+        return caller
+
+    def _forget_callers(self) -> None:
+        with self._callers_lock:
+            for pidfd, _t, _n in self._callers.values():
+                os.close(pidfd)
+            self._callers.clear()
 
     def _inode(self, nodeid: int) -> _Inode | None:
         return self._inodes.get(nodeid)
@@ -1033,6 +1329,7 @@ class FuseFrontend:
     def _on_destroy(self, req: w.Destroy) -> None:
         self._send(w.encode_reply(req.unique))
         self._closed = True
+        self._connection_ended()
 
     def _on_unknown(self, req: w.Unknown) -> None:
         self._error(req.unique, errno.ENOSYS)
@@ -1134,28 +1431,39 @@ class FuseFrontend:
         self._send(w.encode_reply(req.unique))
 
     async def _on_ioctl(self, req: w.Ioctl) -> None:
+        self._send(await run_async(self._ioctl_steps(req), self._perform_async))
+
+    def _ioctl_steps(self, req: w.Ioctl) -> Steps:
+        """One IOCTL as steps (broker/effects.py), returning the reply to send: run on a
+        reader thread (run_blocking) or, from a hand-over or _on_ioctl, on the trio thread."""
         h = self._handles.get(req.fh)
         if h is None or h.kind != "node" or req.flags & w.IOCTL_DIR:
-            self._error(req.unique, errno.ENOTTY)
-            return
+            return w.encode_error(req.unique, errno.ENOTTY)
         caller = self._caller(req.header)
         if req.cmd == WHOAMI_IOCTL and caller.pid == os.getpid():
-            self._send(w.encode_ioctl(req.unique, 0, struct.pack("<Q", h.session)[:req.out_size]))
-            return
-        self._passed_out(h, caller)  # the broker refuses the call itself
+            return w.encode_ioctl(req.unique, 0, struct.pack("<Q", h.session)[:req.out_size])
+        if not self._same_sandbox_quick(h, caller):
+            # Perhaps a file passed out of its sandbox: the trio thread's books say (and
+            # drop its cached pages if so); the broker refuses the call itself.
+            yield Await(self._passed_out_async, (h, caller))
         memory = ProcessMemory(caller.pid)
         # Restricted FUSE ioctls carry the argument only for commands that encode a size
         # and direction. UVM commands are bare numbers: arg is None and the broker reads
         # and writes the argument through `memory` at arg_ptr, sized from its ABI registry.
         arg = req.data if req.in_size else None
         tenant = h.inode.tenant or ""
-        rep = await self.broker.ioctl(IoctlRequest(
-            caller, h.session, req.cmd, req.arg, arg, memory,
-            resolve_fd=functools.partial(self.resolve_fd, caller.pid, tenant=tenant)))
+        ireq = IoctlRequest(caller, h.session, req.cmd, req.arg, arg, memory,
+                            resolve_fd=functools.partial(self.resolve_fd, caller.pid,
+                                                         tenant=tenant))
+        steps = getattr(self.broker, "ioctl_steps", None)
+        if steps is not None:
+            rep = yield from steps(ireq)
+        else:
+            rep = yield Await(self.broker.ioctl, (ireq,))
         if rep.errno:
             # ENOSYS would make the kernel disable ioctls on the whole mount for good.
-            self._error(req.unique, errno.ENOTTY if rep.errno == errno.ENOSYS else rep.errno)
-            return
+            return w.encode_error(req.unique, _sanitize_errno(
+                errno.ENOTTY if rep.errno == errno.ENOSYS else rep.errno))
         out = b""
         if rep.arg_out is not None:
             if req.out_size:
@@ -1165,14 +1473,26 @@ class FuseFrontend:
                 # the driver copies the argument back regardless, so do the same — through
                 # the memory gate, like every access to a tenant's memory.
                 try:
-                    await memgate.gate_of(self.broker).write(tenant, memory, req.arg,
-                                                             bytes(rep.arg_out))
+                    yield WriteMemory(memory, req.arg, bytes(rep.arg_out), tenant,
+                                      f"write of ioctl {req.cmd:#x}'s result")
                 except OSError as e:
                     log.info("ioctl %#x of pid %d: result not written back: %s", req.cmd,
                              caller.pid, e)
-                    self._error(req.unique, errno.EFAULT)
-                    return
-        self._send(w.encode_ioctl(req.unique, rep.result, out))
+                    return w.encode_error(req.unique, errno.EFAULT)
+        return w.encode_ioctl(req.unique, rep.result, out)
+
+    @staticmethod
+    def _same_sandbox_quick(h: _Handle, caller: Caller) -> bool:
+        """The cases where _passed_out answers False without touching anything: the
+        opener itself, a process of the same uid and pid namespace, a file already marked."""
+        o = h.opener
+        if o is None or h.passed or caller.pid == o.pid or caller.pid <= 0:
+            return True
+        return (caller.uid == o.uid and caller.pidns is not None
+                and (h.opener_ns is None or caller.pidns == h.opener_ns))
+
+    async def _passed_out_async(self, h: _Handle, caller: Caller) -> bool:
+        return self._passed_out(h, caller)
 
     async def _on_poll(self, req: w.Poll) -> None:
         h = self._handles.get(req.fh)
