@@ -296,16 +296,17 @@ class Channel:
         self.dec = w.FrameDecoder()
         self.lock = threading.Lock()
         self.ids = itertools.count(1)
+        self._buf = bytearray(1 << 16)  # one receive buffer, not one per reply
 
     def call(self, build: Callable[[int], bytes], want: int) -> bytes:
         with self.lock:
             rid = next(self.ids)
             self.sock.sendall(build(rid))
             while True:
-                data = self.sock.recv(1 << 16)
-                if not data:
+                got = self.sock.recv_into(self._buf)
+                if not got:
                     raise RelayError(errno.EPIPE, "the relay process is gone")
-                frames = self.dec.feed(data)
+                frames = self.dec.feed(memoryview(self._buf)[:got])
                 if frames:
                     f = frames[0]
                     if f.id != rid:
@@ -370,6 +371,8 @@ class RelayProcess:
         chans = [Channel(a) for a, _ in pairs]
         self.sync = chans[0]
         self.pool = chans[1:]
+        # One pool channel is kept for blocking calls from front-end threads (ioctl_here).
+        self.thread_chan = self.pool.pop() if len(self.pool) > 1 else None
         self.idle = list(self.pool)
         self._free = None
         self._achans: list = []
@@ -395,6 +398,15 @@ class RelayProcess:
 
     def ioctl(self, chan: Channel, req: w.IoctlRequest) -> w.IoctlReply:
         return w.parse_ioctl_reply(chan.call(lambda rid: w.encode_ioctl(rid, req), w.IOCTL))
+
+    def ioctl_here(self, req: w.IoctlRequest) -> w.IoctlReply:
+        """A blocking ioctl from a front end's own thread (a FUSE reader, issue 14) on the
+        channel kept for them; NotHere when there is none or another thread is using it
+        (the call then goes the trio way, aioctl)."""
+        chan = self.thread_chan
+        if chan is None or chan.lock.locked():
+            raise NotHere
+        return self.ioctl(chan, req)
 
     async def aioctl(self, req: w.IoctlRequest) -> w.IoctlReply:
         """From the trio loop: take an idle pool channel (waiting if all are busy)."""
@@ -620,7 +632,7 @@ class RealBackend:
         call): the driver must never see CAP_SYS_ADMIN on a tenant's behalf; a slow call holds only this
         tenant's listener thread. Relayed files are served the trio way."""
         if not getattr(file, "runs_in_caller", False):
-            raise NotHere
+            return self._relay_here(file, dc)
         prep = self._prepare_tenant_call(file, dc)
         if isinstance(prep, DriverResult):
             return prep
@@ -646,6 +658,20 @@ class RealBackend:
             return DriverResult(arg=dc.call.encode(), errno=e.errno or errno.EFAULT)
         with trio.CancelScope(shield=True):  # a half-done exchange would desync a channel
             rep = await self.relay.aioctl(prep.request)
+        return self._relayed(dc, prep, rep)
+
+    def _relay_here(self, file: RealFile, dc: DriverCall) -> DriverResult:
+        """A relayed call from a front end's thread (issue 14): the relay's channel for
+        threads, blocking; NotHere (the trio way) when it is taken."""
+        try:
+            prep = prepare_ioctl(file, dc)
+        except Unrelayable:
+            raise NotHere from None  # the trio way notes and answers it
+        except OSError as e:
+            return DriverResult(arg=dc.call.encode(), errno=e.errno or errno.EFAULT)
+        return self._relayed(dc, prep, self.relay.ioctl_here(prep.request))
+
+    def _relayed(self, dc: DriverCall, prep, rep) -> DriverResult:
         arg, nested = finish_ioctl(prep, rep)
         if rep.ret >= 0:
             for path, i in prep.deep:  # the core writes them back to the tenant

@@ -206,12 +206,16 @@ class Relay:
 
     def serve(self, sock: socket.socket) -> None:
         dec = w.FrameDecoder()
+        # One receive buffer for the channel's life: a fresh 1 MiB recv per request was
+        # mapped and unmapped each time (issue 14).
+        buf = bytearray(1 << 20)
+        view = memoryview(buf)
         try:
             while True:
-                data = sock.recv(1 << 20)
-                if not data:
+                n = sock.recv_into(buf)
+                if not n:
                     return
-                for f in dec.feed(data):
+                for f in dec.feed(view[:n]):
                     sock.sendall(self.handle(f))
         except (OSError, w.WireError):
             return
