@@ -24,6 +24,7 @@ Prints a markdown table and writes it into docs/benchmarks.md between the marker
 
     sudo .venv/bin/python scripts/bench_hotpath.py [--short] [--doc PATH] [--n 2000]
                                                   [--json PATH] [--note TEXT]
+                                                  [--profile DIR]
 
 Needs root (FUSE mounts, namespaces).
 """
@@ -227,6 +228,67 @@ def serve_standin(work: Path, echo_bin: Path) -> int:
     return 0
 
 
+# ------------------------------------------------------------------ profiles (--profile)
+class Profile:
+    """py-spy sampling a broker process while one row is measured (collapsed stacks)."""
+
+    def __init__(self, outdir: Path | None, name: str, pid: int):
+        self.proc = None
+        if outdir is None:
+            return
+        spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        if not os.path.exists(spy):
+            raise SystemExit("--profile needs py-spy (pip install py-spy)")
+        outdir.mkdir(parents=True, exist_ok=True)
+        self.out = outdir / f"{name}.collapsed"
+        self.proc = subprocess.Popen([spy, "record", "-p", str(pid), "-f", "raw", "-r", "500",
+                                      "--nonblocking", "-o", str(self.out)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0)  # attached before the calls start
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        if self.out.exists():
+            (self.out.parent / (self.out.stem + ".top.txt")).write_text(summarize(self.out))
+
+
+def summarize(path: Path, top: int = 25) -> str:
+    """Own (leaf) and inclusive sample shares per function, from py-spy's raw output;
+    idle waits (poll, sleep, lock waits of idle threads) are left out."""
+    own: dict[str, int] = {}
+    incl: dict[str, int] = {}
+    total = 0
+    idle = ("poll (", "select (", "wait (", "_park (", "run (trio", "get_events (", "sleep (",
+            "readline (", "_wait_for_tstate_lock", "read (sys")
+    for line in path.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not n.isdigit():
+            continue
+        frames = stack.split(";")
+        if any(frames[-1].startswith(i) or i in frames[-1] for i in idle):
+            continue
+        n = int(n)
+        total += n
+        own[frames[-1]] = own.get(frames[-1], 0) + n
+        for f in set(frames):
+            incl[f] = incl.get(f, 0) + n
+    if not total:
+        return "no busy samples\n"
+    out = [f"busy samples: {total}", "", "own %  function"]
+    out += [f"{100 * c / total:5.1f}  {f}" for f, c in
+            sorted(own.items(), key=lambda kv: -kv[1])[:top]]
+    out += ["", "incl %  function"]
+    out += [f"{100 * c / total:5.1f}  {f}" for f, c in
+            sorted(incl.items(), key=lambda kv: -kv[1])[:top]]
+    return "\n".join(out) + "\n"
+
+
 # ------------------------------------------------------------------ the run
 def measure(a) -> dict:
     work = Path(tempfile.mkdtemp(prefix="devbroker-hotpath-"))
@@ -254,8 +316,10 @@ def measure(a) -> dict:
         json_line(host, "ready", 60)
         from devbroker.backends.real import gpu_id_of
 
+        prof = Profile(a.profile, "fuse-real", host.pid)
         d = run_json(HOTPATH + ["latency", "--n", str(n), "--dev", str(sw / "nodes" / "quiet"),
                                 "--gpu-id", hex(gpu_id_of("0000:00:06.0"))], "latency")
+        prof.stop()
         rows["fuse-real"] = {"ns": d["ns"]}
     finally:
         host.stdin.close()
@@ -269,8 +333,10 @@ def measure(a) -> dict:
     daemon = Daemon(work / "daemon")
     try:
         log("FUSE + emulated")
+        prof = Profile(a.profile, "fuse-emulated", daemon.proc.pid)
         d = run_json(daemon.exec_argv("quiet", "fuse", HOTPATH + ["latency", "--n", str(n)]),
                      "latency")
+        prof.stop()
         rows["fuse-emulated"] = {"ns": d["ns"]}
         log("seccomp + emulated")
         d = run_json(daemon.exec_argv("quiet", "seccomp", HOTPATH + ["latency", "--n", str(n)]),
@@ -278,8 +344,10 @@ def measure(a) -> dict:
         rows["seccomp-emulated"] = {"ns": d["ns"]}
         for procs in (1, 4, 16):
             log(f"throughput, {procs} tenant processes")
+            prof = Profile(a.profile if procs == 16 else None, "throughput-16", daemon.proc.pid)
             d = run_json(daemon.exec_argv("quiet", "fuse", HOTPATH + [
                 "throughput", "--procs", str(procs), "--seconds", str(a.seconds)]), "throughput")
+            prof.stop()
             if not d["ok"]:
                 raise RuntimeError(f"a throughput caller failed ({procs} processes)")
             rows[f"throughput-{procs}"] = {"calls": d["calls"], "seconds": d["seconds"]}
@@ -389,6 +457,9 @@ def main() -> int:
                                              "(default docs/benchmarks.md; short: none)")
     ap.add_argument("--json", type=Path, help="also write the numbers as JSON here")
     ap.add_argument("--note", default="", help="a line printed above the table")
+    ap.add_argument("--profile", type=Path, metavar="DIR",
+                    help="sample the broker with py-spy during the FUSE rows and the 16-process "
+                         "throughput (DIR/<row>.collapsed and a summary DIR/<row>.top.txt)")
     a = ap.parse_args()
     if os.geteuid() != 0:
         print("bench_hotpath: needs root (FUSE mounts, namespaces)", file=sys.stderr)
