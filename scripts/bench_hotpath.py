@@ -13,7 +13,8 @@ tenant process, timed call by call (devbroker.tools.hotpath), through:
    NV_OK with the argument as sent, so the broker's decode, relay, rewrite and write-back all
    run) and a /proc/driver/nvidia made from the emulator's view;
 4. the seccomp front end with the emulated backend (`devbroker exec --frontend seccomp`);
-5. throughput with 1, 4 and 16 tenant processes calling as fast as answered (FUSE, emulated);
+5. throughput with 1, 4 and 16 tenant processes calling as fast as answered (FUSE, emulated),
+   and the floor's with 16 (what the machine allows at all);
 6. fairness: a quiet tenant (one call every 2 ms) alone, then while another tenant floods
    with 15 busy processes (FUSE, emulated).
 
@@ -303,6 +304,9 @@ def measure(a) -> dict:
         d = run_json(HOTPATH + ["latency", "--raw", "--n", str(n), "--dev", str(echo.mount)],
                      "latency")
         rows["floor"] = {"ns": d["ns"]}
+        d = run_json(HOTPATH + ["throughput", "--raw", "--procs", "16", "--seconds",
+                                str(a.seconds), "--dev", str(echo.mount)], "throughput")
+        rows["floor-throughput-16"] = {"calls": d["calls"], "seconds": d["seconds"]}
     finally:
         echo.stop()
 
@@ -413,6 +417,10 @@ def table(rows: dict, a) -> tuple[str, dict]:
         lines.append(f"| {label} | {len(ns)} | {p50:.1f} | {p90:.1f} | {verdict} |")
     lines += ["", "| throughput (FUSE + emulated, one tenant) | calls/s | target |",
               "| --- | ---: | --- |"]
+    r = rows["floor-throughput-16"]
+    nums["floor-throughput-16.calls_per_s"] = r["calls"] / r["seconds"]
+    lines.append(f"| the floor (C server), 16 processes: this machine's ceiling | "
+                 f"{r['calls'] / r['seconds']:,.0f} | |")
     for procs in (1, 4, 16):
         r = rows[f"throughput-{procs}"]
         rate = r["calls"] / r["seconds"]

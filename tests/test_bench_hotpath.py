@@ -36,6 +36,7 @@ def test_short_run_reports_every_path(tmp_path):
     nums = json.loads(out.read_text())["numbers"]
     want = [f"{r}.{q}" for r in ROWS for q in ("p50_us", "p90_us")]
     want += [f"throughput-{n}.calls_per_s" for n in (1, 4, 16)]
+    want += ["floor-throughput-16.calls_per_s"]
     want += ["quiet-alone.p50_us", "quiet-flooded.p50_us", "quiet.ratio"]
     for key in want:
         assert key in nums, key

@@ -6,7 +6,7 @@ the NVML-style sequence of devbroker.tools.probe (version check, root client, at
 device, subdevice) and is not timed.
 
     python -m devbroker.tools.hotpath latency --n N [--dev DIR] [--raw]
-    python -m devbroker.tools.hotpath throughput --procs P --seconds S [--dev DIR]
+    python -m devbroker.tools.hotpath throughput --procs P --seconds S [--dev DIR] [--raw]
     python -m devbroker.tools.hotpath quiet --n N --interval S [--dev DIR] [--wait]
     python -m devbroker.tools.hotpath flood --procs P [--dev DIR]
 
@@ -109,7 +109,7 @@ def _children(procs: int, body) -> list[int]:
     return pids
 
 
-def throughput(dev: str, procs: int, seconds: float) -> int:
+def throughput(dev: str, procs: int, seconds: float, raw: bool = False) -> int:
     """procs processes, each with its own client, calling as fast as answered; counted over
     the same window (after every process is ready)."""
     ready_r, ready_w = os.pipe()
@@ -117,7 +117,7 @@ def throughput(dev: str, procs: int, seconds: float) -> int:
     done_r, done_w = os.pipe()
 
     def body(_i: int) -> int:
-        c = OneCall(dev, False)
+        c = OneCall(dev, raw)
         os.write(ready_w, b"r")
         os.read(go_r, 1)
         end = time.monotonic() + seconds
@@ -201,8 +201,9 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--procs", type=int, default=1)
         if name == "throughput":
             p.add_argument("--seconds", type=float, default=2.0)
-        if name == "latency":
+        if name in ("latency", "throughput"):
             p.add_argument("--raw", action="store_true")
+        if name == "latency":
             p.add_argument("--gpu-id", type=lambda x: int(x, 0),
                            help="the GPU's id, for a stand-in driver that cannot list them")
         if name == "quiet":
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "latency":
         return latency(a.dev, a.n, a.raw, a.gpu_id)
     if a.cmd == "throughput":
-        return throughput(a.dev, a.procs, a.seconds)
+        return throughput(a.dev, a.procs, a.seconds, a.raw)
     if a.cmd == "quiet":
         return quiet(a.dev, a.n, a.interval, a.wait)
     return flood(a.dev, a.procs)
