@@ -1,10 +1,11 @@
 """FUSE front end: the broker's device nodes as files of a raw-protocol FUSE mount.
 
-A thin trio adapter around the sans-IO codec in :mod:`devbroker.frontends.fusewire`:
-it mounts with mount(2) on a /dev/fuse descriptor (no libfuse, no fusermount), reads
-requests without blocking the trio loop, answers file-system metadata itself from a
-tree the broker keeps up to date, and turns OPEN / IOCTL / READ / RELEASE on node files
-into broker requests. See docs/fuse.md for the reasoning behind each choice.
+A thin adapter around the sans-IO codec in :mod:`devbroker.frontends.fusewire`: it
+mounts with mount(2) on a /dev/fuse descriptor (no libfuse, no fusermount), reads requests
+on reader threads that answer node ioctls themselves (the broker's steps, fairly between
+tenants) and hand everything else to the trio thread, answers file-system metadata itself
+from a tree the broker keeps up to date, and turns OPEN / IOCTL / READ / RELEASE on node
+files into broker requests. See docs/fuse.md for the reasoning behind each choice.
 
 Layout served::
 
