@@ -334,6 +334,7 @@ class FuseFrontend:
         self._wake = -1
         self._token = None
         self._conn_ended: trio.Event | None = None
+        self._spare_until = 0.0  # see spare_keep
         # thread id -> (thread pidfd, tgid, pid namespace): see _caller
         self._callers: dict[int, tuple[int, int, str | None]] = {}
         self._callers_lock = threading.Lock()
@@ -710,6 +711,11 @@ class FuseFrontend:
     max_extra_threads = 8  # started by the watchdog while every thread is held up
     busy_hold = 0.1  # seconds all threads must have been busy before another is started
     watchdog_tick = 0.1
+    # Once the watchdog had to start a thread (a tenant's page held the readers up), one
+    # extra thread stays this long: a tenant repeating the trick (a pointer into a page of
+    # this mount, whose fault needs a second reader to be refused) costs the others one
+    # watchdog tick per minute, not one per call.
+    spare_keep = 60.0
     drain_batch = 64  # requests read per pass before one is served
 
     async def _serve(self) -> None:
@@ -828,8 +834,9 @@ class FuseFrontend:
         now = time.monotonic()
         held = sum(1 for _u, since, _a in list(self._serving.values())
                    if now - since > self.busy_hold)
+        keep = self.threads + (1 if now < self._spare_until else 0)
         with self._tlock:
-            return self._live - held > self.threads
+            return self._live - held > keep
 
     def _drain(self, fd: int, buf: bytearray, view: memoryview) -> bool:
         """Read what the kernel has pending (up to drain_batch requests) and route each.
@@ -972,6 +979,7 @@ class FuseFrontend:
             if (not self._closed and not self._pause_requested and busy
                     and len(busy) >= live and now - max(busy) > self.busy_hold
                     and live < self.threads + self.max_extra_threads):
+                self._spare_until = now + self.spare_keep
                 self._start_reader()
 
     def _send(self, data: bytes) -> None:
