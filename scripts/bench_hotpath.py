@@ -266,7 +266,9 @@ def summarize(path: Path, top: int = 25) -> str:
     incl: dict[str, int] = {}
     total = 0
     idle = ("poll (", "select (", "wait (", "_park (", "run (trio", "get_events (", "sleep (",
-            "readline (", "_wait_for_tstate_lock", "read (sys")
+            "readline (", "_wait_for_tstate_lock", "read (sys",
+            "_work (trio/_core/_thread_cache.py:211)",  # an idle worker waiting for a job
+            "_reader_main (devbroker/frontends/fuse.py:")  # a reader thread in poll()
     for line in path.read_text().splitlines():
         stack, _, n = line.rpartition(" ")
         if not n.isdigit():
