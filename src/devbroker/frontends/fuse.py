@@ -310,13 +310,12 @@ class FuseFrontend:
         # ioctl argument of max_pages pages, plus headers.
         self._max_pages = 32
         self._bufsize = max(max_write, self._max_pages * 4096) + 4096
-        # Live upgrade: pause() parks the reader and waits for the requests in flight.
+        # Live upgrade: pause() parks the readers and waits for the requests in flight.
         self._inflight = 0
         self._idle = trio.Event()
         self._idle.set()
         self._pause_requested = False
         self._parked = trio.Event()
-        self._resume = trio.Event()
         self._handed_over = False
         self._adopted = adopt
         # Reader threads (see "serving" below): requests read and waiting, by tenant; the
@@ -394,8 +393,7 @@ class FuseFrontend:
 
     async def _shutdown(self) -> None:
         self._closed = True
-        self._resume.set()  # a parked reader sees _closed and returns
-        self._wake_threads()
+        self._wake_threads()  # a parked reader sees _closed and returns
         if self._mounted and not self._handed_over:
             self._mounted = False
             try:
@@ -438,7 +436,6 @@ class FuseFrontend:
         (and the kernel told of every invalidation). Tenants' calls meanwhile wait in the
         kernel's queue: none fails and none is lost. The caller bounds the wait."""
         self._pause_requested = True
-        self._resume = trio.Event()
         self._parked = trio.Event()
         self._wake_threads()
         if not self._serve_done.is_set():
@@ -456,7 +453,6 @@ class FuseFrontend:
             self._pause_requested = False
             self._unwake()
             self._resume_cond.notify_all()
-        self._resume.set()
 
     def detach(self) -> None:
         """The successor serves this mount now: closing here must not unmount or abort it."""
@@ -702,7 +698,7 @@ class FuseFrontend:
     # node file is decided on the thread that read it (the broker's steps, run_blocking:
     # broker/effects.py), tenant memory through MemoryGate.direct with the watchdog below
     # keeping its deadline, as the seccomp front end's listener threads do; a step that
-    # must wait (a rate limit, a relayed driver call, an fd lookup) hands the half-run
+    # must wait (a rate limit, an fd lookup, a relay channel in use) hands the half-run
     # steps to the trio thread (HandOver), which finishes and answers them. Every other
     # request (open, release, page reads, lookups, ...) goes to the trio thread as before.
     # Fairness: a thread reads everything the kernel has pending into a FairQueue and
