@@ -1,0 +1,201 @@
+"""The FUSE front end's reader threads (issue 14), with real processes on a real mount.
+
+Ioctls on node files are answered on the reader thread that read them, tenant memory touched
+there directly (MemoryGate.direct); a watchdog keeps the gate's deadline. What must hold:
+
+1. A tenant whose nested pointer leads into a userfaultfd page nobody serves gets EFAULT at
+   the deadline, with an audit record naming it; meanwhile another tenant's ioctls are
+   answered (the watchdog starts another reader); once the page is released, the stalled
+   thread returns and the tenant's stall count goes back to 0.
+2. Many processes of two tenants calling at once all get right answers (the caller cache,
+   the fair queue and the hand-overs under load).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import trio
+
+from devbroker.backends.emulated import EmulatedBackend, EmulatedGpu
+from devbroker.broker.audit import AuditLog
+from devbroker.broker.core import Broker
+from devbroker.broker.policy import load_policy_text
+from devbroker.daemon import tenant_tree
+from devbroker.frontends.fuse import FuseFrontend
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="FUSE mounts need root")
+
+POLICY = """
+[broker]
+backend = "emulated"
+driver_version = "580.159.04"
+
+[[broker.gpu]]
+name = "NVIDIA H200"
+uuid = "GPU-14141414-2222-3333-4444-555555555555"
+pci_bus_id = "0000:00:06.0"
+memory = "141GiB"
+
+[tenant.alice]
+gpus = [0]
+memory_quota = "16GiB"
+rate_limit = { requests_per_second = 1000000, burst = 1000000 }
+
+[tenant.bob]
+gpus = [0]
+memory_quota = "8GiB"
+rate_limit = { requests_per_second = 1000000, burst = 1000000 }
+"""
+
+# A tenant (run as root outside any sandbox: userfaultfd for kernel-mode faults needs
+# CAP_SYS_PTRACE) whose FB_GET_INFO_V2 parameters are a userfaultfd page nobody serves.
+STALLER = r"""
+import ctypes, errno, fcntl, json, os, struct, sys, time
+from devbroker.escape.attacks import (PAGE, SYS_userfaultfd, UFFD_API, UFFDIO_API,
+                                      UFFDIO_REGISTER, UFFDIO_REGISTER_MODE_MISSING, libc)
+from devbroker.tools.hotpath import OneCall
+c = OneCall(sys.argv[1], False)
+uffd = libc.syscall(ctypes.c_long(SYS_userfaultfd), ctypes.c_long(os.O_CLOEXEC | os.O_NONBLOCK))
+assert uffd >= 0, ctypes.get_errno()
+fcntl.ioctl(uffd, UFFDIO_API, bytearray(struct.pack("=QQQ", UFFD_API, 0, 0)), True)
+addr = libc.mmap(None, PAGE, 3, 0x22, -1, 0)
+fcntl.ioctl(uffd, UFFDIO_REGISTER,
+            bytearray(struct.pack("=QQQQ", addr, PAGE, UFFDIO_REGISTER_MODE_MISSING, 0)), True)
+c.arg[16:24] = struct.pack("<Q", addr)  # NVOS54.params: the unserved page
+print(json.dumps({"what": "calling", "t": time.monotonic()}), flush=True)
+try:
+    c.call()
+    got = {"errno": 0}
+except OSError as e:
+    got = {"errno": e.errno}
+got.update(what="answered", t=time.monotonic())
+print(json.dumps(got), flush=True)
+sys.stdin.readline()
+os.close(uffd)  # the broker's stalled thread returns
+print(json.dumps({"what": "released"}), flush=True)
+sys.stdin.readline()
+"""
+
+CALLER = r"""
+import json, sys, time
+from devbroker.tools.hotpath import FB_GET_INFO_V2, OneCall
+c = OneCall(sys.argv[1], False)
+n, want = int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else None
+spec = c.client.abi.control(FB_GET_INFO_V2).params
+for _ in range(n):
+    c.check()  # NV_OK
+    total = spec.decode(c.params.raw[:spec.size]).fbInfoList[0].data  # TOTAL_RAM_SIZE, KiB
+    if want is not None and total != want:
+        raise SystemExit(f"total {total} KiB, want {want}")
+print(json.dumps({"what": "done", "n": n, "t": time.monotonic()}), flush=True)
+"""
+
+
+def _env():
+    env = dict(os.environ)
+    src = os.path.join(os.path.dirname(__file__), "..", "src")
+    env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+async def _with_mount(tmp_path, body, *, deadline: float = 2.0):
+    audit_path = tmp_path / "audit.log"
+    emu = EmulatedBackend([EmulatedGpu(index=0, name="NVIDIA H200",
+                                       uuid="GPU-14141414-2222-3333-4444-555555555555",
+                                       pci_bus_id="0000:00:06.0", memory_bytes=141 << 30)],
+                          version="580.159.04")
+    broker = Broker(load_policy_text(POLICY, "test"), emu, AuditLog(audit_path))
+    broker.memgate.deadline = deadline
+    async with FuseFrontend(tmp_path / "nodes", broker) as fe:
+        fe.set_tree(tenant_tree(broker))
+        async with trio.open_nursery() as n:
+            broker.set_spawner(n.start_soon)
+            await body(broker, fe, tmp_path / "nodes")
+            n.cancel_scope.cancel()
+    if not audit_path.exists():  # nothing was audited
+        return []
+    return [json.loads(line) for line in audit_path.read_text().splitlines()]
+
+
+def _line(p: subprocess.Popen) -> dict:
+    line = p.stdout.readline()
+    assert line, f"the tenant ended (rc {p.poll()})"
+    return json.loads(line)
+
+
+async def test_a_stalled_tenant_page_is_refused_at_the_deadline_and_stalls_nobody(tmp_path):
+    result = {}
+
+    async def body(broker, fe, nodes):
+        staller = subprocess.Popen([sys.executable, "-c", STALLER, str(nodes / "alice")],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                   env=_env())
+        try:
+            calling = await trio.to_thread.run_sync(_line, staller)
+            assert calling["what"] == "calling"
+            # While alice's call waits on her page: bob is answered, many times.
+            bob = await trio.to_thread.run_sync(lambda: subprocess.run(
+                [sys.executable, "-c", CALLER, str(nodes / "bob"), "200"],
+                capture_output=True, text=True, env=_env(), timeout=60))
+            assert bob.returncode == 0, bob.stderr
+            bob_done = json.loads(bob.stdout.strip().splitlines()[-1])
+            answered = await trio.to_thread.run_sync(_line, staller)
+            assert answered["what"] == "answered"
+            result["alice_errno"] = answered["errno"]
+            result["bob_before_alice"] = bob_done["t"] < answered["t"]
+            result["stalled_while_held"] = broker.memgate.stalled.get("alice", 0)
+            staller.stdin.write("go\n")
+            staller.stdin.flush()
+            assert (await trio.to_thread.run_sync(_line, staller))["what"] == "released"
+            # The stalled thread comes back: the stall is no longer counted.
+            for _ in range(200):
+                if not broker.memgate.stalled.get("alice", 0):
+                    break
+                await trio.sleep(0.05)
+            result["stalled_after"] = broker.memgate.stalled.get("alice", 0)
+            # and alice is served again like anyone
+            again = await trio.to_thread.run_sync(lambda: subprocess.run(
+                [sys.executable, "-c", CALLER, str(nodes / "alice"), "5"],
+                capture_output=True, text=True, env=_env(), timeout=60))
+            result["alice_again"] = again.returncode
+        finally:
+            staller.kill()
+            staller.wait()
+
+    records = await _with_mount(tmp_path, body, deadline=3.0)
+    assert result["alice_errno"] == 14  # EFAULT
+    assert result["bob_before_alice"]
+    assert result["stalled_while_held"] == 1
+    assert result["stalled_after"] == 0
+    assert result["alice_again"] == 0
+    late = [r for r in records if r.get("event") == "deny" and r.get("tenant") == "alice"
+            and "did not complete within" in r.get("reason", "")]
+    assert late, records
+    assert any(r.get("tenant") == "alice" and "returned after" in r.get("message", "")
+               for r in records), records
+
+
+async def test_many_processes_of_two_tenants_all_get_right_answers(tmp_path):
+    """Six processes per tenant calling at once: every answer is NV_OK and shows the
+    caller's own tenant's quota (16 GiB for alice, 8 GiB for bob), never the other's."""
+    rcs = {}
+
+    async def body(broker, fe, nodes):
+        quota_kib = {"alice": 16 << 20, "bob": 8 << 20}
+        procs = [(t, subprocess.Popen([sys.executable, "-c", CALLER, str(nodes / t), "150",
+                                       str(quota_kib[t])],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, env=_env()))
+                 for _ in range(6) for t in ("alice", "bob")]
+        for i, (t, p) in enumerate(procs):
+            out, err = await trio.to_thread.run_sync(p.communicate)
+            rcs[(t, i)] = (p.returncode, err[-500:])
+
+    await _with_mount(tmp_path, body)
+    assert len(rcs) == 12
+    assert all(rc == 0 for rc, _ in rcs.values()), rcs
