@@ -17,7 +17,7 @@ from devbroker.backends.base import DriverCall
 from devbroker.backends.real import Unrelayable, prepare_ioctl
 from devbroker.backends.tenantfile import FdRef
 from devbroker.broker import allow
-from devbroker.broker.core import embedded_buffers
+from devbroker.broker.handlers import embedded_buffers
 
 ABI = registry.get("580.159.04")
 ROOT = frozenset({0x0, 0x41})

@@ -139,8 +139,8 @@ def test_second_level_buffers_the_core_copied_are_relayed_others_refused():
     v = top.decode(bytes(top.size)).replace(hClient=1, hObject=1, cmd=0x101, params=0x1000,
                                             paramsSize=spec.size)
     call = ABI.decode_ioctl(NodeKind.CTL, iowr(0x2A, top.size), v.encode())
-    # The core copies the buffers the ABI marks (core.embedded_buffers) into dc.embedded.
-    from devbroker.broker.core import embedded_buffers
+    # The core copies the buffers the ABI marks (handlers.embedded_buffers) into dc.embedded.
+    from devbroker.broker.handlers import embedded_buffers
 
     assert embedded_buffers(ABI, params) == [("pVersionBuffer", 32)]
     embedded = {"pVersionBuffer": bytearray(ctypes.string_at(ctypes.addressof(strings), 32))}

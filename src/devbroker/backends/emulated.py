@@ -14,18 +14,20 @@ import logging
 import threading
 import time
 import uuid as uuidlib
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Callable
 
 from devbroker.abi import registry, vidmem
 from devbroker.abi import status as nvs
 from devbroker.abi.nodes import NodeKind
 from devbroker.backends.base import DriverCall, DriverResult, PciLocation
+from devbroker.backends import emulated_export  # noqa: F401  (registers its control handlers)
+from devbroker.backends.emulated_controls import CONTROL_HANDLERS, H200_FACTS
+from devbroker.backends.emulated_objects import EmuClient, EmuFile, EmuObject
 
 log = logging.getLogger("devbroker.emulated")
 
 GiB = 1 << 30
-KiB = 1 << 10
 
 # Values the real driver uses, from the headers (see docs/emulator.md).
 NV_RM_API_VERSION_REPLY_UNRECOGNIZED = 0
@@ -34,7 +36,6 @@ NV_RM_API_VERSION_CMD_STRICT = 0
 NV_RM_API_VERSION_CMD_RELAXED = ord("1")
 NV_RM_API_VERSION_CMD_QUERY = ord("2")
 NV_RM_API_VERSION_STRING_LENGTH = 64
-INVALID_GPU_ID = 0xFFFFFFFF
 NV_PCI_VENDOR_NVIDIA = 0x10DE
 NV01_ROOT_CLIENT = 0x41
 # NVOS33_FLAGS (nvos.h): escape.c resets the caching type to DEFAULT on every RM_MAP_MEMORY
@@ -78,38 +79,6 @@ def _stable_uuid(i: int) -> uuidlib.UUID:
 # run, 2026-11-30 22:18, the escape harness's fd-pass-mmap set-up). Unmeasured branches: no
 # check.
 USER_SHARED_DATA_SIZE = {"580": 2608}
-
-
-@dataclass
-class EmuObject:
-    handle: int
-    rm_class: int
-    parent: int
-    gpu: int | None = None
-    size: int = 0  # device memory held
-    children: set[int] = field(default_factory=set)
-    # Handles of one object (RM_DUP_OBJECT): the memory is released with the last of them.
-    share: list | None = field(default=None, repr=False, compare=False)
-    client: Any = field(default=None, repr=False, compare=False)  # the EmuClient holding it
-
-
-@dataclass
-class EmuClient:
-    handle: int
-    file_id: int
-    tgid: int
-    objects: dict[int, EmuObject] = field(default_factory=dict)
-
-
-@dataclass
-class EmuFile:
-    id: int
-    node: NodeKind
-    minor: int
-    mapping: bytes | None = None  # what an mmap of this file shows (set by RM_MAP_MEMORY)
-    registered_ctl: int | None = None
-    export: Any = None  # emulated_export.ExportSlots once objects were exported into it
-    attached: bool = False  # ATTACH_GPUS_TO_FD was made on it
 
 
 class EmulatedBackend:
@@ -601,8 +570,6 @@ class EmulatedBackend:
 
 
 def _board_facts(pci_device_id: int) -> dict:
-    from devbroker.backends.emulated_controls import H200_FACTS
-
     return H200_FACTS.get(pci_device_id, {})
 
 
@@ -627,11 +594,3 @@ def _host_memblock_size() -> int | None:
             return int(fh.read().strip(), 16)
     except (OSError, ValueError):
         return None
-
-
-# Control handlers are data: command number -> function(backend, client, object, params)
-# returning (status, params). Filled in by devbroker.backends.emulated_controls.
-CONTROL_HANDLERS: dict[int, Callable[..., tuple[int, Any]]] = {}
-
-from devbroker.backends import emulated_controls  # noqa: E402,F401  (registers handlers)
-from devbroker.backends import emulated_export  # noqa: E402,F401  (registers handlers)

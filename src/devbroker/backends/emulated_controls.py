@@ -9,8 +9,18 @@ from __future__ import annotations
 
 import time
 
+from typing import Any, Callable
+
 from devbroker.abi import status as nvs
-from devbroker.backends.emulated import CONTROL_HANDLERS, INVALID_GPU_ID, KiB
+
+KiB = 1 << 10
+INVALID_GPU_ID = 0xFFFFFFFF  # the driver's "no GPU" id
+
+# Control handlers are data: command number -> function(backend, client, object, params)
+# returning (status, params), registered with @control below. EmulatedBackend answers
+# NV_ERR_NOT_SUPPORTED for the rest; the broker's control rows (broker/rules.py) show which
+# allowed controls the emulator models.
+CONTROL_HANDLERS: dict[int, Callable[..., tuple[int, Any]]] = {}
 
 NV0000_CTRL_GPU_ATTACH_ALL_PROBED_IDS = 0x0000FFFF
 # NV2080_GPU_CMD_GPU_GET_GID_FLAGS_FORMAT: ASCII "GPU-…" or the 16 raw bytes.

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 from devbroker.abi import status as nvs
 from devbroker.abi.nodes import NodeKind
-from devbroker.backends.emulated import CONTROL_HANDLERS, EmuClient, EmuObject
+from devbroker.backends.emulated_controls import CONTROL_HANDLERS
+from devbroker.backends.emulated_objects import EmuClient, EmuObject
 
 NV_MAX_DEVICES = 32
 NV_U32_MAX = 0xFFFFFFFF

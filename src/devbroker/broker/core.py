@@ -2,30 +2,33 @@
 
 For each ioctl the core (1) finds the session and tenant, (2) waits for the tenant's rate
 limit, (3) decodes the argument with the driver ABI, (4) refuses what the tenant's
-capabilities do not allow (deny by default, tables in allow.py), (5) checks that every client
-handle named belongs to the tenant, (6) enforces the device-memory quota, (7) hands the call
-to the backend, (8) rewrites what the tenant may see (rewrite.py) and (9) writes the results
+capabilities do not allow (deny by default: the rule tables in rules.py), and runs the
+call's row: its handler (handlers.py) (5) checks that every client handle named belongs to
+the tenant, (6) enforces the device-memory quota, (7) hands the call to the backend, (8)
+rewrites what the tenant may see (the row's hooks, rewrite.py) and (9) writes the results
 back. Refusals are answered the way the driver itself refuses: an errno for an escape, an
 NV_STATUS in the argument for a class or control.
 """
 from __future__ import annotations
 
-import errno
 import contextlib
-import os
+import errno
 import itertools
 import logging
+import os
+import signal
 import time
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import trio
 
-from devbroker.abi import DecodeError, registry, vidmem
+from devbroker.abi import DecodeError, iowr, registry
 from devbroker.abi import status as nvstatus
 from devbroker.abi.nodes import NodeKind
 from devbroker.backends.base import Backend, DriverCall, DriverResult
-from devbroker.broker import allow, limits, rewrite
+from devbroker.broker import limits, rules
 from devbroker.broker.audit import AuditLog
 from devbroker.broker.effects import (
     STATE_LOCK, DriverIoctl, Effect, RateLimit, ReadMemory, ResolveFd, Steps, WriteMemory,
@@ -44,9 +47,12 @@ from devbroker.broker.interface import (
     ReleaseRequest,
     RunInCaller,
 )
-from devbroker.broker.objects import RmClient, drop_objects, share
+from devbroker.broker.handlers import CallContext, embedded_buffers
+from devbroker.broker.objects import RmClient, drop_objects
 from devbroker.broker.procinfo import pid_namespace, stat_nosync
 from devbroker.broker.ratelimit import TokenBucket
+from devbroker.broker.refusal import Refusal
+from devbroker.broker.rules import CLIENT_FIELDS_ZERO_OK, CLIENT_HANDLE_FIELDS
 
 log = logging.getLogger("devbroker.broker")
 
@@ -60,32 +66,9 @@ MAX_EMBEDDED_BYTES = 64 << 10
 # beyond the allowance fails with out-of-memory (docs/seccomp.md).
 MANAGED_MEMORY_DEFAULT = 64 << 20
 
-ROOT_CLIENT_CLASSES = frozenset({0x0, 0x41})  # NV01_ROOT, NV01_ROOT_CLIENT
 # A control every root client answers, with no state and a 4-byte parameter block
 # (NV0000_CTRL_CMD_SYSTEM_GET_FEATURES): the broker's probe that a handle is a client of a file.
 PROBE_CONTROL = 0x1F0
-DEVICE_CLASS = 0x80  # NV01_DEVICE_0
-SUBDEVICE_CLASS = 0x2080  # NV20_SUBDEVICE_0
-
-# Names of fields that hold a *client* handle, wherever they appear (top-level arguments,
-# nested parameters, UVM arguments). A tenant may only name its own clients there.
-CLIENT_HANDLE_FIELDS = ("hClient", "hRoot", "hClientSrc", "hClientShare", "hClientTarget",
-                        "hParentClient", "hTargetClient", "hAppClient")
-# Of those, the ones where 0 means "none" (a device with no target client, ...).
-CLIENT_FIELDS_ZERO_OK = frozenset({"hClientShare", "hTargetClient", "hAppClient"})
-OS_EVENT_CLASS = 0x79  # NV01_EVENT_OS_EVENT
-DEBUGGER_CLASS = 0x83DE  # GT200_DEBUGGER
-# Controls whose parameters name one of the caller's nvidiactl files by fd (`fd`): objects
-# exported into that file's slots and imported from them by another process of the tenant
-# (cuMemExportToShareableHandle with POSIX fds: NCCL, CUDA IPC; issue 16). The driver looks the
-# fd up in the calling process (nv_get_file_private), so the broker passes its own duplicate.
-EXPORT_OBJECTS_TO_FD = 0x3D0B  # NV0000_CTRL_CMD_OS_UNIX_EXPORT_OBJECTS_TO_FD
-IMPORT_OBJECTS_FROM_FD = 0x3D0C  # NV0000_CTRL_CMD_OS_UNIX_IMPORT_OBJECTS_FROM_FD
-GET_EXPORT_OBJECT_INFO = 0x3D08  # NV0000_CTRL_CMD_OS_UNIX_GET_EXPORT_OBJECT_INFO
-OBJECT_FD_CONTROLS = frozenset({EXPORT_OBJECTS_TO_FD, IMPORT_OBJECTS_FROM_FD,
-                                GET_EXPORT_OBJECT_INFO})
-UNKNOWN_CLASS = -1  # an object whose class the books do not know (a duplicate of one made by
-#                     a continued call)
 
 
 def _locked(method: Callable) -> Callable:
@@ -96,18 +79,6 @@ def _locked(method: Callable) -> Callable:
             return method(self, *args, **kw)
     locked.__name__, locked.__doc__ = method.__name__, method.__doc__
     return locked
-
-
-class Refusal(Exception):
-    """A decision to refuse a call; carries both the errno and the driver status forms."""
-
-    def __init__(self, reason: str, *, errno_: int = errno.EPERM, status: int | None = None,
-                 what: str = ""):
-        super().__init__(reason)
-        self.reason = reason
-        self.errno = errno_
-        self.status = status
-        self.what = what
 
 
 @dataclass
@@ -234,8 +205,6 @@ class Broker:
 
     def set_spawner(self, start_soon: Callable) -> None:
         """Background tasks start in this trio run (call from inside it)."""
-        import trio
-
         self.spawn = start_soon
         self._trio_token = trio.lowlevel.current_trio_token()
 
@@ -308,7 +277,7 @@ class Broker:
             self.audit.deny(tenant=tenant.name, pid=req.caller.pid, what=what,
                             reason=f"uid {req.caller.uid} is not pinned to this tenant")
             return OpenReply(errno=errno.EACCES)
-        refusal = allow.check_open(req.node, req.minor, tenant.gpus, tenant.capabilities())
+        refusal = rules.check_open(req.node, req.minor, tenant.gpus, tenant.capabilities())
         if refusal:
             tenant.refusals += 1
             self.audit.deny(tenant=tenant.name, pid=req.caller.pid, what=what, reason=refusal)
@@ -468,7 +437,7 @@ class Broker:
         if call.spec is None:
             self._deny(s, call.name, "unknown command for driver " + abi.version)
             return IoctlReply(errno=errno.EINVAL if call.kind == "uvm" else errno.EPERM)
-        rule = allow.escape_rule(call)
+        rule = rules.escape_rule(call)
         if rule is None or not rule.granted(tenant.capabilities()):
             reason = (f"{call.name} is not allowed for tenants" if rule is None else
                       f"{call.name} needs capability '{rule.capability}'")
@@ -478,9 +447,8 @@ class Broker:
             self._deny(s, call.name, f"{call.name} is not valid on {s.node_name}")
             return IoctlReply(errno=errno.EINVAL)
 
-        handler = getattr(self, "_esc_" + rule.handler)
         try:
-            out = handler(s, abi, req, call, rule)
+            out = rule.handler(CallContext(self, s, abi, req, call, rule, rules))
             # Handlers that need nothing from outside decide in one go (no steps).
             reply = (yield from out) if isinstance(out, types.GeneratorType) else out
         except RunInCaller as rc:
@@ -574,7 +542,7 @@ class Broker:
                         nested_fds=nested_fds or {})
         if getattr(s.file, "runs_in_caller", False):
             # A driver file that lives in the tenant (seccomp + real backend).
-            if allow.in_caller_reason(call, rm_class):
+            if rules.in_caller_reason(call, rm_class):
                 # An allocation the kernel re-reads could be rewritten by a racing thread
                 # into device memory the books never see: check the driver's accounting.
                 raise RunInCaller("watch" if rm_class is not None else call.name)
@@ -653,8 +621,6 @@ class Broker:
         ctl = abi.struct("NVOS54_PARAMETERS")
         value = ctl.decode(bytes(ctl.size)).replace(hClient=h, hObject=h, cmd=PROBE_CONTROL,
                                                     paramsSize=4, params=0)
-        from devbroker.abi import iowr
-
         spec = abi.escape("NV_ESC_RM_CONTROL")
         cmd = iowr(spec.number, ctl.size)
         # The probe has no pointer of the tenant's: params is the broker's own buffer.
@@ -699,10 +665,6 @@ class Broker:
             return
 
         async def watch() -> None:
-            import signal
-
-            import trio
-
             try:
                 await watch_loop(signal, trio)
             finally:
@@ -787,42 +749,9 @@ class Broker:
         return (yield from self._mem_read(s, req, ref.ptr, ref.size))
 
     # ------------------------------------------------------------------ escape handlers
-    def _esc_relay(self, s, abi, req, call, rule) -> IoctlReply:
-        """Escapes with no handles or fds: pass through, rewrite the view if a hook says so."""
-        self._check_clients(s, call.value, where=call.name)
-        result = yield from self._call_backend(s, call, req=req)
-        out = result.arg
-        hook = rewrite.ESCAPE_REWRITES.get(call.name)
-        if hook and not result.errno:
-            out = hook(self, s, abi, abi.decode_ioctl(s.node, req.cmd, out).value).encode()
-        return IoctlReply(result=result.result, arg_out=out, errno=result.errno)
 
-    def _esc_version(self, s, abi, req, call, rule) -> IoctlReply:
-        result = yield from self._call_backend(s, call, req=req)
-        if not result.errno:
-            # The emulator speaks the ABI of the version the client asked for, when the
-            # registry has it; every later call of this process is decoded with it.
-            asked = _cstr(call.value.versionString)
-            if asked in registry.versions() and asked != abi.version:
-                s.tenant.abi_by_tgid[s.caller.pid] = registry.get(asked)
-        return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
-    def _esc_sys_params(self, s, abi, req, call, rule) -> IoctlReply:
-        """SYS_PARAMS sets a host-global, set-once value: never relayed, answered here."""
-        host = getattr(self.backend, "memblock_size", None)
-        asked = call.value.memblock_size
-        if host is not None and asked != host:
-            raise Refusal(f"SYS_PARAMS memblock_size={asked:#x} differs from the host's "
-                          f"{host:#x} (a host-global setting)", errno_=errno.EPERM,
-                          what=call.name)
-        return IoctlReply(arg_out=call.encode())
 
-    def _esc_fd(self, s, abi, req, call, rule) -> IoctlReply:
-        """Escapes carrying an fd of the tenant's (REGISTER_FD, ALLOC_OS_EVENT…)."""
-        self._check_clients(s, call.value, where=call.name)
-        fd_files = yield from self._translate_fds(s, req, call.value, rule.fd_fields, call.name)
-        result = yield from self._call_backend(s, call, fd_files=fd_files, req=req)
-        return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
     def _translate_fds(self, s, req, value, fd_fields, where) -> dict:
         out = {}
@@ -842,70 +771,6 @@ class Broker:
             out[path] = target.file
         return out
 
-    def _esc_rm_control(self, s, abi, req, call, rule) -> IoctlReply:
-        v = call.value
-        where = f"RM_CONTROL {abi.control_name(v.cmd)}"
-        client = yield from self._client_of(s, v.hClient, where, req)
-        if v.hObject not in client.objects:
-            raise Refusal(f"{where}: object {v.hObject:#x} is not in client {v.hClient:#x}",
-                          status=nvstatus.NV_ERR_INVALID_OBJECT_HANDLE, what=where)
-        self._refuse_revoked(s, client.objects[v.hObject].gpu, where)
-        answered = allow.ANSWERED_CONTROLS.get(v.cmd)
-        nested0 = None  # read once: what is decided on is what runs
-        if answered is not None and answered[0] in s.tenant.capabilities():
-            ref0 = abi.nested(call)
-            nested0 = yield from self._read_nested(s, req, ref0)
-            p0 = ref0.spec.decode(nested0) if nested0 is not None and ref0.spec else None
-            if not answered[2](p0):
-                # Host-global effect: NV_OK without the driver (parameters left as sent).
-                self._once(("answered", s.tenant.name, v.cmd),
-                           f"tenant {s.tenant.name}: {where} answered by the broker: "
-                           f"{answered[1]}")
-                return self._status_reply(abi, call, nvstatus.NV_OK)
-        ctl_rule = allow.control_rule(v.cmd, abi)
-        if ctl_rule is None or not ctl_rule.granted(s.tenant.capabilities()):
-            reason, status = allow.control_refusal(ctl_rule)
-            raise Refusal(f"{where} ({v.cmd:#x}): {reason}", status=status, what=where)
-        spec = abi.control(v.cmd)
-        if spec is not None and spec.params is not None and v.paramsSize != spec.size:
-            raise Refusal(f"{where}: paramsSize {v.paramsSize} != {spec.size}",
-                          status=nvstatus.NV_ERR_INVALID_PARAM_STRUCT, what=where)
-        ref = abi.nested(call)
-        nested = nested0 if nested0 is not None else (yield from self._read_nested(s, req, ref))
-        params = None
-        if (nested is not None and ref.spec is not None
-                and _control_reads_params(v.cmd, ref.spec)):
-            params = ref.spec.decode(nested)
-            self._check_clients(s, params, where=where)
-            pre = rewrite.CONTROL_PRE.get(v.cmd)
-            if pre is not None:
-                params = pre(self, s, abi, params)
-                nested = params.encode()
-            # Every GPU id the parameters name must be one of the tenant's (by the ABI's
-            # fields, for every control: issue 13 item 6).
-            rewrite.require_own_gpu_ids(self, s, abi, v.cmd, params)
-        if v.cmd in OBJECT_FD_CONTROLS:  # an fd of the tenant's in the parameters
-            return (yield from self._ctl_object_fd(s, abi, req, call, client, params, ref,
-                                                   where))
-        embedded = yield from self._read_embedded(s, req, abi, params, where)
-        result = yield from self._call_backend(s, call, nested, embedded=embedded, req=req)
-        out_nested = result.nested
-        if params is not None:  # (else: no post-hook and no embedded buffers to write back)
-            ok = (not result.errno and out_nested is not None
-                  and abi.decode_ioctl(s.node, req.cmd, result.arg).value.status
-                  == nvstatus.NV_OK)
-            post = rewrite.CONTROL_POST.get(v.cmd)
-            if ok and post is not None:
-                ctx = rewrite.ControlContext(params, client.objects[v.hObject].gpu)
-                out_nested = post(self, s, abi, ref.spec.decode(out_nested), ctx).encode()
-        else:
-            ok = False
-        if out_nested is not None and not result.errno:
-            yield from self._mem_write(s, req, ref.ptr, out_nested)
-            if ok:
-                for name, buf in embedded.items():
-                    yield from self._mem_write(s, req, getattr(params, name), bytes(buf))
-        return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
     def _read_embedded(self, s: Session, req: IoctlRequest, abi, params,
                              where: str) -> dict[str, bytearray]:
@@ -922,124 +787,6 @@ class Broker:
             out[name] = bytearray((yield from self._mem_read(s, req, getattr(params, name), size)))
         return out
 
-    def _esc_rm_alloc(self, s, abi, req, call, rule) -> IoctlReply:
-        v = call.value
-        cls = v.hClass
-        where = f"RM_ALLOC {abi.class_name(cls)}"
-        if cls in ROOT_CLIENT_CLASSES:
-            if s.node is not NodeKind.CTL:
-                raise Refusal(f"{where}: root clients are allocated on nvidiactl",
-                              status=nvstatus.NV_ERR_INVALID_ARGUMENT, what=where)
-            owner = self.client_owner.get(v.hObjectNew) if v.hObjectNew else None
-            if owner is not None and owner != s.tenant.name:
-                # Issue 13 item 7: another tenant's client handle. The driver keeps client
-                # handles host-wide, so it cannot be given out; the answer is exactly the
-                # driver's answer to a duplicate of the caller's own handle (which goes to
-                # the driver: the same NV_ERR_INSERT_DUPLICATE_NAME in the status, the rest
-                # of the argument as sent, ioctl() == 0), so the tenant cannot tell whose
-                # handle it hit. Only the audit record (the operator's) says more.
-                raise Refusal(f"{where}: client handle {v.hObjectNew:#x} is held by another "
-                              "tenant (answered as the driver answers a duplicate handle)",
-                              status=nvstatus.NV_ERR_INSERT_DUPLICATE_NAME, what=where)
-            if over := limits.alloc_refusal(s.tenant, root_client=True):
-                raise Refusal(over, status=nvstatus.NV_ERR_INSUFFICIENT_RESOURCES, what=where)
-            f = s.file
-            if getattr(f, "runs_in_caller", False) and not f.continued_root_allocs and not s.clients:
-                # The driver records the caller's pid as the client's owner, and RM_MAP_MEMORY
-                # and UVM later insist on it: the tenant must make this call itself. Safe
-                # against a racing thread only because this file holds no client yet: a
-                # rewritten argument can then name no parent, so it can only ever allocate
-                # a root client (docs/seccomp.md). Later root clients on the same file are
-                # allocated by the broker (owner: the broker's pid).
-                f.continued_root_allocs += 1
-                raise RunInCaller(where)
-            nested = yield from self._read_nested(s, req, abi.nested(call))
-            result = yield from self._call_backend(s, call, nested, req=req)
-            out = abi.decode_ioctl(s.node, req.cmd, result.arg).value
-            if not result.errno and out.status == nvstatus.NV_OK:
-                h = out.hObjectNew
-                s.tenant.clients[h] = RmClient(h, s.id, s.caller.pid)
-                s.clients.add(h)
-                self.client_owner[h] = s.tenant.name
-            return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
-
-        client = yield from self._client_of(s, v.hRoot, where, req)
-        if v.hObjectParent not in client.objects:
-            raise Refusal(f"{where}: parent {v.hObjectParent:#x} is not in client {v.hRoot:#x}",
-                          status=nvstatus.NV_ERR_INVALID_OBJECT_PARENT, what=where)
-        self._refuse_revoked(s, client.objects[v.hObjectParent].gpu, where)
-        cls_rule = allow.class_rule(cls)
-        if cls_rule is None or not cls_rule.granted(s.tenant.capabilities()):
-            reason = ("not on the class allowlist" if cls_rule is None
-                      else f"needs capability '{cls_rule.capability}'")
-            raise Refusal(f"{where} ({cls:#x}): {reason}",
-                          status=nvstatus.NV_ERR_INSUFFICIENT_PERMISSIONS, what=where)
-        if v.hObjectNew and v.hObjectNew in client.objects:
-            raise Refusal(f"{where}: handle {v.hObjectNew:#x} already exists",
-                          status=nvstatus.NV_ERR_INSERT_DUPLICATE_NAME, what=where)
-        if over := limits.alloc_refusal(s.tenant, root_client=False):
-            raise Refusal(over, status=nvstatus.NV_ERR_INSUFFICIENT_RESOURCES, what=where)
-        ref = abi.nested(call)
-        nested = yield from self._read_nested(s, req, ref)
-        params = ref.spec.decode(nested) if (nested is not None and ref.spec is not None) else None
-        if params is not None:
-            self._check_clients(s, params, where=where)
-            if cls == DEBUGGER_CLASS and (params.hAppClient != v.hRoot
-                                          or params.hClass3dObject not in client.objects):
-                raise Refusal(f"{where} ({cls:#x}): a debugger only on the tenant's own context "
-                              f"(hAppClient {params.hAppClient:#x}, object "
-                              f"{params.hClass3dObject:#x})",
-                              status=nvstatus.NV_ERR_INSUFFICIENT_PERMISSIONS, what=where)
-            if cls == OS_EVENT_CLASS and getattr(params, "hClass", OS_EVENT_CLASS) != OS_EVENT_CLASS:
-                # The notifier kind decides what the driver makes of `data` (an fd key for
-                # OS events; a kernel callback pointer for others): only OS events.
-                raise Refusal(f"{where}: notifier class {params.hClass:#x} is not an OS event",
-                              status=nvstatus.NV_ERR_INVALID_CLASS, what=where)
-        if cls == DEBUGGER_CLASS and params is None:
-            raise Refusal(f"{where} ({cls:#x}): a debugger needs its parameters (the context "
-                          "it may act on)", status=nvstatus.NV_ERR_INSUFFICIENT_PERMISSIONS,
-                          what=where)
-        gpu = client.objects[v.hObjectParent].gpu
-        if cls == DEVICE_CLASS:
-            # deviceId is the driver's device instance, which is not the GPU's minor number
-            # (numbered at attach time: on the two-H200 host minor 0 was instance 1).
-            instance = params.deviceId if params is not None else 0
-            lookup = getattr(self.backend, "gpu_index_of_instance", None)
-            gpu = lookup(instance) if lookup is not None else instance
-            if gpu is None or gpu not in s.tenant.gpus:
-                raise Refusal(f"{where}: device instance {instance} (GPU {gpu}) is not one of "
-                              f"the tenant's GPUs {list(s.tenant.gpus)}",
-                              status=nvstatus.NV_ERR_INVALID_ARGUMENT, what=where)
-        memory = cls in allow.DEVICE_MEMORY_CLASSES
-        # The quota is checked on what the driver will take from the card: the size rounded
-        # up to its page size. The requested alignment only places the allocation (issue 13:
-        # checking the size but charging size-rounded-to-alignment let 1 byte with a 135 GiB
-        # alignment pass a 256 MiB quota and then hold 135 GiB).
-        charge = _alloc_charge(params) if memory else 0
-        if memory and params is not None and int(params.size) > 0 and not charge:
-            raise Refusal(f"{where}: attr {int(params.attr):#x}/attr2 {int(params.attr2):#x} "
-                          "ask for a page size the driver does not offer",
-                          status=nvstatus.NV_ERR_INVALID_ARGUMENT, what=where)
-        with self._reserved(s, client, cls, v.hObjectParent, gpu, charge, where):
-            result = yield from self._call_backend(s, call, nested, req=req, rm_class=cls)
-        out = abi.decode_ioctl(s.node, req.cmd, result.arg).value
-        if not result.errno and out.status == nvstatus.NV_OK:
-            out_params = (result.nested is not None and ref is not None
-                          and ref.spec is not None)
-            if out_params and memory:
-                # The books follow the driver if it says it took more than predicted (said
-                # once: the prediction in abi/vidmem.py would be wrong for that driver).
-                granted = _alloc_charge(ref.spec.decode(result.nested))
-                if granted > charge:
-                    self._once(("charge", cls), f"{where}: the driver granted {granted} "
-                               f"bytes where {charge} were checked against the quota")
-                    charge = granted
-            # Into the books before the parameters go back: that write may fail (EFAULT, a
-            # read-only page, the memory gate's deadline), and the object exists regardless.
-            client.add(out.hObjectNew, cls, v.hObjectParent, gpu=gpu, charged=charge)
-            if out_params:
-                yield from self._mem_write(s, req, ref.ptr, result.nested)
-        return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
     @contextlib.contextmanager
     def _reserved(self, s: Session, client: RmClient, cls: int, parent: int,
@@ -1065,251 +812,11 @@ class Broker:
         finally:
             client.remove(placeholder.handle)
 
-    def _esc_rm_free(self, s, abi, req, call, rule) -> IoctlReply:
-        v = call.value
-        where = "RM_FREE"
-        client = yield from self._client_of(s, v.hRoot, where, req)
-        if v.hObjectOld not in client.objects and not getattr(s.file, "runs_in_caller", False):
-            raise Refusal(f"{where}: object {v.hObjectOld:#x} is not in client {v.hRoot:#x}",
-                          status=nvstatus.NV_ERR_INVALID_OBJECT_HANDLE, what=where)
-        # With a file that lives in the tenant, the tenant may hold objects the broker never
-        # saw (made by calls it continued, e.g. OS descriptors): freeing a handle of its own
-        # client is the driver's to validate, and there is nothing in the books to give back.
-        result = yield from self._call_backend(s, call, req=req)
-        out = abi.decode_ioctl(s.node, req.cmd, result.arg).value
-        if not result.errno and out.status == nvstatus.NV_OK:
-            if v.hObjectOld == v.hRoot:
-                gone = s.tenant.clients.pop(v.hRoot, None)
-                if gone is not None:
-                    drop_objects(gone.objects.values())
-                self.client_owner.pop(v.hRoot, None)
-                for sess in s.tenant.sessions.values():
-                    sess.clients.discard(v.hRoot)
-            else:
-                drop_objects(client.remove(v.hObjectOld))
-        return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
-    def _esc_rm_map(self, s, abi, req, call, rule) -> IoctlReply:
-        """RM_MAP_MEMORY: the mapping context is created on the file named by the fd field."""
-        p = call.value.params
-        where = "RM_MAP_MEMORY"
-        client = yield from self._client_of(s, p.hClient, where, req)
-        for name in ("hDevice", "hMemory"):
-            h = getattr(p, name)
-            if h not in client.objects:
-                raise Refusal(f"{where}: {name}={h:#x} is not in client {p.hClient:#x}",
-                              status=nvstatus.NV_ERR_INVALID_OBJECT_HANDLE, what=where)
-            self._refuse_revoked(s, client.objects[h].gpu, where)
-        fd_files = yield from self._translate_fds(s, req, call.value, rule.fd_fields, where)
-        result = yield from self._call_backend(s, call, fd_files=fd_files, req=req)
-        return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
-    def _esc_rm_alloc_memory(self, s, abi, req, call, rule) -> IoctlReply:
-        """NV_ESC_RM_ALLOC_MEMORY (NVOS02): the older memory allocator. Same class allowlist
-        and quota as RM_ALLOC: the size is limit + 1."""
-        p = call.value.params
-        where = f"NV_ESC_RM_ALLOC_MEMORY {abi.class_name(p.hClass)}"
-        client = yield from self._client_of(s, p.hRoot, where, req)
-        if p.hObjectParent not in client.objects:
-            raise Refusal(f"{where}: parent {p.hObjectParent:#x} is not in client {p.hRoot:#x}",
-                          status=nvstatus.NV_ERR_INVALID_OBJECT_PARENT, what=where)
-        self._refuse_revoked(s, client.objects[p.hObjectParent].gpu, where)
-        cls_rule = allow.class_rule(p.hClass)
-        if cls_rule is None or not cls_rule.granted(s.tenant.capabilities()):
-            raise Refusal(f"{where} ({p.hClass:#x}): not on the class allowlist",
-                          status=nvstatus.NV_ERR_INSUFFICIENT_PERMISSIONS, what=where)
-        if p.hObjectNew in client.objects:
-            raise Refusal(f"{where}: handle {p.hObjectNew:#x} already exists",
-                          status=nvstatus.NV_ERR_INSERT_DUPLICATE_NAME, what=where)
-        if over := limits.alloc_refusal(s.tenant, root_client=False):
-            raise Refusal(over, status=nvstatus.NV_ERR_INSUFFICIENT_RESOURCES, what=where)
-        gpu = client.objects[p.hObjectParent].gpu
-        charge = int(p.limit) + 1 if p.hClass in allow.DEVICE_MEMORY_CLASSES else 0
-        fd_files = yield from self._translate_fds(s, req, call.value, rule.fd_fields, where)
-        with self._reserved(s, client, p.hClass, p.hObjectParent, gpu, charge, where):
-            result = yield from self._call_backend(s, call, fd_files=fd_files, req=req,
-                                              rm_class=p.hClass)
-        out = abi.decode_ioctl(s.node, req.cmd, result.arg).value.params
-        if not result.errno and out.status == nvstatus.NV_OK:
-            client.add(out.hObjectNew, p.hClass, p.hObjectParent, gpu=gpu, charged=charge)
-        return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
-    def _esc_rm_dup(self, s, abi, req, call, rule) -> IoctlReply:
-        """NV_ESC_RM_DUP_OBJECT (NVOS55): object hObjectSrc of client hClientSrc gets a new
-        handle hObject under hParent of client hClient. The driver lets any client that knows
-        a handle duplicate it (default share policy), so the broker allows it only inside the
-        tenant: both clients, the source object and the parent must be its own. The new
-        handle shares the source's charge (objects.share): the memory stays charged until its
-        last handle is freed, whichever that is."""
-        v = call.value
-        where = "RM_DUP_OBJECT"
-        self._check_clients(s, v, where=where)
-        dst = yield from self._client_of(s, v.hClient, where, req)
-        src = self._client(s, v.hClientSrc, where)
-        if v.hParent not in dst.objects:
-            raise Refusal(f"{where}: parent {v.hParent:#x} is not in client {v.hClient:#x}",
-                          status=nvstatus.NV_ERR_INVALID_OBJECT_PARENT, what=where)
-        obj = src.objects.get(v.hObjectSrc)
-        unknown = (obj is None and v.hObjectSrc != v.hClientSrc
-                   and getattr(s.file, "runs_in_caller", False))
-        if (obj is None and not unknown) or v.hObjectSrc == v.hClientSrc:
-            raise Refusal(f"{where}: object {v.hObjectSrc:#x} is not an object of client "
-                          f"{v.hClientSrc:#x}", status=nvstatus.NV_ERR_INVALID_OBJECT_HANDLE,
-                          what=where)
-        # With files that live in the tenant, its clients hold objects made by calls the
-        # kernel continued (system memory, OS descriptors: no video memory, nothing charged),
-        # which the books never saw; the source client is the tenant's, so the driver, which
-        # resolves the handle in that client, is the one to validate it.
-        if obj is not None:
-            self._refuse_revoked(s, obj.gpu, where)
-        self._refuse_revoked(s, dst.objects[v.hParent].gpu, where)
-        if v.hObject and v.hObject in dst.objects:
-            raise Refusal(f"{where}: handle {v.hObject:#x} already exists",
-                          status=nvstatus.NV_ERR_INSERT_DUPLICATE_NAME, what=where)
-        result = yield from self._call_backend(s, call, req=req)
-        out = abi.decode_ioctl(s.node, req.cmd, result.arg).value
-        if not result.errno and out.status == nvstatus.NV_OK and out.hObject:
-            if obj is not None:
-                share(obj, dst.add(out.hObject, obj.rm_class, v.hParent, gpu=obj.gpu))
-            else:  # class unknown to the books (see above); no charge to share
-                dst.add(out.hObject, UNKNOWN_CLASS, v.hParent)
-        return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
-    # ------------------------------------------------------------------ exported objects
-    @staticmethod
-    def _export_holder_handle(sid: int) -> int:
-        """The books' stand-in for the driver's export slots of one ctl file: a client
-        handle no driver handle can equal (driver handles are u32)."""
-        return -1 - sid
 
-    def _ctl_object_fd(self, s: Session, abi, req: IoctlRequest, call, client: RmClient,
-                       params, ref, where: str) -> IoctlReply:
-        """EXPORT_OBJECTS_TO_FD / IMPORT_OBJECTS_FROM_FD / GET_EXPORT_OBJECT_INFO.
-
-        The fd must be one of this tenant's nvidiactl files (so the slots hold only this
-        tenant's objects and only its processes import them). The driver's export keeps the
-        memory alive in its own internal client until the export file is closed or the slot
-        is overwritten, whatever the exporter frees: the books give each filled slot a handle
-        in a holder client owned by the export file's session, sharing the object's charge
-        (objects.share), so the quota counts the memory until the driver lets it go. An
-        import gives the importer a handle that shares the slot's charge, like RM_DUP_OBJECT.
-        """
-        v = call.value
-        tenant_fd = int(params.fd)
-        sid = None
-        if tenant_fd >= 0 and req.resolve_fd is not None:
-            sid = yield ResolveFd(req.resolve_fd, tenant_fd)
-        target = self.sessions.get(sid) if sid is not None else None
-        if (target is None or target.closed or target.tenant is not s.tenant
-                or target.node is not NodeKind.CTL):
-            raise Refusal(f"{where}: fd {tenant_fd} is not one of the tenant's nvidiactl "
-                          "files", status=nvstatus.NV_ERR_INVALID_PARAMETER, what=where)
-        in_caller = getattr(s.file, "runs_in_caller", False)
-        if getattr(self.backend, "tenant_files", False) and not in_caller:
-            # Relayed real files (FUSE front end): the relay has no file the tenant's fd
-            # could be translated to.
-            raise Refusal(f"{where}: exporting objects through an fd needs the seccomp front "
-                          "end (driver files in the tenant)",
-                          status=nvstatus.NV_ERR_NOT_SUPPORTED, what=where)
-        holder = s.tenant.clients.get(self._export_holder_handle(target.id))
-        if v.cmd == EXPORT_OBJECTS_TO_FD:
-            n = int(params.numObjects)
-            for h in list(params.objects)[:n]:
-                if h and h not in client.objects and not in_caller:
-                    raise Refusal(f"{where}: object {h:#x} is not in client {v.hClient:#x}",
-                                  status=nvstatus.NV_ERR_INVALID_OBJECT_HANDLE, what=where)
-                if h and h in client.objects:
-                    self._refuse_revoked(s, client.objects[h].gpu, where)
-        elif v.cmd == IMPORT_OBJECTS_FROM_FD:
-            if params.hParent not in client.objects:
-                raise Refusal(f"{where}: parent {params.hParent:#x} is not in client "
-                              f"{v.hClient:#x}", status=nvstatus.NV_ERR_INVALID_OBJECT_PARENT,
-                              what=where)
-            self._refuse_revoked(s, client.objects[params.hParent].gpu, where)
-            for h in list(params.objects)[:int(params.numObjects)]:
-                if h and h in client.objects:
-                    raise Refusal(f"{where}: handle {h:#x} already exists",
-                                  status=nvstatus.NV_ERR_INSERT_DUPLICATE_NAME, what=where)
-        fd_offset = ref.spec.by_name["fd"].offset
-        result = yield from self._call_backend(
-            s, call, params.encode(), fd_files={"params.fd": target.file}, req=req,
-            nested_fds={fd_offset: (tenant_fd, target.file)})
-        out_value = abi.decode_ioctl(s.node, req.cmd, result.arg).value
-        ok = not result.errno and out_value.status == nvstatus.NV_OK
-        if ok and result.nested is not None:
-            out = ref.spec.decode(result.nested)
-            if v.cmd == EXPORT_OBJECTS_TO_FD:
-                if holder is None:
-                    h = self._export_holder_handle(target.id)
-                    holder = s.tenant.clients[h] = RmClient(h, target.id, target.caller.pid)
-                    target.clients.add(h)
-                    self.client_owner[h] = s.tenant.name
-                base = int(params.index)
-                for i, h in enumerate(list(params.objects)[:int(params.numObjects)]):
-                    slot = base + i + 1  # (0 would be the holder's own handle)
-                    drop_objects(holder.remove(slot))  # a slot written again lets go
-                    obj = client.objects.get(h) if h else None
-                    if obj is not None:
-                        share(obj, holder.add(slot, obj.rm_class, holder.handle, gpu=obj.gpu))
-                    elif h:
-                        holder.add(slot, UNKNOWN_CLASS, holder.handle)
-            elif v.cmd == IMPORT_OBJECTS_FROM_FD:
-                base = int(params.index)
-                for i, h in enumerate(list(out.objects)[:int(params.numObjects)]):
-                    if not h:
-                        continue
-                    src = holder.objects.get(base + i + 1) if holder is not None else None
-                    if src is not None and src.rm_class != UNKNOWN_CLASS:
-                        share(src, client.add(h, src.rm_class, params.hParent, gpu=src.gpu))
-                    else:
-                        client.add(h, UNKNOWN_CLASS, params.hParent)
-            out = out.replace(fd=tenant_fd)  # the tenant sees its own fd number again
-            yield from self._mem_write(s, req, ref.ptr, out.encode())
-        return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
-
-    def _esc_rm_share(self, s, abi, req, call, rule) -> IoctlReply:
-        """NV_ESC_RM_SHARE (NVOS57): the share policy of one of the tenant's own objects."""
-        v = call.value
-        where = call.name
-        client = self._client(s, v.hClient, where)
-        obj = client.objects.get(v.hObject)
-        if obj is None and not getattr(s.file, "runs_in_caller", False):
-            raise Refusal(f"{where}: object {v.hObject:#x} is not in client {v.hClient:#x}",
-                          status=nvstatus.NV_ERR_INVALID_OBJECT_HANDLE, what=where)
-        if obj is not None:
-            self._refuse_revoked(s, obj.gpu, where)
-        result = yield from self._call_backend(s, call, req=req)
-        return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
-
-    def _esc_attach_gpus(self, s, abi, req, call, rule) -> IoctlReply:
-        """NV_ESC_ATTACH_GPUS_TO_FD: the ctl file holds the GPUs it names open (CUDA does it
-        for the GPUs a process uses). Only the tenant's own GPU ids, else EINVAL as the
-        driver answers an id it does not know. Zero entries are skipped, as by the driver
-        (CUDA sends a fixed-size array padded with zeros)."""
-        mine = set(rewrite.tenant_gpu_ids(self, s))
-        for e in call.value.entries:
-            if e.value and e.value not in mine:  # (the driver skips zero entries)
-                raise Refusal(f"{call.name}: GPU id {e.value:#x} is not one of the tenant's",
-                              errno_=errno.EINVAL, what=call.name)
-        result = yield from self._call_backend(s, call, req=req)
-        return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
-
-    def _esc_rm_objects(self, s, abi, req, call, rule) -> IoctlReply:
-        """Escapes naming a client and objects in it (UNMAP, DUP within the tenant, …)."""
-        self._check_clients(s, call.value, where=call.name)
-        inner = getattr(call.value, "params", None)
-        if inner is not None:
-            self._check_clients(s, inner, where=call.name)
-        fd_files = yield from self._translate_fds(s, req, call.value, rule.fd_fields, call.name)
-        result = yield from self._call_backend(s, call, fd_files=fd_files, req=req)
-        return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
-
-    def _esc_uvm(self, s, abi, req, call, rule) -> IoctlReply:
-        # hClient 0: UVM registers the GPU without an RM client of the caller's (CUDA 13).
-        self._check_clients(s, call.value, where=call.name, zero_ok=True)
-        fd_files = yield from self._translate_fds(s, req, call.value, rule.fd_fields, call.name)
-        result = yield from self._call_backend(s, call, fd_files=fd_files, req=req)
-        return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
     # ------------------------------------------------------------------ status
     @_locked
@@ -1347,56 +854,9 @@ class _RevokedTenant:
     rate_limit = None
 
 
-_PARAMS_READ: dict = {}  # (cmd, params layout) -> bool
-
-
-def _control_reads_params(cmd: int, spec) -> bool:
-    """Whether the broker must look inside a control's parameters: they name clients or GPU
-    ids, point at buffers the broker copies, hold an fd, or the control has a rewrite hook.
-    A fact of the control and its layout, computed once: the others (most of what CUDA
-    sends) pass through as the bytes read, decoded by nobody but the driver (issue 14)."""
-    key = (cmd, spec)
-    known = _PARAMS_READ.get(key)
-    if known is None:
-        names = spec.by_name
-        known = _PARAMS_READ[key] = bool(
-            cmd in rewrite.CONTROL_PRE or cmd in rewrite.CONTROL_POST
-            or cmd in OBJECT_FD_CONTROLS
-            or any(n in names for n in CLIENT_HANDLE_FIELDS)
-            or rewrite.names_gpu_ids(spec)
-            or any(f.kind == "ptr" for _p, f, _o in spec.walk()))
-    return known
-
-
-def embedded_buffers(abi, params) -> list[tuple[str, int]]:
-    """(pointer field, byte size) of each non-NULL embedded buffer the ABI marks in params."""
-    out = []
-    for f in params.spec.fields:
-        if f.kind != "ptr" or not f.size_field or not isinstance(f.points_to, str):
-            continue
-        if f.points_to in ("control", "class", "xfer"):
-            continue  # first-level nested buffers: handled by DriverABI.nested
-        if getattr(params, f.name) == 0:
-            continue
-        count = int(getattr(params, f.size_field))
-        elem = 1 if f.points_to == "bytes" else abi.struct(f.points_to).size
-        out.append((f.name, count * elem))
-    return out
-
-
-def _cstr(b: bytes) -> str:
-    return bytes(b).split(b"\0", 1)[0].decode("ascii", "replace")
-
-
 def _get_path(value: Any, path: str):
     for part in path.split("."):
         value = getattr(value, part, None)
         if value is None:
             return None
     return value
-
-
-def _alloc_charge(params: Any) -> int:
-    """Device memory a class-0x40 allocation takes from the card, as the driver sizes it
-    (abi/vidmem.py: size rounded up to the page size; alignment costs nothing)."""
-    return vidmem.charged(params)

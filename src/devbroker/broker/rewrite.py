@@ -1,27 +1,34 @@
 """What the tenant sees: rewrites of driver answers, as tables keyed by command.
 
 The same rewrites run over the emulated and the real backend, so CI exercises the code that
-hides the physical GPU on real hardware. Every function takes the broker, the session, the
-ABI and a decoded StructValue and returns the value to hand on; a pre-hook may refuse by
-raising Refusal. Post-hooks also get a ControlContext (the parameters as sent, and the GPU
-of the object the control was sent to).
+hides the physical GPU on real hardware. The rows of rules.py name these functions: each
+takes one context (a ControlContext for controls, the handlers.CallContext for escapes:
+both carry .broker, .session and .abi) and a decoded StructValue, and returns the value to
+hand on; a pre-hook may refuse by raising Refusal.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any
 
 from devbroker.abi import status as nvs
 from devbroker.broker.procinfo import pid_in_own_namespace, pid_namespace
+from devbroker.broker.refusal import Refusal
 
 INVALID_GPU_ID = 0xFFFFFFFF
 ATTACH_ALL_PROBED = 0x0000FFFF  # NV0000_CTRL_GPU_ATTACH_ALL_PROBED_IDS
 KiB = 1024
 
 
-def _refusal(*a, **kw):
-    from devbroker.broker.core import Refusal
-
-    return Refusal(*a, **kw)
+@dataclass(frozen=True)
+class ControlContext:
+    """What a control's rewrite hook may look at besides the parameters."""
+    broker: Any  # core.Broker
+    session: Any  # core.Session of the call
+    abi: Any  # the caller's DriverABI
+    cmd: int
+    params_in: Any  # the parameters as sent (after the pre-hook), None when there are none
+    gpu: int | None  # the GPU of the object the control was sent to
 
 
 def tenant_gpu_ids(broker, s) -> list[int]:
@@ -42,8 +49,9 @@ def _filtered_ids(ids: list[int], keep: list[int]) -> list[int]:
 
 
 # --------------------------------------------------------------------------- escapes
-def card_info(broker, s, abi, value):
+def card_info(ctx, value):
     """NV_ESC_CARD_INFO: entries of GPUs that are not the tenant's read as empty slots."""
+    s = ctx.session
     entries = list(value.entries)
     out = []
     for e in entries:
@@ -56,13 +64,9 @@ def card_info(broker, s, abi, value):
     return value.replace(entries=out)
 
 
-ESCAPE_REWRITES: dict[str, Callable] = {
-    "NV_ESC_CARD_INFO": card_info,
-}
-
-
 # --------------------------------------------------------------------------- controls: pre
-def restrict_attach_ids(broker, s, abi, params):
+def restrict_attach_ids(ctx, params):
+    broker, s = ctx.broker, ctx.session
     mine = tenant_gpu_ids(broker, s)
     ids = list(params.gpuIds)
     # [emulator engineer, issue 4] The driver reads the list only up to the first
@@ -76,24 +80,25 @@ def restrict_attach_ids(broker, s, abi, params):
         return params.replace(gpuIds=ids)
     for i in ids:
         if i != INVALID_GPU_ID and i not in mine:
-            raise _refusal(f"attach/detach of GPU id {i:#x}, not one of the tenant's",
+            raise Refusal(f"attach/detach of GPU id {i:#x}, not one of the tenant's",
                            status=nvs.NV_ERR_INSUFFICIENT_PERMISSIONS, what="ATTACH/DETACH")
     return params
 
 
-def pid_info_to_host(broker, s, abi, params):
+def pid_info_to_host(ctx, params):
     """GET_PID_INFO names pids: the tenant's own processes only.
 
     [emulator engineer, issue 4] The pids come from GET_PIDS, which hands them out in the
     caller's pid namespace (gpu_pids below): translate them back to the broker's numbering
     here (and forward again in pid_info_to_tenant), else NVML's process list is refused."""
+    s = ctx.session
     view = _tenant_pids_in_callers_ns(s)  # broker pid -> pid as the caller sees it
     to_host = {ns: host for host, ns in view.items()}
     n = getattr(params, "pidInfoListCount", 0)
     entries = list(params.pidInfoList)
     for i, e in enumerate(entries[:n]):
         if e.pid not in to_host:
-            raise _refusal(f"GET_PID_INFO for pid {e.pid}, not the tenant's",
+            raise Refusal(f"GET_PID_INFO for pid {e.pid}, not the tenant's",
                            status=nvs.NV_ERR_INSUFFICIENT_PERMISSIONS, what="GET_PID_INFO")
         entries[i] = e.replace(pid=to_host[e.pid])
     return params.replace(pidInfoList=entries)
@@ -158,7 +163,6 @@ def _names_gpu_ids(spec) -> bool:
 
 
 _GPU_ID_LAYOUTS: dict = {}  # StructSpec (hashed by identity) -> bool
-names_gpu_ids = _names_gpu_ids  # for the core's per-control plan (core._control_reads_params)
 
 
 def gpu_ids_named(params, prefix: str = "") -> list[tuple[str, int]]:
@@ -204,26 +208,23 @@ def require_own_gpu_ids(broker, s, abi, cmd: int, params) -> None:
     mine = tenant_gpu_ids(broker, s)
     for path, gpu_id in gpu_ids_named(params):
         if gpu_id not in mine:
-            raise _refusal(f"{path}={gpu_id:#x} is not one of the tenant's GPUs",
+            raise Refusal(f"{path}={gpu_id:#x} is not one of the tenant's GPUs",
                            status=nvs.NV_ERR_INVALID_ARGUMENT,
                            what=f"RM_CONTROL {abi.control_name(cmd)}")
 
 
 # GET_ID_INFO, GET_ID_INFO_V2, GET_PCI_INFO, QUERY_DRAIN_STATE, P2P_CAPS(_MATRIX), ASYNC_ATTACH
-# and the rest need no entry here: require_own_gpu_ids covers every control (issue 13 item 6).
-CONTROL_PRE: dict[int, Callable] = {
-    0x215: restrict_attach_ids,  # NV0000_CTRL_CMD_GPU_ATTACH_IDS
-    0x216: restrict_attach_ids,  # NV0000_CTRL_CMD_GPU_DETACH_IDS
-    0x2080018E: pid_info_to_host,  # NV2080_CTRL_CMD_GPU_GET_PID_INFO
-}
+# and the rest need no pre-hook: require_own_gpu_ids covers every control (issue 13 item 6).
 
 
 # --------------------------------------------------------------------------- controls: post
-def attached_ids(broker, s, abi, out, ctx):
+def attached_ids(ctx, out):
+    broker, s = ctx.broker, ctx.session
     return out.replace(gpuIds=_filtered_ids(list(out.gpuIds), tenant_gpu_ids(broker, s)))
 
 
-def probed_ids(broker, s, abi, out, ctx):
+def probed_ids(ctx, out):
+    broker, s = ctx.broker, ctx.session
     out = out.replace(gpuIds=_filtered_ids(list(out.gpuIds), tenant_gpu_ids(broker, s)))
     if hasattr(out, "excludedGpuIds"):
         out = out.replace(excludedGpuIds=[INVALID_GPU_ID] * len(out.excludedGpuIds))
@@ -238,7 +239,8 @@ _FB_FREE = {0x12, 0x16}  # LARGEST_FREE_REGION_SIZE_KB, HEAP_FREE
 _FB_ZERO = {0x10, 0x27}  # FB_TAX_SIZE_KB, HEAP_OFFLINE_SIZE (reserved memory: none visible)
 
 
-def fb_info(broker, s, abi, out, ctx):
+def fb_info(ctx, out):
+    s = ctx.session
     gpu = ctx.gpu
     if gpu is None:
         return out
@@ -260,8 +262,9 @@ def fb_info(broker, s, abi, out, ctx):
     return out.replace_elements("fbInfoList", changes)
 
 
-def gpu_pids(broker, s, abi, out, ctx):
+def gpu_pids(ctx, out):
     """GET_PIDS: only the tenant's own processes, as its own pid namespace numbers them."""
+    broker, s = ctx.broker, ctx.session
     mine = s.tenant.tgids()
     count = out.pidTblCount
     if broker.backend.name == "real":
@@ -280,9 +283,10 @@ def gpu_pids(broker, s, abi, out, ctx):
     return out.replace(pidTblCount=len(kept), pidTbl=table)
 
 
-def pid_info_to_tenant(broker, s, abi, out, ctx):
+def pid_info_to_tenant(ctx, out):
     """[emulator engineer, issue 4] GET_PID_INFO's answer names the pids the pre-hook
     translated: give them back in the caller's numbering."""
+    s = ctx.session
     view = _tenant_pids_in_callers_ns(s)
     n = out.pidInfoListCount
     entries = list(out.pidInfoList)
@@ -291,8 +295,9 @@ def pid_info_to_tenant(broker, s, abi, out, ctx):
     return out.replace(pidInfoList=entries)
 
 
-def active_device_ids(broker, s, abi, out, ctx):
+def active_device_ids(ctx, out):
     """GET_ACTIVE_DEVICE_IDS (issue 13 item 6): only the tenant's GPUs are listed."""
+    broker, s = ctx.broker, ctx.session
     mine = tenant_gpu_ids(broker, s)
     n = out.numDevices
     kept = [d for d in list(out.devices)[:n] if d.gpuId in mine]
@@ -308,7 +313,8 @@ def active_device_ids(broker, s, abi, out, ctx):
 GPU_ID_INFO_IN_USE = 0x1
 
 
-def id_info_in_use(broker, s, abi, out, ctx):
+def id_info_in_use(ctx, out):
+    broker, s = ctx.broker, ctx.session
     index = gpu_index_for_id(broker, out.gpuId)
     # O(the tenant's clients): each keeps a count of its device objects per GPU.
     mine = index is not None and any(c.holds_device(index) for c in s.tenant.clients.values())
@@ -316,35 +322,15 @@ def id_info_in_use(broker, s, abi, out, ctx):
     return out.replace(gpuFlags=flags)
 
 
-def nvlink_caps(broker, s, abi, out, ctx):
+def nvlink_caps(ctx, out):
     """NVLINK_GET_NVLINK_CAPS for a tenant that does not have every GPU of the host: no
     NVLink at all. Seen on the two-H200 host (issue 16): with the links shown, NVML and CUDA
     in a one-GPU tenant went on to open the peer across them (a device object on a GPU that
     is not the tenant's: refused) and failed to start. A tenant with all the GPUs sees the
     driver's answer."""
+    broker, s = ctx.broker, ctx.session
     if set(s.tenant.gpus) >= set(range(len(broker.backend.gpus()))):
         return out
     zero = {f.name: bytes(f.size) for f in out.spec.fields
             if f.name in ("discoveredLinks", "enabledLinks")}
     return out.replace(capsTbl=0, discoveredLinkMask=0, enabledLinkMask=0, **zero)
-
-
-CONTROL_POST: dict[int, Callable] = {
-    0x20803001: nvlink_caps,  # NV2080_CTRL_CMD_NVLINK_GET_NVLINK_CAPS [issue 16]
-    0x202: id_info_in_use,  # NV0000_CTRL_CMD_GPU_GET_ID_INFO [issue 13 item 7]
-    0x205: id_info_in_use,  # NV0000_CTRL_CMD_GPU_GET_ID_INFO_V2 [issue 13 item 7]
-    0x288: active_device_ids,  # NV0000_CTRL_CMD_GPU_GET_ACTIVE_DEVICE_IDS [issue 13 item 6]
-    0x2080018E: pid_info_to_tenant,  # NV2080_CTRL_CMD_GPU_GET_PID_INFO [issue 4]
-    0x201: attached_ids,  # NV0000_CTRL_CMD_GPU_GET_ATTACHED_IDS
-    0x214: probed_ids,  # NV0000_CTRL_CMD_GPU_GET_PROBED_IDS
-    0x20801303: fb_info,  # NV2080_CTRL_CMD_FB_GET_INFO_V2
-    0x2080018D: gpu_pids,  # NV2080_CTRL_CMD_GPU_GET_PIDS
-}
-
-
-class ControlContext:
-    __slots__ = ("params_in", "gpu")
-
-    def __init__(self, params_in: Any, gpu: int | None):
-        self.params_in = params_in
-        self.gpu = gpu

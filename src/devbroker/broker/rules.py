@@ -1,7 +1,26 @@
-"""What tenants may do: the allowlists, as data. Anything not here is refused and logged.
+"""Every call a tenant may make, as one rule table per kind of call. Anything not here is
+refused and logged.
 
-Each entry names the capability that grants it and *why* it is safe to let through; the
-security documentation's table is generated from these tables (`devbroker policy allowlist`).
+Four tables, one per kind of call, each row a frozen record that holds everything the
+broker does with that call:
+
+- ``ESCAPES`` (NVIDIA escapes, by name) and ``UVM_COMMANDS`` (nvidia-uvm commands, by name):
+  `EscapeRule` -- capability, reason, the handler (a function of one `handlers.CallContext`),
+  the nodes it is valid on, whether it carries the tenant's fds (the fields themselves are the
+  ABI's ``fd`` roles, never listed here), an answer rewrite, and why it runs in the caller.
+- ``CLASSES`` (RM classes, by number): `ClassRule` -- capability, reason, whether it is
+  charged against the memory quota, and why it runs in the caller.
+- ``CONTROLS`` (RM controls, by number): `ControlRule` -- capability, reason, the pre/post
+  rewrite hooks (functions in rewrite.py), a broker answer, the emulator's handler (taken
+  from the emulator's own table, backends/emulated_controls.py) and the driver's own refusal.
+
+The core (core.py) looks a call up here and runs the row's handler; the security
+documentation's tables are generated from the same rows (allowdoc.py, `devbroker policy
+allowlist`). `simple_control(abi, cmd)` says which control rows need no decode of their
+parameters (the seccomp fast lane). Adding an allowed control with a rewrite hook and an
+emulator handler is one row here plus its two functions: docs/design.md shows it.
+
+Each entry names the capability that grants it and *why* it is safe to let through.
 Capabilities are named sets a policy grants per tenant:
 
 - ``nvml``: queries that NVML and nvidia-smi need to show a GPU (read-only, per-client).
@@ -12,11 +31,15 @@ Capabilities are named sets a policy grants per tenant:
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 from devbroker.abi import registry
 from devbroker.abi import status as nvstatus
 from devbroker.abi.nodes import NodeKind
+from devbroker.backends.emulated_controls import CONTROL_HANDLERS as EMULATED_CONTROLS
+from devbroker.broker import handlers, rewrite
 
 CAPABILITIES = {
     "nvml": "GPU queries NVML and nvidia-smi need (names, UUIDs, memory, utilization)",
@@ -29,13 +52,31 @@ RM_NODES = frozenset({NodeKind.CTL, NodeKind.GPU})
 UVM_NODES = frozenset({NodeKind.UVM})
 
 
+# Names of fields that hold a *client* handle, wherever they appear (top-level arguments,
+# nested parameters, UVM arguments). A tenant may only name its own clients there.
+CLIENT_HANDLE_FIELDS = ("hClient", "hRoot", "hClientSrc", "hClientShare", "hClientTarget",
+                        "hParentClient", "hTargetClient", "hAppClient")
+# Of those, the ones where 0 means "none" (a device with no target client, ...).
+CLIENT_FIELDS_ZERO_OK = frozenset({"hClientShare", "hTargetClient", "hAppClient"})
+
+
 @dataclass(frozen=True)
-class Rule:
+class EscapeRule:
+    """An escape or UVM command a tenant may send."""
     capability: str
     reason: str
-    handler: str = "relay"  # the Broker._esc_<handler> method that runs it
+    # Runs the call: a function of one handlers.CallContext, returning an IoctlReply or a
+    # generator of effects that returns one (effects.py).
+    handler: Callable = handlers.relay
     nodes: frozenset = RM_NODES
-    fd_fields: tuple[str, ...] = ()  # fields holding one of the tenant's fds
+    # The call names files of the tenant's by number: its ``fd`` fields (the ABI's roles, see
+    # fd_fields) are checked to be the tenant's own NVIDIA files and handed to the backend as
+    # those files. False: the numbers go to the driver as sent (UVM's rmCtrlFd: the UVM rows
+    # run in the caller or in the emulator, neither of which reads another process's fds).
+    carries_fds: bool = False
+    # Rewrites the driver's answer before the tenant sees it: f(CallContext, decoded value)
+    # -> value (rewrite.py).
+    rewrite: Callable | None = None
     # With a driver file that lives in the tenant (seccomp front end + real backend): why
     # the driver binds this call to the calling process, so that it must run there (the
     # kernel continues it after the broker's checks). Empty: the broker executes it on its
@@ -49,6 +90,28 @@ class Rule:
     def granted(self, caps: frozenset[str]) -> bool:
         return self.capability in caps
 
+    def fd_fields(self, spec) -> tuple[str, ...]:
+        """The fields of argument layout `spec` that the broker translates as the tenant's
+        fds: the ABI's ``fd`` roles (abi/tables/base.py ANNOTATIONS), when the row carries
+        fds."""
+        if not self.carries_fds or spec is None:
+            return ()
+        return fd_fields_of(spec)
+
+
+Rule = EscapeRule  # the earlier name
+
+
+_FD_FIELDS: dict = {}  # StructSpec (by identity) -> its fd-role field paths
+
+
+def fd_fields_of(spec) -> tuple[str, ...]:
+    """The dotted paths of every ``fd``-role field of a layout (cached per layout)."""
+    known = _FD_FIELDS.get(spec)
+    if known is None:
+        known = _FD_FIELDS[spec] = tuple(spec.fields_of_kind("fd"))
+    return known
+
 
 # Why the in-caller rows below are safe against a racing thread, in one place: the fd and
 # the command are syscall registers, which no other thread can change; every handle the
@@ -61,47 +124,48 @@ _OWN_MM = ("acts on the calling process's own UVM va space and mm; RM objects it
            "validated by the driver against the tenant's own files and pid")
 
 # --------------------------------------------------------------------------- escapes
-ESCAPES: dict[str, Rule] = {
+ESCAPES: dict[str, EscapeRule] = {
     # frontend escapes ('F', 200+n)
     "NV_ESC_CHECK_VERSION_STR": Rule("nvml", "client/driver version handshake; no state",
-                                     handler="version"),
-    "NV_ESC_CARD_INFO": Rule("nvml", "lists GPUs; rewritten to the tenant's GPUs only"),
+                                     handler=handlers.version),
+    "NV_ESC_CARD_INFO": Rule("nvml", "lists GPUs; rewritten to the tenant's GPUs only",
+                             rewrite=rewrite.card_info),
     "NV_ESC_SYS_PARAMS": Rule("nvml", "host-global and set-once: answered by the broker, "
                               "never relayed; a value other than the host's is refused",
-                              handler="sys_params"),
+                              handler=handlers.sys_params),
     "NV_ESC_REGISTER_FD": Rule("nvml", "binds a GPU file to the tenant's own ctl file "
-                               "(fd checked to be the tenant's)", handler="fd",
-                               fd_fields=("ctl_fd",)),
+                               "(fd checked to be the tenant's)", handler=handlers.fd,
+                               carries_fds=True),
     "NV_ESC_NUMA_INFO": Rule("nvml", "read-only NUMA facts of the tenant's GPU file"),
     "NV_ESC_WAIT_OPEN_COMPLETE": Rule("nvml", "waits for the GPU file's own open to finish"),
     "NV_ESC_ALLOC_OS_EVENT": Rule("compute", "event on the tenant's own client and file",
-                                  handler="fd", fd_fields=("fd",),
+                                  handler=handlers.fd, carries_fds=True,
                                   in_caller="the event is keyed by the fd number in the "
                                   "caller's own fd table",
                                   race=_OWN_OBJECTS),
     "NV_ESC_FREE_OS_EVENT": Rule("compute", "frees the tenant's own event",
-                                 handler="fd", fd_fields=("fd",),
+                                 handler=handlers.fd, carries_fds=True,
                                  in_caller="the event is keyed by the fd number in the "
                                  "caller's own fd table", race=_OWN_OBJECTS),
     # RM escapes ('F', 0x27-0x5f)
     "NV_ESC_RM_CONTROL": Rule("nvml", "per-control allowlist below; client ownership checked",
-                              handler="rm_control"),
+                              handler=handlers.rm_control),
     "NV_ESC_RM_ALLOC": Rule("nvml", "per-class allowlist below; quota enforced",
-                            handler="rm_alloc"),
-    "NV_ESC_RM_FREE": Rule("nvml", "frees only the tenant's own objects", handler="rm_free"),
+                            handler=handlers.rm_alloc),
+    "NV_ESC_RM_FREE": Rule("nvml", "frees only the tenant's own objects", handler=handlers.rm_free),
     "NV_ESC_RM_MAP_MEMORY": Rule("nvml", "maps the tenant's own object into the tenant's own "
-                                 "file (fd checked)", handler="rm_map", fd_fields=("fd",),
+                                 "file (fd checked)", handler=handlers.rm_map, carries_fds=True,
                                  in_caller="rm_create_mmap_context refuses a pid other than "
                                  "the client's (osapi.c)",
                                  race=_OWN_OBJECTS + "; a mapping context on a file the "
                                  "broker did not give out is useless: mmap of such a file is "
                                  "refused"),
     "NV_ESC_RM_UNMAP_MEMORY": Rule("nvml", "unmaps the tenant's own mapping",
-                                   handler="rm_objects",
+                                   handler=handlers.rm_objects,
                                    in_caller="CPU mappings are found again only by the pid "
                                    "that made them", race=_OWN_OBJECTS),
     "NV_ESC_RM_UPDATE_DEVICE_MAPPING_INFO": Rule("compute", "updates the tenant's own mapping",
-                                                 handler="rm_objects",
+                                                 handler=handlers.rm_objects,
                                                  in_caller="CPU mappings are found again only "
                                                  "by the pid that made them",
                                                  race=_OWN_OBJECTS),
@@ -110,7 +174,7 @@ ESCAPES: dict[str, Rule] = {
                                  "mappings between the tenant's own processes, issue 16): both "
                                  "clients, the source object and the new parent must be the "
                                  "tenant's; device memory keeps its charge until its last handle "
-                                 "is freed", handler="rm_dup"),
+                                 "is freed", handler=handlers.rm_dup),
     # Once refused: on the two-H200 host one-GPU tenants' NVML failed in the run that first
     # allowed it; that run's failure was the device instance being taken for the minor
     # (docs/hardware.md), which also broke the runs where this was refused again.
@@ -118,7 +182,8 @@ ESCAPES: dict[str, Rule] = {
                                      "own ctl file (CUDA sends it for the GPUs a process "
                                      "uses); every id must be one of the tenant's GPUs, "
                                      "others are refused with EINVAL like an unknown id",
-                                     handler="attach_gpus", nodes=frozenset({NodeKind.CTL})),
+                                     handler=handlers.attach_gpus,
+                                     nodes=frozenset({NodeKind.CTL})),
     # CUDA's legacy IPC (cudaIpcGetMemHandle, torch.multiprocessing) shares the memory
     # before another process duplicates it (two-H200 run, issue 16).
     "NV_ESC_RM_SHARE": Rule("compute", "sets the share policy of one of the tenant's own "
@@ -126,20 +191,24 @@ ESCAPES: dict[str, Rule] = {
                             "client may then do with it goes through RM_DUP_OBJECT, which the "
                             "broker allows only between the tenant's own clients whatever the "
                             "policy says (a host process outside devbroker is trusted)",
-                            handler="rm_share"),
+                            handler=handlers.rm_share),
     "NV_ESC_RM_ALLOC_MEMORY": Rule("compute", "memory for the tenant's own client: same class "
                                    "allowlist and quota as RM_ALLOC",
-                                   handler="rm_alloc_memory", fd_fields=("fd",)),
-    # UVM commands (raw numbers, /dev/nvidia-uvm)
+                                   handler=handlers.rm_alloc_memory, carries_fds=True),
+}
+
+# --------------------------------------------------------------------------- UVM commands
+# nvidia-uvm's commands (raw numbers, /dev/nvidia-uvm), by name.
+UVM_COMMANDS: dict[str, EscapeRule] = {
     "UVM_INITIALIZE": Rule("nvml", "binds a UVM va space to the calling process",
-                           handler="uvm", nodes=UVM_NODES,
+                           handler=handlers.uvm, nodes=UVM_NODES,
                            in_caller="binds the va space to current->mm", race=_OWN_MM),
     "UVM_DEINITIALIZE": Rule("nvml", "tears down the caller's own va space",
-                             handler="uvm", nodes=UVM_NODES,
+                             handler=handlers.uvm, nodes=UVM_NODES,
                              in_caller="acts on current->mm", race=_OWN_MM),
     "UVM_MM_INITIALIZE": Rule("nvml", "binds the caller's mm to its va space (uvmFd checked "
-                              "to be the tenant's own UVM file)", handler="uvm", nodes=UVM_NODES,
-                              fd_fields=("uvmFd",), in_caller="binds current->mm",
+                              "to be the tenant's own UVM file)", handler=handlers.uvm, nodes=UVM_NODES,
+                              carries_fds=True, in_caller="binds current->mm",
                               race=_OWN_MM),
 }
 
@@ -168,7 +237,7 @@ for _name, _why in {
     "UVM_MAP_DYNAMIC_PARALLELISM_REGION": "maps in the caller's own va space",
     "UVM_UNMAP_EXTERNAL": "unmaps in the caller's own va space",
 }.items():
-    ESCAPES[_name] = Rule("uvm", _why, handler="uvm", nodes=UVM_NODES,
+    UVM_COMMANDS[_name] = Rule("uvm", _why, handler=handlers.uvm, nodes=UVM_NODES,
                           in_caller="UVM acts on the caller's mm and checks that RM objects "
                           "belong to the calling process (pid share policy)", race=_OWN_MM)
 
@@ -189,8 +258,9 @@ REFUSED_ESCAPES: dict[str, str] = {
 }
 
 
-def escape_rule(call) -> Rule | None:
-    return ESCAPES.get(call.name)
+def escape_rule(call) -> EscapeRule | None:
+    """The row of a decoded escape or UVM command; None: not allowed."""
+    return (UVM_COMMANDS if call.kind == "uvm" else ESCAPES).get(call.name)
 
 
 # --------------------------------------------------------------------------- open
@@ -212,8 +282,12 @@ def check_open(node: NodeKind, minor: int, gpus: tuple[int, ...], caps: frozense
 # --------------------------------------------------------------------------- classes
 @dataclass(frozen=True)
 class ClassRule:
+    """An RM class a tenant may allocate (NV_ESC_RM_ALLOC, NV_ESC_RM_ALLOC_MEMORY)."""
     capability: str
     reason: str
+    # Device memory: the allocation's size counts against the tenant's quota on the GPU of
+    # the parent device (handlers.rm_alloc, rm_alloc_memory).
+    charge: bool = False
     # The allocation escapes (NV_ESC_RM_ALLOC, NV_ESC_RM_ALLOC_MEMORY) through which the
     # driver binds this class to the calling process (see Rule.in_caller), and why.
     in_caller_via: frozenset = frozenset()
@@ -223,10 +297,6 @@ class ClassRule:
     def granted(self, caps: frozenset[str]) -> bool:
         return self.capability in caps
 
-
-# Device-memory classes: their `size` counts against the tenant's quota on the GPU of the
-# parent device.
-DEVICE_MEMORY_CLASSES = frozenset({0x40})
 
 # A racing thread can rewrite the class of a continued allocation (NVOS02 allocates
 # NV01_MEMORY_LOCAL_USER too: rmapi_deprecated_allocmemory.c), i.e. allocate device memory
@@ -245,7 +315,8 @@ CLASSES: dict[int, ClassRule] = {
                     in_caller_via=frozenset({"NV_ESC_RM_ALLOC_MEMORY"}),
                     in_caller="NVOS02 creates the mmap context for the caller's pid (escape.c)",
                     race=_RACE_ALLOC_MEMORY),
-    0x40: ClassRule("compute", "device memory, counted against the tenant's quota"),
+    0x40: ClassRule("compute", "device memory, counted against the tenant's quota",
+                    charge=True),
     0x71: ClassRule("compute", "OS descriptor memory (the tenant's own pages)",
                     in_caller_via=frozenset({"NV_ESC_RM_ALLOC", "NV_ESC_RM_ALLOC_MEMORY"}),
                     in_caller="pins pages of the caller's own address space",
@@ -278,10 +349,14 @@ CLASSES: dict[int, ClassRule] = {
     # CUDA allocates one per context to choose which SM exceptions it is told about, and
     # fails to create the context without it (seen on the H200). Only on the tenant's own
     # context: hAppClient must be the allocating client and hClass3dObject one of its
-    # objects (Broker._esc_rm_alloc); of its controls only SET_EXCEPTION_MASK is allowed.
+    # objects (handlers.rm_alloc); of its controls only SET_EXCEPTION_MASK is allowed.
     0x83DE: ClassRule("compute", "debugger object on the tenant's own context only (its "
                       "memory/register controls stay refused)"),
 }
+
+# Device-memory classes: their `size` counts against the tenant's quota on the GPU of the
+# parent device.
+DEVICE_MEMORY_CLASSES = frozenset(c for c, r in CLASSES.items() if r.charge)
 
 REFUSED_CLASSES: dict[int, str] = {
     0x90CC: "profiler: counters of other tenants' work",
@@ -313,15 +388,36 @@ def in_caller_reason(call, rm_class: int | None = None) -> str:
         if rule is not None and call.name in rule.in_caller_via:
             return rule.in_caller
         return ""
-    rule = ESCAPES.get(call.name)
+    rule = escape_rule(call)
     return rule.in_caller if rule is not None else ""
 
 
 # --------------------------------------------------------------------------- controls
 @dataclass(frozen=True)
 class ControlRule:
+    """An RM control a tenant may send (NV_ESC_RM_CONTROL)."""
     capability: str
     reason: str
+    # Rewrite hooks (rewrite.py): pre(ControlContext, params) -> params runs on the decoded
+    # parameters before the driver sees them (and may refuse by raising Refusal);
+    # post(ControlContext, params) -> params on the driver's answer before the tenant does.
+    pre: Callable | None = None
+    post: Callable | None = None
+    # Answered by the broker instead of the driver: a predicate on the decoded parameters,
+    # True when the call is relayed after all (ANSWERED_CONTROLS below).
+    relay_if: Callable | None = None
+    # Memory accounting: the control moves memory the quota counts (a row that sets it is
+    # never `simple`). The object-export controls keep charges through their own `run`.
+    charge: bool = False
+    # Runs the control instead of the plain copy-in/copy-out path, after the client, object,
+    # allowlist and pre-hook checks: a function (CallContext, ControlCall) -> steps
+    # returning an IoctlReply (handlers.py). For controls whose parameters hold the tenant's
+    # fds (the object export through an nvidiactl fd).
+    run: Callable | None = None
+    # The emulated driver's handler (backends/emulated_controls.py, its own table: the
+    # emulator models the driver without a broker too); filled in below, None: the
+    # emulator answers NV_ERR_NOT_SUPPORTED.
+    emulate: Callable | None = None
     # Set when the driver's own flags refuse this control to a caller that is neither root
     # nor the kernel (abi OpSpec.driver_refusal): the flag, why, and the status the driver
     # answers. Such a control is refused whatever the policy grants: the broker must not
@@ -334,77 +430,101 @@ class ControlRule:
     def granted(self, caps: frozenset[str]) -> bool:
         return not self.driver_flag and self.capability in caps
 
+    @property
+    def rewrites(self) -> bool:
+        """Whether the broker changes what goes to the driver or comes back."""
+        return (self.pre is not None or self.post is not None or self.relay_if is not None
+                or self.run is not None)
 
-_NVML_CONTROLS = {
-    0x101: "driver build version (no GPU state)",
-    0x201: "attached GPU ids; rewritten to the tenant's GPUs",
-    0x202: "id info; refused for GPUs not the tenant's",
-    0x205: "id info v2; refused for GPUs not the tenant's",
-    0x214: "probed GPU ids; rewritten to the tenant's GPUs",
-    0x215: "attach: only the tenant's GPU ids (others refused)",
-    0x216: "detach: only the tenant's GPU ids (others refused)",
-    0x21B: "PCI location (domain/bus/slot) of a GPU id; NVML matches probed ids to cards",
-    0x279: "drain state of a GPU id (read-only; MODIFY_DRAIN_STATE stays refused)",
-    0x289: "system-level query without GPU state",
-    0xD01: "system-level query without GPU state",
-    0x800289: "device-level read-only query",
-    0x800292: "device-level read-only query",
-    0x20800102: "subdevice read-only info",
-    0x20800110: "subdevice name string",
-    0x2080014A: "subdevice UUID / identity query",
-    0x2080018D: "GPU process ids; rewritten to the tenant's own processes",
-    0x2080018E: "per-process info; only the tenant's own processes",
-    0x20800406: "subdevice read-only info",
-    0x20801303: "framebuffer info; rewritten to the tenant's quota and use",
-    0x20801701: "subdevice read-only info",
-    0x20801801: "subdevice read-only info",
-    0x20801802: "subdevice read-only info",
-    0x20809009: "subdevice read-only info",
-    0x20809064: "subdevice read-only info",
-    0xDE0001: "diagnostics object read-only query",
+
+def _nvml(reason: str, **kw) -> ControlRule:
+    return ControlRule("nvml", reason, **kw)
+
+
+def _compute(reason: str, **kw) -> ControlRule:
+    return ControlRule("compute", reason, **kw)
+
+
+_GSP_QUERY = "unpublished GSP query nvidia-smi sends (read-only; emulator: NOT_SUPPORTED)"
+
+CONTROLS: dict[int, ControlRule] = {
+    0x101: _nvml("driver build version (no GPU state)"),
+    0x201: _nvml("attached GPU ids; rewritten to the tenant's GPUs", post=rewrite.attached_ids),
+    0x202: _nvml("id info; refused for GPUs not the tenant's", post=rewrite.id_info_in_use),
+    0x205: _nvml("id info v2; refused for GPUs not the tenant's", post=rewrite.id_info_in_use),
+    0x214: _nvml("probed GPU ids; rewritten to the tenant's GPUs", post=rewrite.probed_ids),
+    0x215: _nvml("attach: only the tenant's GPU ids (others refused)",
+                 pre=rewrite.restrict_attach_ids),
+    0x216: _nvml("detach: only the tenant's GPU ids (others refused)",
+                 pre=rewrite.restrict_attach_ids),
+    0x21B: _nvml("PCI location (domain/bus/slot) of a GPU id; NVML matches probed ids to cards"),
+    0x279: _nvml("drain state of a GPU id (read-only; MODIFY_DRAIN_STATE stays refused)"),
+    0x289: _nvml("system-level query without GPU state"),
+    0xD01: _nvml("system-level query without GPU state"),
+    0x800289: _nvml("device-level read-only query"),
+    0x800292: _nvml("device-level read-only query"),
+    0x20800102: _nvml("subdevice read-only info"),
+    0x20800110: _nvml("subdevice name string"),
+    0x2080014A: _nvml("subdevice UUID / identity query"),
+    0x2080018D: _nvml("GPU process ids; rewritten to the tenant's own processes",
+                 post=rewrite.gpu_pids),
+    0x2080018E: _nvml("per-process info; only the tenant's own processes",
+                 pre=rewrite.pid_info_to_host, post=rewrite.pid_info_to_tenant),
+    0x20800406: _nvml("subdevice read-only info"),
+    0x20801303: _nvml("framebuffer info; rewritten to the tenant's quota and use",
+                 post=rewrite.fb_info),
+    0x20801701: _nvml("subdevice read-only info"),
+    0x20801801: _nvml("subdevice read-only info"),
+    0x20801802: _nvml("subdevice read-only info"),
+    0x20809009: _nvml("subdevice read-only info"),
+    0x20809064: _nvml("subdevice read-only info"),
+    0xDE0001: _nvml("diagnostics object read-only query"),
     # Read-only queries nvidia-smi 535 sends (nvidia-smi, -q, --query-gpu); the emulator
     # answers what it models and NV_ERR_NOT_SUPPORTED (shown as N/A) for the rest. Refusing
     # them instead would make nvidia-smi print ERR! (issue 4, docs/emulator.md).
-    0x800288: "software state persistence query (read-only)",
-    0x2080013F: "OEM board info: part/serial numbers of the tenant's own GPU (read-only)",
-    0x20800802: "VBIOS info of the tenant's own GPU (read-only; its list pointer is carried "
-                "by the ABI as an embedded buffer)",
-    0x208001A4: "chip details of the tenant's own GPU (read-only)",
-    0x208001AB: "reset-required status of the tenant's own GPU (read-only)",
-    0x208001AE: "drain-and-reset recommendation of the tenant's own GPU (read-only)",
-    0x20801344: "remapped-rows summary of the tenant's own GPU (read-only)",
-    0x20801813: "PCIe counters of the tenant's own GPU (read-only)",
-    0x20801819: "PCIe utilization counters of the tenant's own GPU (read-only)",
-    0x20801829: "PCIe atomics capabilities of the tenant's own GPU (read-only)",
-    0x20802609: "power-management module info of the tenant's own GPU (read-only)",
-    0x20803401: "volatile ECC counts of the tenant's own GPU (read-only; ECC config stays "
-                "refused)",
+    0x800288: _nvml("software state persistence query (read-only)"),
+    0x2080013F: _nvml("OEM board info: part/serial numbers of the tenant's own GPU "
+                      "(read-only)"),
+    0x20800802: _nvml("VBIOS info of the tenant's own GPU (read-only; its list pointer is carried "
+                      "by the ABI as an embedded buffer)"),
+    0x208001A4: _nvml("chip details of the tenant's own GPU (read-only)"),
+    0x208001AB: _nvml("reset-required status of the tenant's own GPU (read-only)"),
+    0x208001AE: _nvml("drain-and-reset recommendation of the tenant's own GPU (read-only)"),
+    0x20801344: _nvml("remapped-rows summary of the tenant's own GPU (read-only)"),
+    0x20801813: _nvml("PCIe counters of the tenant's own GPU (read-only)"),
+    0x20801819: _nvml("PCIe utilization counters of the tenant's own GPU (read-only)"),
+    0x20801829: _nvml("PCIe atomics capabilities of the tenant's own GPU (read-only)"),
+    0x20802609: _nvml("power-management module info of the tenant's own GPU (read-only)"),
+    0x20803401: _nvml("volatile ECC counts of the tenant's own GPU (read-only; ECC config stays "
+                      "refused)"),
     # issue 4: the rest of nvidia-smi's read-only queries (535 here, 580 on the H200); each
     # reads a fact of the tenant's own GPU object and carries no handle, pointer or GPU id.
-    0x2080014B: "inforom object version of the tenant's own GPU (read-only)",
-    0x20800156: "inforom image version of the tenant's own GPU (read-only)",
-    0x20800157: "whether the tenant's own GPU's inforom holds ECC data (read-only, no params)",
-    0x20801322: "retired (offlined) pages of the tenant's own GPU (read-only)",
-    0x20801357: "DRAM-encryption inforom support of the tenant's own GPU (read-only)",
-    0x20802068: "current performance state of the tenant's own GPU (read-only; setting it "
-                "stays refused)",
-    0x208001B2: "recovery action the driver recommends for the tenant's own GPU (read-only; "
-                "the number is GET_RECOVERY_ACTION in the 580 driver the broker relays to)",
+    0x2080014B: _nvml("inforom object version of the tenant's own GPU (read-only)"),
+    0x20800156: _nvml("inforom image version of the tenant's own GPU (read-only)"),
+    0x20800157: _nvml("whether the tenant's own GPU's inforom holds ECC data (read-only, no "
+                      "params)"),
+    0x20801322: _nvml("retired (offlined) pages of the tenant's own GPU (read-only)"),
+    0x20801357: _nvml("DRAM-encryption inforom support of the tenant's own GPU (read-only)"),
+    0x20802068: _nvml("current performance state of the tenant's own GPU (read-only; setting it "
+                      "stays refused)"),
+    0x208001B2: _nvml("recovery action the driver recommends for the tenant's own GPU (read-only; "
+                      "the number is GET_RECOVERY_ACTION in the 580 driver the broker "
+                      "relays to)"),
     # Unpublished (GSP) queries nvidia-smi sends for clocks/thermal/power/perf; their layout is
     # in no open header, so they carry no handle the broker could check: with the real
     # backend they need a look before they are relayed (lead: see the issue-4 report).
-    0x20808161: "unpublished GSP query nvidia-smi sends (read-only; emulator: NOT_SUPPORTED)",
-    0x2080852A: "unpublished GSP query nvidia-smi sends (read-only; emulator: NOT_SUPPORTED)",
-    0x2080852E: "unpublished GSP query nvidia-smi sends (read-only; emulator: NOT_SUPPORTED)",
-    0x20808513: "unpublished GSP query nvidia-smi sends (read-only; emulator: NOT_SUPPORTED)",
-    0x20808536: "unpublished GSP query nvidia-smi sends (read-only; emulator: NOT_SUPPORTED)",
-    0x2080853A: "unpublished GSP query nvidia-smi sends (read-only; emulator: NOT_SUPPORTED)",
-    0x2080A068: "unpublished GSP query nvidia-smi sends (read-only; emulator: NOT_SUPPORTED)",
-    0x2080A06E: "unpublished GSP query nvidia-smi sends (read-only; emulator: NOT_SUPPORTED)",
-    0x2080A0A7: "unpublished GSP query nvidia-smi sends (read-only; emulator: NOT_SUPPORTED)",
-    0x2080A612: "unpublished GSP query nvidia-smi sends (read-only; emulator: NOT_SUPPORTED)",
-    0x2080A637: "unpublished GSP query nvidia-smi sends (read-only; emulator: NOT_SUPPORTED)",
-    0x2080B201: "unpublished GSP query nvidia-smi sends (read-only; emulator: NOT_SUPPORTED)",
+    0x20808161: _nvml(_GSP_QUERY),
+    0x2080852A: _nvml(_GSP_QUERY),
+    0x2080852E: _nvml(_GSP_QUERY),
+    0x20808513: _nvml(_GSP_QUERY),
+    0x20808536: _nvml(_GSP_QUERY),
+    0x2080853A: _nvml(_GSP_QUERY),
+    0x2080A068: _nvml(_GSP_QUERY),
+    0x2080A06E: _nvml(_GSP_QUERY),
+    0x2080A0A7: _nvml(_GSP_QUERY),
+    0x2080A612: _nvml(_GSP_QUERY),
+    0x2080A637: _nvml(_GSP_QUERY),
+    0x2080B201: _nvml(_GSP_QUERY),
 }
 _COMPUTE_CONTROLS = [
     0x13A, 0x1F0, 0x27B, 0x288, 0xA04, 0xD04,
@@ -418,9 +538,10 @@ _COMPUTE_CONTROLS = [
     0x906F0101, 0x90E60102, 0xA06C0101, 0xA06C0103, 0xC36F0108, 0xCB330101,
 ]
 
-CONTROLS: dict[int, ControlRule] = {c: ControlRule("nvml", why) for c, why in _NVML_CONTROLS.items()}
-CONTROLS.update({c: ControlRule("compute", "used by CUDA on the tenant's own objects "
-                                "(seen in the PyTorch trace)") for c in _COMPUTE_CONTROLS})
+_CUDA_TRACE = "used by CUDA on the tenant's own objects (seen in the PyTorch trace)"
+CONTROLS.update({c: _compute(_CUDA_TRACE) for c in _COMPUTE_CONTROLS})
+# GET_ACTIVE_DEVICE_IDS (issue 13 item 6): only the tenant's GPUs are listed.
+CONTROLS[0x288] = _compute(_CUDA_TRACE, post=rewrite.active_device_ids)
 CONTROLS[0x83DE0309] = ControlRule("compute", "which SM exceptions the tenant's own context "
                                    "reports (its own debugger object)")
 # Seen from NCCL/torch.distributed across two GPUs on the two-H200 host (issue 16).
@@ -430,7 +551,8 @@ CONTROLS[0x12B] = ControlRule("compute", "NV0000_CTRL_CMD_SYSTEM_GET_P2P_CAPS_V2
                               "the ABI's GPU-id fields) and the peer ids come back inline")
 CONTROLS[0x20803001] = ControlRule("compute", "NV2080_CTRL_CMD_NVLINK_GET_NVLINK_CAPS: the "
                                    "NVLink capabilities of the tenant's own subdevice "
-                                   "(read-only; CUDA asks before peer access)")
+                                   "(read-only; CUDA asks before peer access)",
+                                   post=rewrite.nvlink_caps)
 CONTROLS[0xA06C0105] = ControlRule("compute", "NVA06C_CTRL_CMD_PREEMPT: preempts the tenant's "
                                    "own channel group (the object is checked to be the "
                                    "tenant's)")
@@ -444,19 +566,22 @@ CONTROLS[0x410110] = ControlRule("compute", "NV0041_CTRL_CMD_GET_SURFACE_INFO: a
                                  "object (CUDA asks it of memory NCCL imported); the list is "
                                  "copied in and out by the broker like the driver does")
 # Object export through an fd (cuMemExportToShareableHandle with POSIX fds: NCCL and CUDA
-# IPC between the tenant's processes, issue 16): core._ctl_object_fd.
+# IPC between the tenant's processes, issue 16): handlers.object_fd_control.
 _FD_EXPORT = ("; the fd must be one of the tenant's own nvidiactl files (the broker passes "
               "the driver its duplicate), so exported slots hold only the tenant's objects and "
               "only its processes import them; a filled slot keeps the object's charge until "
               "the file is closed")
 CONTROLS[0x3D0B] = ControlRule("compute", "NV0000_CTRL_CMD_OS_UNIX_EXPORT_OBJECTS_TO_FD: "
                                "exports objects of the caller's client into an fd's slots"
-                               + _FD_EXPORT)
+                               + _FD_EXPORT,
+                               run=handlers.object_fd_control, charge=True)
 CONTROLS[0x3D0C] = ControlRule("compute", "NV0000_CTRL_CMD_OS_UNIX_IMPORT_OBJECTS_FROM_FD: "
                                "new handles in the caller's client for exported objects"
-                               + _FD_EXPORT)
+                               + _FD_EXPORT,
+                               run=handlers.object_fd_control, charge=True)
 CONTROLS[0x3D08] = ControlRule("compute", "NV0000_CTRL_CMD_OS_UNIX_GET_EXPORT_OBJECT_INFO: "
-                               "slot count and metadata of an export fd" + _FD_EXPORT)
+                               "slot count and metadata of an export fd" + _FD_EXPORT,
+                               run=handlers.object_fd_control)
 
 REFUSED_CONTROLS: dict[int, str] = {
     0x20800134: "ECC configuration", 0x20800136: "ECC configuration",
@@ -504,15 +629,19 @@ def _cuda_boost(params) -> bool:
     return params is not None and params.flags == 0x12 and params.duration == 0xFFFFFFFF
 
 
-ANSWERED_CONTROLS: dict[int, tuple[str, str, object]] = {
-    # (capability, reason, predicate on the parameters: True = relay it after all)
-    0x2080200A: ("compute", "PERF_BOOST changes the GPU's clocks for every tenant: CUDA's own "
-                 "context boost (flags 0x12, infinite) reaches the driver, any other boost or "
-                 "clear is answered NV_OK by the broker and not relayed", _cuda_boost),
-}
+CONTROLS[0x2080200A] = ControlRule(
+    "compute", "PERF_BOOST changes the GPU's clocks for every tenant: CUDA's own context boost "
+    "(flags 0x12, infinite) reaches the driver, any other boost or clear is answered NV_OK by "
+    "the broker and not relayed", relay_if=_cuda_boost)
 
+# The emulator's handlers, on the rows of the controls it models.
+for _cmd, _emulate in EMULATED_CONTROLS.items():
+    if _cmd in CONTROLS:
+        CONTROLS[_cmd] = dataclasses.replace(CONTROLS[_cmd], emulate=_emulate)
 
-CONTROLS[0x2080200A] = ControlRule("compute", ANSWERED_CONTROLS[0x2080200A][1])
+# (capability, reason, relay_if) of the rows the broker answers (the documentation's table).
+ANSWERED_CONTROLS: dict[int, tuple[str, str, Callable]] = {
+    c: (r.capability, r.reason, r.relay_if) for c, r in CONTROLS.items() if r.relay_if}
 
 
 def _driver_refusal(cmd: int, abi) -> tuple[str, str, str] | None:
@@ -542,8 +671,7 @@ def control_rule(cmd: int, abi=None) -> ControlRule | None:
               else nvstatus.NV_ERR_INSUFFICIENT_PERMISSIONS)
     if abi is None:
         why = f"{why} (driver {version})"
-    return ControlRule(rule.capability, rule.reason, driver_flag=flag, driver_why=why,
-                       driver_status=status)
+    return dataclasses.replace(rule, driver_flag=flag, driver_why=why, driver_status=status)
 
 
 def control_refusal(rule: ControlRule | None) -> tuple[str, int]:
@@ -555,3 +683,56 @@ def control_refusal(rule: ControlRule | None) -> tuple[str, int]:
         return (f"refused whatever the policy grants: the driver marks it {rule.driver_flag} "
                 f"({rule.driver_why})", rule.driver_status)
     return f"needs capability '{rule.capability}'", nvstatus.NV_ERR_INSUFFICIENT_PERMISSIONS
+
+
+# --------------------------------------------------------------------------- simple controls
+_SIMPLE: dict = {}  # (DriverABI, cmd) -> bool
+
+
+def simple_control(abi, cmd: int) -> bool:
+    """Whether a control of `abi` can be executed without decoding its parameters: it is on
+    the allowlist and not reserved by the driver; its row has no rewrite hook, no broker
+    answer and no charge; and its parameter layout is known (published, fixed size) with no
+    field the broker must look at: no pointer (nested or embedded buffer), no fd, no client
+    handle (CLIENT_HANDLE_FIELDS) and no GPU id (rewrite.GPU_ID_FIELD_NAMES), at any depth.
+
+    For such a control the full path (handlers.rm_control) only copies the parameter block
+    to the driver and back, so a fast lane may do just that. What it must still do itself,
+    from the NVOS54 header: the capability (`control_rule(cmd, abi).granted`), the client
+    and object ownership and the revoked-GPU check, and paramsSize == the layout's size.
+    Computed once per (ABI, command)."""
+    key = (abi, cmd)
+    known = _SIMPLE.get(key)
+    if known is None:
+        known = _SIMPLE[key] = _simple(abi, cmd)
+    return known
+
+
+def _simple(abi, cmd: int) -> bool:
+    rule = control_rule(cmd, abi)
+    if rule is None or rule.driver_flag or rule.rewrites or rule.charge:
+        return False
+    op = abi.control(cmd)
+    return op is not None and op.params is not None and plain_layout(op.params)
+
+
+_PLAIN: dict = {}  # StructSpec (by identity) -> bool
+
+
+def plain_layout(spec) -> bool:
+    """A parameter layout with nothing the broker looks at: no pointer (nested or embedded
+    buffer), no fd, no client handle (CLIENT_HANDLE_FIELDS) and no GPU id
+    (rewrite.GPU_ID_FIELD_NAMES), at any depth. Cached per layout."""
+    known = _PLAIN.get(spec)
+    if known is None:
+        known = _PLAIN[spec] = not any(
+            f.kind in ("ptr", "fd") or f.name in CLIENT_HANDLE_FIELDS
+            or f.name in rewrite.GPU_ID_FIELD_NAMES for _path, f, _off in spec.walk())
+    return known
+
+
+def reads_params(rule: ControlRule, spec) -> bool:
+    """Whether the full path (handlers.rm_control) must decode a control's parameters: its
+    row changes something (hooks, answer, run, charge) or its layout holds something the
+    broker checks. The others pass through as the bytes read (issue 14)."""
+    return rule.rewrites or rule.charge or not plain_layout(spec)
