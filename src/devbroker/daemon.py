@@ -1,6 +1,8 @@
-"""Assembles a running broker: policy → backend → broker core → front end → control socket."""
+"""A running broker: the assembled core (assemble.py) with its front end, control socket,
+seccomp hand-over socket, OCI agent, metrics and alerts, for `devbroker run` and tests."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -12,6 +14,8 @@ from typing import Any
 
 import trio
 
+from devbroker.assemble import FRONTENDS, assemble, node_frontend
+from devbroker.assemble import make_backend  # noqa: F401  (its earlier home)
 from devbroker.broker import procview
 from devbroker.broker.alerts import AlertMonitor
 from devbroker.broker.audit import AuditLog
@@ -20,6 +24,7 @@ from devbroker.broker.control import (
     ROLE_ADMIN, ControlError, ControlServer, Peer, peer_of, role_of,
 )
 from devbroker.broker.core import Broker
+from devbroker.broker.record import Recorder
 
 log = logging.getLogger("devbroker")
 
@@ -55,22 +60,6 @@ class RunPaths:
         return self.mount / tenant
 
 
-def make_backend(policy: Any, backend: str | None = None, *, notice=None,
-                 private_dir: str | Path | None = None):
-    name = backend or policy.broker.backend
-    if name == "emulated":
-        from devbroker.backends.emulated import EmulatedBackend, EmulatedGpu
-
-        gpus = [EmulatedGpu(index=i, name=g.name, uuid=g.uuid, pci_bus_id=g.pci_bus_id,
-                            memory_bytes=g.memory) for i, g in enumerate(policy.broker.gpus)]
-        return EmulatedBackend(gpus, version=policy.broker.driver_version, notice=notice)
-    if name == "real":
-        from devbroker.backends.real import RealBackend
-
-        return RealBackend(notice=notice, private_dir=private_dir)
-    raise ValueError(f"unknown backend {name!r} (emulated, real)")
-
-
 def tenant_tree(broker: Broker) -> dict[str, dict]:
     """What the front end shows: per tenant, its nodes and its /proc/driver/nvidia view."""
     backend = broker.backend
@@ -88,24 +77,27 @@ def tenant_tree(broker: Broker) -> dict[str, dict]:
 
 
 class BrokerService:
-    """The broker with its FUSE front end and control socket, for `devbroker run` and tests."""
+    """The broker with its front end and control socket, for `devbroker run` and tests.
+
+    ``frontend`` (assemble.FRONTENDS): "fuse" (default: per-tenant nodes under RUN_DIR/nodes),
+    "seccomp" (no node file system: tenants only through the seccomp hand-over socket and
+    the OCI agent), "kmod" or "cuse" (shared /dev nodes, tenants by uid). The seccomp
+    hand-over socket and the OCI agent are served with every front end."""
 
     def __init__(self, policy: Any, run_dir: str | Path, *, backend: str | None = None,
                  audit_path: str | Path | None = None, record: str | Path | None = None,
-                 policy_source: str | None = None):
+                 policy_source: str | None = None, frontend: str = "fuse"):
+        if frontend not in FRONTENDS:
+            raise ValueError(f"unknown front end {frontend!r} ({', '.join(FRONTENDS)})")
         self.paths = RunPaths(Path(run_dir))
         self.policy_source = policy_source
-        self.audit = AuditLog(audit_path or getattr(policy.broker, "audit_log", None)
-                              or self.paths.audit)
-        self.backend = make_backend(policy, backend,
-                                    notice=lambda m: self.audit.write("notice", message=m),
-                                    private_dir=self.paths.run_dir / "private-nodes")
-        recorder = None
-        if record:
-            from devbroker.broker.record import Recorder
-
-            recorder = Recorder(record)
-        self.broker = Broker(policy, self.backend, self.audit, recorder=recorder)
+        self.frontend_kind = frontend
+        audit = AuditLog(audit_path or getattr(policy.broker, "audit_log", None)
+                         or self.paths.audit)
+        recorder = Recorder(record) if record else None
+        built = assemble(policy, backend=backend, audit=audit, recorder=recorder,
+                         private_dir=self.paths.run_dir / "private-nodes")
+        self.audit, self.backend, self.broker = built.audit, built.backend, built.broker
         # Observed at the boundaries, never inside the core: calls where the front ends
         # hand them over (InstrumentedBroker), refusals through the audit log.
         self.callstats = CallStats()
@@ -419,8 +411,9 @@ class BrokerService:
             self._set_modes()
             # A broker that died leaves its mount behind (ENOTCONN on any access): detach
             # it before touching the path, so a restart serves again without operator help.
-            await trio.to_thread.run_sync(detach_stale_mount, str(self.paths.mount))
-            self.paths.mount.mkdir(parents=True, exist_ok=True)
+            if self.frontend_kind == "fuse":
+                await trio.to_thread.run_sync(detach_stale_mount, str(self.paths.mount))
+                self.paths.mount.mkdir(parents=True, exist_ok=True)
         else:
             self._seccomp_sock = adopted.seccomp
         control = self.control = ControlServer(self.paths.control, {
@@ -439,13 +432,21 @@ class BrokerService:
         except OSError as e:
             raise OSError(e.errno, f"metrics endpoint "
                                    f"{self.broker.policy.broker.metrics.listen}: {e.strerror}")
+        fuse = self.frontend_kind == "fuse"
+        if fuse:
+            nodes = FuseFrontend(self.paths.mount, self.front,
+                                 adopt=adopted.fuse if adopted else None)
+        elif self.frontend_kind in ("kmod", "cuse"):
+            nodes = node_frontend(self.frontend_kind, self.broker, front=self.front)
+        else:  # seccomp: tenants come only through the hand-over socket and the OCI agent
+            nodes = contextlib.nullcontext()
         try:
-            async with FuseFrontend(self.paths.mount, self.front,
-                                    adopt=adopted.fuse if adopted else None) as fe:
+            async with nodes as fe:
                 self.frontend = fe
-                fe.set_tree(tenant_tree(self.broker))
-                self.broker.on_policy_change.append(
-                    lambda p: fe.set_tree(tenant_tree(self.broker)))
+                if fuse:
+                    fe.set_tree(tenant_tree(self.broker))
+                    self.broker.on_policy_change.append(
+                        lambda p: fe.set_tree(tenant_tree(self.broker)))
                 async with trio.open_nursery() as nursery:
                     await nursery.start(control.serve)
                     await nursery.start(self._serve_seccomp, nursery)
@@ -460,7 +461,8 @@ class BrokerService:
                     if adopted is None:
                         self.audit.write("started", backend=self.backend.name,
                                          driver=self.backend.version,
-                                         mount=str(self.paths.mount),
+                                         frontend=self.frontend_kind,
+                                         mount=str(self.paths.mount) if fuse else None,
                                          tenants=sorted(self.broker.tenants),
                                          metrics=self.metrics.url if self.metrics else None)
                     else:
@@ -472,10 +474,11 @@ class BrokerService:
                     async def fuse_closed():
                         await fe.wait_closed()
                         self.done.set()
-                    nursery.start_soon(fuse_closed)
+                    if fuse:
+                        nursery.start_soon(fuse_closed)
                     task_status.started(self)
                     await self.done.wait()
-                    if self.handed_over:
+                    if self.handed_over and fuse:
                         fe.detach()
                     nursery.cancel_scope.cancel()
         finally:
@@ -508,8 +511,11 @@ async def run_forever(service: BrokerService, *, quiet: bool = False,
             if started is not None:
                 await started()
             if not quiet:
+                nodes = (f"nodes under {service.paths.mount}"
+                         if service.frontend_kind == "fuse" else
+                         f"{service.frontend_kind} front end")
                 print(f"devbroker: {service.backend.name} backend (driver "
-                      f"{service.backend.version}), nodes under {service.paths.mount}, "
+                      f"{service.backend.version}), {nodes}, "
                       f"control socket {service.paths.control}", file=sys.stderr, flush=True)
                 if service.metrics is not None:
                     print(f"devbroker: metrics at {service.metrics.url}", file=sys.stderr,

@@ -23,6 +23,13 @@ def add_parsers(sub) -> None:
     p.add_argument("--audit", help="audit log path (default RUN_DIR/audit.log)")
     p.add_argument("--record", metavar="FILE",
                    help="write every relayed call to FILE in the nvtrace format")
+    p.add_argument("--frontend", choices=["fuse", "seccomp", "kmod", "cuse"], default="fuse",
+                   help="how tenants reach the broker: fuse (per-tenant nodes under "
+                        "RUN_DIR/nodes; default), seccomp (no node file system: `devbroker "
+                        "exec --frontend seccomp` and containers only), kmod (the kernel "
+                        "module's /dev nodes) or cuse (CUSE /dev nodes); kmod and cuse tell "
+                        "tenants apart by uid (policy key uids). The seccomp hand-over "
+                        "socket is served with every front end")
     # Started by a running broker during `devbroker upgrade`, never by hand: FD is the
     # socket its predecessor hands the state and the file descriptors over on.
     p.add_argument("--takeover-fd", type=int, help=argparse.SUPPRESS)
@@ -123,7 +130,8 @@ def cmd_run(args) -> int:
         return 1
     try:
         service = BrokerService(policy, args.run_dir, backend=args.backend, audit_path=args.audit,
-                                record=args.record, policy_source=args.policy)
+                                record=args.record, policy_source=args.policy,
+                                frontend=args.frontend)
     except OSError as e:  # e.g. --backend real on a host without the NVIDIA driver
         print(f"devbroker run: {e}", file=sys.stderr)
         return 1

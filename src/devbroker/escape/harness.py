@@ -465,17 +465,14 @@ def _run_seccomp(attacks: list[Attack], work: Path, flood: bool, report: Report,
                  backend: str = "emulated") -> None:
     import trio
 
-    from devbroker.broker.audit import AuditLog
-    from devbroker.broker.core import Broker
+    from devbroker.assemble import assemble
     from devbroker.broker.policy import load_policy_text
-    from devbroker.daemon import make_backend
     from devbroker.frontends.seccomp import default_nodes, run_tenant
 
     policy = load_policy_text(policy_text(backend), "escape-test policy")
     audit_path = work / "audit.log"
-    audit = AuditLog(audit_path)
-    broker = Broker(policy, make_backend(policy, notice=lambda m: audit.write("notice",
-                                                                              message=m)), audit)
+    built = assemble(policy, audit_path=audit_path)
+    broker, audit = built.broker, built.audit
     # Real driver files with the real backend (what CUDA gets), placeholders otherwise.
     real_files = bool(getattr(broker.backend, "tenant_files", False))
     if real_files:

@@ -82,35 +82,24 @@ def control_path(frontend: str) -> Path:
 def serve(frontend: str, run: Path, policy_file: Path | None = None) -> int:
     import trio
 
+    from devbroker.assemble import assemble, node_frontend
     from devbroker.broker import procview
     from devbroker.broker.audit import AuditLog
     from devbroker.broker.control import ControlServer
-    from devbroker.broker.core import Broker
     from devbroker.broker.policy import load_policy_text
-    from devbroker.daemon import make_backend
-    from devbroker.frontends.kmod import tenant_by_uid
 
     text = policy_file.read_text() if policy_file else POLICY
     policy = load_policy_text(text, str(policy_file or "guest-policy"))
-    audit = AuditLog(run / "audit.jsonl")
-    backend = make_backend(policy, notice=lambda m: audit.write("notice", message=m))
-    broker = Broker(policy, backend, audit)
+    built = assemble(policy, audit=AuditLog(run / "audit.jsonl"))
+    broker, backend = built.broker, built.backend
     for name, t in broker.tenants.items():  # /proc/driver/nvidia as each tenant sees it
         for rel, data in procview.tenant_view(backend.gpus(), t.gpus, backend.version).items():
             p = run / "view" / name / rel
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_bytes(data)
-    tenant_of = tenant_by_uid(broker)
 
     async def main() -> None:
-        if frontend == "kmod":
-            from devbroker.frontends.kmod import KmodFrontend
-
-            fe = KmodFrontend(broker, tenant_of=tenant_of)
-        else:
-            from devbroker.frontends.cuse import CuseFrontend
-
-            fe = CuseFrontend(broker, tenant_of=tenant_of, gpus=[0, 1])
+        fe = node_frontend(frontend, broker, **({"gpus": [0, 1]} if frontend == "cuse" else {}))
         control = ControlServer(control_path(frontend), {"status": lambda req: broker.snapshot()})
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with fe:
