@@ -24,23 +24,14 @@ from devbroker.broker.callstats import CallStats, InstrumentedBroker
 from devbroker.broker.core import Broker
 from devbroker.broker.interface import Caller, IoctlReply, IoctlRequest, OpenRequest
 from devbroker.broker.policy import load_policy_text
+from devbroker.testing.policies import one_h200, tenant
 
 ROUNDS = 7
 ABI = registry.get("535.309.01")
-POLICY = """
-[broker]
-backend = "emulated"
-[[broker.gpu]]
-name = "NVIDIA H200"
-uuid = "GPU-5d1c0e7a-0b6e-4f43-9c1a-3a2b7e0d0001"
-pci_bus_id = "0000:00:06.0"
-memory = "141GiB"
-[tenant.alice]
-gpus = [0]
-memory_quota = "1GiB"
 # far above what the loop sends: the default (2000/s) would pace the loop, not measure it
-rate_limit = { requests_per_second = 100000000, burst = 100000000 }
-"""
+POLICY = one_h200(tenant("alice", memory_quota="1GiB",
+                         rate_limit={"requests_per_second": 100000000, "burst": 100000000}),
+                  driver_version=None, uuids=("GPU-5d1c0e7a-0b6e-4f43-9c1a-3a2b7e0d0001",))
 
 
 class _StubTenant:

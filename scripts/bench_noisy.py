@@ -28,35 +28,22 @@ import tempfile
 import time
 from pathlib import Path
 
+from devbroker.testing.policies import one_h200, tenant
+
 from devbroker.testing.tenant_binds import bind_args
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "devbroker.cli.main"]
 NOISY = [sys.executable, "-m", "devbroker.tools.noisy"]
 
-POLICY = """
-[broker]
-backend = "emulated"
-driver_version = "580.159.04"
-
-[[broker.gpu]]
-name = "NVIDIA H200"
-uuid = "GPU-11111111-2222-3333-4444-555555555555"
-pci_bus_id = "0000:00:06.0"
-memory = "141GiB"
-
-[tenant.quiet]
-gpus = [0]
-memory_quota = "16GiB"
-# Not paced: what is measured is the broker, not the quiet tenant's own limit.
-rate_limit = {{ requests_per_second = 1000000, burst = 1000000 }}
-
-[tenant.noisy]
-gpus = [0]
-memory_quota = "16GiB"
-{rate}
-limits = {{ open_files = 256, rm_clients = 64, rm_objects = 1024 }}
-"""
+def policy(noisy_rate: float) -> str:
+    """Two tenants on one emulated H200: the quiet one unpaced (what is measured is the
+    broker, not its own limit), the noisy one at `noisy_rate` (0: the policy default)."""
+    noisy = {"rate_limit": {"requests_per_second": noisy_rate, "burst": 10}} if noisy_rate > 0 else {}
+    return one_h200(
+        tenant("quiet", rate_limit={"requests_per_second": 1000000, "burst": 1000000}),
+        tenant("noisy", limits={"open_files": 256, "rm_clients": 64, "rm_objects": 1024},
+               **noisy))
 
 
 def pct(xs: list[int], p: float) -> float:
@@ -72,9 +59,7 @@ def main() -> int:
     ap.add_argument("--threads-per-kind", type=int, default=2)
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="devbroker-bench-"))
-    rate = (f"rate_limit = {{ requests_per_second = {a.noisy_rate:g}, burst = 10 }}"
-            if a.noisy_rate > 0 else "")
-    (work / "policy.toml").write_text(POLICY.format(rate=rate))
+    (work / "policy.toml").write_text(policy(a.noisy_rate))
     run = CLI + ["--run-dir", str(work / "run")]
     log = open(work / "broker.log", "w")
     broker = subprocess.Popen(run + ["run", "--policy", str(work / "policy.toml")],

@@ -1,4 +1,5 @@
-"""Shared fixtures: paths, and a real broker process with its FUSE nodes."""
+"""Shared fixtures: paths, a broker in this process (inproc_broker), and a real broker
+process with its FUSE nodes (start_broker)."""
 from __future__ import annotations
 
 import json
@@ -39,6 +40,19 @@ def tenant_tree() -> Path:
     from devbroker.testing import tenant_tree
 
     return tenant_tree.ensure(REPO)
+
+
+@pytest.fixture
+def inproc_broker(tmp_path):
+    """policy text (testing/policies.py; None: two_h200()) -> a Broker in this process with
+    the emulated backend, its audit log in tmp_path (no root, FUSE or subprocess). Drive it
+    with devbroker.testing.inproc.InProcTenant."""
+    from devbroker.testing.inproc import make_broker
+
+    def make(policy_text: str | None = None, **kw):
+        return make_broker(policy_text, audit_path=tmp_path / "audit.jsonl", **kw)
+
+    return make
 
 
 def pytest_collection_modifyitems(config, items):

@@ -25,6 +25,8 @@ from devbroker.backends.emulated import EmulatedBackend
 from devbroker.broker import allow
 from devbroker.broker.core import Broker
 from devbroker.broker.policy import load_policy_text
+from devbroker.testing.inproc import InProcTenant as Tenant
+from devbroker.testing.policies import one_h200, tenant
 
 DATA = Path(__file__).parent / "data"
 RELAY = DATA / "h200-580.159.04-relay.nvtrace"  # unprivileged: the broker's relay process
@@ -121,22 +123,8 @@ def test_allowlisted_controls_the_driver_reserves_are_refused_naming_the_flag():
             assert op is not None and op.driver_refusal() is None, (v, hex(cls))
 
 
-POLICY = """
-[broker]
-backend = "emulated"
-driver_version = "580.159.04"
-
-[[broker.gpu]]
-name = "NVIDIA H200"
-uuid = "GPU-5d1c0e7a-0b6e-4f43-9c1a-3a2b7e0d0001"
-pci_bus_id = "0000:00:06.0"
-memory = "141GiB"
-
-[tenant.alice]
-gpus = [0]
-memory_quota = "1GiB"
-capabilities = ["nvml", "compute"]
-"""
+POLICY = one_h200(tenant("alice", memory_quota="1GiB", capabilities=["nvml", "compute"]),
+                  uuids=("GPU-5d1c0e7a-0b6e-4f43-9c1a-3a2b7e0d0001",))
 
 
 class CountingEmulator(EmulatedBackend):
@@ -159,8 +147,6 @@ async def test_the_broker_refuses_a_reserved_control_a_policy_would_allow(monkey
     """Put a control the driver reserves on the allowlist under a capability the tenant
     holds: the broker still refuses it, with the driver's status and the flag in the audit
     reason, and the backend never sees it."""
-    from test_record import Tenant
-
     monkeypatch.setitem(allow.CONTROLS, cmd, allow.ControlRule("nvml", "test: allowlisted"))
     backend = CountingEmulator()
     broker = Broker(load_policy_text(POLICY, "test"), backend)

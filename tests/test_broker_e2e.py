@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from devbroker.testing.policies import tenant, two_h200
+
 from devbroker.abi import status as nvs
 from tenant_io import lines
 
@@ -23,30 +25,8 @@ HERE = Path(__file__).resolve().parent
 PROBE = [sys.executable, "-m", "devbroker.tools.probe"]
 TENANT = [sys.executable, str(HERE / "tenant_prog.py")]
 
-POLICY = """
-[broker]
-backend = "emulated"
-
-[[broker.gpu]]
-name = "NVIDIA H200"
-uuid = "GPU-11111111-2222-3333-4444-555555555555"
-pci_bus_id = "0000:00:06.0"
-memory = "141GiB"
-
-[[broker.gpu]]
-name = "NVIDIA H200"
-uuid = "GPU-66666666-7777-8888-9999-000000000000"
-pci_bus_id = "0000:00:07.0"
-memory = "141GiB"
-
-[tenant.alice]
-gpus = [0]
-memory_quota = "16GiB"
-
-[tenant.bob]
-gpus = [1]
-memory_quota = "32GiB"
-"""
+POLICY = two_h200(tenant("alice", gpus=[0]), tenant("bob", gpus=[1], memory_quota="32GiB"),
+                  driver_version=None)
 
 
 

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from devbroker.testing.policies import one_h200, tenant
+
 from tenant_io import lines
 
 pytestmark = pytest.mark.root
@@ -30,20 +32,7 @@ pytestmark = pytest.mark.root
 REPO = Path(__file__).resolve().parent.parent
 SYSTEM_PYTHON = "/usr/bin/python3"
 
-POLICY = """
-[broker]
-backend = "emulated"
-
-[[broker.gpu]]
-name = "NVIDIA H200"
-uuid = "GPU-11111111-2222-3333-4444-555555555555"
-pci_bus_id = "0000:00:06.0"
-memory = "141GiB"
-
-[tenant.alice]
-gpus = [0]
-memory_quota = "1GiB"
-"""
+POLICY = one_h200(tenant("alice", memory_quota="1GiB"), driver_version=None)
 
 # Runs inside the tenant: each attempt by name, its errno name or "ok" (and what it read).
 ATTEMPTS = r'''

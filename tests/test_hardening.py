@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from devbroker.testing.policies import one_h200, tenant
 import trio
 
 from devbroker.abi import vidmem
@@ -32,25 +34,8 @@ TENANT = [sys.executable, str(HERE / "tenant_prog.py")]
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 # Both tenants on GPU 0: what one of them takes from the card is what the other can get.
-POLICY = """
-[broker]
-backend = "emulated"
-driver_version = "580.159.04"
-
-[[broker.gpu]]
-name = "NVIDIA H200"
-uuid = "GPU-13131313-2222-3333-4444-555555555555"
-pci_bus_id = "0000:00:06.0"
-memory = "141GiB"
-
-[tenant.alice]
-gpus = [0]
-memory_quota = "16GiB"
-
-[tenant.bob]
-gpus = [0]
-memory_quota = "256MiB"
-"""
+POLICY = one_h200(tenant("alice", memory_quota="16GiB"), tenant("bob", memory_quota="256MiB"),
+                  uuids=("GPU-13131313-2222-3333-4444-555555555555",))
 
 
 @pytest.fixture

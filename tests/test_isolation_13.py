@@ -27,6 +27,7 @@ import pytest
 from devbroker.abi import registry
 from devbroker.abi import status as nvs
 from devbroker.broker import allow, rewrite
+from devbroker.testing.policies import tenant, two_h200
 from tenant_io import lines, readline_json
 
 HERE = Path(__file__).resolve().parent
@@ -35,42 +36,9 @@ HOLD = [sys.executable, str(HERE / "tenant_prog.py"), "hold"]
 GiB = 1 << 30
 GPU0_ID, GPU1_ID = 0x6, 0x7  # the emulator's ids of 0000:00:06.0 and 0000:00:07.0
 
-GPUS = """
-[broker]
-backend = "emulated"
-driver_version = "580.159.04"
-
-[[broker.gpu]]
-name = "NVIDIA H200"
-uuid = "GPU-11111111-2222-3333-4444-555555555555"
-pci_bus_id = "0000:00:06.0"
-memory = "141GiB"
-
-[[broker.gpu]]
-name = "NVIDIA H200"
-uuid = "GPU-66666666-7777-8888-9999-000000000000"
-pci_bus_id = "0000:00:07.0"
-memory = "141GiB"
-"""
-POLICY = GPUS + """
-[tenant.alice]
-gpus = [0]
-memory_quota = "16GiB"
-
-[tenant.bob]
-gpus = [1]
-memory_quota = "16GiB"
-"""
+POLICY = two_h200(tenant("alice", gpus=[0]), tenant("bob", gpus=[1]))
 # Both on GPU 0: whether the other one uses it must not show.
-SHARED = GPUS + """
-[tenant.alice]
-gpus = [0]
-memory_quota = "16GiB"
-
-[tenant.bob]
-gpus = [0]
-memory_quota = "16GiB"
-"""
+SHARED = two_h200(tenant("alice", gpus=[0]), tenant("bob", gpus=[0]))
 
 
 def run(broker, tenant: str, *args: str) -> dict[str, dict]:

@@ -22,32 +22,15 @@ import pytest
 
 from devbroker.abi import status as nvs
 from devbroker.abi.nodes import NodeKind
+from devbroker.testing.policies import one_h200, tenant
 from tenant_io import lines, readline_json
 
 NOISY = [sys.executable, "-m", "devbroker.tools.noisy"]
 
-GPUS = """
-[broker]
-backend = "emulated"
-driver_version = "580.159.04"
-
-[[broker.gpu]]
-name = "NVIDIA H200"
-uuid = "GPU-11111111-2222-3333-4444-555555555555"
-pci_bus_id = "0000:00:06.0"
-memory = "141GiB"
-"""
-POLICY = GPUS + """
-[tenant.quiet]
-gpus = [0]
-memory_quota = "16GiB"
-
-[tenant.noisy]
-gpus = [0]
-memory_quota = "16GiB"
-rate_limit = { requests_per_second = 100, burst = 10 }
-limits = { open_files = 16, rm_clients = 8, rm_objects = 64 }
-"""
+POLICY = one_h200(
+    tenant("quiet"),
+    tenant("noisy", rate_limit={"requests_per_second": 100, "burst": 10},
+           limits={"open_files": 16, "rm_clients": 8, "rm_objects": 64}))
 
 LIMITS_PROG = r'''
 import errno, json, os, sys

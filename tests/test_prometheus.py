@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from devbroker.testing.policies import one_h200, tenant
+
 from tenant_io import readline_json
 
 HERE = Path(__file__).resolve().parent
@@ -42,27 +44,8 @@ def tool(name: str) -> str:
 
 
 def policy(metrics_port: int, extra: str = "") -> str:
-    return f"""
-[broker]
-backend = "emulated"
-
-[broker.metrics]
-listen = "127.0.0.1:{metrics_port}"
-{extra}
-[[broker.gpu]]
-name = "NVIDIA H200"
-uuid = "GPU-11111111-2222-3333-4444-555555555555"
-pci_bus_id = "0000:00:06.0"
-memory = "141GiB"
-
-[tenant.alice]
-gpus = [0]
-memory_quota = "1GiB"
-
-[tenant.bob]
-gpus = [0]
-memory_quota = "1GiB"
-"""
+    return one_h200(tenant("alice", memory_quota="1GiB"), tenant("bob", memory_quota="1GiB"),
+                    driver_version=None, metrics=f"127.0.0.1:{metrics_port}", extra=extra)
 
 
 class Prometheus:

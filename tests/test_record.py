@@ -11,20 +11,21 @@
 """
 from __future__ import annotations
 
-import ctypes
 import errno
 from pathlib import Path
 
-from devbroker.abi import iowr, nvtrace, registry
+from devbroker.abi import nvtrace, registry
 from devbroker.abi import status as nvs
 from devbroker.abi.nodes import NodeKind
 from devbroker.abi.traceview import TraceDecoder, stats
 from devbroker.backends.emulated import EmulatedBackend
 from devbroker.broker import allow
 from devbroker.broker.core import Broker
-from devbroker.broker.interface import Caller, IoctlRequest, OpenRequest, ReleaseRequest
+from devbroker.broker.interface import ReleaseRequest
 from devbroker.broker.policy import load_policy_text
 from devbroker.broker.record import Recorder
+from devbroker.testing.inproc import InProcTenant as Tenant
+from devbroker.testing.policies import one_h200, tenant
 
 ABI = registry.get("580.159.04")
 H200 = Path(__file__).parent / "data" / "h200-580.159.04-relay.nvtrace"
@@ -36,83 +37,8 @@ REFUSED_CLASSES = {0x83DE}
 # their range, stats' `unpublished`).
 KNOWN_ABI_GAPS: set = set()
 
-POLICY = """
-[broker]
-backend = "emulated"
-driver_version = "580.159.04"
-
-[[broker.gpu]]
-name = "NVIDIA H200"
-uuid = "GPU-5d1c0e7a-0b6e-4f43-9c1a-3a2b7e0d0001"
-pci_bus_id = "0000:00:06.0"
-memory = "141GiB"
-
-[tenant.alice]
-gpus = [0]
-memory_quota = "1GiB"
-capabilities = ["nvml", "compute"]
-"""
-
-
-class OwnMemory:
-    """TenantMemory over this process's own memory (the 'tenant' is the test)."""
-
-    def read(self, addr: int, n: int) -> bytes:
-        return ctypes.string_at(addr, n)
-
-    def write(self, addr: int, data: bytes) -> None:
-        ctypes.memmove(addr, data, len(data))
-
-
-class Tenant:
-    def __init__(self, broker: Broker):
-        self.b = broker
-        self.caller = Caller(4242, 4242, 0, 0)
-        self.fds: dict[int, int] = {}  # fake fd -> session
-        self.keep = []
-
-    async def open(self, node: NodeKind, minor: int = 0) -> int:
-        rep = await self.b.open(OpenRequest(self.caller, "alice", node, minor))
-        assert rep.errno == 0
-        fd = 100 + len(self.fds)
-        self.fds[fd] = rep.session
-        return fd
-
-    async def _resolve(self, fd):
-        return self.fds.get(fd)
-
-    async def esc(self, fd: int, name: str, value, nested=None, ptr: str = ""):
-        if nested is not None:
-            buf = ctypes.create_string_buffer(nested.encode(), nested.spec.size)
-            self.keep.append(buf)
-            value = value.replace(**{ptr: ctypes.addressof(buf)})
-        arg = value.encode()
-        rep = await self.b.ioctl(IoctlRequest(self.caller, self.fds[fd],
-                                              iowr(ABI.escape(name).number, len(arg)), 0, arg,
-                                              OwnMemory(), self._resolve))
-        out = value.spec.decode(rep.arg_out) if rep.arg_out else None
-        got = nested.spec.decode(ctypes.string_at(ctypes.addressof(buf), nested.spec.size)) \
-            if nested is not None else None
-        return rep, out, got
-
-    def new(self, struct_name, **kw):
-        s = ABI.struct(struct_name)
-        return s.decode(bytes(s.size)).replace(**kw)
-
-    def params(self, cmd, **kw):
-        s = ABI.control(cmd).params
-        return s.decode(bytes(s.size)).replace(**kw)
-
-    async def alloc(self, ctl, root, parent, cls, params=None, new=0):
-        v = self.new("NVOS64_PARAMETERS", hRoot=root, hObjectParent=parent, hObjectNew=new,
-                     hClass=cls)
-        return await self.esc(ctl, "NV_ESC_RM_ALLOC", v, params, "pAllocParms")
-
-    async def control(self, ctl, client, obj, cmd, **kw):
-        p = self.params(cmd, **kw)
-        v = self.new("NVOS54_PARAMETERS", hClient=client, hObject=obj, cmd=cmd,
-                     paramsSize=p.spec.size)
-        return await self.esc(ctl, "NV_ESC_RM_CONTROL", v, p, "params")
+POLICY = one_h200(tenant("alice", memory_quota="1GiB", capabilities=["nvml", "compute"]),
+                  uuids=("GPU-5d1c0e7a-0b6e-4f43-9c1a-3a2b7e0d0001",))
 
 
 async def test_record_an_emulated_session_and_read_it_back(tmp_path):

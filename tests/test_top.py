@@ -15,6 +15,8 @@ from pathlib import Path
 import pyte
 import pytest
 
+from devbroker.testing.policies import one_h200, tenant
+
 from conftest import DEVBROKER
 from tenant_io import readline_json
 
@@ -24,24 +26,8 @@ HERE = Path(__file__).resolve().parent
 TENANT = [sys.executable, str(HERE / "tenant_prog.py")]
 ROWS, COLS = 24, 110
 
-POLICY = """
-[broker]
-backend = "emulated"
-
-[[broker.gpu]]
-name = "NVIDIA H200"
-uuid = "GPU-11111111-2222-3333-4444-555555555555"
-pci_bus_id = "0000:00:06.0"
-memory = "141GiB"
-
-[tenant.alice]
-gpus = [0]
-memory_quota = "1GiB"
-
-[tenant.bob]
-gpus = [0]
-memory_quota = "2GiB"
-"""
+POLICY = one_h200(tenant("alice", memory_quota="1GiB"), tenant("bob", memory_quota="2GiB"),
+                  driver_version=None)
 
 
 class Terminal:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from devbroker.testing.policies import tenant, two_h200
+
 from tenant_io import readline_json
 from test_metrics import scrape, total
 from test_prometheus import free_port
@@ -27,19 +29,13 @@ TENANT = [sys.executable, str(HERE / "tenant_prog.py")]
 UNIT = REPO / "deploy" / "systemd" / "devbroker.service"
 MiB = 1 << 20
 TENANTS = ["t0", "t1", "t2", "t3"]
+UUIDS = ("GPU-11111111-2222-3333-4444-555555555550", "GPU-11111111-2222-3333-4444-555555555551")
 
 
 def policy(metrics_port: int | None = None) -> str:
-    out = ['[broker]', 'backend = "emulated"', '']
-    if metrics_port is not None:
-        out += ['[broker.metrics]', f'listen = "127.0.0.1:{metrics_port}"', '']
-    for i in range(2):
-        out += ['[[broker.gpu]]', 'name = "NVIDIA H200"',
-                f'uuid = "GPU-11111111-2222-3333-4444-55555555555{i}"',
-                f'pci_bus_id = "0000:00:0{6 + i}.0"', 'memory = "141GiB"', '']
-    for i, t in enumerate(TENANTS):
-        out += [f'[tenant.{t}]', f'gpus = [{i % 2}]', 'memory_quota = "2GiB"', '']
-    return "\n".join(out)
+    return two_h200(*(tenant(t, gpus=[i % 2], memory_quota="2GiB") for i, t in enumerate(TENANTS)),
+                    driver_version=None, uuids=UUIDS,
+                    metrics=f"127.0.0.1:{metrics_port}" if metrics_port is not None else None)
 
 
 def alive(pid: int) -> bool:

@@ -28,48 +28,21 @@ import time
 import uuid
 from pathlib import Path
 
-from devbroker.escape.harness import (ATTACKER, ATTACKER_QUOTA, FLOODER, GUEST_CALLS_N,
-                                      GUEST_FLOOD_N, GUEST_FLOOD_RATE, VICTIM)
+from devbroker.escape.harness import (ATTACKER, ATTACKER_QUOTA, ESCAPE_UUIDS, FLOODER,
+                                      GUEST_CALLS_N, GUEST_FLOOD_N, GUEST_FLOOD_RATE, VICTIM)
+from devbroker.testing.policies import tenant, two_h200
 from devbroker.testing.guest_broker import (REPO, TENANT_PY, TREE, BrokerProc, control_path,
                                             emit, tenant_env)
 
 UIDS = {VICTIM: 1001, ATTACKER: 1002, FLOODER: 1003}
-POLICY = f"""
-# devbroker.escape.guest: victim {VICTIM} (uid {UIDS[VICTIM]}, GPUs 0 and 1), attacker
-# {ATTACKER} (uid {UIDS[ATTACKER]}, GPU 0 shared with {VICTIM}), flooder {FLOODER}
-# (uid {UIDS[FLOODER]}, GPU 0, rate-limited).
-[broker]
-backend = "emulated"
-driver_version = "580.159.04"
-
-[[broker.gpu]]
-name = "NVIDIA H200"
-uuid = "GPU-e5ca9e00-0000-4000-8000-000000000000"
-pci_bus_id = "0000:00:06.0"
-memory = "141GiB"
-
-[[broker.gpu]]
-name = "NVIDIA H200"
-uuid = "GPU-e5ca9e00-0000-4000-8000-000000000001"
-pci_bus_id = "0000:00:07.0"
-memory = "141GiB"
-
-[tenant.{VICTIM}]
-gpus = [0, 1]
-memory_quota = "1GiB"
-uids = [{UIDS[VICTIM]}]
-
-[tenant.{ATTACKER}]
-gpus = [0]
-memory_quota = "{ATTACKER_QUOTA >> 20}MiB"
-uids = [{UIDS[ATTACKER]}]
-
-[tenant.{FLOODER}]
-gpus = [0]
-memory_quota = "64MiB"
-rate_limit = {{ requests_per_second = {GUEST_FLOOD_RATE}, burst = 10 }}
-uids = [{UIDS[FLOODER]}]
-"""
+POLICY = ("# devbroker.escape.guest: the escape-test tenants, told apart by uid\n"
+          + two_h200(tenant(VICTIM, gpus=[0, 1], memory_quota="1GiB", uids=[UIDS[VICTIM]]),
+                     tenant(ATTACKER, gpus=[0], memory_quota=f"{ATTACKER_QUOTA >> 20}MiB",
+                            uids=[UIDS[ATTACKER]]),
+                     tenant(FLOODER, gpus=[0], memory_quota="64MiB",
+                            rate_limit={"requests_per_second": GUEST_FLOOD_RATE, "burst": 10},
+                            uids=[UIDS[FLOODER]]),
+                     uuids=ESCAPE_UUIDS))
 ATTACK_TIMEOUT = 420
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from devbroker.escape.attacks import ATTACKS, FLOOD, Attack
+from devbroker.testing.policies import broker_table, tenant, two_h200
 
 MiB = 1 << 20
 ATTACKER, VICTIM, FLOODER = "bob", "alice", "mallory"
@@ -39,38 +40,21 @@ FLOOD_N, FLOOD_RATE, CALLS_N = 400, 100, 100
 # nothing: the flooder gets 25/s for 150 requests (>= 5.6 s), the victim makes 50 calls.
 GUEST_FLOOD_N, GUEST_FLOOD_RATE, GUEST_CALLS_N = 150, 25, 50
 
-POLICY = f"""
-# written by devbroker escape-test: a victim (alice, GPUs 0 and 1), an attacker (bob, GPU 0
-# shared with alice) and a flooder (mallory, GPU 0, rate-limited).
-[broker]
-backend = "emulated"
-driver_version = "580.159.04"
+ESCAPE_UUIDS = ("GPU-e5ca9e00-0000-4000-8000-000000000000",
+                "GPU-e5ca9e00-0000-4000-8000-000000000001")
 
-[[broker.gpu]]
-name = "NVIDIA H200"
-uuid = "GPU-e5ca9e00-0000-4000-8000-000000000000"
-pci_bus_id = "0000:00:06.0"
-memory = "141GiB"
 
-[[broker.gpu]]
-name = "NVIDIA H200"
-uuid = "GPU-e5ca9e00-0000-4000-8000-000000000001"
-pci_bus_id = "0000:00:07.0"
-memory = "141GiB"
+def _tenants(**keys) -> list[str]:
+    """A victim (alice, GPUs 0 and 1), an attacker (bob, GPU 0 shared with alice) and a
+    flooder (mallory, GPU 0, rate-limited); `keys`: more policy keys for each."""
+    return [tenant(VICTIM, gpus=[0, 1], memory_quota="1GiB", **keys),
+            tenant(ATTACKER, gpus=[0], memory_quota=f"{ATTACKER_QUOTA >> 20}MiB", **keys),
+            tenant(FLOODER, gpus=[0], memory_quota="64MiB",
+                   rate_limit={"requests_per_second": FLOOD_RATE, "burst": 10}, **keys)]
 
-[tenant.{VICTIM}]
-gpus = [0, 1]
-memory_quota = "1GiB"
 
-[tenant.{ATTACKER}]
-gpus = [0]
-memory_quota = "{ATTACKER_QUOTA >> 20}MiB"
-
-[tenant.{FLOODER}]
-gpus = [0]
-memory_quota = "64MiB"
-rate_limit = {{ requests_per_second = {FLOOD_RATE}, burst = 10 }}
-"""
+POLICY = ("# written by devbroker escape-test\n"
+          + two_h200(*_tenants(), uuids=ESCAPE_UUIDS))
 
 # The same tenants against the real driver (issues 12 and 16): the host's GPUs 0 and 1 are
 # the policy's (the attacks need a GPU only the victim has: a host with two GPUs), and the
@@ -84,14 +68,8 @@ def policy_text(backend: str) -> str:
         return POLICY
     if backend != "real":
         raise ValueError(f"backend {backend!r}: emulated or real")
-    head, tenants = POLICY.split(f"[tenant.{VICTIM}]", 1)
-    head = head.split("[[broker.gpu]]", 1)[0]
-    head = head.replace('backend = "emulated"', 'backend = "real"')
-    head = "".join(l for l in head.splitlines(True) if not l.startswith("driver_version"))
-    caps = f"capabilities = {json.dumps(REAL_CAPABILITIES)}\n"
-    body = f"[tenant.{VICTIM}]" + tenants
-    return head + "".join(line + (caps if line.startswith("[tenant.") else "")
-                          for line in body.splitlines(True))
+    return "\n".join([broker_table(backend="real", driver_version=None),
+                      *_tenants(capabilities=REAL_CAPABILITIES)])
 
 
 SRC = str(Path(__file__).resolve().parents[2])
