@@ -315,3 +315,25 @@ def test_objects_exported_through_an_fd_stay_charged_and_inside_the_tenant(broke
     finally:
         p.kill()
         p.wait()
+
+
+@pytest.mark.root
+def test_run_with_only_the_seccomp_front_end(start_broker):
+    """`devbroker run --frontend seccomp`: no node file system is mounted, and tenants
+    started with `devbroker exec --frontend seccomp` are served as with the default."""
+    b = start_broker(POLICY, extra=["--frontend", "seccomp"])
+    b.frontend = "seccomp"
+    assert not os.path.ismount(b.run_dir / "nodes")  # plain files: the views the sandbox reads
+    started = [e for e in b.audit() if e.get("event") == "started"]
+    assert started[-1]["frontend"] == "seccomp" and started[-1]["mount"] is None
+    alice = probe(b, "alice")
+    assert alice["cards"] == [0] and alice["gpus"][0]["memory"]["total"] == 16 * GiB
+    assert b.tenant("alice")["requests"] > 0
+    # a policy change rewrites the tenants' directories: a new tenant gets its view
+    carol = b.run_dir.parent / "carol.toml"
+    carol.write_text(two_h200(tenant("alice", gpus=[0]), tenant("carol", gpus=[1]),
+                              driver_version=None))
+    r = b.cli("policy", "apply", str(carol))
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(b.run_dir / "nodes")) == ["alice", "carol"]
+    assert probe(b, "carol")["cards"] == [1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import sys
 import dataclasses
@@ -74,6 +75,32 @@ def tenant_tree(broker: Broker) -> dict[str, dict]:
             "proc": procview.tenant_view(backend.gpus(), t.gpus, backend.version, host=host),
         }
     return tree
+
+
+def write_tenant_dirs(root: Path, tree: dict[str, dict]) -> None:
+    """Each tenant's directory as plain files under `root`, for a broker without the FUSE
+    front end (--frontend seccomp): the sandbox takes from it which nodes the tenant has
+    (empty files; the seccomp front end makes them character nodes) and its
+    /proc/driver/nvidia view. Rewritten whole on every policy change."""
+    from devbroker.frontends.fuse import TenantTree
+
+    root.mkdir(parents=True, exist_ok=True)
+    for name, spec in tree.items():
+        view = TenantTree.from_dict(spec)
+        new = root / f".{name}.new"
+        shutil.rmtree(new, ignore_errors=True)
+        for rel in view.nodes:
+            (new / rel).parent.mkdir(parents=True, exist_ok=True)
+            (new / rel).write_bytes(b"")
+        for rel, content in view.files.items():
+            data = content() if callable(content) else content
+            (new / rel).parent.mkdir(parents=True, exist_ok=True)
+            (new / rel).write_bytes(data.encode() if isinstance(data, str) else bytes(data))
+        shutil.rmtree(root / name, ignore_errors=True)
+        os.rename(new, root / name)
+    for old in root.iterdir():
+        if old.name not in tree:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 class BrokerService:
@@ -440,6 +467,9 @@ class BrokerService:
             nodes = node_frontend(self.frontend_kind, self.broker, front=self.front)
         else:  # seccomp: tenants come only through the hand-over socket and the OCI agent
             nodes = contextlib.nullcontext()
+            write_tenant_dirs(self.paths.mount, tenant_tree(self.broker))
+            self.broker.on_policy_change.append(
+                lambda p: write_tenant_dirs(self.paths.mount, tenant_tree(self.broker)))
         try:
             async with nodes as fe:
                 self.frontend = fe

@@ -19,11 +19,15 @@ from devbroker.testing.policies import two_h200
 
 
 def make_broker(policy_text: str | None = None, *, audit_path: str | Path | None = None,
-                recorder=None) -> Broker:
+                recorder=None, backend=None) -> Broker:
     """A Broker over the policy's backend (the emulated one for the texts of
-    testing/policies.py; default: two_h200())."""
+    testing/policies.py; default: two_h200()), or over `backend` (an instance: a test's
+    subclass of the emulator, say)."""
     policy = load_policy_text(policy_text or two_h200(), "test policy")
-    return assemble(policy, audit=AuditLog(audit_path), recorder=recorder).broker
+    audit = AuditLog(audit_path)
+    if backend is not None:
+        return Broker(policy, backend, audit, recorder=recorder)
+    return assemble(policy, audit=audit, recorder=recorder).broker
 
 
 class OwnMemory:
