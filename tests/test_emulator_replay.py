@@ -4,7 +4,7 @@
    PyTorch on the H200, copied from ../shared/traces, and the broker's recording of the H200
    relay run) is sent to an emulator configured as the recorded machine; every answer that
    differs (errno, status, any data field) must be explained by an entry of
-   backends/emulated_parity.py, and every entry must still explain something. A broken
+   testing/emulated_parity.py, and every entry must still explain something. A broken
    emulator is caught (the replay is checked to fail on one).
 2. NV_ESC_CHECK_VERSION_STR as RmPerformVersionCheck answers it: QUERY ('2') gets the version
    string and RECOGNIZED, RELAXED ('1') compares up to the first '.', a mismatch is EINVAL
@@ -21,7 +21,7 @@ import pytest
 from devbroker.abi import nvtrace, registry
 from devbroker.abi import status as nvs
 from devbroker.abi.nodes import NodeKind
-from devbroker.backends import emulated_parity as parity
+from devbroker.testing import emulated_parity as parity
 from devbroker.backends.base import DriverCall
 from devbroker.backends.emulated import CONTROL_HANDLERS, EmulatedBackend, EmulatedGpu
 from devbroker.testing.replay import Replay, explain, recorded_gpus, summarize

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from devbroker.backends.emulated import EmulatedBackend, EmulatedGpu
+from devbroker.backends.real import RealBackend
 from devbroker.broker.audit import AuditLog
 from devbroker.broker.core import Broker
 from devbroker.frontends.cuse import CuseFrontend
@@ -40,9 +41,6 @@ def make_backend(policy: Any, backend: str | None = None, *,
                             memory_bytes=g.memory) for i, g in enumerate(policy.broker.gpus)]
         return EmulatedBackend(gpus, version=policy.broker.driver_version, notice=notice)
     if name == "real":
-        # Imported only when asked for: it needs the NVIDIA driver's nodes on the host.
-        from devbroker.backends.real import RealBackend
-
         return RealBackend(notice=notice, private_dir=private_dir)
     raise ValueError(f"unknown backend {name!r} ({', '.join(BACKENDS)})")
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Protocol
 
 from devbroker.abi.nodes import NodeKind
+from devbroker.broker.procmem import vm_read, vm_write
 
 
 @dataclass(frozen=True)
@@ -44,13 +45,9 @@ class ProcessMemory:
         self.pid = pid
 
     def read(self, addr: int, length: int) -> bytes:
-        from devbroker.frontends.procmem import vm_read
-
         return vm_read(self.pid, addr, length)
 
     def write(self, addr: int, data: bytes) -> None:
-        from devbroker.frontends.procmem import vm_write
-
         vm_write(self.pid, addr, data)
 
 

@@ -93,11 +93,11 @@ def _stats(args: argparse.Namespace) -> int:
 def _replay(args: argparse.Namespace) -> int:
     """Every call of the recording, sent to an emulated driver configured as the recorded
     machine (its GPUs' PCI location, UUID, name and memory, read from the recording):
-    differences nothing in backends/emulated_parity.py explains are listed, and make the
+    differences nothing in testing/emulated_parity.py explains are listed, and make the
     exit status 1."""
     import trio
 
-    from devbroker.backends import emulated_parity as parity
+    from devbroker.testing import emulated_parity as parity
     from devbroker.backends.emulated import EmulatedBackend, EmulatedGpu
     from devbroker.testing.replay import Replay, explain, recorded_gpus, summarize
 

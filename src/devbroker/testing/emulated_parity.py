@@ -129,7 +129,7 @@ def covers(e: Expected, d: Difference) -> bool:
 
 def explanations_markdown() -> str:
     """docs/emulator.md's table, from EXPECTED."""
-    out = ["<!-- generated from src/devbroker/backends/emulated_parity.py by "
+    out = ["<!-- generated from src/devbroker/testing/emulated_parity.py by "
            "`devbroker trace replay --explain` -->", "",
            "| call | what differs | real → emulated | condition | why |",
            "| --- | --- | --- | --- | --- |"]

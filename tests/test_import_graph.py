@@ -1,0 +1,41 @@
+"""The import graph (scripts/import_graph.py): no cycles, no import up the layers, and the
+core's imports at module top -- on this tree, and caught on a tree that breaks each rule."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "import_graph.py"
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_the_tree_has_no_cycle_and_no_upward_import():
+    r = run()
+    assert r.returncode == 0, r.stderr
+    assert "0 problems" in r.stderr
+
+
+def test_a_cycle_an_upward_import_and_a_late_import_are_caught(tmp_path):
+    pkg = tmp_path / "devbroker"
+    for d in ("", "broker", "frontends", "backends"):
+        (pkg / d).mkdir(parents=True, exist_ok=True)
+        (pkg / d / "__init__.py").write_text("")
+    (pkg / "broker" / "a.py").write_text("from devbroker.broker import b\n")
+    (pkg / "broker" / "b.py").write_text("from . import a\n")
+    (pkg / "broker" / "interface.py").write_text(
+        "def f():\n    from devbroker.frontends.procmem import vm_read\n")
+    (pkg / "frontends" / "procmem.py").write_text("import os\n")
+    (pkg / "backends" / "emulated.py").write_text("import devbroker.broker.a\n")
+    r = run("--src", str(tmp_path))
+    assert r.returncode == 1
+    assert "import cycle (module level): devbroker.broker.a <-> devbroker.broker.b" in r.stderr
+    assert ("upward import devbroker.broker.interface (layer 2) -> "
+            "devbroker.frontends.procmem (layer 3)") in r.stderr
+    assert "devbroker.broker.interface imports devbroker.frontends.procmem inside a function" \
+        in r.stderr
+    assert "upward import devbroker.backends.emulated (layer 1) -> devbroker.broker.a" in r.stderr
