@@ -1,4 +1,4 @@
-"""The kinds of NVIDIA device node (values match the nvtrace open record for 1-4)."""
+"""The kinds of NVIDIA device node (1-3 match the nvtrace open record; its 4 is "other")."""
 from __future__ import annotations
 
 import enum

@@ -18,7 +18,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from devbroker.broker import limits as _limits
-from devbroker.broker.allow import CAPABILITIES, DEFAULT_CAPABILITIES
+from devbroker.broker.rules import CAPABILITIES, DEFAULT_CAPABILITIES
 from devbroker.broker.limits import TenantLimits
 
 BACKENDS = ("emulated", "real")
