@@ -81,7 +81,7 @@ def test_simple_controls(version):
     simple = {c for c in rules.CONTROLS if rules.simple_control(abi, c)}
     assert simple, version
     for cmd, row in rules.CONTROLS.items():
-        if row.pre or row.post or row.relay_if or row.charge:
+        if row.pre or row.post or row.relay_if or row.run or row.charge:
             assert cmd not in simple, hex(cmd)
     for cmd in simple:
         rule = rules.control_rule(cmd, abi)
@@ -96,6 +96,8 @@ def test_simple_controls(version):
     assert not rules.simple_control(abi, 0x2080200A)  # answered by the broker
     assert not rules.simple_control(abi, 0x20800134)  # refused
     assert not rules.simple_control(abi, 0x12345678)  # unknown
+    if abi.control(0x3D0B) is not None:  # its own run: fds in the parameters
+        assert not rules.simple_control(abi, 0x3D0B)
     assert rules.simple_control(abi, MC_GET_ARCH_INFO)
     assert rules.simple_control(abi, MC_GET_ARCH_INFO) is rules.simple_control(abi, MC_GET_ARCH_INFO)
 
