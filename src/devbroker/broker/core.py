@@ -411,7 +411,7 @@ class Broker:
             return IoctlReply(errno=errno.EACCES)
         if s.node is NodeKind.GPU and s.minor not in tenant.gpus:
             # Issue 13 item 4: a GPU node opened before a policy change took the GPU away.
-            # New opens are refused by allow.check_open; an open file must not outlive it.
+            # New opens are refused by rules.check_open; an open file must not outlive it.
             self._deny(s, f"ioctl {req.cmd:#x}", f"GPU {s.minor} was revoked from tenant "
                        f"{tenant.name} by a policy change")
             return IoctlReply(errno=errno.EACCES)

@@ -1679,8 +1679,8 @@ _CONTROLS = [
     (0x20800112, "power: GPU_SET_POWER"), (0x2080205B, "power: PERF_SET_POWERSTATE"),
     (0x2080206F, "power: RATED_TDP_SET_CONTROL"),
     # PERF_BOOST (0x2080200A) is not here: CUDA sends it at every context creation, so the
-    # broker answers it NV_OK without the driver (allow.ANSWERED_CONTROLS); the attack
-    # tests/test_seccomp_exec.py checks that it never reaches the driver.
+    # broker answers it NV_OK without the driver (the row's relay_if in broker/rules.py); the
+    # attack tests/test_seccomp_exec.py checks that it never reaches the driver.
     (0x20800122, "registers: EXEC_REG_OPS"), (0x20800602, "I2C: WRITE_BUFFER"),
     (0x20800603, "I2C: READ_REG"), (0x20800604, "I2C: WRITE_REG"),
     (0x208F0703, "registers: BIF_CONFIG_REG_WRITE"), (0x20800174, "MIG: SET_PARTITIONS"),
