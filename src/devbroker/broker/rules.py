@@ -38,7 +38,7 @@ from typing import Callable
 from devbroker.abi import registry
 from devbroker.abi import status as nvstatus
 from devbroker.abi.nodes import NodeKind
-from devbroker.backends.emulated_controls import CONTROL_HANDLERS as EMULATED_CONTROLS
+from devbroker.backends.emulated import CONTROL_HANDLERS as EMULATED_CONTROLS  # (all registered)
 from devbroker.broker import handlers, rewrite
 
 CAPABILITIES = {
