@@ -81,7 +81,9 @@ def test_simple_controls(version):
     simple = {c for c in rules.CONTROLS if rules.simple_control(abi, c)}
     assert simple, version
     for cmd, row in rules.CONTROLS.items():
-        if row.pre or row.post or row.relay_if or row.run or row.charge:
+        assert row.simple == (not (row.pre or row.post or row.relay_if or row.run
+                                   or row.charge)), hex(cmd)
+        if not row.simple:
             assert cmd not in simple, hex(cmd)
     for cmd in simple:
         rule = rules.control_rule(cmd, abi)

@@ -436,6 +436,13 @@ class ControlRule:
         return (self.pre is not None or self.post is not None or self.relay_if is not None
                 or self.run is not None)
 
+    @property
+    def simple(self) -> bool:
+        """The row's half of `simple_control`: no hook, no broker answer, no run of its own,
+        no charge. The other half is the parameter layout, which is the ABI's (per driver
+        version): `simple_control(abi, cmd)` combines both."""
+        return not self.rewrites and not self.charge
+
 
 def _nvml(reason: str, **kw) -> ControlRule:
     return ControlRule("nvml", reason, **kw)
@@ -710,7 +717,7 @@ def simple_control(abi, cmd: int) -> bool:
 
 def _simple(abi, cmd: int) -> bool:
     rule = control_rule(cmd, abi)
-    if rule is None or rule.driver_flag or rule.rewrites or rule.charge:
+    if rule is None or rule.driver_flag or not rule.simple:
         return False
     op = abi.control(cmd)
     return op is not None and op.params is not None and plain_layout(op.params)
