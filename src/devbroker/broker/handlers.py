@@ -28,9 +28,18 @@ ROOT_CLIENT_CLASSES = frozenset({0x0, 0x41})  # NV01_ROOT, NV01_ROOT_CLIENT
 DEVICE_CLASS = 0x80  # NV01_DEVICE_0
 SUBDEVICE_CLASS = 0x2080  # NV20_SUBDEVICE_0
 OS_EVENT_CLASS = 0x79  # NV01_EVENT_OS_EVENT
-DEBUGGER_CLASS = 0x83DE  # GT200_DEBUGGER
 UNKNOWN_CLASS = -1  # an object whose class the books do not know (a duplicate of one made by
 #                     a continued call)
+
+
+@dataclass(frozen=True)
+class AllocCall:
+    """What rm_alloc decided of an RM_ALLOC, for a class row's `check`."""
+    rm_class: int
+    client: Any  # objects.RmClient named by hRoot (the tenant's)
+    h_root: int
+    params: Any  # the decoded allocation parameters, None without any
+    where: str  # "RM_ALLOC <name>", for refusals
 
 
 @dataclass(frozen=True)
@@ -233,21 +242,8 @@ def rm_alloc(ctx: CallContext) -> Steps:
     params = ref.spec.decode(nested) if (nested is not None and ref.spec is not None) else None
     if params is not None:
         b._check_clients(s, params, where=where)
-        if cls == DEBUGGER_CLASS and (params.hAppClient != v.hRoot
-                                      or params.hClass3dObject not in client.objects):
-            raise Refusal(f"{where} ({cls:#x}): a debugger only on the tenant's own context "
-                          f"(hAppClient {params.hAppClient:#x}, object "
-                          f"{params.hClass3dObject:#x})",
-                          status=nvstatus.NV_ERR_INSUFFICIENT_PERMISSIONS, what=where)
-        if cls == OS_EVENT_CLASS and getattr(params, "hClass", OS_EVENT_CLASS) != OS_EVENT_CLASS:
-            # The notifier kind decides what the driver makes of `data` (an fd key for
-            # OS events; a kernel callback pointer for others): only OS events.
-            raise Refusal(f"{where}: notifier class {params.hClass:#x} is not an OS event",
-                          status=nvstatus.NV_ERR_INVALID_CLASS, what=where)
-    if cls == DEBUGGER_CLASS and params is None:
-        raise Refusal(f"{where} ({cls:#x}): a debugger needs its parameters (the context "
-                      "it may act on)", status=nvstatus.NV_ERR_INSUFFICIENT_PERMISSIONS,
-                      what=where)
+    if cls_rule.check is not None:  # what this class's parameters may name
+        cls_rule.check(ctx, AllocCall(cls, client, v.hRoot, params, where))
     gpu = client.objects[v.hObjectParent].gpu
     if cls == DEVICE_CLASS:
         # deviceId is the driver's device instance, which is not the GPU's minor number
@@ -289,6 +285,29 @@ def rm_alloc(ctx: CallContext) -> Steps:
         if out_params:
             yield from b._mem_write(s, req, ref.ptr, result.nested)
     return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
+
+
+def debugger_on_own_context(ctx: CallContext, alloc: AllocCall) -> None:
+    """GT200_DEBUGGER: only on the tenant's own context (hAppClient the allocating client,
+    hClass3dObject one of its objects), and never without parameters."""
+    p, where, cls = alloc.params, alloc.where, alloc.rm_class
+    if p is None:
+        raise Refusal(f"{where} ({cls:#x}): a debugger needs its parameters (the context "
+                      "it may act on)", status=nvstatus.NV_ERR_INSUFFICIENT_PERMISSIONS,
+                      what=where)
+    if p.hAppClient != alloc.h_root or p.hClass3dObject not in alloc.client.objects:
+        raise Refusal(f"{where} ({cls:#x}): a debugger only on the tenant's own context "
+                      f"(hAppClient {p.hAppClient:#x}, object {p.hClass3dObject:#x})",
+                      status=nvstatus.NV_ERR_INSUFFICIENT_PERMISSIONS, what=where)
+
+
+def os_event_notifier(ctx: CallContext, alloc: AllocCall) -> None:
+    """NV01_EVENT_OS_EVENT: the notifier kind decides what the driver makes of `data` (an fd
+    key for OS events; a kernel callback pointer for others): only OS events."""
+    p = alloc.params
+    if p is not None and getattr(p, "hClass", OS_EVENT_CLASS) != OS_EVENT_CLASS:
+        raise Refusal(f"{alloc.where}: notifier class {p.hClass:#x} is not an OS event",
+                      status=nvstatus.NV_ERR_INVALID_CLASS, what=alloc.where)
 
 
 def rm_free(ctx: CallContext) -> Steps:

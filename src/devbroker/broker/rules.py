@@ -288,6 +288,9 @@ class ClassRule:
     # Device memory: the allocation's size counts against the tenant's quota on the GPU of
     # the parent device (handlers.rm_alloc, rm_alloc_memory).
     charge: bool = False
+    # What its parameters may name, checked after the client handles in them: a function
+    # (CallContext, handlers.AllocCall) that raises Refusal (NV_ESC_RM_ALLOC only).
+    check: Callable | None = None
     # The allocation escapes (NV_ESC_RM_ALLOC, NV_ESC_RM_ALLOC_MEMORY) through which the
     # driver binds this class to the calling process (see Rule.in_caller), and why.
     in_caller_via: frozenset = frozenset()
@@ -321,7 +324,8 @@ CLASSES: dict[int, ClassRule] = {
                     in_caller_via=frozenset({"NV_ESC_RM_ALLOC", "NV_ESC_RM_ALLOC_MEMORY"}),
                     in_caller="pins pages of the caller's own address space",
                     race=_RACE_ALLOC_MEMORY),
-    0x79: ClassRule("compute", "OS event on the tenant's own file"),
+    0x79: ClassRule("compute", "OS event on the tenant's own file",
+                    check=handlers.os_event_notifier),
     0x90F1: ClassRule("compute", "GPU virtual address space of the tenant's context"),
     0x9067: ClassRule("compute", "context share of the tenant's own channel group"),
     0x90E6: ClassRule("compute", "subdevice master object (error counters of own GPU)"),
@@ -351,7 +355,8 @@ CLASSES: dict[int, ClassRule] = {
     # context: hAppClient must be the allocating client and hClass3dObject one of its
     # objects (handlers.rm_alloc); of its controls only SET_EXCEPTION_MASK is allowed.
     0x83DE: ClassRule("compute", "debugger object on the tenant's own context only (its "
-                      "memory/register controls stay refused)"),
+                      "memory/register controls stay refused)",
+                      check=handlers.debugger_on_own_context),
 }
 
 # Device-memory classes: their `size` counts against the tenant's quota on the GPU of the
