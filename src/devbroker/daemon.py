@@ -67,7 +67,7 @@ def tenant_tree(broker: Broker) -> dict[str, dict]:
     host = procview.HOST_PROC if backend.name == "real" else None
     tree = {}
     for name, t in broker.tenants.items():
-        if " (revoked)" in name:
+        if t.revoked:
             continue
         tree[name] = {
             "gpus": list(t.gpus),
@@ -223,9 +223,9 @@ class BrokerService:
 
     def _tenant_dir(self, req: dict) -> dict:
         t = req.get("tenant")
-        if t not in self.broker.tenants or " (revoked)" in t:
+        if t not in self.broker.policy.tenants:
             raise ControlError(f"no tenant {t!r} in the running policy "
-                               f"(tenants: {', '.join(sorted(self.broker.tenants))})")
+                               f"(tenants: {', '.join(sorted(self.broker.policy.tenants))})")
         return {"dir": str(self.paths.tenant_dir(t)), "gpus": list(self.broker.tenants[t].gpus),
                 "seccomp": str(self.paths.seccomp), "backend": self.backend.name,
                 "real_files": bool(getattr(self.backend, "tenant_files", False)),
@@ -337,8 +337,7 @@ class BrokerService:
 
     def check_tenant(self, tenant) -> None:
         """ValueError unless tenant is one of the running policy's (not revoked)."""
-        if not isinstance(tenant, str) or tenant not in self.broker.tenants \
-                or " (revoked)" in tenant:
+        if not isinstance(tenant, str) or tenant not in self.broker.policy.tenants:
             raise ValueError(f"no tenant {tenant!r} in the running policy")
 
     async def attach_listener(self, nursery, tenant: str, listener: int, *,

@@ -128,6 +128,12 @@ class TenantState:
                 out[gpu] = out.get(gpu, 0) + n
         return out
 
+    @property
+    def revoked(self) -> bool:
+        """Removed from the running policy: its open files stay until closed, every call is
+        refused (kept in Broker.tenants under "<name> (revoked)" for status and hand-over)."""
+        return isinstance(self.policy, _RevokedTenant)
+
     def capabilities(self) -> frozenset[str]:
         return frozenset(self.policy.capabilities)
 
@@ -268,7 +274,7 @@ class Broker:
     def open_now(self, req: OpenRequest) -> OpenReply:
         tenant = self.tenants.get(req.tenant)
         what = f"open {req.node.name.lower()}{req.minor if req.node is NodeKind.GPU else ''}"
-        if tenant is None or isinstance(tenant.policy, _RevokedTenant):
+        if tenant is None or tenant.revoked:
             self.audit.deny(tenant=req.tenant, pid=req.caller.pid, what=what,
                             reason="no such tenant in the running policy")
             return OpenReply(errno=errno.EACCES)
@@ -404,7 +410,7 @@ class Broker:
         if s is None or s.closed:
             return IoctlReply(errno=errno.EBADF)
         tenant = s.tenant
-        if isinstance(tenant.policy, _RevokedTenant):
+        if tenant.revoked:
             self._deny(s, f"ioctl {req.cmd:#x}", "tenant removed from the running policy")
             return IoctlReply(errno=errno.EACCES)
         if not self._same_sandbox(s, req.caller):
