@@ -747,4 +747,4 @@ def reads_params(rule: ControlRule, spec) -> bool:
     """Whether the full path (handlers.rm_control) must decode a control's parameters: its
     row changes something (hooks, answer, run, charge) or its layout holds something the
     broker checks. The others pass through as the bytes read (issue 14)."""
-    return rule.rewrites or rule.charge or not plain_layout(spec)
+    return not rule.simple or not plain_layout(spec)
