@@ -101,6 +101,11 @@ def test_simple_controls(version):
     if abi.control(0x3D0B) is not None:  # its own run: fds in the parameters
         assert not rules.simple_control(abi, 0x3D0B)
     assert rules.simple_control(abi, MC_GET_ARCH_INFO)
+    # the full path decodes exactly the parameters of the controls that are not simple
+    for cmd, row in rules.CONTROLS.items():
+        op = abi.control(cmd)
+        if op is not None and op.params is not None and not rules.control_rule(cmd, abi).driver_flag:
+            assert rules.reads_params(row, op.params) == (cmd not in simple), hex(cmd)
     assert rules.simple_control(abi, MC_GET_ARCH_INFO) is rules.simple_control(abi, MC_GET_ARCH_INFO)
 
 
