@@ -23,6 +23,7 @@ Entry points for the lead: :func:`run_tenant` (spawn + supervise + wait),
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import errno
 import fcntl
 import functools
@@ -71,6 +72,9 @@ _libc.inotify_add_watch.restype = ctypes.c_int
 _libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
 _libc.inotify_rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]
 
+# Readable while a live upgrade pauses the supervisors: wakes their threads from poll()
+# (one for the process: every supervisor pauses and resumes together).
+_HANDOVER_WAKE = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
 IN_DELETE_SELF = 0x00000400
 IN_IGNORED = 0x00008000
 PIDFD_THREAD = os.O_EXCL  # Linux 6.9: a pidfd for a (non-leader) thread
@@ -359,6 +363,7 @@ class SeccompSupervisor:
         self._pending: list[Session] = []
         self._changed = trio.Event()
         self.closed = trio.Event()
+        self._handover_hold: trio.Event | None = None  # set while a live upgrade pauses
 
     # -- kernel calls on the listener ---------------------------------------------------
 
@@ -602,6 +607,7 @@ class SeccompSupervisor:
             drop_driver_capabilities_for_thread()
         poller = select.poll()
         poller.register(self._lfd, select.POLLIN)
+        poller.register(_HANDOVER_WAKE, select.POLLIN)  # live upgrade: leave poll() now
         try:
             while not self._stopping:
                 n = None
@@ -611,7 +617,7 @@ class SeccompSupervisor:
                     if self._stopping:
                         break
                     events = poller.poll(200)
-                    revents = events[0][1] if events else 0
+                    revents = next((ev for fd, ev in events if fd == self._lfd), 0)
                     if not revents:
                         if self._surplus():  # an extra thread retires when idle
                             break
@@ -890,6 +896,9 @@ class SeccompSupervisor:
     async def _inotify_loop(self) -> None:
         while True:
             await trio.lowlevel.wait_readable(self._ifd)
+            if self._handover_hold is not None:  # live upgrade: the queue is the successor's
+                await self._handover_hold.wait()
+                continue
             self._note_events(self._read_inotify())
             await self._release_pending()
 
@@ -1070,6 +1079,115 @@ class SeccompSupervisor:
         finally:
             os.close(f)  # if the tenant closed its fd meanwhile, this evicts: released
         return w.NotifResp.cont(n.id)
+
+    # -- live upgrade (issue 18; src/devbroker/upgrade.py drives these) -------------------
+    #
+    # The running broker pauses every supervisor (no notification is received any more; the
+    # ones received are answered), exports each one's state with its listener and inotify
+    # fds, and, once the successor has adopted them, detaches (its sessions are the
+    # successor's: the old process's shutdown must not release them). Notifications the
+    # kernel queues meanwhile wait there for the successor's threads; inotify events queued
+    # meanwhile (a session's last close) wait in the inotify instance, which passes too, for
+    # the successor to read: its watches and their numbers are the instance's, not the
+    # process's.
+
+    HANDOVER_FORMAT = 1
+
+    def _handed_tasks(self) -> list:
+        """Notifications handed to the trio thread and not answered yet, and releases of
+        sessions under way (tasks of serve()'s nursery)."""
+        if self._nursery is None:
+            return []
+        return [t for t in self._nursery.child_tasks
+                if t.name.endswith(("._finish_on_trio", "._release"))]
+
+    async def pause_for_handover(self) -> None:
+        """Stop receiving notifications; return once every one received has been answered
+        and the books of session ends are up to date. Undone by resume_after_handover."""
+        if self._handover_hold is not None:
+            return
+        self._handover_hold = trio.Event()  # the inotify loop stops reading
+        while self._nursery is None and not self.closed.is_set():
+            await trio.sleep(0.002)  # attached a moment ago: serve() has not started yet
+        # The listener threads leave their loops after answering what they hold (woken
+        # from poll() by _HANDOVER_WAKE). The watchdog starts no thread while _stopping is
+        # set.
+        self._stopping = True
+        os.eventfd_write(_HANDOVER_WAKE, 1)
+        while self._live:
+            await trio.sleep(0.002)
+        if self._token is not None:
+            # What the threads handed to trio before leaving was queued before this.
+            flushed = trio.Event()
+            self._token.run_sync_soon(flushed.set)
+            await flushed.wait()
+        while self._pending or self._handed_tasks():
+            await trio.sleep(0.002)
+
+    def resume_after_handover(self) -> None:
+        """The upgrade was called off: serve on from where the pause stopped."""
+        hold, self._handover_hold = self._handover_hold, None
+        if hold is None:
+            return
+        hold.set()
+        try:
+            os.eventfd_read(_HANDOVER_WAKE)
+        except BlockingIOError:
+            pass
+        if self.closed.is_set() or self._nursery is None:
+            return
+        self._stopping = False
+        for _ in range(self.threads):
+            self._start_thread()
+
+    def export_for_handover(self) -> tuple[dict, list[int]]:
+        """(state, [listener fd, inotify fd]) of a paused supervisor. The fds stay this
+        supervisor's; the caller sends duplicates (SCM_RIGHTS)."""
+        if self._handover_hold is None or self._live:
+            raise RuntimeError("export_for_handover: the supervisor is not paused")
+
+        def session(s: Session) -> list:
+            return [s.id, int(s.node), s.minor, list(s.key), s.wd, list(s.opener), s.real]
+
+        return {
+            "format": self.HANDOVER_FORMAT,
+            "tenant": self.tenant,
+            "nodes": [[p, int(spec.kind), spec.minor] for p, spec in self.nodes.items()],
+            "real_files": self.real_files,
+            "stats": dataclasses.asdict(self.stats),
+            "sessions": [session(s) for s in self.sessions.values() if not s.released],
+        }, [self._lfd, self._ifd]
+
+    @classmethod
+    def adopt(cls, broker: BrokerInterface, state: dict, inotify_fd: int, *,
+              sizes: w.NotifSizes | None = None) -> "SeccompSupervisor":
+        """A supervisor with a predecessor's sessions and inotify instance (owned from now
+        on), to be served with serve(listener) like a new one."""
+        if state.get("format") != cls.HANDOVER_FORMAT:
+            raise ValueError(f"seccomp supervisor hand-over format {state.get('format')} "
+                             f"(this one reads {cls.HANDOVER_FORMAT})")
+        nodes = {p: NodeSpec(NodeKind(k), m) for p, k, m in state["nodes"]}
+        sup = cls(broker, state["tenant"], nodes, sizes=sizes,
+                  real_files=bool(state["real_files"]))
+        os.close(sup._ifd)
+        sup._ifd = inotify_fd
+        for sid, node, minor, key, wd, opener, real in state["sessions"]:
+            s = Session(sid, NodeKind(node), minor, (key[0], key[1]), wd,
+                        (opener[0], opener[1]), real=bool(real))
+            sup.sessions[s.key] = s
+            sup._by_wd[s.wd] = s
+        known = {f.name for f in dataclasses.fields(SupervisorStats)}
+        for k, v in state["stats"].items():
+            if k in known:
+                setattr(sup.stats, k, v)
+        return sup
+
+    def detach_after_handover(self) -> None:
+        """The successor serves this listener now: when this process's serve() ends it
+        releases nothing (the sessions live on in the successor)."""
+        self.sessions = {}
+        self._by_wd = {}
+        self._pending = []
 
 
 # ---------------------------------------------------------------------------------------
