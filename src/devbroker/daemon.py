@@ -373,6 +373,14 @@ class BrokerService:
                          files="real" if real and frontend == "seccomp" else
                          "placeholder" if frontend == "seccomp" else "fuse nodes",
                          **audit_fields)
+        self._serve_listener(nursery, sup, listener, tenant, frontend, audit_fields)
+
+    def _serve_listener(self, nursery, sup, listener: int, tenant: str, frontend: str,
+                        audit_fields: dict) -> None:
+        """Serve an attached (or, after a live upgrade, adopted) listener until its tenant
+        is gone; the listener fd is closed then."""
+        import os
+
         running = self.supervisors if frontend == "seccomp" else self.stat_shims
         running.add(sup)
 
@@ -389,13 +397,15 @@ class BrokerService:
                         os.close(listener)
             finally:
                 running.discard(sup)
-                # What the listener answered over its life, and the time it took.
-                stats = getattr(sup, "stats", None)
-                where = {k: audit_fields[k] for k in ("via", "container", "pid")
-                         if k in audit_fields}
-                self.audit.write("tenant-detached", tenant=tenant, frontend=frontend, **where,
-                                 **(dataclasses.asdict(stats)
-                                    if dataclasses.is_dataclass(stats) else {}))
+                # What the listener answered over its life, and the time it took (after a
+                # live upgrade the successor serves it on, and writes this when it ends).
+                if not (self.handed_over and frontend == "seccomp"):
+                    stats = getattr(sup, "stats", None)
+                    where = {k: audit_fields[k] for k in ("via", "container", "pid", "adopted")
+                             if k in audit_fields}
+                    self.audit.write("tenant-detached", tenant=tenant, frontend=frontend,
+                                     **where, **(dataclasses.asdict(stats)
+                                                 if dataclasses.is_dataclass(stats) else {}))
         nursery.start_soon(serve_one)
 
     # -- live upgrade (src/devbroker/upgrade.py does the protocol)
@@ -487,6 +497,13 @@ class BrokerService:
                     prepare = getattr(self.backend, "prepare_tenant_files", None)
                     if prepare is not None:  # while this thread still may mount (real.py)
                         prepare()
+                    if adopted is not None:
+                        # The predecessor's seccomp listeners: what the kernel queued while
+                        # neither process received is answered from here on.
+                        for sup, listener in adopted.supervisors:
+                            self._serve_listener(nursery, sup, listener, sup.tenant, "seccomp",
+                                                 {"adopted": True})
+                        adopted.supervisors = []
                     if adopted is None:
                         self.audit.write("started", backend=self.backend.name,
                                          driver=self.backend.version,

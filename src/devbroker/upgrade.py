@@ -48,7 +48,9 @@ READY_TIMEOUT = 30.0  # the successor to rebuild the books
 GO_TIMEOUT = 30.0
 WARM_UP_NICENESS = 10
 MAX_MESSAGE = 1 << 30
-MAX_FDS = 8
+# File descriptors per message (the kernel's SCM_MAX_FD is 253); more go in batches ahead of
+# the message they belong to (two per seccomp listener: many tenants make many).
+MAX_FDS = 250
 
 
 class UpgradeError(Exception):
@@ -65,8 +67,29 @@ class Channel:
     def __init__(self, sock):
         self.sock = sock
         self._buf = b""
+        self._fds: list[int] = []  # received with the batches ahead of a message
 
     async def send(self, obj: Any, fds: list[int] = ()) -> None:
+        fds = list(fds)
+        while len(fds) > MAX_FDS:
+            await self._send({"fds_follow": True}, fds[:MAX_FDS])
+            fds = fds[MAX_FDS:]
+        await self._send(obj, fds)
+
+    async def recv(self) -> tuple[Any, list[int]]:
+        while True:
+            try:
+                obj, fds = await self._recv()
+            except BaseException:
+                _close(self._fds)
+                self._fds = []
+                raise
+            self._fds.extend(fds)
+            if not (isinstance(obj, dict) and obj.get("fds_follow")):
+                fds, self._fds = self._fds, []
+                return obj, fds
+
+    async def _send(self, obj: Any, fds: list[int]) -> None:
         data = json.dumps(obj, separators=(",", ":")).encode()
         buf = memoryview(self._HEADER.pack(len(data)) + data)
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
@@ -76,7 +99,7 @@ class Channel:
             n = await self.sock.send(buf)
             buf = buf[n:]
 
-    async def recv(self) -> tuple[Any, list[int]]:
+    async def _recv(self) -> tuple[Any, list[int]]:
         fds: list[int] = []
         while len(self._buf) < self._HEADER.size or len(self._buf) < self._need():
             data, anc, flags, _ = await self.sock.recvmsg(
@@ -111,9 +134,10 @@ def _close(fds) -> None:
 
 
 def _attached(service) -> dict[str, int]:
-    """Tenants attached (or being attached) through front ends a hand-over cannot carry."""
-    return {"seccomp": len(service.supervisors) + service._attaching
-            + service.oci_agent.busy,
+    """Tenants attached (or being attached) through front ends a hand-over cannot carry.
+    Attached seccomp listeners pass; one being attached at the freeze (its hand-over
+    connection accepted, not yet served) does not."""
+    return {"seccomp (being attached)": service._attaching + service.oci_agent.busy,
             "container stat shim": len(service.stat_shims)}
 
 
@@ -166,7 +190,8 @@ async def hand_over(service, *, python: str | None = None):
 
     fe = service.frontend
     try:
-        handover.check_supported(service.broker, frontends=_attached(service))
+        handover.check_supported(service.broker, frontends=_attached(service),
+                                 supervisors=service.supervisors)
     except handover.HandoverError as e:
         raise UpgradeError(f"live upgrade refused: {e}") from None
     t_start = time.monotonic()
@@ -192,6 +217,7 @@ async def hand_over(service, *, python: str | None = None):
     metrics_sock = None
     frozen = t_freeze = None
     dups: list[socket.socket] = []
+    sups: list = []  # the seccomp supervisors paused for the hand-over
     try:
         with trio.fail_after(HELLO_TIMEOUT):
             hello, _ = await chan.recv()
@@ -204,12 +230,21 @@ async def hand_over(service, *, python: str | None = None):
         service.stop_accepting_seccomp()
         service.oci_agent.stop_accepting()
         await trio.sleep(0)
-        handover.check_supported(service.broker, frontends=_attached(service))
+        handover.check_supported(service.broker, frontends=_attached(service),
+                                 supervisors=service.supervisors)
         t_freeze, wall_freeze = time.monotonic(), time.time()
         frozen = True
+        sups = list(service.supervisors)
         with trio.fail_after(DRAIN_TIMEOUT):
-            await fe.pause()
+            # FUSE stops reading and every seccomp listener stops receiving; both answer
+            # what they already hold. Tenants' further calls wait in the kernel.
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fe.pause)
+                for sup in sups:
+                    nursery.start_soon(sup.pause_for_handover)
         t_drained = time.monotonic()
+        if set(service.supervisors) != set(sups):  # cannot happen: accepting has stopped
+            raise UpgradeError("a seccomp tenant was attached during the freeze")
         state = export_service(service)
         books = handover.books(service.broker)
         dups = [service.control.sock.dup(), service._seccomp_sock.dup(),
@@ -217,6 +252,14 @@ async def hand_over(service, *, python: str | None = None):
         fds = [fe.fd] + [d.fileno() for d in dups]
         if metrics_sock is not None:
             fds.append(metrics_sock.fileno())
+        # Each seccomp listener with its inotify instance (the session ends queued there).
+        state["seccomp"] = []
+        for sup in sups:
+            sup_state, sup_fds = sup.export_for_handover()
+            sup_state["fds"] = list(range(len(fds), len(fds) + len(sup_fds)))
+            fds += sup_fds
+            state["seccomp"].append(sup_state)
+        state["fd_count"] = len(fds)
         await chan.send(state, fds)
         t_sent = time.monotonic()
         with trio.fail_after(READY_TIMEOUT):
@@ -232,6 +275,8 @@ async def hand_over(service, *, python: str | None = None):
         await trio.to_thread.run_sync(proc.wait)
         for d in dups:
             d.close()
+        for sup in sups:
+            sup.resume_after_handover()
         if frozen:
             fe.resume()
         if metrics_sock is not None:
@@ -241,8 +286,10 @@ async def hand_over(service, *, python: str | None = None):
                   else f"{type(e).__name__}: {e}" if not isinstance(e, UpgradeError) else str(e))
         raise UpgradeError(f"live upgrade called off, broker pid {os.getpid()} goes on "
                            f"serving: {reason}") from None
-    # Committed: the successor serves the mount from now on.
+    # Committed: the successor serves the mount and the seccomp listeners from now on.
     service.handed_over = True
+    for sup in sups:
+        sup.detach_after_handover()
     service.control.keep_path()
     for d in dups:
         d.close()
@@ -260,6 +307,7 @@ async def hand_over(service, *, python: str | None = None):
               "frozen_at": wall_freeze, "serving_at": ack.get("serving_wall"),
               "total_ms": round((time.monotonic() - t_start) * 1000, 1),
               "sessions": len(service.broker.sessions), "books": books,
+              "seccomp_listeners": len(sups),
               # where the pause went: requests in flight answered, state exported and sent,
               # the successor's import, its start of serving
               "phases_ms": {"drain": _ms(t_drained - t_freeze), "export": _ms(t_sent - t_drained),
@@ -284,6 +332,8 @@ class Adopted:
     seccomp: socket.socket
     oci: socket.socket  # RUN_DIR/oci-seccomp.sock (container runtimes' hand-overs)
     metrics: socket.socket | None
+    # seccomp supervisors with their listener fds, served once the successor serves
+    supervisors: list
     from_pid: int
     books: dict  # handover.books() right after the import, before serving
     sessions: int
@@ -297,7 +347,7 @@ def build_service(run_dir: str | Path, state: dict[str, Any], fds: list[int]):
     if state.get("format") != handover.FORMAT:
         raise handover.HandoverError(f"hand-over format {state.get('format')} (this broker "
                                      f"reads {handover.FORMAT})")
-    want = 5 if state.get("metrics") else 4
+    want = state.get("fd_count", 5 if state.get("metrics") else 4)
     if len(fds) != want:
         raise handover.HandoverError(f"{len(fds)} file descriptors handed over, {want} expected")
     source = state["policy"]["source"]
@@ -313,10 +363,21 @@ def build_service(run_dir: str | Path, state: dict[str, Any], fds: list[int]):
     metrics = None
     if state.get("metrics"):
         metrics = socket.socket(fileno=fds[4])
+    supervisors = []
+    if state.get("seccomp"):
+        from devbroker.frontends.seccomp import SeccompSupervisor, get_notif_sizes
+
+        sizes = get_notif_sizes()
+        for sup_state in state["seccomp"]:
+            service.check_tenant(sup_state["tenant"])
+            listener, inotify = (fds[i] for i in sup_state["fds"])
+            sup = SeccompSupervisor.adopt(service.front, sup_state, inotify, sizes=sizes)
+            supervisors.append((sup, listener))
     service.adopted = Adopted(fuse=(fds[0], state["fuse"]),
                               control=socket.socket(fileno=fds[1]),
                               seccomp=socket.socket(fileno=fds[2]),
                               oci=socket.socket(fileno=fds[3]), metrics=metrics,
+                              supervisors=supervisors,
                               from_pid=int(state["from_pid"]),
                               books=handover.books(service.broker),
                               sessions=len(service.broker.sessions))

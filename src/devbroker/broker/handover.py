@@ -60,6 +60,20 @@ FUSE_INODE_FIELDS = frozenset({"nodeid", "kind", "parent", "name", "tenant", "no
                                "children", "nlookup", "removed"})
 FUSE_HANDLE_FIELDS = frozenset({"kind", "inode", "session", "data", "listing", "served_pages",
                                 "poll_kh", "opener", "opener_ns", "passed"})
+# frontends/seccomp.py exports these itself (SeccompSupervisor.export_for_handover)
+SUPERVISOR_ATTRS = frozenset({
+    "tenant", "nodes", "real_files", "stats", "sessions",
+    "_by_wd",  # rebuilt from the sessions (their watches are the inotify instance's, passed)
+    "_ifd", "_lfd", "_listener",  # passed (SCM_RIGHTS): the inotify instance, the listener
+    "_pending",  # empty once paused (pause_for_handover waits for it)
+    "_callers",  # a cache of thread pidfds: the successor fills its own
+    # the successor's own: its broker, tables it derives again, threads, locks, events
+    "broker", "nvidia_majors", "_basenames", "sizes", "_memfd_dev", "_lfd_refs", "_live",
+    "_threads_lock", "_recv_lock", "_stopping", "_serving", "_token", "_nursery", "_hup",
+    "_changed", "closed", "_handover_hold",
+})
+SECCOMP_SESSION_FIELDS = frozenset({"id", "node", "minor", "key", "wd", "opener", "released",
+                                    "real"})
 
 
 class HandoverError(Exception):
@@ -70,8 +84,10 @@ def _fields(cls) -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(cls))
 
 
-def check_supported(broker, *, frontends: dict[str, int] | None = None) -> None:
-    """Raise HandoverError unless every piece of state can be carried."""
+def check_supported(broker, *, frontends: dict[str, int] | None = None,
+                    supervisors=()) -> None:
+    """Raise HandoverError unless every piece of state can be carried (the broker's, and
+    that of the seccomp supervisors given)."""
     from devbroker.backends.emulated import EmuClient, EmuFile, EmuObject
     from devbroker.broker.core import Session, TenantState
     from devbroker.broker.objects import RmClient, RmObject
@@ -88,7 +104,7 @@ def check_supported(broker, *, frontends: dict[str, int] | None = None) -> None:
     for name, n in (frontends or {}).items():
         if n:
             raise HandoverError(f"{n} tenant(s) attached through the {name} front end cannot "
-                                "be handed over yet (only FUSE)")
+                                "be handed over yet (FUSE and attached seccomp listeners can)")
     checks = [
         ("the broker", set(vars(broker)), BROKER_ATTRS),
         ("a session", _fields(Session), SESSION_FIELDS),
@@ -102,6 +118,12 @@ def check_supported(broker, *, frontends: dict[str, int] | None = None) -> None:
         ("a FUSE inode", _fields(_Inode), FUSE_INODE_FIELDS),
         ("a FUSE open file", _fields(_Handle), FUSE_HANDLE_FIELDS),
     ]
+    if supervisors:
+        from devbroker.frontends.seccomp import Session as SeccompSession
+
+        checks.append(("a seccomp session", _fields(SeccompSession), SECCOMP_SESSION_FIELDS))
+        checks += [("a seccomp supervisor", set(vars(sup)), SUPERVISOR_ATTRS)
+                   for sup in supervisors]
     for what, have, known in checks:
         unknown = sorted(have - known)
         if unknown:
