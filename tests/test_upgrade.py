@@ -6,6 +6,7 @@ The longest pause a tenant saw is printed as a benchmark (run with -s to see it)
 a test threshold."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -407,3 +408,59 @@ def test_service_manager_hears_ready_and_the_new_main_pid(start_broker, successo
     wait_for(lambda: not alive(new_pid), "the second broker's exit")
     assert broker.status()["pid"] == third["pid"]
     listener.close()
+
+
+@pytest.mark.root
+def test_real_backend_relay_and_files_pass_to_a_successor(tmp_path):
+    """The real backend's part of an upgrade, with stand-in nodes (no GPU here): a broker
+    process hands its RealBackend — the relay process with the driver files it holds, the
+    broker's own GPU file, a seccomp tenant's file, the private-node mount — to a successor
+    process and exits; the successor's calls reach the same relay and files, before and
+    after the old process is gone (the relay no longer dies with its parent), and stopping
+    the successor's backend ends the relay."""
+    dev, proc, run = tmp_path / "dev", tmp_path / "proc", tmp_path / "run"
+    dev.mkdir()
+    (proc / "gpus" / "0000:00:06.0").mkdir(parents=True)
+    run.mkdir()
+    (proc / "version").write_text(
+        "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build  "
+        "(dvs-builder@U22-I3-AF03-09-1)  Thu Oct 16 00:00:00 UTC 2025\n")
+    (proc / "gpus" / "0000:00:06.0" / "information").write_text(
+        "Model: \t\t NVIDIA H200\nGPU UUID: \t GPU-d4ad161b\nBus Location: \t 0000:00:06.0\n"
+        "Device Minor: \t 0\n")
+    # stand-ins: ioctls on the control node answer ENOTTY, the GPU node maps zeros
+    for name, host in [("nvidiactl", "/dev/null"), ("nvidia0", "/dev/zero"),
+                       ("nvidia-uvm", "/dev/null")]:
+        os.mknod(dev / name, 0o020666, os.stat(host).st_rdev)
+    old = subprocess.Popen([sys.executable, str(HERE / "real_handover_prog.py"), "old",
+                            str(dev), str(proc), str(run)],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        before = readline_json(old)
+        assert before["what"] == "before" and before["mounted"]
+        assert before["ioctl"] == [-1, errno.ENOTTY, "params"] and before["page_zeros"]
+        # the successor shares the old process's stdout: their lines come in either order
+        lines = {m["what"]: m for m in (readline_json(old), readline_json(old))}
+        adopted, handed = lines["adopted"], lines["handed"]
+        assert handed["reply"] == {"ready": True}
+        assert old.wait(timeout=30) == 0
+        # the same relay, the same files, the same answers; nothing reopened
+        for k in ("ioctl", "aioctl", "page_zeros", "relay_pid", "relay_fds", "gpu_fds"):
+            assert adopted[k] == before[k], k
+        assert adopted["gpu_fds"] == [os.stat("/dev/zero").st_rdev]
+        assert adopted["mounted"] and adopted["private_dir"] == str(run / "private-nodes")
+        assert adopted["tenant_file"][2:] == [[0xC1D00001], True]
+        assert alive(before["relay_pid"])  # the old broker's exit did not take it along
+        old.stdin.write("again\n")
+        old.stdin.flush()
+        after = readline_json(old)
+        assert after["what"] == "after" and after["relay_alive"]
+        for k in ("ioctl", "aioctl", "page_zeros", "relay_pid", "relay_fds", "gpu_fds"):
+            assert after[k] == before[k], k
+        stopped = readline_json(old)
+        assert stopped == {"what": "stopped", "relay_exited": True, "still_mounted": False}
+        wait_for(lambda: not alive(before["relay_pid"]), "the relay's exit")
+    finally:
+        old.kill()
+        old.wait()
+        subprocess.run(["umount", "-l", str(run / "private-nodes")], capture_output=True)

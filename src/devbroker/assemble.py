@@ -31,10 +31,13 @@ FRONTENDS = ("fuse", "seccomp", "kmod", "cuse")
 BACKENDS = ("emulated", "real")
 
 
-def make_backend(policy: Any, backend: str | None = None, *,
+def make_backend(policy: Any, backend: Any = None, *,
                  notice: Callable[[str], None] | None = None,
                  private_dir: str | Path | None = None):
-    """The backend the policy names (or `backend`): the emulated driver, or the real one."""
+    """The backend the policy names (or `backend`): the emulated driver, or the real one;
+    `backend` may also be one built already (a live upgrade's adopted real backend)."""
+    if backend is not None and not isinstance(backend, str):
+        return backend
     name = backend or policy.broker.backend
     if name == "emulated":
         gpus = [EmulatedGpu(index=i, name=g.name, uuid=g.uuid, pci_bus_id=g.pci_bus_id,

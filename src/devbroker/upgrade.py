@@ -158,30 +158,41 @@ def sd_notify(state: str) -> bool:
 
 
 # ------------------------------------------------------------------------------ the running broker
-def export_service(service) -> dict[str, Any]:
-    """The whole state of a paused broker service, as JSON-able data."""
+def export_service(service) -> tuple[dict[str, Any], list[int]]:
+    """The whole state of a paused broker service, as JSON-able data, and the backend's
+    file descriptors that go with it (the real backend's relay channels and files)."""
     from devbroker.broker.effects import STATE_LOCK
 
     with STATE_LOCK:  # nothing should run now (paused); the books' lock says so for sure
         return _export_service(service)
 
 
-def _export_service(service) -> dict[str, Any]:
+def _export_service(service) -> tuple[dict[str, Any], list[int]]:
     policy = service.broker.policy
     metrics = service.metrics.address if service.metrics is not None else None
+    backend_fds: list[int] = []
+    if service.backend.name == "real":
+        from devbroker.backends import realhandover
+
+        files = realhandover._files_of(service.broker)
+        index = {id(f): i for i, f in enumerate(files)}
+        backend_state, backend_fds = realhandover.export_real(service.backend, files)
+        broker_state = handover.export_broker(service.broker, lambda f: index[id(f)])
+    else:
+        backend_state = handover.export_emulated(service.backend)
+        broker_state = handover.export_broker(service.broker)
     return {
         "format": handover.FORMAT,
         "from_pid": os.getpid(),
         "policy": {"text": policy.to_toml(), "source": service.policy_source},
         "audit_path": str(service.audit.path) if service.audit.path else None,
-        "backend": {"name": service.backend.name,
-                    "state": handover.export_emulated(service.backend)},
-        "broker": handover.export_broker(service.broker),
+        "backend": {"name": service.backend.name, "state": backend_state},
+        "broker": broker_state,
         "callstats": service.callstats.export_state(),
         "alerts": service.alerts.export_state(),
         "fuse": service.frontend.export_state(),
         "metrics": list(metrics) if metrics else None,
-    }
+    }, backend_fds
 
 
 async def hand_over(service, *, python: str | None = None):
@@ -218,6 +229,7 @@ async def hand_over(service, *, python: str | None = None):
     frozen = t_freeze = None
     dups: list[socket.socket] = []
     sups: list = []  # the seccomp supervisors paused for the hand-over
+    owned: list[int] = []  # fds the export opened for the successor only (the relay's pidfd)
     try:
         with trio.fail_after(HELLO_TIMEOUT):
             hello, _ = await chan.recv()
@@ -245,7 +257,9 @@ async def hand_over(service, *, python: str | None = None):
         t_drained = time.monotonic()
         if set(service.supervisors) != set(sups):  # cannot happen: accepting has stopped
             raise UpgradeError("a seccomp tenant was attached during the freeze")
-        state = export_service(service)
+        state, backend_fds = export_service(service)
+        if service.backend.name == "real":
+            owned = [backend_fds[state["backend"]["state"]["fds"]["channels"]]]
         books = handover.books(service.broker)
         dups = [service.control.sock.dup(), service._seccomp_sock.dup(),
                 service.oci_agent.sock.dup()]
@@ -259,6 +273,9 @@ async def hand_over(service, *, python: str | None = None):
             sup_state["fds"] = list(range(len(fds), len(fds) + len(sup_fds)))
             fds += sup_fds
             state["seccomp"].append(sup_state)
+        # The real backend's relay channels, its pidfd and the broker's GPU files.
+        state["backend"]["fds"] = list(range(len(fds), len(fds) + len(backend_fds)))
+        fds += backend_fds
         state["fd_count"] = len(fds)
         await chan.send(state, fds)
         t_sent = time.monotonic()
@@ -275,6 +292,7 @@ async def hand_over(service, *, python: str | None = None):
         await trio.to_thread.run_sync(proc.wait)
         for d in dups:
             d.close()
+        _close(owned)
         for sup in sups:
             sup.resume_after_handover()
         if frozen:
@@ -290,6 +308,7 @@ async def hand_over(service, *, python: str | None = None):
     service.handed_over = True
     for sup in sups:
         sup.detach_after_handover()
+    _close(owned)
     service.control.keep_path()
     for d in dups:
         d.close()
@@ -352,11 +371,24 @@ def build_service(run_dir: str | Path, state: dict[str, Any], fds: list[int]):
         raise handover.HandoverError(f"{len(fds)} file descriptors handed over, {want} expected")
     source = state["policy"]["source"]
     policy = load_policy_text(state["policy"]["text"], source or "<handed over>")
-    service = BrokerService(policy, run_dir, backend=state["backend"]["name"],
-                            audit_path=state["audit_path"], policy_source=source)
-    if service.backend.name != "emulated":
-        raise handover.HandoverError(f"backend {service.backend.name} cannot be taken over")
-    files = handover.import_emulated(service.backend, state["backend"]["state"])
+    name = state["backend"]["name"]
+    if name == "real":
+        # The predecessor's relay and files (backends/realhandover.py), not a new relay.
+        from devbroker.backends import realhandover
+
+        backend, files = realhandover.import_real(
+            state["backend"]["state"], [fds[i] for i in state["backend"]["fds"]])
+        service = BrokerService(policy, run_dir, backend=backend,
+                                audit_path=state["audit_path"], policy_source=source)
+        backend.notice = lambda m: service.audit.write("notice", message=m)
+        backend.notice(f"real backend: relay pid {backend.relay.pid} adopted with "
+                       f"{len(files)} session files")
+    elif name == "emulated":
+        service = BrokerService(policy, run_dir, backend=name,
+                                audit_path=state["audit_path"], policy_source=source)
+        files = handover.import_emulated(service.backend, state["backend"]["state"])
+    else:
+        raise handover.HandoverError(f"backend {name} cannot be taken over")
     handover.import_broker(service.broker, state["broker"], files)
     service.callstats.import_state(state["callstats"])
     service.alerts.import_state(state["alerts"])
@@ -405,6 +437,8 @@ def _warm_up(run_dir: str) -> None:
     from devbroker.broker import metrics  # noqa: F401
     from devbroker.broker.callstats import CallStats
     from devbroker.frontends import fuse  # noqa: F401
+    from devbroker.frontends import seccomp  # noqa: F401 - adopted listeners' supervisors
+    from devbroker.backends import realhandover  # noqa: F401
 
     for version in registry.versions():
         registry.get(version)

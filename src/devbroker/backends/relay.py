@@ -176,6 +176,19 @@ class Relay:
         data = m[1][offset:end] if offset < end else b""
         return 0, data + bytes(length - len(data))
 
+    def do_keep(self) -> int:
+        """A live upgrade hands this relay to the broker's successor: the broker that
+        started it exits, the relay goes on. Its channels (now the successor's) still end it:
+        when the last one closes, the process exits (main). Runs on the main thread (the
+        synchronous channel's), whose setting the parent-death signal is."""
+        if threading.current_thread() is not threading.main_thread():
+            return errno.EINVAL
+        try:
+            _prctl(PR_SET_PDEATHSIG, 0)
+        except OSError as e:
+            return e.errno or errno.EIO
+        return 0
+
     def do_info(self) -> w.Info:
         caps = status_caps()
         try:
@@ -200,6 +213,8 @@ class Relay:
                 return w.reply_mapread(f.id, err, data)
             if f.type == w.INFO:
                 return w.reply_info(f.id, self.do_info())
+            if f.type == w.KEEP:
+                return w.reply_keep(f.id, self.do_keep())
             return w.reply_error(f.id, f"unknown request type {f.type}")
         except w.WireError as e:
             return w.reply_error(f.id, str(e))
@@ -239,9 +254,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"devbroker-relay: cannot drop privileges: {e}", file=sys.stderr)
         return 3
     relay = Relay()
-    threads = [threading.Thread(target=relay.serve, args=(s,), daemon=True) for s in socks]
+    threads = [threading.Thread(target=relay.serve, args=(s,), daemon=True) for s in socks[1:]]
     for t in threads:
         t.start()
+    # The first (synchronous) channel is served on the main thread: the parent-death signal
+    # is the main thread's setting, and KEEP (Relay.do_keep) must clear it there.
+    relay.serve(socks[0])
     for t in threads:
         t.join()
     return 0

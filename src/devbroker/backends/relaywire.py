@@ -33,10 +33,11 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 
-OPEN, CLOSE, IOCTL, MAPREAD, INFO = 1, 2, 3, 4, 5
+OPEN, CLOSE, IOCTL, MAPREAD, INFO, KEEP = 1, 2, 3, 4, 5, 6
 REPLY = 0x80
 ERROR = 0xFF
-NAMES = {OPEN: "OPEN", CLOSE: "CLOSE", IOCTL: "IOCTL", MAPREAD: "MAPREAD", INFO: "INFO"}
+NAMES = {OPEN: "OPEN", CLOSE: "CLOSE", IOCTL: "IOCTL", MAPREAD: "MAPREAD", INFO: "INFO",
+         KEEP: "KEEP"}
 
 # Bounds: an ioctl argument is at most 16 KiB (_IOC_SIZE is 14 bits); nested buffers are
 # bounded by the broker (1 MiB); a page read by the FUSE read size. Nothing legitimate comes
@@ -188,6 +189,21 @@ def parse_mapread(p: bytes) -> tuple[int, int, int, int]:
 
 def encode_info(rid: int) -> bytes:
     return frame(INFO, rid)
+
+
+def encode_keep(rid: int) -> bytes:
+    """KEEP (live upgrade): the relay outlives the broker that started it (no SIGKILL at
+    its parent's death); it still exits when its last channel closes. Reply: u32 errno."""
+    return frame(KEEP, rid)
+
+
+def reply_keep(rid: int, err: int) -> bytes:
+    return frame(KEEP | REPLY, rid, struct.pack("<I", err))
+
+
+def parse_keep_reply(p: bytes) -> int:
+    _need(p, 0, 4, "keep reply")
+    return struct.unpack_from("<I", p)[0]
 
 
 # --------------------------------------------------------------------------- replies

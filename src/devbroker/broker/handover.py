@@ -93,11 +93,8 @@ def check_supported(broker, *, frontends: dict[str, int] | None = None,
     from devbroker.broker.objects import RmClient, RmObject
     from devbroker.frontends.fuse import _Handle, _Inode
 
-    if broker.backend.name != "emulated":
-        # The real backend's relay process, its driver files and the tenant-file executor
-        # are not carried yet (docs/operations.md, "what a live upgrade does not carry").
-        raise HandoverError(f"the {broker.backend.name} backend cannot be handed over yet "
-                            "(only the emulated backend)")
+    if broker.backend.name not in ("emulated", "real"):
+        raise HandoverError(f"the {broker.backend.name} backend cannot be handed over")
     if broker.recorder is not None:
         raise HandoverError("the broker is recording (--record): restart it without, then "
                             "upgrade")
@@ -111,13 +108,19 @@ def check_supported(broker, *, frontends: dict[str, int] | None = None,
         ("a tenant", _fields(TenantState), TENANT_FIELDS),
         ("an RM client", _fields(RmClient), CLIENT_FIELDS),
         ("an RM object", _fields(RmObject), OBJECT_FIELDS),
-        ("the emulated backend", set(vars(broker.backend)), EMULATED_ATTRS),
         ("an emulated file", _fields(EmuFile), EMU_FILE_FIELDS),
         ("an emulated client", _fields(EmuClient), EMU_CLIENT_FIELDS),
         ("an emulated object", _fields(EmuObject), EMU_OBJECT_FIELDS),
         ("a FUSE inode", _fields(_Inode), FUSE_INODE_FIELDS),
         ("a FUSE open file", _fields(_Handle), FUSE_HANDLE_FIELDS),
     ]
+    if broker.backend.name == "emulated":
+        checks.append(("the emulated backend", set(vars(broker.backend)), EMULATED_ATTRS))
+    else:  # backends/realhandover.py carries the relay, its files and the tenant files
+        from devbroker.backends.realhandover import unknown_state
+
+        checks += [(what, set(names), frozenset()) for what, names in
+                   unknown_state(broker.backend)]
     if supervisors:
         from devbroker.frontends.seccomp import Session as SeccompSession
 
@@ -188,7 +191,9 @@ def _objects(objects: dict) -> list[list]:
             for o in objects.values()]
 
 
-def export_broker(broker) -> dict[str, Any]:
+def export_broker(broker, file_id=lambda f: f.id) -> dict[str, Any]:
+    """The core's books; each session's backend file as file_id(file) (the emulated
+    backend's own ids; the real backend's hand-over numbers its files itself)."""
     from devbroker.broker.core import _RevokedTenant
 
     tenants = []
@@ -209,7 +214,7 @@ def export_broker(broker) -> dict[str, Any]:
         sessions.append({
             "id": s.id, "tenant": tenant_key[id(s.tenant)], "node": int(s.node),
             "minor": s.minor, "caller": [s.caller.pid, s.caller.tid, s.caller.uid, s.caller.gid],
-            "file": s.file.id, "clients": sorted(s.clients), "closed": s.closed,
+            "file": file_id(s.file), "clients": sorted(s.clients), "closed": s.closed,
             "pidns": s.pidns,
         })
     return {
