@@ -56,7 +56,8 @@ def old(dev: str, proc: str, run: str) -> int:
     tf.install_fd = -1  # ... installed in the tenant (here: kept by this process)
     tf.adopted.add(0xC1D00001)
     files = [ctl, gpu, tf]
-    out(what="before", **calls(b, files), mounted=b._private.mounted)
+    out(what="before", **calls(b, files), mounted=b._private.mounted,
+        unknown=realhandover.unknown_state(b))  # what a live RealBackend has that is not carried
     state, fds = realhandover.export_real(b, files)
     ours, theirs = socket.socketpair()
     succ = subprocess.Popen([sys.executable, __file__, "new", str(theirs.fileno())],
