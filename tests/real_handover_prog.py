@@ -1,4 +1,8 @@
-"""The two broker processes of the real backend's live-upgrade test (tests/test_upgrade.py):
+"""Programs of the real backend's live-upgrade tests (tests/test_upgrade.py):
+
+    real_handover_prog.py loop               a tenant: NV_ESC_CHECK_VERSION_STR on
+        /dev/nvidiactl in a loop until "stop" on stdin, then the answers it got (errno:
+        count), the calls and the longest one;
 
     real_handover_prog.py old DEV PROC RUN   builds a RealBackend on stand-in nodes, makes
         relayed calls, hands the backend to a successor it starts (`new`), exits;
@@ -99,7 +103,45 @@ def new(fd: int) -> int:
     return 0
 
 
+def loop() -> int:
+    import fcntl
+    import select
+    import time
+
+    from devbroker.abi import iowr, registry
+
+    spec = registry.get("580.159.04").escape("NV_ESC_CHECK_VERSION_STR")
+    arg = spec.params.decode(bytes(spec.params.size)).replace(
+        versionString=b"580.159.04").encode()
+    fd = os.open("/dev/nvidiactl", os.O_RDWR)
+    answers: dict[str, int] = {}
+    calls, longest, slow = 0, 0.0, []
+    while True:
+        buf = bytearray(arg)
+        t0, w0 = time.monotonic(), time.time()
+        try:
+            fcntl.ioctl(fd, iowr(spec.number, len(buf)), buf, True)
+            got = "0"
+        except OSError as e:
+            got = str(e.errno)
+        dt = time.monotonic() - t0
+        answers[got] = answers.get(got, 0) + 1
+        calls += 1
+        longest = max(longest, dt)
+        if dt >= 0.005 and len(slow) < 2000:
+            slow.append([round(w0, 6), round(dt, 6)])
+        if calls == 1:
+            out(what="ready", pid=os.getpid(), fd=list(os.fstat(fd)[1:3]))
+        if select.select([sys.stdin], [], [], 0)[0]:
+            sys.stdin.readline()
+            out(what="done", calls=calls, answers=answers, longest_call_s=longest,
+                slow_calls=slow, fd=list(os.fstat(fd)[1:3]))
+            return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "loop":
+        sys.exit(loop())
     if sys.argv[1] == "old":
         sys.exit(old(*sys.argv[2:5]))
     sys.exit(new(int(sys.argv[2])))

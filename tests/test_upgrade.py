@@ -464,3 +464,129 @@ def test_real_backend_relay_and_files_pass_to_a_successor(tmp_path):
         old.kill()
         old.wait()
         subprocess.run(["umount", "-l", str(run / "private-nodes")], capture_output=True)
+
+
+# Runs a command in a mount namespace of its own where the NVIDIA driver's files are
+# stand-ins: /proc/driver/nvidia (version, one GPU) on a tmpfs, and a /dev of copies of the
+# host's common nodes plus nvidiactl and nvidia-uvm as /dev/null's device and nvidia0 as
+# /dev/zero's. The host's mounts are private (the namespace sends nothing back) except the run
+# dir, made shared by the test so that the broker's FUSE mount is seen by `devbroker exec`.
+STAND_IN_NS = r"""
+set -e
+T=$1; shift
+mkdir -p "$T/dev"
+mount -t tmpfs -o mode=755 standin-dev "$T/dev"
+for d in null zero full random urandom fuse tty ptmx; do
+    if [ -e /dev/$d ]; then cp -a /dev/$d "$T/dev/"; fi
+done
+mkdir "$T/dev/pts" "$T/dev/shm"
+mknod -m 666 "$T/dev/nvidiactl" c 1 3
+mknod -m 666 "$T/dev/nvidia0" c 1 5
+mknod -m 666 "$T/dev/nvidia-uvm" c 1 3
+mount --bind "$T/dev" /dev
+mount -t tmpfs -o mode=755 standin-driver /proc/driver
+mkdir -p /proc/driver/nvidia/gpus/0000:00:06.0
+printf 'NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build  (dvs-builder@U22-I3-AF03-09-1)  Thu Oct 16 00:00:00 UTC 2025\n' > /proc/driver/nvidia/version
+printf 'Model: \t\t NVIDIA H200\nGPU UUID: \t GPU-d4ad161b\nBus Location: \t 0000:00:06.0\nDevice Minor: \t 0\n' > /proc/driver/nvidia/gpus/0000:00:06.0/information
+exec "$@"
+"""
+
+
+@pytest.mark.root
+def test_real_backend_broker_upgrade_with_stand_in_nodes(tmp_path, successors):
+    """A whole `devbroker upgrade` of a broker on the real backend (`--backend real`, with
+    stand-in driver files: STAND_IN_NS) while a seccomp tenant (a real driver file of its
+    own, installed by the broker) and a FUSE tenant (its file relayed) loop on ioctls the
+    broker decides and the stand-in answers (ENOTTY): every call gets the same answer before
+    and after, none is lost, the new broker serves through the same relay process and still
+    knows the seccomp tenant's file as its session (it decides its ioctls; an unknown file
+    would be left to the kernel), and the old process exits."""
+    from conftest import DEVBROKER, RunningBroker
+
+    run, stage = tmp_path / "run", tmp_path / "stage"
+    run.mkdir()
+    stage.mkdir()
+    (tmp_path / "policy.toml").write_text(
+        '[broker]\nbackend = "real"\n\n[tenant.t0]\ngpus = [0]\nmemory_quota = "2GiB"\n\n'
+        '[tenant.t1]\ngpus = [0]\nmemory_quota = "2GiB"\n')
+    subprocess.run(["mount", "--bind", str(run), str(run)], check=True)
+    subprocess.run(["mount", "--make-shared", str(run)], check=True)
+
+    class StandInBroker(RunningBroker):
+        def __init__(self):
+            self.run_dir, self.policy = run, tmp_path / "policy.toml"
+            self.log = open(tmp_path / "broker.log", "w+")
+            self.proc = subprocess.Popen(
+                ["unshare", "-m", "--propagation", "unchanged", "sh", "-c", STAND_IN_NS, "ns",
+                 str(stage), *DEVBROKER, "--run-dir", str(run), "run", "--policy",
+                 str(self.policy)],
+                stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True)
+            self._wait_ready()
+
+    broker = StandInBroker()
+    old_pid = broker.proc.pid
+    loop = [sys.executable, str(HERE / "real_handover_prog.py"), "loop"]
+    procs = {}
+    try:
+        for tenant, frontend in (("t0", "seccomp"), ("t1", "fuse")):
+            broker.frontend = frontend
+            p = broker.exec_popen(tenant, *loop, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  text=True)
+            procs[frontend] = p
+            assert readline_json(p)["what"] == "ready"
+        relay_pid = next(int(a["message"].split("relay pid ")[1].split()[0])
+                         for a in broker.audit() if "relay pid" in a.get("message", ""))
+        assert alive(relay_pid)
+        before = broker.status()
+        [sup_before] = before["seccomp"]
+        assert sup_before["ioctls"] > 0 and sup_before["ioctls_continued"] == 0
+
+        r = broker.cli("upgrade", "--json", timeout=200)
+        assert r.returncode == 0, r.stderr + broker.output()
+        reply = json.loads(r.stdout)
+        successors.append(reply["pid"])
+        assert reply["old_pid"] == old_pid and reply["seccomp_listeners"] == 1
+        assert broker.proc.wait(timeout=30) == 0
+        assert alive(relay_pid)  # the relay outlived the broker that started it
+        time.sleep(1.0)  # the loops go on against the new broker
+        after = broker.status()
+        assert after["pid"] == reply["pid"]
+        [sup_after] = after["seccomp"]
+        # the new broker decides the seccomp tenant's ioctls on its (adopted) file
+        assert sup_after["ioctls"] > sup_before["ioctls"]
+        assert sup_after["ioctls_continued"] == 0 and sup_after["refused_foreign"] == 0
+        adopted = [a for a in broker.audit() if a["event"] == "notice"
+                   and f"relay pid {relay_pid} adopted with" in a["message"]]
+        assert len(adopted) == 1, broker.audit()
+        results = {}
+        for frontend, p in procs.items():
+            p.stdin.write("stop\n")
+            p.stdin.flush()
+            results[frontend] = readline_json(p)
+            assert p.wait(timeout=30) == 0
+        for frontend, res in results.items():
+            # every call answered, all alike: the stand-in's ENOTTY through the broker
+            assert res["answers"] == {str(errno.ENOTTY): res["calls"]}, (frontend, res)
+        # the same open files, and no tenant's refusals grew
+        assert [(t["name"], t["open_files"], t["refusals"]) for t in after["tenants"]] == \
+            [(t["name"], t["open_files"], t["refusals"]) for t in before["tenants"]]
+        frozen, serving = reply["frozen_at"], reply["serving_at"]
+        spanning = {fe: max([d for start, d in res["slow_calls"]
+                             if start <= serving and start + d >= frozen] or [0.0])
+                    for fe, res in results.items()}
+        print(f"\nlive upgrade benchmark (real backend, stand-in nodes): broker-side pause "
+              f"{reply['pause_ms']} ms ({reply['phases_ms']}); longest call spanning it, ms: "
+              + ", ".join(f"{fe} {v * 1000:.1f}" for fe, v in spanning.items())
+              + f"; {sum(r['calls'] for r in results.values())} calls, none failed")
+        # the new broker's exit ends the relay (its channels close)
+        new = reply["pid"]
+        os.kill(new, signal.SIGTERM)
+        wait_for(lambda: not alive(new), "the new broker's exit")
+        wait_for(lambda: not alive(relay_pid), "the relay's exit")
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+        broker.stop(signal.SIGKILL)
+        subprocess.run(["umount", "-l", str(run)], capture_output=True)
