@@ -144,6 +144,14 @@ async def test_state_round_trips(tmp_path):
         "NVOS55_PARAMETERS", hClient=client2, hParent=0xA1, hObject=0xD0, hClientSrc=client,
         hObjectSrc=0xC0))
     assert rep.errno == 0 and out.status == 0
+    # The 64 MiB exported into a third nvidiactl file (OS_UNIX_EXPORT_OBJECTS_TO_FD): its
+    # export slots and the driver's hidden client holding them pass too.
+    xfd = await t.open(NodeKind.CTL)
+    rep, out, got = await t.control(ctl, client, client, 0x3D0B, fd=xfd, hDevice=0xA0,
+                                    maxObjects=4, numObjects=1, index=1, objects=[0xC0])
+    assert rep.errno == 0 and out.status == 0 and got is not None
+    assert [f.export.slots[1] is not None for f in broker.backend.files.values()
+            if f.export is not None] == [True]
     before = handover.books(broker)
     assert before["alice"]["memory"] == {"0": 64 << 20}
     state = json.loads(json.dumps({"broker": handover.export_broker(broker),
@@ -155,6 +163,9 @@ async def test_state_round_trips(tmp_path):
     again = {"broker": handover.export_broker(fresh),
              "backend": handover.export_emulated(fresh.backend)}
     assert json.loads(json.dumps(again)) == state
+    [ex] = [f.export for f in fresh.backend.files.values() if f.export is not None]
+    assert ex.client is fresh.backend.clients[ex.client.handle] and len(ex.slots) == 4
+    assert ex.client.objects[ex.slots[1]].share is not None  # shares the 64 MiB's charge
     # the imported broker goes on: the tenant's next allocation is checked against the
     # quota with what it already holds ...
     t.b = fresh
@@ -171,6 +182,13 @@ async def test_state_round_trips(tmp_path):
     v = t.new("NVOS00_PARAMETERS", hRoot=client2, hObjectParent=0xA1, hObjectOld=0xD0)
     rep, out, _ = await t.esc(ctl2, "NV_ESC_RM_FREE", v)
     assert out.status == 0
+    # the export slot still holds it (as the driver's hidden client does) until its file
+    # closes
+    assert handover.books(fresh)["alice"]["memory"] == {"0": 64 << 20}
+    assert fresh.backend.used[0] == 64 << 20
+    from devbroker.broker.interface import ReleaseRequest
+
+    await fresh.release(ReleaseRequest(session=t.fds[xfd]))
     assert handover.books(fresh)["alice"]["memory"] == {"0": 0}
     assert fresh.backend.used[0] == 0
 
