@@ -152,6 +152,8 @@ async def test_state_round_trips(tmp_path):
     assert rep.errno == 0 and out.status == 0 and got is not None
     assert [f.export.slots[1] is not None for f in broker.backend.files.values()
             if f.export is not None] == [True]
+    # (as NV_ESC_ATTACH_GPUS_TO_FD leaves the file: a second one is refused with EINVAL)
+    broker.sessions[t.fds[ctl]].file.attached = True
     before = handover.books(broker)
     assert before["alice"]["memory"] == {"0": 64 << 20}
     state = json.loads(json.dumps({"broker": handover.export_broker(broker),
@@ -163,6 +165,8 @@ async def test_state_round_trips(tmp_path):
     again = {"broker": handover.export_broker(fresh),
              "backend": handover.export_emulated(fresh.backend)}
     assert json.loads(json.dumps(again)) == state
+    assert fresh.sessions[t.fds[ctl]].file.attached
+    assert [f.attached for f in fresh.backend.files.values()].count(True) == 1
     [ex] = [f.export for f in fresh.backend.files.values() if f.export is not None]
     assert ex.client is fresh.backend.clients[ex.client.handle] and len(ex.slots) == 4
     assert ex.client.objects[ex.slots[1]].share is not None  # shares the 64 MiB's charge
