@@ -71,6 +71,7 @@ SUPERVISOR_ATTRS = frozenset({
     "broker", "nvidia_majors", "_basenames", "sizes", "_memfd_dev", "_lfd_refs", "_live",
     "_threads_lock", "_recv_lock", "_stopping", "_serving", "_token", "_nursery", "_hup",
     "_changed", "closed", "_handover_hold",
+    "_gate",  # the broker's memory gate (a cached property): the successor's broker's
 })
 SECCOMP_SESSION_FIELDS = frozenset({"id", "node", "minor", "key", "wd", "opener", "released",
                                     "real"})
