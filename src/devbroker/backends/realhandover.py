@@ -47,6 +47,8 @@ REAL_ATTRS = frozenset({
     "_executor",  # capability-less threads: the successor starts its own
     "_limiter",  # never set (None)
 })
+RELAY_ATTRS = frozenset({"proc", "sync", "pool", "thread_chan",  # passed (channels, pidfd)
+                         "idle", "_free", "_achans"})  # rebuilt (trio's wrappers: lazily)
 REAL_FILE_FIELDS = frozenset({"node", "minor", "rfd", "path", "map_length", "closed"})
 TENANT_FILE_FIELDS = frozenset({"node", "minor", "path", "key", "install_fd", "runs_in_caller",
                                 "closed", "continued_root_allocs", "adopted"})
@@ -68,7 +70,10 @@ def unknown_state(backend) -> list[tuple[str, list[str]]]:
     from devbroker.backends.tenantfile import TenantFile
 
     out = []
+    relay = getattr(backend, "relay", None)
     for what, have, known in [("the real backend", set(vars(backend)), REAL_ATTRS),
+                              ("the relay process", set(vars(relay)) if relay else set(),
+                               RELAY_ATTRS),
                               ("a relayed file", _fields(RealFile), REAL_FILE_FIELDS),
                               ("a tenant file", _fields(TenantFile), TENANT_FILE_FIELDS),
                               ("a real GPU", _fields(RealGpu), GPU_FIELDS)]:
@@ -94,7 +99,8 @@ def export_real(backend, files: list) -> tuple[dict[str, Any], list[int]]:
     from devbroker.backends.real import RealFile
 
     relay = backend.relay
-    chans = [relay.sync, *relay.pool]
+    threads = [relay.thread_chan] if relay.thread_chan is not None else []
+    chans = [relay.sync, *relay.pool, *threads]
     if relay._free is not None and len(relay._achans) != len(relay.pool):
         raise RealHandoverError("a relayed call is in flight (or a channel broke)")
     if any(c.lock.locked() for c in chans):
@@ -135,7 +141,7 @@ def export_real(backend, files: list) -> tuple[dict[str, Any], list[int]]:
                      "mounted": backend._private.mounted}
                     if backend._private is not None else None),
         "gpus": [dataclasses.asdict(g) for g in backend._gpus],
-        "relay": {"pid": relay.pid, "channels": len(chans),
+        "relay": {"pid": relay.pid, "channels": len(chans), "thread_chan": bool(threads),
                   "info": dataclasses.asdict(backend.relay_info)},
         "keep": list(backend._keep),
         "noticed": [list(k) if isinstance(k, tuple) else k for k in backend._noticed],
@@ -220,6 +226,8 @@ def import_real(state: dict[str, Any], fds: list[int],
     relay = RelayProcess.__new__(RelayProcess)
     relay.proc = PidfdProcess(int(state["relay"]["pid"]), pidfd)
     relay.sync, relay.pool = chans[0], chans[1:]
+    # the channel kept for front-end threads' blocking calls (issue 14), the last one
+    relay.thread_chan = relay.pool.pop() if state["relay"].get("thread_chan") else None
     relay.idle = list(relay.pool)
     relay._free = None
     relay._achans = []
