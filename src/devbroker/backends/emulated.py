@@ -22,6 +22,7 @@ from devbroker.abi import status as nvs
 from devbroker.abi.nodes import NodeKind
 from devbroker.backends.base import DriverCall, DriverResult, PciLocation
 from devbroker.backends import emulated_export  # noqa: F401  (registers its control handlers)
+from devbroker.backends import emulated_sched  # channel groups (issue 15): registers controls
 from devbroker.backends.emulated_controls import CONTROL_HANDLERS, H200_FACTS
 from devbroker.backends.emulated_objects import EmuClient, EmuFile, EmuObject
 
@@ -420,6 +421,7 @@ class EmulatedBackend:
         0x2080: _alloc_subdevice,
         0xDE: _alloc_on_subdevice,
         0x40: _alloc_local_memory,
+        emulated_sched.CHANNEL_GROUP: emulated_sched.alloc_channel_group,
     }
 
     def NV_ESC_RM_FREE(self, f, dc):

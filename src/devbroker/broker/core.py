@@ -28,7 +28,7 @@ from devbroker.abi import DecodeError, iowr, registry
 from devbroker.abi import status as nvstatus
 from devbroker.abi.nodes import NodeKind
 from devbroker.backends.base import Backend, DriverCall, DriverResult
-from devbroker.broker import limits, rules
+from devbroker.broker import compute, limits, rules
 from devbroker.broker.audit import AuditLog
 from devbroker.broker.effects import (
     STATE_LOCK, DriverIoctl, Effect, RateLimit, ReadMemory, ResolveFd, Steps, WriteMemory,
@@ -158,6 +158,7 @@ class Broker:
         self._ids = itertools.count(1)
         self.policy = None
         self.on_policy_change: list[Callable[[Any], None]] = []
+        compute.install(self)  # issue 15: a policy change re-sets running channel groups
         # Starts a background task (the daemon's nursery.start_soon); None: no background
         # work (quota watch off). Set with set_spawner (it may be called from any thread).
         self.spawn: Callable | None = None
@@ -847,6 +848,7 @@ class Broker:
                 # accesses to the tenant's memory stuck in the kernel past their deadline
                 "memory_stalled": self.memgate.stalled.get(t.name, 0),
                 "rate_limited": t.limiter.waited,
+                **compute.tenant_status(self, t),  # issue 15: share, priority, groups
             })
         return {"backend": self.backend.name, "driver": self.backend.version,
                 "tenants": tenants}

@@ -153,7 +153,8 @@ def rm_control(ctx: CallContext) -> Steps:
         b._check_clients(s, params, where=where)
         if ctl_rule.pre is not None:
             params = ctl_rule.pre(rewrite.ControlContext(
-                b, s, abi, v.cmd, params, client.objects[v.hObject].gpu), params)
+                b, s, abi, v.cmd, params, client.objects[v.hObject].gpu, client, v.hObject),
+                params)
             nested = params.encode()
         # Every GPU id the parameters name must be one of the tenant's (by the ABI's
         # fields, for every control: issue 13 item 6).
@@ -169,7 +170,7 @@ def rm_control(ctx: CallContext) -> Steps:
               and abi.decode_ioctl(s.node, req.cmd, result.arg).value.status == nvstatus.NV_OK)
         if ok and ctl_rule.post is not None:
             hook_ctx = rewrite.ControlContext(b, s, abi, v.cmd, params,
-                                              client.objects[v.hObject].gpu)
+                                              client.objects[v.hObject].gpu, client, v.hObject)
             out_nested = ctl_rule.post(hook_ctx, ref.spec.decode(out_nested)).encode()
     if out_nested is not None and not result.errno:
         yield from b._mem_write(s, req, ref.ptr, out_nested)
@@ -284,6 +285,9 @@ def rm_alloc(ctx: CallContext) -> Steps:
         client.add(out.hObjectNew, cls, v.hObjectParent, gpu=gpu, charged=charge)
         if out_params:
             yield from b._mem_write(s, req, ref.ptr, result.nested)
+        if cls_rule.after is not None:  # e.g. a channel group's compute share (issue 15)
+            yield from cls_rule.after(ctx, AllocCall(cls, client, v.hRoot, params, where),
+                                      out.hObjectNew, gpu)
     return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
 

@@ -77,6 +77,18 @@ class TenantPolicy:
     rate_limit: RateLimit | None = None
     uids: tuple[int, ...] | None = None  # None: any uid may use the tenant's nodes
     limits: TenantLimits = _limits.DEFAULTS  # open files, RM clients, RM objects
+    # Share of GPU time when other tenants are busy on the same GPU (relative to theirs) and
+    # scheduling priority: enforced as channel-group timeslices and runlist interleave levels
+    # (broker/compute.py, docs/compute-shares.md).
+    compute_weight: int = 1
+    priority: str = "normal"  # one of PRIORITIES
+
+
+# Scheduling priorities a policy may name (broker/compute.py maps them to interleave levels).
+PRIORITIES = ("high", "normal", "low")
+# A weight is a ratio of timeslices; beyond this the smallest slice of a busy GPU would be
+# below what the hardware can express next to the largest (compute.py scales them).
+COMPUTE_WEIGHT_MAX = 64
 
 
 @dataclass(frozen=True)
@@ -167,6 +179,10 @@ class Policy:
             if t.limits != _limits.DEFAULTS:
                 out.append("limits = { " + ", ".join(f"{k} = {getattr(t.limits, k)}"
                                                      for k in _limits.KEYS) + " }")
+            if t.compute_weight != 1:
+                out.append(f"compute_weight = {t.compute_weight}")
+            if t.priority != "normal":
+                out.append(f"priority = {_q(t.priority)}")
         c = self.control
         if c != ControlAccess():
             out += ["", "[control]"]
@@ -196,7 +212,8 @@ class Policy:
                          f"capabilities {', '.join(t.capabilities) or '(none)'}; "
                          f"rate {rate}; uids {uids}; at most {t.limits.open_files} open "
                          f"files, {t.limits.rm_clients} RM clients, {t.limits.rm_objects} "
-                         "RM objects")
+                         f"RM objects; compute weight {t.compute_weight}, priority "
+                         f"{t.priority}")
         if not self.tenants:
             lines.append("  no tenants")
         c = self.control
@@ -546,8 +563,23 @@ class _Loader:
             uids = self.int_list(t["uids"], path + ("uids",), "uids")
             if not uids:
                 self.fail(path + ("uids",), "uids = [] admits nobody; omit it to admit any uid")
+        weight = 1
+        if "compute_weight" in t:
+            weight = self.integer(t["compute_weight"], path + ("compute_weight",),
+                                  "compute_weight", 1)
+            if weight > COMPUTE_WEIGHT_MAX:
+                self.fail(path + ("compute_weight",), f"compute_weight = {weight} is beyond "
+                          f"{COMPUTE_WEIGHT_MAX} (weights are ratios of timeslices: see "
+                          "docs/compute-shares.md)")
+        priority = "normal"
+        if "priority" in t:
+            priority = self.string(t["priority"], path + ("priority",), "priority")
+            if priority not in PRIORITIES:
+                self.fail(path + ("priority",), f"priority must be one of "
+                          f"{', '.join(PRIORITIES)}, not {priority!r}")
         return TenantPolicy(name=name, gpus=gpus, memory_quota=quota, capabilities=tuple(caps),
-                            rate_limit=rate, uids=uids, limits=limits)
+                            rate_limit=rate, uids=uids, limits=limits,
+                            compute_weight=weight, priority=priority)
 
     def limits(self, lim: Any, path: tuple) -> TenantLimits:
         self.table(lim, path, {k: "" for k in _limits.KEYS}, "limits")
@@ -581,7 +613,7 @@ _ALERT_KEYS = {"quota_percent": "", "refusals_per_minute": "", "escape_attempts"
                "escape_window": ""}
 _GPU_KEYS = {"name": "", "uuid": "", "pci_bus_id": "", "memory": ""}
 _TENANT_KEYS = {"gpus": "", "memory_quota": "", "capabilities": "", "rate_limit": "", "uids": "",
-                "limits": ""}
+                "limits": "", "compute_weight": "", "priority": ""}
 _CONTROL_KEYS = ("admin_uids", "admin_groups", "readonly_uids", "readonly_groups")
 # Each RM object costs the broker ~0.5 KiB: 2^24 of them would be 8 GiB.
 _LIMIT_MAX = 1 << 24

@@ -29,6 +29,8 @@ class ControlContext:
     cmd: int
     params_in: Any  # the parameters as sent (after the pre-hook), None when there are none
     gpu: int | None  # the GPU of the object the control was sent to
+    client: Any = None  # objects.RmClient the control was sent through
+    handle: int = 0  # the object (hObject) the control was sent to
 
 
 def tenant_gpu_ids(broker, s) -> list[int]:

@@ -39,7 +39,7 @@ from devbroker.abi import registry
 from devbroker.abi import status as nvstatus
 from devbroker.abi.nodes import NodeKind
 from devbroker.backends.emulated import CONTROL_HANDLERS as EMULATED_CONTROLS  # (all registered)
-from devbroker.broker import handlers, rewrite
+from devbroker.broker import compute, handlers, rewrite
 
 CAPABILITIES = {
     "nvml": "GPU queries NVML and nvidia-smi need (names, UUIDs, memory, utilization)",
@@ -291,6 +291,10 @@ class ClassRule:
     # What its parameters may name, checked after the client handles in them: a function
     # (CallContext, handlers.AllocCall) that raises Refusal (NV_ESC_RM_ALLOC only).
     check: Callable | None = None
+    # Runs after the driver allocated it (NV_OK) and the object is in the books, before the
+    # tenant has its answer: a function (CallContext, handlers.AllocCall, handle, gpu) ->
+    # steps (NV_ESC_RM_ALLOC only). The channel group's compute share (compute.after_alloc).
+    after: Callable | None = None
     # The allocation escapes (NV_ESC_RM_ALLOC, NV_ESC_RM_ALLOC_MEMORY) through which the
     # driver binds this class to the calling process (see Rule.in_caller), and why.
     in_caller_via: frozenset = frozenset()
@@ -329,7 +333,9 @@ CLASSES: dict[int, ClassRule] = {
     0x90F1: ClassRule("compute", "GPU virtual address space of the tenant's context"),
     0x9067: ClassRule("compute", "context share of the tenant's own channel group"),
     0x90E6: ClassRule("compute", "subdevice master object (error counters of own GPU)"),
-    0xA06C: ClassRule("compute", "channel group (time-sliced with other tenants)"),
+    0xA06C: ClassRule("compute", "channel group (time-sliced with other tenants); its "
+                      "timeslice and interleave level are set to the tenant's compute share "
+                      "before the tenant has the handle", after=compute.after_alloc),
     0xC86F: ClassRule("compute", "GPFIFO channel in the tenant's channel group"),
     0xC8B5: ClassRule("compute", "copy engine object on the tenant's channel"),
     0xCBC0: ClassRule("compute", "compute engine object on the tenant's channel"),
@@ -568,6 +574,19 @@ CONTROLS[0x20803001] = ControlRule("compute", "NV2080_CTRL_CMD_NVLINK_GET_NVLINK
 CONTROLS[0xA06C0105] = ControlRule("compute", "NVA06C_CTRL_CMD_PREEMPT: preempts the tenant's "
                                    "own channel group (the object is checked to be the "
                                    "tenant's)")
+# Compute shares (issue 15, broker/compute.py): a channel group's scheduling values are the
+# policy's; the broker sets them on every new group (CLASSES[0xA06C].after) and rewrites the
+# tenant's own attempts, on its private copy of the parameters.
+CONTROLS[0xA06C0103] = _compute("NVA06C_CTRL_CMD_SET_TIMESLICE on the tenant's own channel "
+                                "group: executed with the policy's timeslice (compute_weight) "
+                                "whatever the tenant asked (audited)",
+                                pre=compute.schedule_control)
+CONTROLS[0xA06C0104] = _compute("NVA06C_CTRL_CMD_GET_TIMESLICE of the tenant's own channel "
+                                "group (read-only: the policy's value)")
+CONTROLS[0xA06C0107] = _compute("NVA06C_CTRL_CMD_SET_INTERLEAVE_LEVEL on the tenant's own "
+                                "channel group: executed with the policy's level (priority) "
+                                "whatever the tenant asked (audited)",
+                                pre=compute.schedule_control)
 
 CONTROLS[0x20801702] = ControlRule("compute", "NV2080_CTRL_CMD_MC_SERVICE_INTERRUPTS: "
                                    "asks the driver to service interrupts pending on the "
@@ -624,6 +643,15 @@ REFUSED_CONTROLS: dict[int, str] = {
     0x2080A618: "unpublished (no header names it): layout unknown, may hide handles/pointers",
     0x2080852F: "unpublished (no header names it): layout unknown, may hide handles/pointers",
     0x2080A097: "unpublished (no header names it): layout unknown, may hide handles/pointers",
+    # Issue 15: scheduling controls a tenant could use to take more than its compute share
+    # (docs/compute-shares.md).
+    0xA06C0110: "MAKE_REALTIME puts a channel group ahead of every other tenant's (realtime "
+                "TSGs precede all others and make them preemptible)",
+    0xA06F0109: "a channel's own interleave level: the broker sets levels per channel group "
+                "from the policy's priority",
+    0x20801115: "RUNLIST_SET_SCHED_POLICY changes (and locks) the scheduling policy of every "
+                "runlist of the GPU, for every tenant",
+    0x20801121: "OBJSCHED_SET_STATE changes the GPU's runlist scheduler for every tenant",
     0x20810110: "unpublished BINAPI control (no header names it): layout unknown",
     0x20810111: "unpublished BINAPI control (no header names it): layout unknown",
 }

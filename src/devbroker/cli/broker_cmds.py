@@ -209,7 +209,7 @@ def cmd_status(args) -> int:
     print(f"backend {snap['backend']} (driver {snap['driver']}), nodes {snap['mount']}, "
           f"policy {snap['policy']}")
     print(f"{'TENANT':<12} {'GPUS':<8} {'FILES':>5} {'PROCS':>5} {'OBJS':>5} "
-          f"{'MEMORY USED / QUOTA':<32} {'REQS':>7} {'DENIED':>6}")
+          f"{'MEMORY USED / QUOTA':<32} {'REQS':>7} {'DENIED':>6}  {'GPU SHARE, PRIORITY'}")
     for t in snap["tenants"]:
         mem = ", ".join(f"gpu{g}: {_human(m['used'])} / {_human(m['quota'])}"
                         for g, m in t["memory"].items()) or "-"
@@ -219,8 +219,18 @@ def cmd_status(args) -> int:
         mem = f"{mem}, {revoked}" if revoked else mem
         print(f"{t['name']:<12} {','.join(map(str, t['gpus'])) or '-':<8} {t['open_files']:>5} "
               f"{len(t['processes']):>5} {t['objects']:>5} {mem:<32} {t['requests']:>7} "
-              f"{t['refusals']:>6}")
+              f"{t['refusals']:>6}  {_share(t)}")
     return 0
+
+
+def _share(t: dict) -> str:
+    """Issue 15: each GPU's share of time when every tenant there is busy (the weight), and
+    the priority."""
+    c = t.get("compute")
+    if not c:
+        return "-"
+    shares = ", ".join(f"gpu{g}: {100 * f:.0f}%" for g, f in c["share"].items()) or "-"
+    return f"{shares} (weight {c['weight']}), {c['priority']}"
 
 
 def _human(n: int) -> str:

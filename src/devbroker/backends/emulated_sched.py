@@ -1,0 +1,94 @@
+"""Channel groups in the emulated driver: allocation and the scheduling controls the broker's
+compute shares use (issue 15, broker/compute.py), answered as the 580 driver on a GSP GPU
+(the H200) answers them. Sources, tag 580.142 (docs/compute-shares.md has the lines):
+
+- KEPLER_CHANNEL_GROUP_A (0xa06c) needs a device parent: kchangrpapiConstruct looks the
+  parent up with deviceGetByHandle and answers NV_ERR_INVALID_ARGUMENT otherwise. A new group
+  has the default timeslice (1024 µs, kfifoChannelGroupGetDefaultTimeslice_GV100) and the
+  MEDIUM interleave level.
+- SET_TIMESLICE: the kernel-side driver checks no range (kfifoRunlistGetMinTimeSlice is 0);
+  on a GSP client it forwards the control and, when GSP accepts, keeps the value, which
+  GET_TIMESLICE returns exactly (ctrla06c.h: "the exact value passed"). Which values GSP
+  refuses is not in the open source; scripts/gpu/compute_shares.sh measures it.
+- SET_INTERLEAVE_LEVEL: LOW/MEDIUM/HIGH; another value is refused by GSP, and the GSP client
+  turns any failed forward into NV_ERR_NOT_SUPPORTED (kchangrpapiCtrlCmdSetInterleaveLevel).
+- GET_INTERLEAVE_LEVEL has no entry in the channel group's exported method table in 580:
+  NV_ERR_NOT_SUPPORTED (the emulator's answer for any control it does not list).
+- A scheduling control on an object that is not a channel group: the control lookup fails,
+  NV_ERR_NOT_SUPPORTED.
+"""
+from __future__ import annotations
+
+from devbroker.abi import status as nvs
+from devbroker.backends.emulated_controls import CONTROL_HANDLERS
+
+CHANNEL_GROUP = 0xA06C
+DEVICE = 0x80
+DEFAULT_TIMESLICE_US = 128 << 3
+LEVELS = (0, 1, 2)  # NVA06C_CTRL_INTERLEAVE_LEVEL_LOW, MEDIUM, HIGH
+DEFAULT_LEVEL = 1
+
+
+def alloc_channel_group(backend, c, parent, params):
+    """EmulatedBackend.CLASS_ALLOC's entry for KEPLER_CHANNEL_GROUP_A."""
+    if parent.rm_class != DEVICE:
+        return nvs.NV_ERR_INVALID_ARGUMENT, None, 0, params
+    return nvs.NV_OK, parent.gpu, 0, params
+
+
+def _sched(obj) -> dict:
+    """The group's scheduling state, created with the driver's defaults."""
+    state = getattr(obj, "sched", None)
+    if state is None:
+        state = obj.sched = {"timeslice": DEFAULT_TIMESLICE_US, "level": DEFAULT_LEVEL}
+    return state
+
+
+def _control(cmd: int):
+    def register(fn):
+        CONTROL_HANDLERS[cmd] = fn
+        return fn
+    return register
+
+
+@_control(0xA06C0103)  # NVA06C_CTRL_CMD_SET_TIMESLICE
+def set_timeslice(backend, client, obj, p):
+    if obj.rm_class != CHANNEL_GROUP:
+        return nvs.NV_ERR_NOT_SUPPORTED, p
+    _sched(obj)["timeslice"] = int(p.timesliceUs)
+    return nvs.NV_OK, p
+
+
+@_control(0xA06C0104)  # NVA06C_CTRL_CMD_GET_TIMESLICE
+def get_timeslice(backend, client, obj, p):
+    if obj.rm_class != CHANNEL_GROUP:
+        return nvs.NV_ERR_NOT_SUPPORTED, p
+    return nvs.NV_OK, p.replace(timesliceUs=_sched(obj)["timeslice"])
+
+
+@_control(0xA06C0107)  # NVA06C_CTRL_CMD_SET_INTERLEAVE_LEVEL
+def set_interleave_level(backend, client, obj, p):
+    if obj.rm_class != CHANNEL_GROUP:
+        return nvs.NV_ERR_NOT_SUPPORTED, p
+    if int(p.tsgInterleaveLevel) not in LEVELS:
+        return nvs.NV_ERR_NOT_SUPPORTED, p  # GSP refuses; the client maps it to this
+    _sched(obj)["level"] = int(p.tsgInterleaveLevel)
+    return nvs.NV_OK, p
+
+
+@_control(0xA06C0101)  # NVA06C_CTRL_CMD_GPFIFO_SCHEDULE (CUDA enables each group it made)
+def gpfifo_schedule(backend, client, obj, p):
+    if obj.rm_class != CHANNEL_GROUP:
+        return nvs.NV_ERR_NOT_SUPPORTED, p
+    _sched(obj)["enabled"] = bool(p.bEnable)
+    return nvs.NV_OK, p
+
+
+def schedule_of(backend, client: int, handle: int) -> dict | None:
+    """What the emulated driver holds for a channel group (tests compare the broker's books
+    with it)."""
+    c = backend.clients.get(client)
+    obj = c.objects.get(handle) if c is not None else None
+    if obj is None or obj.rm_class != CHANNEL_GROUP:
+        return None
+    return dict(_sched(obj))

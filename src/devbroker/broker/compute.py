@@ -1,0 +1,419 @@
+"""Compute shares: each tenant's GPU time share and priority, enforced with the driver's own
+scheduling controls on the tenant's channel groups (issue 15; the driver facts behind every
+number here, with the source lines they were read in: docs/compute-shares.md).
+
+The host scheduler runs each runlist round robin over its channel groups (TSGs, class
+KEPLER_CHANNEL_GROUP_A 0xa06c) that have work; a group keeps the engine until its timeslice
+runs out (or it runs out of work), then it is preempted and the next group runs. Two busy
+groups with timeslices 3:1 therefore share the engine 3:1, and a group's *interleave level*
+(LOW / MEDIUM / HIGH) says how often it appears in the runlist. Both are per channel group and
+settable by an unprivileged client on its own group (NVA06C_CTRL_CMD_SET_TIMESLICE and
+SET_INTERLEAVE_LEVEL, RMCTRL_FLAGS_NON_PRIVILEGED). So the broker:
+
+* after every channel group a tenant allocates, sets that group's timeslice and interleave
+  level to the tenant's policy values, on the tenant's own file and client, before the tenant
+  gets the handle back (:func:`after_alloc`, the channel-group row's `after` in rules.py);
+* rewrites a tenant's own SET_TIMESLICE / SET_INTERLEAVE_LEVEL to the policy's values, with
+  an audit record (:func:`schedule_control`, the rows' pre hook in rules.py). The broker executes
+  those controls itself on its private copy of the parameters, so a racing thread cannot
+  change the value after the decision;
+* on a policy change, sets the new values on every running channel group of every tenant
+  (:func:`on_policy_change`), in a background task: without a tenant call in flight the
+  broker takes the tenant's file with pidfd_getfd (docs/compute-shares.md, "Applying a
+  policy change").
+
+What the values are (:func:`schedule_for`): a tenant's timeslice is BASE_SLICE_US × its
+weight, scaled down when the weights of all tenants that share the GPU add up to more than
+ROUND_BUDGET_US (the longest a busy group waits for its next turn), and divided among the
+tenant's own channel groups on the same engine (N processes of one tenant must not get N
+shares). A low-priority tenant on a GPU shared with a high-priority tenant gets the shortest
+slice (a submission of the high tenant waits at most one slice of the low one), and levels
+follow priority. Every value is clamped to [MIN_SLICE_US, MAX_SLICE_US].
+"""
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from devbroker.abi import iowr
+from devbroker.abi import status as nvstatus
+from devbroker.broker.effects import Blocking, Steps, locked, run_async
+
+log = logging.getLogger("devbroker.compute")
+
+KEPLER_CHANNEL_GROUP_A = 0xA06C
+NVA06C_CTRL_CMD_SET_TIMESLICE = 0xA06C0103
+NVA06C_CTRL_CMD_GET_TIMESLICE = 0xA06C0104
+NVA06C_CTRL_CMD_SET_INTERLEAVE_LEVEL = 0xA06C0107
+
+# NVA06C_CTRL_INTERLEAVE_LEVEL_{LOW,MEDIUM,HIGH} (ctrla06c.h); a new group is MEDIUM
+# (kernel_channel_group_api.c, "Default interleave level").
+INTERLEAVE_LOW, INTERLEAVE_MEDIUM, INTERLEAVE_HIGH = 0, 1, 2
+LEVEL_NAMES = {INTERLEAVE_LOW: "LOW", INTERLEAVE_MEDIUM: "MEDIUM", INTERLEAVE_HIGH: "HIGH"}
+PRIORITY_LEVEL = {"high": INTERLEAVE_HIGH, "normal": INTERLEAVE_MEDIUM, "low": INTERLEAVE_LOW}
+
+# The driver's default timeslice of a new channel group on Volta and later:
+# NV_RAMRL_ENTRY_TSG_TIMESLICE_TIMEOUT_128 << NV_RAMRL_ENTRY_TSG_TIMESLICE_SCALE_3 µs
+# (kernel_fifo_gv100.c, kfifoChannelGroupGetDefaultTimeslice_GV100).
+DRIVER_DEFAULT_TIMESLICE_US = 128 << 3
+# Weight 1: what CUDA asks for its own compute channel group (SET_TIMESLICE 2048 in the
+# PyTorch trace of the H200), so a tenant of weight 1 alone runs as it would natively.
+BASE_SLICE_US = 2048
+# The longest round of one GPU's busy tenants (sum of their slices) before the broker scales
+# every slice down: a group waits at most this long for its next turn.
+ROUND_BUDGET_US = 64 * 1024
+# The shortest slice the broker sets. The kernel-side driver checks no minimum
+# (kfifoRunlistGetMinTimeSlice returns 0); GSP may: scripts/gpu/compute_shares.sh measures
+# which values the H200 accepts. Short slices cost context switches.
+MIN_SLICE_US = 256
+# The longest: the hardware encodes a slice as an 8-bit timeout << 4-bit scale (µs).
+MAX_SLICE_US = ROUND_BUDGET_US
+# A low-priority tenant's slice on a GPU where a high-priority tenant runs too.
+LOW_PRIORITY_SLICE_US = MIN_SLICE_US
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The driver values for one channel group."""
+    timeslice_us: int
+    interleave: int
+
+    def describe(self) -> str:
+        return f"timeslice {self.timeslice_us} µs, interleave {LEVEL_NAMES[self.interleave]}"
+
+
+@dataclass
+class ChannelGroup:
+    """A channel group of a tenant's, as the broker scheduled it."""
+    tenant: str
+    session: int  # the session (file) it was allocated through
+    client: int
+    handle: int
+    gpu: int | None
+    engine: int  # engineType of its allocation parameters (one runlist per engine)
+    applied: Schedule | None = None  # what the driver last accepted from the broker
+    error: str = ""  # the last failure to apply, for status
+    asked: set = field(default_factory=set)  # tenant values already audited as rewritten
+    rewrites: int = 0
+
+
+@dataclass
+class _Books:
+    groups: dict[tuple[str, int, int], ChannelGroup] = field(default_factory=dict)
+    installed: bool = False
+    pending: bool = False  # a background apply is scheduled
+
+
+_BOOKS: "weakref.WeakKeyDictionary[Any, _Books]" = weakref.WeakKeyDictionary()
+
+
+def books(broker: Any) -> _Books:
+    b = _BOOKS.get(broker)
+    if b is None:
+        b = _BOOKS[broker] = _Books()
+    return b
+
+
+# --------------------------------------------------------------------------- values
+def _policy_tenants_on(policy: Any, gpu: int | None) -> list[Any]:
+    if policy is None:
+        return []
+    return [t for t in policy.tenants.values() if gpu is None or gpu in t.gpus]
+
+
+def tenant_slice(policy: Any, tenant: Any, gpu: int | None) -> int:
+    """The tenant's whole timeslice on `gpu` (µs), before it is divided among its groups."""
+    weight = int(getattr(tenant, "compute_weight", 1))
+    sharing = _policy_tenants_on(policy, gpu) or [tenant]
+    total = sum(int(getattr(t, "compute_weight", 1)) for t in sharing)
+    scale = min(1.0, ROUND_BUDGET_US / (BASE_SLICE_US * max(total, 1)))
+    us = int(BASE_SLICE_US * weight * scale)
+    if (getattr(tenant, "priority", "normal") == "low"
+            and any(getattr(t, "priority", "normal") == "high" for t in sharing)):
+        us = min(us, LOW_PRIORITY_SLICE_US)
+    return max(MIN_SLICE_US, min(MAX_SLICE_US, us))
+
+
+def schedule_for(policy: Any, tenant: Any, gpu: int | None, groups: int = 1) -> Schedule:
+    """Driver values for one of `groups` channel groups a tenant holds on one engine of a
+    GPU: the tenant's slice divided among them (never more than the policy in all)."""
+    us = tenant_slice(policy, tenant, gpu) // max(1, groups)
+    return Schedule(max(MIN_SLICE_US, us),
+                    PRIORITY_LEVEL.get(getattr(tenant, "priority", "normal"),
+                                       INTERLEAVE_MEDIUM))
+
+
+def share_of(policy: Any, tenant: Any, gpu: int) -> float:
+    """The fraction of the GPU's time the tenant gets when every tenant on it is busy."""
+    sharing = _policy_tenants_on(policy, gpu) or [tenant]
+    slices = {t.name: tenant_slice(policy, t, gpu) for t in sharing}
+    slices.setdefault(tenant.name, tenant_slice(policy, tenant, gpu))
+    return slices[tenant.name] / sum(slices.values())
+
+
+# --------------------------------------------------------------------------- books
+def _alive(broker: Any, g: ChannelGroup) -> bool:
+    t = broker.tenants.get(g.tenant)
+    client = t.clients.get(g.client) if t is not None else None
+    obj = client.objects.get(g.handle) if client is not None else None
+    return obj is not None and obj.rm_class == KEPLER_CHANNEL_GROUP_A
+
+
+def live_groups(broker: Any, tenant: str | None = None) -> list[ChannelGroup]:
+    """The channel groups still in the books (freed ones are dropped here)."""
+    b = books(broker)
+    out = []
+    for key, g in list(b.groups.items()):
+        if not _alive(broker, g):
+            del b.groups[key]
+            continue
+        if tenant is None or g.tenant == tenant:
+            out.append(g)
+    return out
+
+
+def _discover(broker: Any) -> None:
+    """Put into the books the channel groups the broker's object books hold but these do not
+    (after a live upgrade the successor has the objects, not this module's books)."""
+    b = books(broker)
+    for t in list(broker.tenants.values()):
+        for client in t.clients.values():
+            for h, obj in client.objects.items():
+                if (obj.rm_class == KEPLER_CHANNEL_GROUP_A
+                        and (t.name, client.handle, h) not in b.groups):
+                    b.groups[(t.name, client.handle, h)] = ChannelGroup(
+                        t.name, client.session, client.handle, h, obj.gpu, 0)
+
+
+def _siblings(broker: Any, g: ChannelGroup) -> list[ChannelGroup]:
+    return [x for x in live_groups(broker, g.tenant)
+            if x.gpu == g.gpu and x.engine == g.engine]
+
+
+def _wanted(broker: Any, g: ChannelGroup) -> Schedule | None:
+    t = broker.tenants.get(g.tenant)
+    if t is None or not hasattr(t.policy, "compute_weight"):
+        return None  # a revoked tenant: its calls are refused anyway
+    return schedule_for(broker.policy, t.policy, g.gpu, len(_siblings(broker, g)))
+
+
+# --------------------------------------------------------------------------- driver calls
+def _control(broker: Any, s: Any, req: Any, g: ChannelGroup, cmd: int, **values: int) -> Steps:
+    """Issue one RM control on the tenant's own file and client (as the tenant's calls are
+    executed: Broker._call_backend), with the broker's own parameter buffer. Returns the
+    NV_STATUS (or raises OSError for an errno)."""
+    from devbroker.abi.nodes import NodeKind
+
+    abi = broker._abi(s)
+    spec = abi.control(cmd)
+    ctl = abi.struct("NVOS54_PARAMETERS")
+    nested = spec.params.decode(bytes(spec.size)).replace(**values).encode()
+    value = ctl.decode(bytes(ctl.size)).replace(hClient=g.client, hObject=g.handle, cmd=cmd,
+                                                paramsSize=spec.size, params=1)
+    node = s.node if s.node in (NodeKind.CTL, NodeKind.GPU) else NodeKind.CTL
+    number = iowr(abi.escape("NV_ESC_RM_CONTROL").number, ctl.size)
+    call = abi.decode_ioctl(node, number, value.encode())
+    result = yield from broker._call_backend(s, call, nested, req=req)
+    if result.errno:
+        raise OSError(result.errno, os.strerror(result.errno))
+    return abi.decode_ioctl(node, number, result.arg).value.status
+
+
+def _apply(broker: Any, s: Any, req: Any, g: ChannelGroup, want: Schedule, why: str) -> Steps:
+    """Set one group's timeslice and level; failures are recorded, never raised (the
+    tenant's own call must not fail because of the broker's)."""
+    try:
+        st = yield from _control(broker, s, req, g, NVA06C_CTRL_CMD_SET_TIMESLICE,
+                                 timesliceUs=want.timeslice_us)
+        lv = yield from _control(broker, s, req, g, NVA06C_CTRL_CMD_SET_INTERLEAVE_LEVEL,
+                                 tsgInterleaveLevel=want.interleave)
+    except Exception as e:  # an OSError of the driver call, a Refusal (file changed), ...
+        st = lv = None
+        err = f"{type(e).__name__}: {e}"
+    else:
+        err = "" if st == nvstatus.NV_OK and lv == nvstatus.NV_OK else (
+            f"SET_TIMESLICE {nvstatus.name(st)}, SET_INTERLEAVE_LEVEL {nvstatus.name(lv)}")
+    if err:
+        g.error = err
+        if st == nvstatus.NV_OK:  # the share held even if the level did not
+            g.applied = Schedule(want.timeslice_us, g.applied.interleave if g.applied
+                                 else INTERLEAVE_MEDIUM)
+        broker.audit.write("error", tenant=g.tenant, pid=s.caller.pid, what="compute share",
+                           reason=f"channel group {g.handle:#x} ({why}): could not set "
+                                  f"{want.describe()}: {err}")
+        return False
+    g.applied, g.error = want, ""
+    return True
+
+
+# --------------------------------------------------------------------------- hooks
+def after_alloc(ctx: Any, alloc: Any, handle: int, gpu: int | None) -> Steps:
+    """CLASSES[0xA06C].after (rules.py): a channel group of the tenant's was allocated (the
+    driver said NV_OK). Give it the policy's values before the tenant has the handle, and the
+    tenant's other groups on the same engine their smaller part."""
+    broker, s, req, params = ctx.broker, ctx.session, ctx.req, alloc.params
+    b = books(broker)
+    engine = int(getattr(params, "engineType", 0) or 0) if params is not None else 0
+    g = ChannelGroup(s.tenant.name, s.id, alloc.client.handle, handle, gpu, engine)
+    b.groups[(g.tenant, g.client, g.handle)] = g
+    want = _wanted(broker, g)
+    if want is None:
+        return
+    yield from _apply(broker, s, req, g, want, "allocated")
+    if any(x.applied != _wanted(broker, x) for x in _siblings(broker, g) if x is not g):
+        schedule_apply(broker)
+
+
+def _group_for(broker: Any, s: Any, client: Any, handle: int) -> ChannelGroup | None:
+    obj = client.objects.get(handle)
+    if obj is None or obj.rm_class != KEPLER_CHANNEL_GROUP_A:
+        return None  # the driver answers for a control on another class
+    b = books(broker)
+    g = b.groups.get((s.tenant.name, client.handle, handle))
+    if g is None:  # allocated before the broker kept these books (a live upgrade)
+        g = b.groups[(s.tenant.name, client.handle, handle)] = ChannelGroup(
+            s.tenant.name, s.id, client.handle, handle, obj.gpu, 0)
+    return g
+
+
+def schedule_control(ctx: Any, params: Any) -> Any:
+    """The pre hook of SET_TIMESLICE / SET_INTERLEAVE_LEVEL (rules.CONTROLS): a tenant's own
+    call on one of its channel groups; the value that reaches the driver is the policy's.
+    Audited once per group and asked value (a tenant looping on it cannot fill the log);
+    counted in status. It works on the broker's decoded copy, which is what is relayed."""
+    broker, s, client, handle, cmd = ctx.broker, ctx.session, ctx.client, ctx.handle, ctx.cmd
+    g = _group_for(broker, s, client, handle)
+    if g is None:
+        return params
+    want = _wanted(broker, g)
+    if want is None:
+        return params
+    if cmd == NVA06C_CTRL_CMD_SET_TIMESLICE:
+        name, asked, value = "timesliceUs", int(params.timesliceUs), want.timeslice_us
+    else:
+        name, asked, value = "tsgInterleaveLevel", int(params.tsgInterleaveLevel), want.interleave
+        if asked not in LEVEL_NAMES:
+            return params  # not a level: the driver refuses it as it would without us
+    if asked == value:
+        return params
+    g.rewrites += 1
+    if (cmd, asked) not in g.asked and len(g.asked) < 16:
+        g.asked.add((cmd, asked))
+        broker.audit.write("rewrite", tenant=g.tenant, pid=s.caller.pid, node=s.node_name,
+                           what=f"RM_CONTROL {broker._abi(s).control_name(cmd)}",
+                           reason=f"channel group {handle:#x}: {name} {asked} asked, the "
+                                  f"policy's {value} set (compute_weight "
+                                  f"{s.tenant.policy.compute_weight}, priority "
+                                  f"{s.tenant.policy.priority})")
+    return params.replace(**{name: value})
+
+
+# --------------------------------------------------------------------------- policy changes
+def install(broker: Any) -> None:
+    """Called by Broker.__init__: every policy change re-applies the values."""
+    b = books(broker)
+    if not b.installed:
+        b.installed = True
+        broker.on_policy_change.append(lambda policy: schedule_apply(broker))
+
+
+def schedule_apply(broker: Any) -> None:
+    """Bring every live channel group to its wanted values, in a background task (the policy
+    apply path holds the state lock; the driver calls wait on nothing of the broker's)."""
+    b = books(broker)
+    if b.pending or broker.spawn is None:
+        return
+    b.pending = True
+
+    async def task() -> None:
+        b.pending = False
+        await run_async(locked(apply_all(broker)), broker.perform)
+
+    broker._start_soon(task)
+
+
+def apply_all(broker: Any) -> Steps:
+    """Steps: set the wanted values on every live group whose applied values differ. Returns
+    how many groups were changed."""
+    changed = 0
+    _discover(broker)
+    for g in live_groups(broker):
+        want = _wanted(broker, g)
+        if want is None or want == g.applied:
+            continue
+        s = broker.sessions.get(g.session)
+        if s is None or s.closed:
+            continue
+        req = None
+        if getattr(s.file, "runs_in_caller", False):
+            # The tenant's own driver file: no call of the tenant's lends it now, so the
+            # broker takes a duplicate from a process that holds it (checked by inode).
+            lent = yield Blocking(_lend_tenant_file, (s,), g.tenant,
+                                  f"find the file of channel group {g.handle:#x}")
+            if lent is None:
+                g.error = "no process of the tenant holds the group's file any more"
+                continue
+            req = lent
+        try:
+            if (yield from _apply(broker, s, req, g, want, "policy change")):
+                changed += 1
+        finally:
+            if req is not None:
+                req.close()
+    return changed
+
+
+def _lend_tenant_file(s: Any) -> Any:
+    """Find a process of the tenant that holds the session's file (its inode key), and lend it
+    to `_execute_on_tenant_file` the way a tenant call does (fd number + pidfd_getfd).
+    Only /proc of the tenant's own processes is read, with stat that never waits on a file
+    system server."""
+    from devbroker.broker.procinfo import stat_nosync
+    from devbroker.broker.procmem import pidfd_getfd
+
+    key = getattr(s.file, "key", None)
+    if key is None:
+        return None
+    pids = [s.caller.pid] + sorted(s.tenant.tgids() - {s.caller.pid})
+    for pid in pids:
+        try:
+            names = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for name in names:
+            try:
+                st = stat_nosync(f"/proc/{pid}/fd/{name}")
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) != key:
+                continue
+            # _execute_on_tenant_file dups it (checking the inode again) and closes the dup.
+            return SimpleNamespace(fd=int(name), confirm=None, close=lambda: None,
+                                   dup_fd=lambda number, pid=pid: pidfd_getfd(pid, number))
+    return None
+
+
+# --------------------------------------------------------------------------- status
+def tenant_status(broker: Any, t: Any) -> dict:
+    """For `devbroker status`: the tenant's weight, priority, share of each GPU when every
+    tenant there is busy, and its channel groups with the values the driver accepted."""
+    p = t.policy
+    if not hasattr(p, "compute_weight"):
+        return {}
+    _discover(broker)
+    groups = live_groups(broker, t.name)
+    return {"compute": {
+        "weight": p.compute_weight,
+        "priority": p.priority,
+        "share": {str(gpu): round(share_of(broker.policy, p, gpu), 4) for gpu in t.gpus},
+        "channel_groups": [{
+            "handle": g.handle, "gpu": g.gpu, "engine": g.engine,
+            "timeslice_us": g.applied.timeslice_us if g.applied else None,
+            "interleave": LEVEL_NAMES[g.applied.interleave] if g.applied else None,
+            "rewrites": g.rewrites, **({"error": g.error} if g.error else {}),
+        } for g in groups],
+    }}

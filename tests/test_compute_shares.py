@@ -1,0 +1,329 @@
+"""Issue 15: compute shares. Policy keys (validated, hot-reloadable), the driver values they
+turn into, and the enforcement with real brokers and real `devbroker exec` tenants on the
+emulated driver (which models channel groups and their scheduling controls the way the 580
+driver answers them): the policy's values on every new channel group, a tenant's own
+SET_TIMESLICE / SET_INTERLEAVE_LEVEL rewritten (racing threads included) and audited, the
+scheduling controls that act beyond the tenant's own group refused, a policy apply moving
+the values of running groups, `devbroker status` showing shares. What the values do to GPU
+time is measured on the H200 (scripts/gpu/compute_shares.sh), not here."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from devbroker.abi import status as nvs
+from devbroker.broker import compute
+from devbroker.broker.policy import PolicyError, load_policy_text
+from tenant_io import readline_json
+
+GPUS = """
+[broker]
+backend = "emulated"
+driver_version = "580.159.04"
+
+[[broker.gpu]]
+name = "NVIDIA H200"
+uuid = "GPU-11111111-2222-3333-4444-555555555555"
+pci_bus_id = "0000:00:06.0"
+memory = "141GiB"
+"""
+
+
+def policy(a: str = "", b: str = "") -> str:
+    return GPUS + f"""
+[tenant.alpha]
+gpus = [0]
+memory_quota = "16GiB"
+{a}
+
+[tenant.beta]
+gpus = [0]
+memory_quota = "16GiB"
+{b}
+"""
+
+
+HOLD = [sys.executable, "-m", "devbroker.tools.sched_probe", "hold"]
+
+
+# --------------------------------------------------------------------------- policy keys
+def test_keys_default_parse_and_round_trip():
+    p = load_policy_text(policy('compute_weight = 3\npriority = "high"', ""), "p.toml")
+    a, b = p.tenants["alpha"], p.tenants["beta"]
+    assert (a.compute_weight, a.priority) == (3, "high")
+    assert (b.compute_weight, b.priority) == (1, "normal")
+    assert load_policy_text(p.to_toml(), "again.toml") == p
+    assert "compute weight 3, priority high" in p.describe()
+
+
+@pytest.mark.parametrize("line,reason", [
+    ("compute_weight = 0", "compute_weight must be at least 1"),
+    ("compute_weight = -2", "compute_weight must be at least 1"),
+    ('compute_weight = "3"', "compute_weight must be an integer"),
+    ("compute_weight = 2.5", "compute_weight must be an integer"),
+    ("compute_weight = true", "compute_weight must be an integer"),
+    ("compute_weight = 65", "beyond 64"),
+    ('priority = "urgent"', "priority must be one of high, normal, low"),
+    ("priority = 1", "priority must be a string"),
+    ('priorty = "high"', "unknown key 'priorty'"),
+])
+def test_bad_values_are_refused_with_their_line(line, reason):
+    text = policy("", line)
+    with pytest.raises(PolicyError) as e:
+        load_policy_text(text, "bad.toml")
+    want = text.splitlines().index(line) + 1
+    assert e.value.line == want, str(e.value)
+    assert reason in e.value.reason
+
+
+# --------------------------------------------------------------------------- values
+def _tenants(*specs):
+    p = load_policy_text(GPUS + "".join(
+        f'\n[tenant.t{i}]\ngpus = [0]\nmemory_quota = "1GiB"\ncompute_weight = {w}\n'
+        f'priority = "{pr}"\n' for i, (w, pr) in enumerate(specs)), "v.toml")
+    return p, list(p.tenants.values())
+
+
+def test_weights_become_proportional_timeslices():
+    p, (a, b) = _tenants((3, "normal"), (1, "normal"))
+    sa, sb = compute.schedule_for(p, a, 0), compute.schedule_for(p, b, 0)
+    assert sa.timeslice_us == 3 * sb.timeslice_us == 3 * compute.BASE_SLICE_US
+    assert sa.interleave == sb.interleave == compute.INTERLEAVE_MEDIUM
+    assert compute.share_of(p, a, 0) == pytest.approx(0.75)
+    # A GPU's round stays within the budget: the ratio holds, the slices shrink.
+    p, ts = _tenants(*[(64, "normal")] * 2, (16, "normal"))
+    slices = [compute.schedule_for(p, t, 0).timeslice_us for t in ts]
+    assert sum(slices) <= compute.ROUND_BUDGET_US
+    assert slices[0] == slices[1] and slices[0] / slices[2] == pytest.approx(4, rel=1e-3)
+
+
+def test_priority_levels_and_the_low_tenants_short_slice():
+    p, (hi, lo, no) = _tenants((1, "high"), (4, "low"), (1, "normal"))
+    assert compute.schedule_for(p, hi, 0).interleave == compute.INTERLEAVE_HIGH
+    assert compute.schedule_for(p, no, 0).interleave == compute.INTERLEAVE_MEDIUM
+    s = compute.schedule_for(p, lo, 0)
+    assert (s.interleave, s.timeslice_us) == (compute.INTERLEAVE_LOW,
+                                              compute.LOW_PRIORITY_SLICE_US)
+    # Without a high tenant on the GPU a low one keeps its weight's slice.
+    p, (lo, no) = _tenants((4, "low"), (1, "normal"))
+    assert compute.schedule_for(p, lo, 0).timeslice_us == 4 * compute.BASE_SLICE_US
+
+
+def test_a_tenants_groups_on_one_engine_split_its_slice():
+    p, (a, _) = _tenants((3, "normal"), (1, "normal"))
+    one = compute.schedule_for(p, a, 0, groups=1).timeslice_us
+    assert compute.schedule_for(p, a, 0, groups=3).timeslice_us == one // 3
+    assert compute.schedule_for(p, a, 0, groups=1000).timeslice_us == compute.MIN_SLICE_US
+
+
+# --------------------------------------------------------------------------- tenants
+@pytest.fixture(params=["fuse", "seccomp"])
+def start(start_broker, request):
+    """Brokers whose tenants reach them through FUSE node files (decisions on the trio
+    thread) or seccomp notification (decisions on the listener threads)."""
+    def go(text: str):
+        b = start_broker(text)
+        b.frontend = request.param
+        return b
+    return go
+
+
+def _hold(b, tenant: str, n: int = 1):
+    p = b.exec_popen(tenant, *HOLD, str(n), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE, text=True)
+    first = readline_json(p)
+    assert first["what"] == "groups", first
+    return p, first
+
+
+def _ask(p, line: str) -> dict:
+    p.stdin.write(line + "\n")
+    p.stdin.flush()
+    return readline_json(p)
+
+
+def _quit(p) -> None:
+    try:
+        p.stdin.write("quit\n")
+        p.stdin.close()
+    except BrokenPipeError:
+        pass  # the tenant died: its exit status says why
+    assert p.wait(timeout=60) == 0, p.stderr.read()
+
+
+def test_new_groups_get_the_policys_values_and_tenant_sets_are_rewritten(start):
+    b = start(policy("compute_weight = 3", ""))
+    pa, ga = _hold(b, "alpha")
+    pb, gb = _hold(b, "beta")
+    try:
+        base = compute.BASE_SLICE_US
+        assert ga["timeslices"] == [3 * base] and gb["timeslices"] == [base]
+        # CUDA asks for 2048 µs itself; a greedy tenant for a second: both run as the
+        # policy's value, and the driver's answer is NV_OK (the tenant cannot tell).
+        for asked in (2048, 1_000_000):
+            r = _ask(pb, f"set {asked}")
+            assert r["status"] == [nvs.NV_OK] and r["timeslices"] == [base], r
+        r = _ask(pb, "level 2")  # HIGH asked by a normal-priority tenant
+        assert r["status"] == [nvs.NV_OK]
+        rewrites = [a for a in b.audit() if a["event"] == "rewrite" and a["tenant"] == "beta"]
+        reasons = " | ".join(a["reason"] for a in rewrites)
+        assert "timesliceUs 1000000 asked, the policy's 2048 set" in reasons, reasons
+        assert "tsgInterleaveLevel 2 asked, the policy's 1 set" in reasons, reasons
+        st = b.tenant("beta")["compute"]
+        assert (st["weight"], st["priority"], st["share"]) == (1, "normal", {"0": 0.25})
+        [grp] = st["channel_groups"]
+        assert (grp["timeslice_us"], grp["interleave"]) == (base, "MEDIUM")
+        assert grp["rewrites"] == 2  # 2048 was the policy's value already
+        assert b.tenant("alpha")["compute"]["share"] == {"0": 0.75}
+        out = b.cli("status")
+        assert out.returncode == 0 and "75%" in out.stdout and "normal" in out.stdout, out.stdout
+    finally:
+        _quit(pa)
+        _quit(pb)
+
+
+def test_racing_threads_get_no_more_than_the_policy(start):
+    b = start(policy('priority = "low"', 'priority = "high"'))
+    p, g = _hold(b, "alpha", 2)
+    try:
+        # alpha is low next to a high tenant: the shortest slice, level LOW.
+        want = compute.LOW_PRIORITY_SLICE_US
+        assert g["timeslices"] == [want, want]
+        r = _ask(p, "race 4 200")
+        assert r["failed"] == [] and r["timeslices"] == [want, want], r
+        [grp_status] = {(x["timeslice_us"], x["interleave"])
+                        for x in b.tenant("alpha")["compute"]["channel_groups"]}
+        assert grp_status == (want, "LOW")
+    finally:
+        _quit(p)
+
+
+def test_controls_beyond_the_tenants_own_group_are_refused(start):
+    b = start(policy())
+    p, _ = _hold(b, "alpha")
+    try:
+        assert _ask(p, "realtime")["status"] == nvs.NV_ERR_INSUFFICIENT_PERMISSIONS
+        assert _ask(p, "policy")["status"] == nvs.NV_ERR_INSUFFICIENT_PERMISSIONS
+        denied = " | ".join(a.get("reason", "") for a in b.audit() if a["event"] == "deny")
+        assert "MAKE_REALTIME" in denied and "RUNLIST_SET_SCHED_POLICY" in denied, denied
+    finally:
+        _quit(p)
+
+
+def test_groups_of_one_tenant_share_its_slice_and_new_ones_resize_the_old(start):
+    b = start(policy("compute_weight = 4", ""))
+    p1, g1 = _hold(b, "alpha", 1)
+    try:
+        full = 4 * compute.BASE_SLICE_US
+        assert g1["timeslices"] == [full]
+        p2, g2 = _hold(b, "alpha", 1)  # a second process of the same tenant
+        try:
+            assert g2["timeslices"] == [full // 2]
+            got = _poll(p1, [full // 2])  # the first process's group, resized meanwhile
+            assert got == [full // 2]
+        finally:
+            _quit(p2)
+    finally:
+        _quit(p1)
+
+
+def _poll(p, want: list[int], timeout: float = 20.0) -> list[int]:
+    """The tenant's view of its groups' timeslices, until it is `want` (applied by a
+    background task) or the timeout: returns the last seen."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = _ask(p, "get")["timeslices"]
+        if got == want or time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)
+
+
+def test_policy_apply_moves_running_groups_and_a_bad_policy_changes_nothing(start,
+                                                                            tmp_path):
+    b = start(policy("compute_weight = 3", ""))
+    pa, ga = _hold(b, "alpha")
+    pb, gb = _hold(b, "beta")
+    base = compute.BASE_SLICE_US
+    try:
+        assert (ga["timeslices"], gb["timeslices"]) == ([3 * base], [base])
+        bad = tmp_path / "bad.toml"
+        bad.write_text(policy("compute_weight = 0", ""))
+        r = b.cli("policy", "apply", str(bad))
+        assert r.returncode != 0 and "compute_weight must be at least 1" in r.stderr + r.stdout
+        assert _ask(pa, "get")["timeslices"] == [3 * base]
+        good = tmp_path / "good.toml"
+        good.write_text(policy("", 'compute_weight = 2\npriority = "high"'))
+        r = b.cli("policy", "apply", str(good))
+        assert r.returncode == 0, r.stderr
+        assert _poll(pa, [base]) == [base]
+        assert _poll(pb, [2 * base]) == [2 * base]
+        st = b.tenant("beta")["compute"]
+        assert (st["priority"], st["channel_groups"][0]["interleave"]) == ("high", "HIGH")
+        assert st["share"] == {"0": pytest.approx(2 / 3, abs=1e-3)}
+    finally:
+        _quit(pa)
+        _quit(pb)
+
+
+def test_the_tenant_file_is_found_in_the_holders_fd_table(tmp_path):
+    """Applying a policy change to a tenant whose driver file lives in the tenant (seccomp
+    front end, real backend) takes the file from a process that holds it: found by inode
+    in /proc/<pid>/fd, duplicated with pidfd_getfd, never another file."""
+    from types import SimpleNamespace
+
+    path = tmp_path / "node"
+    path.write_bytes(b"x")
+    other = tmp_path / "other"
+    other.write_bytes(b"y")
+    holder = subprocess.Popen([sys.executable, "-c",
+                               f"import os,sys; a=os.open({str(other)!r}, os.O_RDONLY); "
+                               f"b=os.open({str(path)!r}, os.O_RDONLY); print(b, flush=True); "
+                               "sys.stdin.read()"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        fd_in_holder = int(holder.stdout.readline())
+        st = os.stat(path)
+        tenant = SimpleNamespace(tgids=lambda: {holder.pid})
+        s = SimpleNamespace(file=SimpleNamespace(key=(st.st_dev, st.st_ino)),
+                            caller=SimpleNamespace(pid=holder.pid), tenant=tenant)
+        lent = compute._lend_tenant_file(s)
+        assert lent is not None and lent.fd == fd_in_holder
+        dup = lent.dup_fd(lent.fd)
+        try:
+            assert (os.fstat(dup).st_dev, os.fstat(dup).st_ino) == (st.st_dev, st.st_ino)
+        finally:
+            os.close(dup)
+        gone = os.stat(tmp_path)  # a key no process holds
+        s.file.key = (gone.st_dev, gone.st_ino)
+        assert compute._lend_tenant_file(s) is None
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=10)
+
+
+def test_the_probe_of_the_gpu_script_sees_only_the_policys_values(start):
+    """`sched_probe probe` (part (a) of scripts/gpu/compute_shares.sh) through the broker:
+    whatever it sets, the group holds the policy's values; what acts beyond it is refused."""
+    b = start(policy("compute_weight = 2", ""))
+    r = b.exec("alpha", sys.executable, "-m", "devbroker.tools.sched_probe", "probe")
+    assert r.returncode == 0, r.stderr
+    got = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    want = 2 * compute.BASE_SLICE_US
+    by = {}
+    for g in got:
+        by.setdefault(g["what"], []).append(g)
+    assert by["get-default"] == [{"what": "get-default", "status": 0, "timeslice_us": want}]
+    assert len(by["set-timeslice"]) == 13
+    assert {(x["status"], x["timeslice_us"]) for x in by["set-timeslice"]} == {(0, want)}
+    # levels 0-2 run as the policy's; 3 is no level: the driver's own refusal (on a GSP
+    # client NV_ERR_NOT_SUPPORTED), as without the broker
+    assert [x["status"] for x in by["set-interleave"]] == [0, 0, 0, nvs.NV_ERR_NOT_SUPPORTED]
+    denied = nvs.NV_ERR_INSUFFICIENT_PERMISSIONS
+    assert by["get-interleave"][0]["status"] == denied  # not on the allowlist
+    assert by["make-realtime"][0]["status"] == denied
+    assert by["runlist-sched-policy-interleaved"][0]["status"] == denied
