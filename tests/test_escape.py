@@ -79,6 +79,29 @@ def test_real_driver_attacks_are_listed_not_applicable_with_their_reason():
         assert "needs the real driver" in rows[a.id].detail
 
 
+def test_one_gpu_host_runs_the_real_driver_attacks_and_lists_the_second_gpu_ones_na():
+    """On a host with one GPU (the lent H200) the real-driver harness cannot give the victim a
+    GPU of its own: its policy names only GPU 0 (a policy naming a GPU the host lacks is
+    refused by the broker), and the attacks aimed at a GPU only the victim has are N/A with
+    the reason, not run against a GPU that is not there."""
+    from devbroker.broker.policy import load_policy_text
+    from devbroker.escape.harness import _na_rows, _select, host_gpus, policy_text
+
+    if host_gpus("real") < 2:  # CI: no driver (0 GPUs); the lent H200: 1
+        p = load_policy_text(policy_text("real"), "escape-test policy")
+        assert list(p.tenants["alice"].gpus) == [0]
+    run, skip = _select("seccomp", None, "real", gpus=1)
+    two = {a.id for a in ATTACKS if a.gpus == 2}
+    assert two >= {"attach-foreign", "gpu-id-fields", "attach-gpus-to-fd"}
+    assert not two & {a.id for a in run}
+    assert {"race-nvos02-class", "race-root-class"} <= {a.id for a in run}
+    rows = {r.attack.id: r for r in _na_rows("seccomp", skip)}
+    for i in two:
+        assert rows[i].verdict == "N/A" and "only the victim has" in rows[i].detail, rows[i]
+    # with two GPUs they run
+    assert two <= {a.id for a in _select("seccomp", None, "real", gpus=2)[0]}
+
+
 def test_cli_lists_attacks():
     env = dict(os.environ)
     r = subprocess.run([sys.executable, "-m", "devbroker.cli.main", "escape-test", "--list"],

@@ -21,3 +21,26 @@ install_wheels() {
   export PYTHONPATH="$REPO/src:/tmp/site"
   chmod -R a+rX /tmp/site "$REPO" 2>/dev/null
 }
+
+# escape_real FE: the escape harness against the real driver through front end FE, its
+# counts under escape_real_FE in $RES; report and stderr in $W/escape-FE.*
+escape_real() { local fe=$1
+  timeout 420 "$PY" -m devbroker.cli.main escape-test --frontend $fe --backend real \
+     --workdir "$W/escape-$fe" --json > "$W/escape-$fe.json" 2> "$W/escape-$fe.err"
+  echo "escape-test $fe: exit $?"
+  "$PY" - "$W/escape-$fe.json" <<'PYX' | tee "$W/escape-$fe.txt"
+import json, sys, collections
+try:
+    r = json.load(open(sys.argv[1]))
+except Exception as e:
+    print("no report:", e); sys.exit(0)
+rows = r.get("rows", [])
+c = collections.Counter(x.get("verdict") for x in rows)
+print(dict(c))
+for x in rows:
+    if x.get("verdict") not in ("REFUSED", "N/A"):
+        print(x.get("id") or x.get("attack"), x.get("verdict"), x.get("got"), str(x.get("detail"))[:200])
+PYX
+  put "escape_real_$fe" "$(head -1 "$W/escape-$fe.txt" | tr "'" '"')"
+  tail -5 "$W/escape-$fe.err"
+}

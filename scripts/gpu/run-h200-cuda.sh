@@ -178,5 +178,9 @@ step "audit"
 grep -E '"deny"|"error"' "$W/audit.log" | head -40
 grep -c '"notice"' "$W/audit.log"
 step "broker log tail"; tail -30 "$W/broker.log"
+if [ "${CUDA_ESCAPE:-1}" != 0 ]; then
+  step "the escape harness against the real driver through seccomp (racing-thread attacks too)"
+  escape_real seccomp
+fi
 cat "$RES"
 tar czf "$OUT/bundle.tgz" -C "$W" .

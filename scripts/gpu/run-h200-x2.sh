@@ -128,26 +128,7 @@ put c_ddp_exit "$(tail -1 "$W/ddp.txt")"
 grep -E '"deny"|"error"' "$W/audit.log" | tail -20 | cut -c1-300
 
 step "the escape harness against the real driver (seccomp: real driver files; fuse: the relay)"
-for fe in ${X2_ESCAPE_FE:-seccomp fuse}; do
-  timeout 420 "$PY" -m devbroker.cli.main escape-test --frontend $fe --backend real \
-     --workdir "$W/escape-$fe" --json > "$W/escape-$fe.json" 2> "$W/escape-$fe.err"
-  echo "escape-test $fe: exit $?"
-  "$PY" - "$W/escape-$fe.json" <<'PYX' | tee "$W/escape-$fe.txt"
-import json, sys, collections
-try:
-    r = json.load(open(sys.argv[1]))
-except Exception as e:
-    print("no report:", e); sys.exit(0)
-rows = r.get("rows", [])
-c = collections.Counter(x.get("verdict") for x in rows)
-print(dict(c))
-for x in rows:
-    if x.get("verdict") not in ("REFUSED", "N/A"):
-        print(x.get("id") or x.get("attack"), x.get("verdict"), x.get("got"), str(x.get("detail"))[:200])
-PYX
-  put "escape_real_$fe" "$(head -1 "$W/escape-$fe.txt" | tr "'" '"')"
-done
-tail -5 "$W/escape-seccomp.err" "$W/escape-fuse.err"
+for fe in ${X2_ESCAPE_FE:-seccomp fuse}; do escape_real $fe; done
 
 step "kill each tenant's holder: host memory back to the baseline"
 CC="$PY scripts/gpu/cuda_checks.py"

@@ -1490,6 +1490,9 @@ class Attack:
     na: dict = field(default_factory=dict, hash=False, compare=False)
     # The backends it applies to (the racing-thread attacks need the real driver's files).
     backends: tuple[str, ...] = ("emulated", "real")
+    # Host GPUs it needs: 2 for the attacks aimed at a GPU only the victim has (with the real
+    # backend on a one-GPU host the victim shares the attacker's only GPU: N/A there).
+    gpus: int = 1
 
     def for_frontend(self, front_end: str) -> "Attack":
         import dataclasses
@@ -1619,18 +1622,18 @@ ATTACKS: list[Attack] = [
            a_share),
     Attack("attach-foreign", "ATTACH/DETACH_IDS, GET_ID_INFO_V2, device 0x80 on the victim's GPU",
            "cross-tenant", E, ("NV_ERR_INSUFFICIENT_PERMISSIONS", "NV_ERR_INVALID_ARGUMENT"),
-           "broker", "not one of the tenant's", a_attach_foreign, True),
+           "broker", "not one of the tenant's", a_attach_foreign, True, gpus=2),
     Attack("gpu-id-fields", "P2P_CAPS_MATRIX / ASYNC_ATTACH_ID naming the victim's GPU id",
            "cross-tenant", E, ("NV_ERR_INVALID_ARGUMENT",), "broker",
            r"(P2P_CAPS_MATRIX|ASYNC_ATTACH_ID).*=0x[0-9a-f]+ is not one of the tenant's GPUs",
-           a_gpu_id_fields, True),
+           a_gpu_id_fields, True, gpus=2),
     Attack("client-fields", "OS event hParentClient / device hTargetClient naming the "
            "victim's client", "cross-tenant", E, ("NV_ERR_INVALID_CLIENT",), "broker",
            "(hParentClient|hTargetClient)=0x[0-9a-f]+ is not a client of this tenant",
            a_client_fields, True),
     Attack("attach-gpus-to-fd", "NV_ESC_ATTACH_GPUS_TO_FD with the victim's GPU id",
            "cross-tenant", E, ("EPERM", "EINVAL"), "broker", "NV_ESC_ATTACH_GPUS_TO_FD", a_attach_fd,
-           True),
+           True, gpus=2),
     Attack("get-pids", "GET_PIDS on a shared GPU (victim holds memory there)", "cross-tenant",
            E, ("filtered",), "broker (rewrite)", None, a_get_pids, True,
            no_audit="not a refusal: the answer is rewritten to the caller's own processes "

@@ -62,14 +62,30 @@ POLICY = ("# written by devbroker escape-test\n"
 REAL_CAPABILITIES = ["nvml", "compute", "uvm"]
 
 
+def host_gpus(backend: str) -> int:
+    """GPUs the backend has: two emulated H200s, or the host's (the driver's
+    /proc/driver/nvidia/gpus entries)."""
+    if backend != "real":
+        return 2
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
 def policy_text(backend: str) -> str:
-    """The harness's policy for a backend: "emulated" (two emulated H200s) or "real"."""
+    """The harness's policy for a backend: "emulated" (two emulated H200s) or "real" (the
+    victim on GPUs 0 and 1, or on GPU 0 alone on a one-GPU host: the attacks that need a GPU
+    only the victim has are N/A there, `_select`)."""
     if backend == "emulated":
         return POLICY
     if backend != "real":
         raise ValueError(f"backend {backend!r}: emulated or real")
-    return "\n".join([broker_table(backend="real", driver_version=None),
-                      *_tenants(capabilities=REAL_CAPABILITIES)])
+    victim_gpus = [0, 1] if host_gpus(backend) >= 2 else [0]
+    tenants = _tenants(capabilities=REAL_CAPABILITIES)
+    tenants[0] = tenant(VICTIM, gpus=victim_gpus, memory_quota="1GiB",
+                        capabilities=REAL_CAPABILITIES)
+    return "\n".join([broker_table(backend="real", driver_version=None), *tenants])
 
 
 SRC = str(Path(__file__).resolve().parents[2])
@@ -240,18 +256,24 @@ def judge_flood(front_end: str, flood_done: dict | None, calls_done: dict | None
 
 
 _BACKEND_NA = "needs the real driver: the emulated backend's files continue no call"
+_GPUS_NA = "needs a GPU only the victim has: the host has {} GPU(s)"
 
 
-def _select(front_end: str, ids: list[str] | None,
-            backend: str = "emulated") -> tuple[list[Attack], list[Attack]]:
+def _select(front_end: str, ids: list[str] | None, backend: str = "emulated",
+            gpus: int = 2) -> tuple[list[Attack], list[Attack]]:
+    """The attacks to run and the N/A ones, for a front end, a backend and `gpus` host
+    GPUs."""
+    import dataclasses
+
     run, skip = [], []
     for a in ATTACKS:
         if ids and a.id not in ids:
             continue
         if backend not in a.backends:
-            import dataclasses
-
             skip.append(dataclasses.replace(a, na={**a.na, front_end: _BACKEND_NA}))
+            continue
+        if a.gpus > gpus:
+            skip.append(dataclasses.replace(a, na={**a.na, front_end: _GPUS_NA.format(gpus)}))
             continue
         if front_end in CONTAINER_FRONT_ENDS:
             base = CONTAINER_FRONT_ENDS[front_end]
@@ -751,7 +773,7 @@ def run_escape_tests(front_end: str = "fuse", *, ids: list[str] | None = None,
     if os.geteuid() != 0:
         raise PermissionError("escape-test needs root (FUSE mounts, namespaces, seccomp)")
     report = Report(front_end)
-    attacks, skip = _select(front_end, ids, backend)
+    attacks, skip = _select(front_end, ids, backend, host_gpus(backend))
     # The flood measures the broker's rate limiting, which containers do not change.
     flood = flood and (not ids or "flood" in ids) and front_end not in CONTAINER_FRONT_ENDS
     tmp = None
