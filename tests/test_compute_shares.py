@@ -92,14 +92,19 @@ def _tenants(*specs):
 def test_weights_become_proportional_timeslices():
     p, (a, b) = _tenants((3, "normal"), (1, "normal"))
     sa, sb = compute.schedule_for(p, a, 0), compute.schedule_for(p, b, 0)
-    assert sa.timeslice_us == 3 * sb.timeslice_us == 3 * compute.BASE_SLICE_US
+    # one round of the GPU, divided 3:1
+    assert (sa.timeslice_us, sb.timeslice_us) == (6144, 2048) == (
+        compute.ROUND_US * 3 // 4, compute.ROUND_US // 4)
     assert sa.interleave == sb.interleave == compute.INTERLEAVE_MEDIUM
     assert compute.share_of(p, a, 0) == pytest.approx(0.75)
-    # A GPU's round stays within the budget: the ratio holds, the slices shrink.
-    p, ts = _tenants(*[(64, "normal")] * 2, (16, "normal"))
+    # More tenants: the round stays, the ratio holds, the slices shrink.
+    p, ts = _tenants(*[(8, "normal")] * 2, (2, "normal"))
     slices = [compute.schedule_for(p, t, 0).timeslice_us for t in ts]
-    assert sum(slices) <= compute.ROUND_BUDGET_US
+    assert sum(slices) <= compute.ROUND_US
     assert slices[0] == slices[1] and slices[0] / slices[2] == pytest.approx(4, rel=1e-3)
+    # ... down to the shortest slice a switch is worth
+    p, ts = _tenants((64, "normal"), (1, "normal"))
+    assert compute.schedule_for(p, ts[1], 0).timeslice_us == compute.MIN_SLICE_US
 
 
 def test_priority_levels_and_the_low_tenants_short_slice():
@@ -111,7 +116,7 @@ def test_priority_levels_and_the_low_tenants_short_slice():
                                               compute.LOW_PRIORITY_SLICE_US)
     # Without a high tenant on the GPU a low one keeps its weight's slice.
     p, (lo, no) = _tenants((4, "low"), (1, "normal"))
-    assert compute.schedule_for(p, lo, 0).timeslice_us == 4 * compute.BASE_SLICE_US
+    assert compute.schedule_for(p, lo, 0).timeslice_us == compute.ROUND_US * 4 // 5
 
 
 def test_a_tenants_groups_on_one_engine_split_its_slice():
@@ -161,15 +166,17 @@ def test_new_groups_get_the_policys_values_and_tenant_sets_are_rewritten(start):
     pa, ga = _hold(b, "alpha")
     pb, gb = _hold(b, "beta")
     try:
-        base = compute.BASE_SLICE_US
+        base = compute.ROUND_US // 4  # 3:1
         assert ga["timeslices"] == [3 * base] and gb["timeslices"] == [base]
         # CUDA asks for 2048 µs itself; a greedy tenant for a second: both run as the
         # policy's value, and the driver's answer is NV_OK (the tenant cannot tell).
         for asked in (2048, 1_000_000):
             r = _ask(pb, f"set {asked}")
             assert r["status"] == [nvs.NV_OK] and r["timeslices"] == [base], r
-        r = _ask(pb, "level 2")  # HIGH asked by a normal-priority tenant
-        assert r["status"] == [nvs.NV_OK]
+        # HIGH asked by a normal-priority tenant: rewritten to the policy's MEDIUM, which
+        # the driver keeps from unprivileged callers too (as the H200 did)
+        r = _ask(pb, "level 2")
+        assert r["status"] == [nvs.NV_ERR_INSUFFICIENT_PERMISSIONS]
         rewrites = [a for a in b.audit() if a["event"] == "rewrite" and a["tenant"] == "beta"]
         reasons = " | ".join(a["reason"] for a in rewrites)
         assert "timesliceUs 1000000 asked, the policy's 2048 set" in reasons, reasons
@@ -177,7 +184,13 @@ def test_new_groups_get_the_policys_values_and_tenant_sets_are_rewritten(start):
         st = b.tenant("beta")["compute"]
         assert (st["weight"], st["priority"], st["share"]) == (1, "normal", {"0": 0.25})
         [grp] = st["channel_groups"]
-        assert (grp["timeslice_us"], grp["interleave"]) == (base, "MEDIUM")
+        # levels refused to the broker: said once, then timeslices alone
+        assert (grp["timeslice_us"], grp["interleave"]) == (base, "driver's")
+        notes = [a for a in b.audit() if a["event"] == "notice"
+                 and "SET_INTERLEAVE_LEVEL" in a.get("reason", "")]
+        assert len(notes) == 1, notes
+        assert not [a for a in b.audit() if a["event"] == "error"
+                    and a.get("what") == "compute share"]
         assert grp["rewrites"] == 2  # 2048 was the policy's value already
         assert b.tenant("alpha")["compute"]["share"] == {"0": 0.75}
         out = b.cli("status")
@@ -191,14 +204,17 @@ def test_racing_threads_get_no_more_than_the_policy(start):
     b = start(policy('priority = "low"', 'priority = "high"'))
     p, g = _hold(b, "alpha", 2)
     try:
-        # alpha is low next to a high tenant: the shortest slice, level LOW.
+        # alpha is low next to a high tenant: the shortest slice.
         want = compute.LOW_PRIORITY_SLICE_US
         assert g["timeslices"] == [want, want]
         r = _ask(p, "race 4 200")
-        assert r["failed"] == [] and r["timeslices"] == [want, want], r
+        # the level calls among them meet the driver's refusal of unprivileged callers (as
+        # on the H200); every timeslice call ran with the policy's value
+        assert set(r["failed"]) <= {nvs.NV_ERR_INSUFFICIENT_PERMISSIONS}, r
+        assert r["timeslices"] == [want, want], r
         [grp_status] = {(x["timeslice_us"], x["interleave"])
                         for x in b.tenant("alpha")["compute"]["channel_groups"]}
-        assert grp_status == (want, "LOW")
+        assert grp_status == (want, "driver's")
     finally:
         _quit(p)
 
@@ -219,7 +235,7 @@ def test_groups_of_one_tenant_share_its_slice_and_new_ones_resize_the_old(start)
     b = start(policy("compute_weight = 4", ""))
     p1, g1 = _hold(b, "alpha", 1)
     try:
-        full = 4 * compute.BASE_SLICE_US
+        full = compute.ROUND_US * 4 // 5
         assert g1["timeslices"] == [full]
         p2, g2 = _hold(b, "alpha", 1)  # a second process of the same tenant
         try:
@@ -248,7 +264,7 @@ def test_policy_apply_moves_running_groups_and_a_bad_policy_changes_nothing(star
     b = start(policy("compute_weight = 3", ""))
     pa, ga = _hold(b, "alpha")
     pb, gb = _hold(b, "beta")
-    base = compute.BASE_SLICE_US
+    base = compute.ROUND_US // 4
     try:
         assert (ga["timeslices"], gb["timeslices"]) == ([3 * base], [base])
         bad = tmp_path / "bad.toml"
@@ -260,10 +276,11 @@ def test_policy_apply_moves_running_groups_and_a_bad_policy_changes_nothing(star
         good.write_text(policy("", 'compute_weight = 2\npriority = "high"'))
         r = b.cli("policy", "apply", str(good))
         assert r.returncode == 0, r.stderr
-        assert _poll(pa, [base]) == [base]
-        assert _poll(pb, [2 * base]) == [2 * base]
+        one, two = compute.ROUND_US // 3, compute.ROUND_US * 2 // 3  # 1:2
+        assert _poll(pa, [one]) == [one]
+        assert _poll(pb, [two]) == [two]
         st = b.tenant("beta")["compute"]
-        assert (st["priority"], st["channel_groups"][0]["interleave"]) == ("high", "HIGH")
+        assert (st["priority"], st["channel_groups"][0]["interleave"]) == ("high", "driver's")
         assert st["share"] == {"0": pytest.approx(2 / 3, abs=1e-3)}
     finally:
         _quit(pa)
@@ -313,17 +330,16 @@ def test_the_probe_of_the_gpu_script_sees_only_the_policys_values(start):
     r = b.exec("alpha", sys.executable, "-m", "devbroker.tools.sched_probe", "probe")
     assert r.returncode == 0, r.stderr
     got = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-    want = 2 * compute.BASE_SLICE_US
+    want = compute.ROUND_US * 2 // 3
     by = {}
     for g in got:
         by.setdefault(g["what"], []).append(g)
     assert by["get-default"] == [{"what": "get-default", "status": 0, "timeslice_us": want}]
     assert len(by["set-timeslice"]) == 13
     assert {(x["status"], x["timeslice_us"]) for x in by["set-timeslice"]} == {(0, want)}
-    # levels 0-2 run as the policy's; 3 is no level: the driver's own refusal (on a GSP
-    # client NV_ERR_NOT_SUPPORTED), as without the broker
-    assert [x["status"] for x in by["set-interleave"]] == [0, 0, 0, nvs.NV_ERR_NOT_SUPPORTED]
+    # levels: the driver's refusal of an unprivileged caller, for every level (as on the H200)
     denied = nvs.NV_ERR_INSUFFICIENT_PERMISSIONS
+    assert [x["status"] for x in by["set-interleave"]] == [denied] * 4
     assert by["get-interleave"][0]["status"] == denied  # not on the allowlist
     assert by["make-realtime"][0]["status"] == denied
     assert by["runlist-sched-policy-interleaved"][0]["status"] == denied

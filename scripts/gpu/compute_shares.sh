@@ -115,17 +115,22 @@ part a part_a_broker
 part_b() {
   texec sa $WL matmul 10 "$(at 10)" alone > "$W/alone.json" 2> "$W/alone.err"
   tail -1 "$W/alone.json" | cut -c1-200; put alone_broker "$(grep -o '"tflops": [0-9.]*' "$W/alone.json")"
+  # MATMUL_BATCH: matmuls between synchronizations (4: ~6 ms of work alone, 16: ~25 ms)
   pair b31 20 10 $WL matmul 20 @T sa -- $WL matmul 20 @T sb
   shares; put b_shares_31 "$(shares)"
   put b_ratio_31 "$($WL ratio "$W/b31_a.json" "$W/b31_b.json")"
+  pair b31x16 20 10 env MATMUL_BATCH=16 $WL matmul 20 @T sa -- env MATMUL_BATCH=16 $WL matmul 20 @T sb
+  put b_ratio_31_batch16 "$($WL ratio "$W/b31x16_a.json" "$W/b31x16_b.json")"
   apply "$W/p11.toml"
   pair b11 20 10 $WL matmul 20 @T sa -- $WL matmul 20 @T sb
   put b_ratio_11 "$($WL ratio "$W/b11_a.json" "$W/b11_b.json")"
+  pair b11x16 20 10 env MATMUL_BATCH=16 $WL matmul 20 @T sa -- env MATMUL_BATCH=16 $WL matmul 20 @T sb
+  put b_ratio_11_batch16 "$($WL ratio "$W/b11x16_a.json" "$W/b11x16_b.json")"
   "$PY" - "$RES" <<'PYEOF'
 import json, sys
 d = json.load(open(sys.argv[1]))
 alone = float(str(d.get("alone_broker", "")).split(":")[-1] or 0)
-for k in ("b_ratio_31", "b_ratio_11"):
+for k in ("b_ratio_31", "b_ratio_11", "b_ratio_31_batch16", "b_ratio_11_batch16"):
     r = d.get(k)
     if isinstance(r, dict) and alone:
         r["sum_vs_alone"] = round(r["sum_tflops"] / alone, 3)
@@ -137,8 +142,8 @@ part b part_b
 part_e() {
   apply "$W/p11.toml"
   local t; t=$(at 10)
-  texec sa $WL matmul 16 "$t" sa > "$W/e_a.json" 2> "$W/e_a.err" & local pa=$!
-  texec sb $WL matmul 16 "$t" sb > "$W/e_b.json" 2> "$W/e_b.err" & local pb=$!
+  texec sa env MATMUL_BATCH=${E_BATCH:-16} $WL matmul 16 "$t" sa > "$W/e_a.json" 2> "$W/e_a.err" & local pa=$!
+  texec sb env MATMUL_BATCH=${E_BATCH:-16} $WL matmul 16 "$t" sb > "$W/e_b.json" 2> "$W/e_b.err" & local pb=$!
   "$PY" -c "import time; time.sleep(max(0, $t + 8 - time.time()))"
   local t_apply; t_apply=$(now); apply "$W/p31.toml"; local t_done; t_done=$(now)
   wait $pa; wait $pb

@@ -20,7 +20,7 @@ import sys
 import time
 
 N = 8192  # bf16 matmul size: ~1.1 TFLOP each, ~1.6 ms on an H200 alone
-BATCH = 4  # matmuls between synchronizations
+BATCH = int(os.environ.get("MATMUL_BATCH", 4))  # matmuls between synchronizations
 BIN_S = 0.25
 
 

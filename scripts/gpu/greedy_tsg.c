@@ -7,6 +7,10 @@
  *
  *   gcc -O2 -shared -fPIC -o greedy_tsg.so greedy_tsg.c -lpthread
  *   LD_PRELOAD=./greedy_tsg.so python3 compute_workload.py matmul ...
+ *
+ * GREEDY_US sets the timeslice asked (default 1 s); GREEDY_LEVEL the interleave level asked
+ * (0 LOW, 1 MEDIUM, 2 HIGH: the default; "none": leave the level alone). The sweep in
+ * scripts/gpu/compute_sweep.sh uses it to set chosen slices in plain processes.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -72,9 +76,12 @@ int ioctl(int fd, unsigned long req, ...) {
               "thread %s): ioctl %ld, status %#x\n", c->hObject,
               (unsigned long long)cuda_asked, (unsigned long long)greedy_us,
               threaded ? "on" : "off", rc, c->status);
-      uint32_t level = LEVEL_HIGH;
-      fprintf(stderr, "greedy: SET_INTERLEAVE_LEVEL HIGH: %#lx\n",
-              control(fd, req, c, SET_INTERLEAVE_LEVEL, &level, sizeof level));
+      const char *lenv = getenv("GREEDY_LEVEL");
+      if (!lenv || lenv[0] != 'n') {
+        uint32_t level = lenv ? (uint32_t)strtoul(lenv, NULL, 0) : LEVEL_HIGH;
+        fprintf(stderr, "greedy: SET_INTERLEAVE_LEVEL %u: %#lx\n", level,
+                control(fd, req, c, SET_INTERLEAVE_LEVEL, &level, sizeof level));
+      }
       uint64_t got = 0;
       long st = control(fd, req, c, GET_TIMESLICE, &got, sizeof got);
       fprintf(stderr, "greedy: GET_TIMESLICE: status %#lx, %llu us\n", st,

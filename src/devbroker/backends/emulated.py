@@ -84,6 +84,9 @@ USER_SHARED_DATA_SIZE = {"580": 2608}
 
 class EmulatedBackend:
     name = "emulated"
+    # The emulated driver answers as the real one answers the broker's relay: a caller
+    # without CAP_SYS_ADMIN (controls the driver keeps for root refuse; emulated_sched.py).
+    privileged_caller = False
 
     def __init__(self, gpus: list[EmulatedGpu] | None = None, *, version: str = "580.159.04",
                  notice: Callable[[str], None] | None = None):

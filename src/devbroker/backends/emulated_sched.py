@@ -10,8 +10,10 @@ compute shares use (issue 15, broker/compute.py), answered as the 580 driver on 
   on a GSP client it forwards the control and, when GSP accepts, keeps the value, which
   GET_TIMESLICE returns exactly (ctrla06c.h: "the exact value passed"). Which values GSP
   refuses is not in the open source; scripts/gpu/compute_shares.sh measures it.
-- SET_INTERLEAVE_LEVEL: LOW/MEDIUM/HIGH; another value is refused by GSP, and the GSP client
-  turns any failed forward into NV_ERR_NOT_SUPPORTED (kchangrpapiCtrlCmdSetInterleaveLevel).
+- SET_INTERLEAVE_LEVEL: refused with NV_ERR_INSUFFICIENT_PERMISSIONS to a caller without
+  CAP_SYS_ADMIN (seen on the H200; the 580 table flags it PRIVILEGED_IF_RS_ACCESS_DISABLED).
+  From root: LOW/MEDIUM/HIGH; another value is refused by GSP, and the GSP client turns any
+  failed forward into NV_ERR_NOT_SUPPORTED (kchangrpapiCtrlCmdSetInterleaveLevel).
 - GET_INTERLEAVE_LEVEL has no entry in the channel group's exported method table in 580:
   NV_ERR_NOT_SUPPORTED (the emulator's answer for any control it does not list).
 - A scheduling control on an object that is not a channel group: the control lookup fails,
@@ -70,6 +72,10 @@ def get_timeslice(backend, client, obj, p):
 def set_interleave_level(backend, client, obj, p):
     if obj.rm_class != CHANNEL_GROUP:
         return nvs.NV_ERR_NOT_SUPPORTED, p
+    if not backend.privileged_caller:
+        # The H200 (580.159.04) refused every level, valid or not, to a caller without
+        # CAP_SYS_ADMIN (the broker's relay) and took 0-2 from root (docs/compute-shares.md).
+        return nvs.NV_ERR_INSUFFICIENT_PERMISSIONS, p
     if int(p.tsgInterleaveLevel) not in LEVELS:
         return nvs.NV_ERR_NOT_SUPPORTED, p  # GSP refuses; the client maps it to this
     _sched(obj)["level"] = int(p.tsgInterleaveLevel)

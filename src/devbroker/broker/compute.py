@@ -22,9 +22,9 @@ SET_INTERLEAVE_LEVEL, RMCTRL_FLAGS_NON_PRIVILEGED). So the broker:
   broker takes the tenant's file with pidfd_getfd (docs/compute-shares.md, "Applying a
   policy change").
 
-What the values are (:func:`schedule_for`): a tenant's timeslice is BASE_SLICE_US × its
-weight, scaled down when the weights of all tenants that share the GPU add up to more than
-ROUND_BUDGET_US (the longest a busy group waits for its next turn), and divided among the
+What the values are (:func:`schedule_for`): a tenant's timeslice is its weight's part of
+ROUND_US (the weights of the policy's tenants on the GPU add up to one round), and divided
+among the
 tenant's own channel groups on the same engine (N processes of one tenant must not get N
 shares). A low-priority tenant on a GPU shared with a high-priority tenant gets the shortest
 slice (a submission of the high tenant waits at most one slice of the low one), and levels
@@ -60,18 +60,20 @@ PRIORITY_LEVEL = {"high": INTERLEAVE_HIGH, "normal": INTERLEAVE_MEDIUM, "low": I
 # NV_RAMRL_ENTRY_TSG_TIMESLICE_TIMEOUT_128 << NV_RAMRL_ENTRY_TSG_TIMESLICE_SCALE_3 µs
 # (kernel_fifo_gv100.c, kfifoChannelGroupGetDefaultTimeslice_GV100).
 DRIVER_DEFAULT_TIMESLICE_US = 128 << 3
-# Weight 1: what CUDA asks for its own compute channel group (SET_TIMESLICE 2048 in the
-# PyTorch trace of the H200), so a tenant of weight 1 alone runs as it would natively.
-BASE_SLICE_US = 2048
-# The longest round of one GPU's busy tenants (sum of their slices) before the broker scales
-# every slice down: a group waits at most this long for its next turn.
-ROUND_BUDGET_US = 64 * 1024
+# One round of a GPU's busy tenants: the sum of their slices, divided by weight. Measured on
+# the H200 (docs/compute-shares.md, scripts/gpu/compute_sweep.sh): a switch between two busy
+# matmul loops costs ~120 µs of GPU time, so a round of 8 ms keeps the two within ~3-4 % of
+# one alone, while slices much longer than the time a process's work runs between its
+# synchronizations lose their effect (the group gives the engine up when it runs dry):
+# 3:1 slices of 3072:1024 gave 3.18, 6144:2048 2.69, 24576:8192 1.0 for a loop that syncs
+# every ~6 ms of work.
+ROUND_US = 8192
 # The shortest slice the broker sets. The kernel-side driver checks no minimum
-# (kfifoRunlistGetMinTimeSlice returns 0); GSP may: scripts/gpu/compute_shares.sh measures
-# which values the H200 accepts. Short slices cost context switches.
+# (kfifoRunlistGetMinTimeSlice returns 0) and the H200's GSP accepted 1 µs; short slices
+# cost switches (two 128 µs loops with 3:1 slices kept 53 % of one alone).
 MIN_SLICE_US = 256
 # The longest: the hardware encodes a slice as an 8-bit timeout << 4-bit scale (µs).
-MAX_SLICE_US = ROUND_BUDGET_US
+MAX_SLICE_US = 64 * 1024
 # A low-priority tenant's slice on a GPU where a high-priority tenant runs too.
 LOW_PRIORITY_SLICE_US = MIN_SLICE_US
 
@@ -80,10 +82,12 @@ LOW_PRIORITY_SLICE_US = MIN_SLICE_US
 class Schedule:
     """The driver values for one channel group."""
     timeslice_us: int
-    interleave: int
+    interleave: int | None  # None: left as the driver has it (levels refused to the broker)
 
     def describe(self) -> str:
-        return f"timeslice {self.timeslice_us} µs, interleave {LEVEL_NAMES[self.interleave]}"
+        level = ("the driver's" if self.interleave is None
+                 else LEVEL_NAMES[self.interleave])
+        return f"timeslice {self.timeslice_us} µs, interleave {level}"
 
 
 @dataclass
@@ -106,6 +110,10 @@ class _Books:
     groups: dict[tuple[str, int, int], ChannelGroup] = field(default_factory=dict)
     installed: bool = False
     pending: bool = False  # a background apply is scheduled
+    # The driver refused SET_INTERLEAVE_LEVEL to the broker (the H200 does to a caller
+    # without CAP_SYS_ADMIN: the control is PRIVILEGED_IF_RS_ACCESS_DISABLED there, and the
+    # relay runs without capabilities): priorities are then timeslices alone.
+    levels_refused: bool = False
 
 
 _BOOKS: "weakref.WeakKeyDictionary[Any, _Books]" = weakref.WeakKeyDictionary()
@@ -129,9 +137,10 @@ def tenant_slice(policy: Any, tenant: Any, gpu: int | None) -> int:
     """The tenant's whole timeslice on `gpu` (µs), before it is divided among its groups."""
     weight = int(getattr(tenant, "compute_weight", 1))
     sharing = _policy_tenants_on(policy, gpu) or [tenant]
+    if tenant.name not in {t.name for t in sharing}:
+        sharing = [*sharing, tenant]
     total = sum(int(getattr(t, "compute_weight", 1)) for t in sharing)
-    scale = min(1.0, ROUND_BUDGET_US / (BASE_SLICE_US * max(total, 1)))
-    us = int(BASE_SLICE_US * weight * scale)
+    us = ROUND_US * weight // max(total, 1)
     if (getattr(tenant, "priority", "normal") == "low"
             and any(getattr(t, "priority", "normal") == "high" for t in sharing)):
         us = min(us, LOW_PRIORITY_SLICE_US)
@@ -198,7 +207,10 @@ def _wanted(broker: Any, g: ChannelGroup) -> Schedule | None:
     t = broker.tenants.get(g.tenant)
     if t is None or not hasattr(t.policy, "compute_weight"):
         return None  # a revoked tenant: its calls are refused anyway
-    return schedule_for(broker.policy, t.policy, g.gpu, len(_siblings(broker, g)))
+    want = schedule_for(broker.policy, t.policy, g.gpu, len(_siblings(broker, g)))
+    if books(broker).levels_refused:
+        return Schedule(want.timeslice_us, None)
+    return want
 
 
 # --------------------------------------------------------------------------- driver calls
@@ -229,8 +241,13 @@ def _apply(broker: Any, s: Any, req: Any, g: ChannelGroup, want: Schedule, why: 
     try:
         st = yield from _control(broker, s, req, g, NVA06C_CTRL_CMD_SET_TIMESLICE,
                                  timesliceUs=want.timeslice_us)
-        lv = yield from _control(broker, s, req, g, NVA06C_CTRL_CMD_SET_INTERLEAVE_LEVEL,
-                                 tsgInterleaveLevel=want.interleave)
+        lv = nvstatus.NV_OK
+        if want.interleave is not None:
+            lv = yield from _control(broker, s, req, g, NVA06C_CTRL_CMD_SET_INTERLEAVE_LEVEL,
+                                     tsgInterleaveLevel=want.interleave)
+            if lv == nvstatus.NV_ERR_INSUFFICIENT_PERMISSIONS:
+                _levels_refused(broker, s)
+                want, lv = Schedule(want.timeslice_us, None), nvstatus.NV_OK
     except Exception as e:  # an OSError of the driver call, a Refusal (file changed), ...
         st = lv = None
         err = f"{type(e).__name__}: {e}"
@@ -248,6 +265,17 @@ def _apply(broker: Any, s: Any, req: Any, g: ChannelGroup, want: Schedule, why: 
         return False
     g.applied, g.error = want, ""
     return True
+
+
+def _levels_refused(broker: Any, s: Any) -> None:
+    """Said once per broker: the driver keeps interleave levels from unprivileged callers."""
+    b = books(broker)
+    if not b.levels_refused:
+        b.levels_refused = True
+        broker.audit.write("notice", tenant=s.tenant.name, what="compute share",
+                           reason="the driver refuses SET_INTERLEAVE_LEVEL to the broker's "
+                                  "unprivileged calls (NV_ERR_INSUFFICIENT_PERMISSIONS): "
+                                  "priorities are set as timeslices only")
 
 
 # --------------------------------------------------------------------------- hooks
@@ -295,7 +323,10 @@ def schedule_control(ctx: Any, params: Any) -> Any:
     if cmd == NVA06C_CTRL_CMD_SET_TIMESLICE:
         name, asked, value = "timesliceUs", int(params.timesliceUs), want.timeslice_us
     else:
-        name, asked, value = "tsgInterleaveLevel", int(params.tsgInterleaveLevel), want.interleave
+        # the policy's level even where the driver keeps levels from the broker: the
+        # tenant's call then meets the driver's refusal, not a level of its own choosing
+        name, asked = "tsgInterleaveLevel", int(params.tsgInterleaveLevel)
+        value = PRIORITY_LEVEL.get(s.tenant.policy.priority, INTERLEAVE_MEDIUM)
         if asked not in LEVEL_NAMES:
             return params  # not a level: the driver refuses it as it would without us
     if asked == value:
@@ -413,7 +444,8 @@ def tenant_status(broker: Any, t: Any) -> dict:
         "channel_groups": [{
             "handle": g.handle, "gpu": g.gpu, "engine": g.engine,
             "timeslice_us": g.applied.timeslice_us if g.applied else None,
-            "interleave": LEVEL_NAMES[g.applied.interleave] if g.applied else None,
+            "interleave": (LEVEL_NAMES.get(g.applied.interleave, "driver's")
+                           if g.applied else None),
             "rewrites": g.rewrites, **({"error": g.error} if g.error else {}),
         } for g in groups],
     }}
