@@ -16,7 +16,8 @@ from devbroker.abi.nodes import NodeKind
 from devbroker.broker.interface import IoctlReply, OpenReply
 from devbroker.frontends import fusewire as w
 from devbroker.frontends.cuse import CuseFrontend, _Conn, standard_nodes
-from devbroker.frontends.kmod import WHOAMI_IOCTL, tenant_by_uid
+from devbroker.frontends.common import WHOAMI_IOCTL
+from devbroker.frontends.kmod import tenant_by_uid
 
 F_CMD = w.ioc(w.IOC_READ | w.IOC_WRITE, ord("F"), 0x2A, 32)  # RM_CONTROL-sized
 UVM_CMD = 0x30000001

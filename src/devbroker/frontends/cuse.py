@@ -51,7 +51,8 @@ from devbroker.broker.interface import (
 )
 from devbroker.frontends import fusewire as w
 from devbroker.frontends.fuse import _tgid_of
-from devbroker.frontends.kmod import WHOAMI_IOCTL, resolve_chardev_fd
+from devbroker.frontends.common import WHOAMI_IOCTL, sanitize_errno
+from devbroker.frontends.kmod import resolve_chardev_fd
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +270,7 @@ class CuseFrontend:
         # outside 1..511 are refused by the kernel (the call would never complete).
         if err == errno.ENOSYS:
             err = errno.ENOTTY
-        self._send(conn, w.encode_error(unique, err if 0 < err < 512 else errno.EIO))
+        self._send(conn, w.encode_error(unique, sanitize_errno(err)))
 
     @staticmethod
     def _caller(h: w.InHeader) -> Caller:

@@ -49,6 +49,7 @@ from devbroker.broker.interface import (
     ReleaseRequest,
 )
 from devbroker.frontends import fusewire as w
+from devbroker.frontends.common import WHOAMI_IOCTL, sanitize_errno, to_trio
 from devbroker.frontends.procmem import pidfd_getfd
 
 log = logging.getLogger(__name__)
@@ -57,10 +58,6 @@ log = logging.getLogger(__name__)
 # never lies beyond EOF (which would SIGBUS on access) — the driver's nodes have no size.
 NODE_SIZE = 1 << 40
 
-# The private "which session is this file?" ioctl the broker issues on a tenant's file it
-# duplicated with pidfd_getfd (see resolve_fd). Type 0xDB is not NVIDIA's 'F', and only
-# requests from the broker's own process get an answer.
-WHOAMI_IOCTL = w.ioc(w.IOC_READ, 0xDB, 1, 8)
 
 # fh values of our own handles (static files, directories) live above every plausible
 # broker session id, so node fhs can simply *be* the session id.
@@ -251,10 +248,6 @@ def detach_stale_mount(path: str) -> int:
             continue
         raise OSError(errno.EBUSY, f"a live FUSE file system is mounted at {path}")
     return removed
-
-
-def _sanitize_errno(e: int) -> int:
-    return e if 0 < e < 512 else errno.EIO
 
 
 # --- the front end ------------------------------------------------------------------------
@@ -778,11 +771,7 @@ class FuseFrontend:
                 pass
 
     def _to_trio(self, fn, *args) -> bool:
-        try:
-            self._token.run_sync_soon(fn, *args)
-            return True
-        except trio.RunFinishedError:
-            return False
+        return to_trio(self._token, fn, *args)
 
     def _reader_main(self) -> None:
         me = threading.get_native_id()
@@ -990,7 +979,7 @@ class FuseFrontend:
                 log.warning("FUSE reply write failed: %s", e)
 
     def _error(self, unique: int, err: int) -> None:
-        self._send(w.encode_error(unique, _sanitize_errno(err)))
+        self._send(w.encode_error(unique, sanitize_errno(err)))
 
     def _dispatch_request(self, req) -> None:
         """(Trio thread.) Answer a request a reader thread handed over."""
@@ -1467,7 +1456,7 @@ class FuseFrontend:
             rep = yield Await(self.broker.ioctl, (ireq,))
         if rep.errno:
             # ENOSYS would make the kernel disable ioctls on the whole mount for good.
-            return w.encode_error(req.unique, _sanitize_errno(
+            return w.encode_error(req.unique, sanitize_errno(
                 errno.ENOTTY if rep.errno == errno.ENOSYS else rep.errno))
         out = b""
         if rep.arg_out is not None:

@@ -52,17 +52,13 @@ from devbroker.broker.interface import (
     ReleaseRequest,
 )
 from devbroker.frontends import kmodwire as w
+from devbroker.frontends.common import WHOAMI_IOCTL  # the answer is the ioctl's return value
 from devbroker.frontends.procmem import pidfd_getfd
 
 log = logging.getLogger(__name__)
 
 CTL_PATH = "/dev/devbroker-ctl"
 
-# The private "which session is this file?" ioctl (same number as the FUSE front end's):
-# type 0xDB is not NVIDIA's 'F', so the module forwards it without argument bytes, and the
-# answer is the ioctl's return value. Only the broker's own process gets an answer; from
-# anyone else it is an ordinary unknown command, refused by the broker.
-WHOAMI_IOCTL = (2 << 30) | (8 << 16) | (0xDB << 8) | 1
 
 
 def tenant_by_uid(policy_of: Callable[[], Any] | Any, default: str | None = None

@@ -61,6 +61,7 @@ from devbroker.broker.interface import (
 )
 from devbroker.backends.tenantfile import CAP_SYS_ADMIN, drop_driver_capabilities_for_thread
 from devbroker.frontends import seccompwire as w
+from devbroker.frontends.common import to_trio
 from devbroker.frontends.procmem import vm_write_many
 
 log = logging.getLogger("devbroker.seccomp")
@@ -661,11 +662,7 @@ class SeccompSupervisor:
             return self._live - held > self.threads
 
     def _to_trio(self, fn, *args) -> bool:
-        try:
-            self._token.run_sync_soon(fn, *args)
-            return True
-        except trio.RunFinishedError:
-            return False
+        return to_trio(self._token, fn, *args)
 
     def _answer_here(self, n: w.Notif) -> None:
         """Decide one notification on this thread; hand it to trio when it must wait."""

@@ -1,0 +1,34 @@
+"""What every front end does the same way (issue 11): the broker's private "which session is
+this file?" ioctl, the errnos a kernel reply may carry, and handing work from a front end's
+own threads to the trio loop. Front ends are thin adapters over their wire codecs
+(fusewire, kmodwire, seccompwire) and the one broker interface; what they share lives here.
+"""
+from __future__ import annotations
+
+import errno
+from typing import Any, Callable
+
+import trio
+
+# The private "which session is this file?" ioctl the broker issues on a tenant's file it
+# duplicated with pidfd_getfd (FUSE, CUSE and the module's nodes alike): _IOR(0xDB, 1, u64).
+# Type 0xDB is not NVIDIA's 'F', so the module forwards it without argument bytes; only
+# requests from the broker's own process get an answer, from anyone else it is an unknown
+# command the broker refuses.
+WHOAMI_IOCTL = (2 << 30) | (8 << 16) | (0xDB << 8) | 1
+
+
+def sanitize_errno(e: int) -> int:
+    """An errno a FUSE/CUSE reply may carry: the kernel takes -1..-511; anything else (a
+    broker bug, a status mistaken for an errno) becomes EIO instead of a bad reply."""
+    return e if 0 < e < 512 else errno.EIO
+
+
+def to_trio(token: trio.lowlevel.TrioToken, fn: Callable[..., Any], *args: Any) -> bool:
+    """Run fn(*args) on the trio loop from a front end's reader or listener thread; False
+    once the loop has finished (the caller answers the request itself then)."""
+    try:
+        token.run_sync_soon(fn, *args)
+        return True
+    except trio.RunFinishedError:
+        return False
