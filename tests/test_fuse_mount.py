@@ -24,13 +24,9 @@ from devbroker.broker.interface import (
     OpenReply,
 )
 from devbroker.frontends import fusewire as w
-from devbroker.frontends.fuse import (
-    WHOAMI_IOCTL,
-    FuseFrontend,
-    NodeSpec,
-    TenantTree,
-    detach_stale_mount,
-)
+from devbroker.frontends.common import WHOAMI_IOCTL
+from devbroker.frontends.fuse import FuseFrontend, detach_stale_mount
+from devbroker.frontends.fusetree import NodeSpec, TenantTree
 
 pytestmark = [
     pytest.mark.root,

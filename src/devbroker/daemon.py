@@ -82,7 +82,7 @@ def write_tenant_dirs(root: Path, tree: dict[str, dict]) -> None:
     front end (--frontend seccomp): the sandbox takes from it which nodes the tenant has
     (empty files; the seccomp front end makes them character nodes) and its
     /proc/driver/nvidia view. Rewritten whole on every policy change."""
-    from devbroker.frontends.fuse import TenantTree
+    from devbroker.frontends.fusetree import TenantTree
 
     root.mkdir(parents=True, exist_ok=True)
     for name, spec in tree.items():

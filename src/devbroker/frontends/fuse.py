@@ -29,7 +29,7 @@ import time
 from contextlib import AsyncExitStack
 import functools
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence, Union
+from typing import Mapping
 
 import trio
 
@@ -50,6 +50,8 @@ from devbroker.broker.interface import (
 )
 from devbroker.frontends import fusewire as w
 from devbroker.frontends.common import WHOAMI_IOCTL, sanitize_errno, to_trio
+from devbroker.frontends.fusetree import Content, NodeSpec, TenantTree, desired, render
+from devbroker.frontends.fusetree import split as split_path
 from devbroker.frontends.procmem import pidfd_getfd
 
 log = logging.getLogger(__name__)
@@ -73,92 +75,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 
-Content = Union[bytes, str, Callable[[], Union[bytes, str]]]
-
-
-# --- the tree the broker describes ----------------------------------------------------------
-@dataclass(frozen=True)
-class NodeSpec:
-    """A device node file: what the broker is told on OPEN."""
-
-    kind: NodeKind
-    minor: int = 0
-
-
-@dataclass(frozen=True)
-class TenantTree:
-    """Everything one tenant's directory holds.
-
-    ``nodes`` maps a relative path ("nvidiactl", "nvidia-caps/nvidia-cap1") to a NodeSpec;
-    ``files`` maps a relative path ("proc/driver/nvidia/version") to read-only content:
-    bytes, str, or a callable returning either (called at open, so every open sees a
-    consistent snapshot, and at stat for the size).
-    """
-
-    nodes: Mapping[str, NodeSpec] = field(default_factory=dict)
-    files: Mapping[str, Content] = field(default_factory=dict)
-
-    @classmethod
-    def standard(cls, gpus: int | Sequence[int], files: Mapping[str, Content] | None = None, *,
-                 uvm: bool = True, extra_nodes: Mapping[str, NodeSpec] | None = None) -> "TenantTree":
-        """nvidiactl, one nvidia<minor> per GPU, nvidia-uvm and nvidia-uvm-tools.
-
-        ``gpus`` is either a count (minors 0..gpus-1) or the GPU minors themselves, as the
-        broker numbers them in OpenRequest.minor (e.g. the host indices of the tenant's GPUs).
-        """
-        minors = range(gpus) if isinstance(gpus, int) else list(gpus)
-        nodes: dict[str, NodeSpec] = {"nvidiactl": NodeSpec(NodeKind.CTL, 0)}
-        for i in minors:
-            nodes[f"nvidia{int(i)}"] = NodeSpec(NodeKind.GPU, int(i))
-        if uvm:
-            nodes["nvidia-uvm"] = NodeSpec(NodeKind.UVM, 0)
-            nodes["nvidia-uvm-tools"] = NodeSpec(NodeKind.UVM_TOOLS, 0)
-        nodes.update(extra_nodes or {})
-        return cls(nodes=nodes, files=dict(files or {}))
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> "TenantTree":
-        """The plain form {"gpus": [minors], "uvm": bool, "proc": {path: content}} where
-        proc paths are relative to proc/driver/nvidia/ (what the daemon builds)."""
-        files = {f"proc/driver/nvidia/{p.lstrip('/')}": c for p, c in (d.get("proc") or {}).items()}
-        files.update(d.get("files") or {})
-        return cls.standard(d.get("gpus", ()), files, uvm=bool(d.get("uvm", True)),
-                            extra_nodes=d.get("nodes"))
-
-
-def _split(path: str) -> list[bytes]:
-    parts = [p for p in path.split("/") if p]
-    if not parts:
-        raise ValueError(f"empty path {path!r}")
-    for p in parts:
-        if p in (".", "..") or "\0" in p or len(p.encode()) > 255:
-            raise ValueError(f"bad path component {p!r} in {path!r}")
-    return [p.encode() for p in parts]
-
-
-def _desired(tree: TenantTree) -> dict:
-    """Nested dict name -> dict (directory) | NodeSpec | ("file", content)."""
-    root: dict = {}
-    items = [(p, s) for p, s in tree.nodes.items()] + [(p, ("file", c)) for p, c in tree.files.items()]
-    for path, what in items:
-        parts = _split(path)
-        d = root
-        for comp in parts[:-1]:
-            nxt = d.setdefault(comp, {})
-            if not isinstance(nxt, dict):
-                raise ValueError(f"{path!r}: {comp.decode()!r} is both a file and a directory")
-            d = nxt
-        if parts[-1] in d:
-            raise ValueError(f"{path!r} is given twice or is also a directory")
-        d[parts[-1]] = what
-    return root
-
-
-def _render(content: Content) -> bytes:
-    value = content() if callable(content) else content
-    return value.encode() if isinstance(value, str) else bytes(value)
-
-
+# --- the FUSE file system's inodes and open handles ------------------------------------------
 @dataclass(eq=False)
 class _Inode:
     nodeid: int
@@ -565,7 +482,7 @@ class FuseFrontend:
 
     def _find(self, tenant: str, path: str) -> _Inode | None:
         ino = self._root.children.get(tenant.encode())
-        for comp in _split(path):
+        for comp in split_path(path):
             if ino is None:
                 return None
             ino = ino.children.get(comp)
@@ -624,10 +541,10 @@ class FuseFrontend:
     def _apply(self, tenants: dict[str, TenantTree]) -> None:
         want = {}
         for name, tree in tenants.items():
-            comps = _split(name)
+            comps = split_path(name)
             if len(comps) != 1 or "/" in name:
                 raise ValueError(f"tenant name {name!r} must be one path component")
-            want[comps[0]] = _desired(tree)
+            want[comps[0]] = desired(tree)
         for name in list(self._root.children):
             if name not in want:
                 self._drop(self._root, name)
@@ -670,7 +587,7 @@ class FuseFrontend:
             return w.Attr(ino=ino.nodeid, mode=stat.S_IFREG | 0o666, size=NODE_SIZE,
                           atime=t, mtime=t, ctime=t)
         try:
-            size = len(_render(ino.content)) if not ino.removed else 0
+            size = len(render(ino.content)) if not ino.removed else 0
         except Exception:
             log.exception("static file content callback failed")
             size = 0
@@ -1349,7 +1266,7 @@ class FuseFrontend:
             await limits.pace(self.broker, ino.tenant)
             if not self._hold_private(req, ino, "open"):
                 return
-            data = _render(ino.content)
+            data = render(ino.content)
             fh = self._private_fh()
             self._handles[fh] = _Handle("file", ino, data=data)
             # direct_io: reads come to us even past the size the kernel last saw, so a
