@@ -118,8 +118,9 @@ def test_tmp_is_private_to_each_tenant(start_broker, host_dir):
     from devbroker.testing.tenant_binds import paths
 
     marker = Path(tempfile.mkstemp(prefix="host-only-", dir="/tmp")[1])
-    # Only what the tests bind in (a checkout under the host's /tmp) may show there.
-    bound = sorted({p.split("/")[2] for p in paths()})
+    # Only what the tests bind in (a checkout under the host's /tmp) may show there, and the
+    # private HOME (the test's HOME, root's, is read-only in the tenant's view).
+    bound = sorted({p.split("/")[2] for p in paths()} | {"home"})
     try:
         got = attempts(broker, "listdir=/tmp", "create=/tmp/first")
         assert got["listdir=/tmp"]["got"] == bound  # nothing else of the host's /tmp
@@ -130,6 +131,25 @@ def test_tmp_is_private_to_each_tenant(start_broker, host_dir):
         assert not Path("/tmp/first").exists()
     finally:
         marker.unlink()
+
+
+def test_home_is_writable_private_unless_bound_rw(start_broker, host_dir):
+    """The host's HOME is read-only in the tenant's view: programs that cache under it
+    (CuPy failed so on the H200) get a private HOME in the tenant's /tmp; a HOME bound rw
+    stays the command's HOME."""
+    broker = start_broker(POLICY)
+    script = 'echo "$HOME"; touch "$HOME/.cache-probe" && echo wrote'
+    r = broker.exec("alice", "sh", "-c", script, env={**os.environ, "HOME": str(host_dir)})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["/tmp/home", "wrote"], r.stdout
+    assert not (host_dir / ".cache-probe").exists()
+    (host_dir / "home").mkdir()
+    (host_dir / "home").chmod(0o777)
+    r = broker.exec("alice", "sh", "-c", script, env={**os.environ, "HOME": f"{host_dir}/home"},
+                    opts=("--bind", f"{host_dir}/home:{host_dir}/home:rw"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [f"{host_dir}/home", "wrote"], r.stdout
+    assert (host_dir / "home" / ".cache-probe").exists()
 
 
 def test_binds_read_only_unless_rw(start_broker, host_dir):

@@ -549,7 +549,7 @@ def _command_main(spec: SandboxSpec, shim_fd: int | None = None) -> None:
             signal.signal(sig, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, ())
         _close_fds(keep=spec.pass_fds + ((shim_fd,) if shim_fd is not None else ()))
-        env = dict(spec.env) if spec.env is not None else dict(os.environ)
+        env = _writable_home(dict(spec.env) if spec.env is not None else dict(os.environ))
         if shim_fd is not None:
             step = "installing the stat shim"
             # Last, after no_new_privs: from here every stat of this process and of all its
@@ -644,6 +644,22 @@ def build_view(spec: SandboxSpec, *, proc_devices: str | None = None) -> None:
             _attach_bind(b, fd)
         finally:
             os.close(fd)
+
+
+PRIVATE_HOME = "/tmp/home"
+
+
+def _writable_home(env: dict[str, str]) -> dict[str, str]:
+    """The command's environment with a HOME it can write: the host's file system is
+    read-only in the tenant's view, so a HOME there (root's /root, a user's home not bound
+    rw) would fail every program that keeps a cache in it (CuPy's kernel cache, pip, torch's
+    compile caches). Such a HOME becomes PRIVATE_HOME in the tenant's own /tmp (made here, as
+    the command's uid); a HOME the command can write (bound with --bind DIR:DIR:rw) stays."""
+    home = env.get("HOME")
+    if home and os.access(home, os.W_OK):
+        return env
+    os.makedirs(PRIVATE_HOME, mode=0o700, exist_ok=True)
+    return {**env, "HOME": PRIVATE_HOME}
 
 
 def _private_tmp() -> None:
