@@ -447,6 +447,14 @@ class RelayProcess:
 # --------------------------------------------------------------------------- the backend
 class RealBackend:
     name = "real"
+    # Capabilities (backends/base.py Backend says what each means): the host's driver files
+    # are shown (filtered) and handed out to seccomp tenants; the driver credits relayed
+    # objects to the relay, not to tenants, but accounts memory per process (VidmemMonitor);
+    # the hand-over carries the relay's channels (backends/realhandover.py).
+    host_proc = True
+    reports_tenant_pids = False
+    counts_process_memory = True
+    handover_format = "real"
 
     def __init__(self, notice: Callable[[str], None] | None = None, *, dev: str = "/dev",
                  proc: Path = PROC, relay_uid: int | None = 65534, channels: int = 8,
@@ -519,6 +527,10 @@ class RealBackend:
     # -- Backend API
     def gpus(self) -> list[RealGpu]:
         return self._gpus
+
+    def memory_in_use(self) -> None:
+        """Not counted here: the driver accounts per process (process_vidmem)."""
+        return None
 
     def gpu_index_of_instance(self, instance: int) -> int | None:
         """The GPU (minor) a device instance names, as the driver numbered them at start

@@ -294,7 +294,7 @@ class Broker:
             self.audit.deny(tenant=tenant.name, pid=req.caller.pid, what=what, reason=over)
             return OpenReply(errno=errno.EMFILE)
         try:
-            if req.want_file and getattr(self.backend, "tenant_files", False):
+            if req.want_file and self.backend.tenant_files:
                 file = self.backend.open(req.node, req.minor, tenant_file=True, flags=req.flags)
             else:
                 file = self.backend.open(req.node, req.minor)
@@ -660,9 +660,9 @@ class Broker:
         """After a continued allocation: compare the driver's own per-process accounting of
         the tenant's process with its quota, and end a tenant found holding more (a racing
         thread turned a decided call into an allocation the broker never saw)."""
-        usage = getattr(self.backend, "process_vidmem", None)
-        if usage is None or self.spawn is None:
+        if not self.backend.counts_process_memory or self.spawn is None:
             return
+        usage = self.backend.process_vidmem
         tgid, tenant = s.caller.pid, s.tenant
         try:
             # Taken now, while the process waits in this very call: the kill below reaches
