@@ -530,9 +530,8 @@ class EmulatedBackend:
             pLinearAddress=0x7E0000000000 + target.id * 0x10000)).encode())
 
     def NV_ESC_RM_UNMAP_MEMORY(self, f, dc):
-        v = dc.call.value
-        return DriverResult(arg=v.replace(params=v.params.replace(status=nvs.NV_OK)).encode()
-                            if hasattr(v, "params") else v.replace(status=nvs.NV_OK).encode())
+        arg = dc.call.with_status(nvs.NV_OK)  # NVOS34's status
+        return DriverResult(arg=dc.call.encode() if arg is None else arg)
 
     def NV_ESC_RM_CONTROL(self, f, dc):
         v = dc.call.value
@@ -568,10 +567,8 @@ class EmulatedBackend:
         return self._uvm_ok(dc)
 
     def _uvm_ok(self, dc):
-        v = dc.call.value
-        if v is None or not hasattr(v, "rmStatus"):
-            return DriverResult(arg=dc.call.encode())
-        return DriverResult(arg=v.replace(rmStatus=nvs.NV_OK).encode())
+        arg = dc.call.with_status(nvs.NV_OK)
+        return DriverResult(arg=dc.call.encode() if arg is None else arg)
 
     # ------------------------------------------------------------------ control support
     def gpu_by_id(self, gpu_id: int) -> EmulatedGpu | None:

@@ -269,18 +269,10 @@ def finish_ioctl(prep: Prepared, rep: w.IoctlReply) -> tuple[bytes, bytes | None
 
 def not_supported(dc: DriverCall) -> DriverResult:
     """The driver's own answer to what it does not support: status in the argument."""
-    call = dc.call
-    v = call.value
-    if v is None:
-        return DriverResult(arg=call.encode(), errno=errno.EINVAL)
-    name = "rmStatus" if call.kind == "uvm" else "status"
-    if hasattr(v, name):
-        return DriverResult(arg=v.replace(**{name: nvs.NV_ERR_NOT_SUPPORTED}).encode(),
-                            nested=dc.nested)
-    if hasattr(v, "params") and hasattr(v.params, "status"):
-        return DriverResult(arg=v.replace(params=v.params.replace(
-            status=nvs.NV_ERR_NOT_SUPPORTED)).encode(), nested=dc.nested)
-    return DriverResult(arg=call.encode(), errno=errno.EINVAL)
+    arg = dc.call.with_status(nvs.NV_ERR_NOT_SUPPORTED)
+    if arg is None:
+        return DriverResult(arg=dc.call.encode(), errno=errno.EINVAL)
+    return DriverResult(arg=arg, nested=dc.nested)
 
 
 # --------------------------------------------------------------------------- the relay

@@ -527,17 +527,8 @@ class Broker:
     def _status_reply(self, abi, call, status: int, errno_: int = errno.EINVAL) -> IoctlReply:
         """Answer with the driver's status in the argument and ioctl() == 0; arguments
         without a status field (REGISTER_FD, …) are refused with errno_ instead."""
-        field_name = "rmStatus" if call.kind == "uvm" else "status"
-        value = call.value
-        inner = getattr(value, "params", None)
-        if value is None or not (hasattr(value, field_name) or hasattr(inner, field_name)):
-            return IoctlReply(errno=errno_)
-        if hasattr(value, "params") and not hasattr(value, field_name):
-            # nv_ioctl_nvos33_parameters_with_fd and similar wrap the NVOS struct.
-            value = value.replace(params=value.params.replace(**{field_name: status}))
-        else:
-            value = value.replace(**{field_name: status})
-        return IoctlReply(arg_out=value.encode())
+        arg = call.with_status(status)
+        return IoctlReply(errno=errno_) if arg is None else IoctlReply(arg_out=arg)
 
     def _call_backend(self, s: Session, call, nested: bytes | None = None,
                             fd_files: dict | None = None,
