@@ -1,6 +1,6 @@
-"""The ABI owns where a call's NV status lives (abi/driver.py: IoctlCall.with_status,
-DriverABI.with_status); the broker core, the real backend and the emulator use it instead
-of their own copies."""
+"""The ABI owns where a call's NV status lives and how an escape's request number is made
+(abi/driver.py: IoctlCall.with_status, DriverABI.with_status, DriverABI.escape_cmd); the
+broker core, the real backend and the emulator use them instead of their own copies."""
 import errno
 
 import pytest
@@ -9,10 +9,6 @@ from devbroker.abi import NodeKind, iowr, registry
 from devbroker.abi import status as nvs
 from devbroker.backends.base import DriverCall
 from devbroker.backends.real import not_supported
-
-
-def _cmd(abi, name):
-    return iowr(abi.escape(name).number, abi.escape(name).size)
 
 
 def _old_status_reply(call, status):
@@ -65,29 +61,38 @@ def test_with_status_where_the_status_lives():
     # rmStatus, and none (REGISTER_FD: the driver answers with an errno).
     free = abi.escape("NV_ESC_RM_FREE").params
     arg = free.decode(bytes(free.size)).replace(hRoot=1, hObjectOld=2).encode()
-    out = abi.decode_ioctl(NodeKind.CTL, _cmd(abi, "NV_ESC_RM_FREE"),
-                           abi.with_status(NodeKind.CTL, _cmd(abi, "NV_ESC_RM_FREE"), arg,
+    out = abi.decode_ioctl(NodeKind.CTL, abi.escape_cmd("NV_ESC_RM_FREE"),
+                           abi.with_status(NodeKind.CTL, abi.escape_cmd("NV_ESC_RM_FREE"), arg,
                                            nvs.NV_ERR_INVALID_CLIENT)).value
     assert (out.hRoot, out.hObjectOld, out.status) == (1, 2, nvs.NV_ERR_INVALID_CLIENT)
     mm = abi.escape("NV_ESC_RM_MAP_MEMORY")
-    cmd = _cmd(abi, "NV_ESC_RM_MAP_MEMORY")
+    cmd = abi.escape_cmd("NV_ESC_RM_MAP_MEMORY")
     got = abi.with_status(NodeKind.CTL, cmd, bytes(mm.size), nvs.NV_ERR_NOT_SUPPORTED)
     assert abi.decode_ioctl(NodeKind.CTL, cmd, got).value.params.status == \
         nvs.NV_ERR_NOT_SUPPORTED
-    reg = _cmd(abi, "NV_ESC_REGISTER_FD")
+    reg = abi.escape_cmd("NV_ESC_REGISTER_FD")
     assert abi.with_status(NodeKind.CTL, reg, bytes(abi.escape("NV_ESC_REGISTER_FD").size),
                            nvs.NV_OK) is None
+
+
+def test_escape_cmd_is_iowr_of_the_number():
+    abi = registry.get("580.159.04")
+    for name in ("NV_ESC_RM_CONTROL", "NV_ESC_RM_ALLOC", "NV_ESC_CARD_INFO",
+                 "NV_ESC_CHECK_VERSION_STR"):
+        spec = abi.escape(name)
+        assert abi.escape_cmd(name) == iowr(spec.number, spec.size)
+        assert abi.escape_cmd(name, 40) == iowr(spec.number, 40)
 
 
 def test_real_backend_not_supported_answers():
     abi = registry.get("580.159.04")
     ctl = abi.escape("NV_ESC_RM_CONTROL").params
-    call = abi.decode_ioctl(NodeKind.CTL, _cmd(abi, "NV_ESC_RM_CONTROL"), bytes(ctl.size))
+    call = abi.decode_ioctl(NodeKind.CTL, abi.escape_cmd("NV_ESC_RM_CONTROL"), bytes(ctl.size))
     r = not_supported(DriverCall(call, b"nested"))
     assert r.errno == 0 and r.nested == b"nested"
     assert abi.decode_ioctl(NodeKind.CTL, call.cmd, r.arg).value.status == \
         nvs.NV_ERR_NOT_SUPPORTED
-    reg = abi.decode_ioctl(NodeKind.CTL, _cmd(abi, "NV_ESC_REGISTER_FD"),
+    reg = abi.decode_ioctl(NodeKind.CTL, abi.escape_cmd("NV_ESC_REGISTER_FD"),
                            bytes(abi.escape("NV_ESC_REGISTER_FD").size))
     r = not_supported(DriverCall(reg))
     assert r.errno == errno.EINVAL and r.arg == reg.encode()

@@ -212,6 +212,12 @@ class DriverABI:
             return self._escape_by_name.get(nr_or_name)
         return self.escapes.get(nr_or_name)
 
+    def escape_cmd(self, name: str, size: int | None = None) -> int:
+        """The ioctl request number of escape `name` with a `size`-byte argument (its own
+        parameters' size by default): _IOWR('F', nr, size)."""
+        spec = self._escape_by_name[name]
+        return iowr(spec.number, spec.size if size is None else size)
+
     def with_status(self, node: NodeKind | int, cmd: int, arg: bytes,
                     status: int) -> bytes | None:
         """`arg` (the argument of ioctl `cmd` on `node`) with the driver's status set to

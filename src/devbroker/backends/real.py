@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from devbroker.abi import UnknownVersion, iowr, registry
+from devbroker.abi import UnknownVersion, registry
 from devbroker.abi import status as nvs
 from devbroker.abi.nodes import NodeKind
 from devbroker.abi.spec import StructSpec, StructValue
@@ -733,12 +733,12 @@ class RelayRmClient:
             raise
 
     def esc(self, fd: int, name: str, value, nested: bytes | None = None, ptr_field: str = ""):
-        spec = self.abi.escape(name)
         bufs = [w.Buffer(value.encode())]
         if nested is not None:
             bufs.append(w.Buffer(nested, 0, value.spec.by_name[ptr_field].offset))
         rep = self.relay.ioctl(self.relay.sync,
-                               w.IoctlRequest(fd, iowr(spec.number, len(bufs[0].data)), bufs))
+                               w.IoctlRequest(fd, self.abi.escape_cmd(name, len(bufs[0].data)),
+                                              bufs))
         if rep.ret < 0:
             raise OSError(rep.errno, f"{name}: {os.strerror(rep.errno)}")
         return value.spec.decode(rep.buffers[0]), (rep.buffers[1] if nested is not None else None)

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import trio
 
-from devbroker.abi import DecodeError, iowr, registry
+from devbroker.abi import DecodeError, registry
 from devbroker.abi import status as nvstatus
 from devbroker.abi.nodes import NodeKind
 from devbroker.backends.base import Backend, DriverCall, DriverResult
@@ -619,8 +619,7 @@ class Broker:
         ctl = abi.struct("NVOS54_PARAMETERS")
         value = ctl.decode(bytes(ctl.size)).replace(hClient=h, hObject=h, cmd=PROBE_CONTROL,
                                                     paramsSize=4, params=0)
-        spec = abi.escape("NV_ESC_RM_CONTROL")
-        cmd = iowr(spec.number, ctl.size)
+        cmd = abi.escape_cmd("NV_ESC_RM_CONTROL", ctl.size)
         # The probe has no pointer of the tenant's: params is the broker's own buffer.
         probe = abi.decode_ioctl(NodeKind.CTL, cmd, value.replace(params=1).encode())
         result = yield from self._execute_on_tenant_file(
