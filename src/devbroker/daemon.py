@@ -64,7 +64,7 @@ class RunPaths:
 def tenant_tree(broker: Broker) -> dict[str, dict]:
     """What the front end shows: per tenant, its nodes and its /proc/driver/nvidia view."""
     backend = broker.backend
-    host = procview.HOST_PROC if backend.name == "real" else None
+    host = procview.HOST_PROC if backend.host_proc else None
     tree = {}
     for name, t in broker.tenants.items():
         if t.revoked:
@@ -228,7 +228,7 @@ class BrokerService:
                                f"(tenants: {', '.join(sorted(self.broker.policy.tenants))})")
         return {"dir": str(self.paths.tenant_dir(t)), "gpus": list(self.broker.tenants[t].gpus),
                 "seccomp": str(self.paths.seccomp), "backend": self.backend.name,
-                "real_files": bool(getattr(self.backend, "tenant_files", False)),
+                "real_files": self.backend.tenant_files,
                 # for `devbroker exec` to hide it when it is outside the run dir
                 "audit": str(self.audit.path) if self.audit.path else None}
 
@@ -351,7 +351,7 @@ class BrokerService:
 
         try:
             self.check_tenant(tenant)
-            real = bool(getattr(self.backend, "tenant_files", False))
+            real = self.backend.tenant_files
             if frontend == "seccomp":
                 from devbroker.frontends.seccomp import SeccompSupervisor, default_nodes
 
@@ -494,9 +494,8 @@ class BrokerService:
                     await nursery.start(self.oci_agent.serve, nursery)
                     nursery.start_soon(self.alerts.run, self.broker)
                     self.broker.set_spawner(nursery.start_soon)
-                    prepare = getattr(self.backend, "prepare_tenant_files", None)
-                    if prepare is not None:  # while this thread still may mount (real.py)
-                        prepare()
+                    # while this thread still may mount (real.py)
+                    self.backend.prepare_tenant_files()
                     if adopted is not None:
                         # The predecessor's seccomp listeners: what the kernel queued while
                         # neither process received is answered from here on.

@@ -171,7 +171,7 @@ def _export_service(service) -> tuple[dict[str, Any], list[int]]:
     policy = service.broker.policy
     metrics = service.metrics.address if service.metrics is not None else None
     backend_fds: list[int] = []
-    if service.backend.name == "real":
+    if service.backend.handover_format == "real":
         from devbroker.backends import realhandover
 
         files = realhandover._files_of(service.broker)
@@ -258,7 +258,7 @@ async def hand_over(service, *, python: str | None = None):
         if set(service.supervisors) != set(sups):  # cannot happen: accepting has stopped
             raise UpgradeError("a seccomp tenant was attached during the freeze")
         state, backend_fds = export_service(service)
-        if service.backend.name == "real":
+        if service.backend.handover_format == "real":  # the relay's channels
             owned = [backend_fds[state["backend"]["state"]["fds"]["channels"]]]
         books = handover.books(service.broker)
         dups = [service.control.sock.dup(), service._seccomp_sock.dup(),
@@ -494,8 +494,7 @@ async def _takeover(run_dir: str, sock: socket.socket) -> int:
     try:
         await run_forever(service, quiet=True, started=started)
     finally:
-        stop = getattr(service.backend, "stop", None)
-        if stop is not None and not service.handed_over:
-            stop()
+        if not service.handed_over:
+            service.backend.stop()
         service.audit.close()
     return 0

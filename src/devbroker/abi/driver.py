@@ -163,6 +163,25 @@ class IoctlCall:
         return IoctlCall(self.node, self.cmd, self.kind, self.name, self.spec,
                          self.value.replace(**kw), self.raw, self.nr)
 
+    def with_status(self, status: int) -> bytes | None:
+        """The argument with the driver's status set to `status` where the driver keeps it:
+        the top-level `status` (`rmStatus` for UVM commands), else that of the `params` it
+        wraps (nv_ioctl_nvos33_parameters_with_fd and the like). None where the argument
+        has no such field (REGISTER_FD, …, argument-less and unknown calls): the driver
+        answers those with an errno. (By field name; the emulator's _not_modelled goes by
+        the `status` role instead, which differs on ALLOC/FREE_OS_EVENT's `Status` and
+        NUMA_INFO/SET_NUMA_STATUS's NUMA `status`.)"""
+        name = "rmStatus" if self.kind == "uvm" else "status"
+        value = self.value
+        if value is None:
+            return None
+        if hasattr(value, name):
+            return value.replace(**{name: status}).encode()
+        inner = getattr(value, "params", None)
+        if hasattr(inner, name):
+            return value.replace(params=inner.replace(**{name: status})).encode()
+        return None
+
     def __repr__(self) -> str:
         v = f" {format_value(self.value, status_name=_status.name)}" if self.value is not None else ""
         return f"<IoctlCall {self.name}{v}>"
@@ -192,6 +211,18 @@ class DriverABI:
         if isinstance(nr_or_name, str):
             return self._escape_by_name.get(nr_or_name)
         return self.escapes.get(nr_or_name)
+
+    def escape_cmd(self, name: str, size: int | None = None) -> int:
+        """The ioctl request number of escape `name` with a `size`-byte argument (its own
+        parameters' size by default): _IOWR('F', nr, size)."""
+        spec = self._escape_by_name[name]
+        return iowr(spec.number, spec.size if size is None else size)
+
+    def with_status(self, node: NodeKind | int, cmd: int, arg: bytes,
+                    status: int) -> bytes | None:
+        """`arg` (the argument of ioctl `cmd` on `node`) with the driver's status set to
+        `status` where the driver keeps it; None where it has none (IoctlCall.with_status)."""
+        return self.decode_ioctl(node, cmd, arg).with_status(status)
 
     def control(self, cmd: int) -> OpSpec | None:
         """A control of the tables (published, or unpublished of a known size), else None."""

@@ -79,10 +79,58 @@ class NotHere(Exception):
 
 
 class Backend(Protocol):
-    name: str
+    """What the broker asks of a backend. The capability attributes below say what this
+    backend offers; code above asks them instead of the backend's name, so a new backend
+    says what it is in one place (tests/test_backend_caps.py holds each class to them)."""
+
+    name: str  # for people (logs, audit, snapshots) and to rebuild it after an upgrade
     version: str  # the driver version this backend speaks by default
 
+    # -- capabilities (class attributes: fixed for the backend's kind)
+    # The tenant's /proc/driver/nvidia is built from the host's (procview.HOST_PROC): there
+    # is a real driver whose files to show, filtered; else it is made up from gpus().
+    host_proc: bool
+    # open(node, minor, tenant_file=True, flags=...) gives real driver files that live in
+    # the tenant (backends/tenantfile.py, the seccomp front end); without it every file is
+    # the backend's and each call is relayed.
+    tenant_files: bool
+    # The driver's own process list (GET_PIDS) names the tenants' processes. Not so through
+    # a relay: the real driver credits every relayed object to the relay process, so the
+    # broker answers from its own books.
+    reports_tenant_pids: bool
+    # The driver keeps its own per-process account of device memory (process_vidmem), which
+    # the broker compares with quotas after an allocation to catch a racing thread.
+    counts_process_memory: bool
+    # How a live upgrade carries this backend's state: "emulated" (its books as JSON,
+    # broker/handover.py), "real" (backends/realhandover.py: the relay's channels as fds),
+    # None where it cannot be handed over.
+    handover_format: str | None
+
+    # The host's memory block size (what SYS_PARAMS sets once per boot), None where unknown:
+    # a tenant asking for another value is refused (broker/handlers.sys_params).
+    memblock_size: int | None
+
     def gpus(self) -> list[Any]: ...
+
+    def gpu_index_of_instance(self, instance: int) -> int | None:
+        """The GPU (minor) an RM device instance (NV0080 deviceId) names, None for none:
+        the driver numbers instances at attach time, not as minors."""
+        ...
+
+    def memory_in_use(self) -> dict[int, int] | None:
+        """Device memory the backend itself counts as taken (GPU index -> bytes), for the
+        metrics; None where it does not count (a real driver: see process_vidmem)."""
+        ...
+
+    def prepare_tenant_files(self) -> None:
+        """Called once at start on the broker's main thread, which may still mount: make
+        what tenant files need (nothing where tenant_files is False)."""
+        ...
+
+    def stop(self) -> None:
+        """Release what the backend holds outside this process's memory (relay process,
+        threads, mounts); not called when a successor took it over."""
+        ...
 
     def open(self, node: NodeKind, minor: int) -> DriverFile: ...
 
@@ -90,9 +138,13 @@ class Backend(Protocol):
 
     async def ioctl(self, file: DriverFile, call: DriverCall) -> DriverResult: ...
 
-    # Optional: `ioctl_blocking(file, call) -> DriverResult` runs the call on the calling
-    # thread (a seccomp listener's: broker/effects.py), or raises effects.NotHere for a file
-    # it can only serve the trio way (a relayed file). Backends without it are always
-    # awaited on the trio thread.
+    def ioctl_blocking(self, file: DriverFile, call: DriverCall) -> DriverResult:
+        """Run the call on the calling thread (a seccomp listener's: broker/effects.py), or
+        raise NotHere for a file it can only serve the trio way (a relayed file)."""
+        ...
+
+    # Only where counts_process_memory:
+    # `process_vidmem(tgid) -> dict[int, int]`: the driver's account of tgid's device memory
+    # (GPU index -> bytes).
 
     def map_read(self, file: DriverFile, offset: int, length: int) -> bytes: ...

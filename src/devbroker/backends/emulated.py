@@ -87,6 +87,15 @@ class EmulatedBackend:
     # The emulated driver answers as the real one answers the broker's relay: a caller
     # without CAP_SYS_ADMIN (controls the driver keeps for root refuse; emulated_sched.py).
     privileged_caller = False
+    # Capabilities (backends/base.py Backend says what each means): a simulated driver has
+    # no host files to show or hand out, answers GET_PIDS with the callers' own tgids
+    # (DriverCall.tgid), keeps no per-process account the broker could check, and hands
+    # its books over as JSON.
+    host_proc = False
+    tenant_files = False
+    reports_tenant_pids = True
+    counts_process_memory = False
+    handover_format = "emulated"
 
     def __init__(self, gpus: list[EmulatedGpu] | None = None, *, version: str = "580.159.04",
                  notice: Callable[[str], None] | None = None):
@@ -118,6 +127,16 @@ class EmulatedBackend:
 
     def gpus(self) -> list[EmulatedGpu]:
         return self._gpus
+
+    def memory_in_use(self) -> dict[int, int]:
+        """The emulator's own accounting of device memory (GPU index -> bytes)."""
+        return self.used
+
+    def prepare_tenant_files(self) -> None:
+        """Nothing to prepare: no tenant files (tenant_files is False)."""
+
+    def stop(self) -> None:
+        """Nothing outside this process's memory."""
 
     def open(self, node: NodeKind, minor: int) -> EmuFile:
         if node is NodeKind.GPU and not (0 <= minor < len(self._gpus)):
@@ -511,9 +530,8 @@ class EmulatedBackend:
             pLinearAddress=0x7E0000000000 + target.id * 0x10000)).encode())
 
     def NV_ESC_RM_UNMAP_MEMORY(self, f, dc):
-        v = dc.call.value
-        return DriverResult(arg=v.replace(params=v.params.replace(status=nvs.NV_OK)).encode()
-                            if hasattr(v, "params") else v.replace(status=nvs.NV_OK).encode())
+        arg = dc.call.with_status(nvs.NV_OK)  # NVOS34's status
+        return DriverResult(arg=dc.call.encode() if arg is None else arg)
 
     def NV_ESC_RM_CONTROL(self, f, dc):
         v = dc.call.value
@@ -549,10 +567,8 @@ class EmulatedBackend:
         return self._uvm_ok(dc)
 
     def _uvm_ok(self, dc):
-        v = dc.call.value
-        if v is None or not hasattr(v, "rmStatus"):
-            return DriverResult(arg=dc.call.encode())
-        return DriverResult(arg=v.replace(rmStatus=nvs.NV_OK).encode())
+        arg = dc.call.with_status(nvs.NV_OK)
+        return DriverResult(arg=dc.call.encode() if arg is None else arg)
 
     # ------------------------------------------------------------------ control support
     def gpu_by_id(self, gpu_id: int) -> EmulatedGpu | None:

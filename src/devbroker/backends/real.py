@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from devbroker.abi import UnknownVersion, iowr, registry
+from devbroker.abi import UnknownVersion, registry
 from devbroker.abi import status as nvs
 from devbroker.abi.nodes import NodeKind
 from devbroker.abi.spec import StructSpec, StructValue
@@ -269,18 +269,10 @@ def finish_ioctl(prep: Prepared, rep: w.IoctlReply) -> tuple[bytes, bytes | None
 
 def not_supported(dc: DriverCall) -> DriverResult:
     """The driver's own answer to what it does not support: status in the argument."""
-    call = dc.call
-    v = call.value
-    if v is None:
-        return DriverResult(arg=call.encode(), errno=errno.EINVAL)
-    name = "rmStatus" if call.kind == "uvm" else "status"
-    if hasattr(v, name):
-        return DriverResult(arg=v.replace(**{name: nvs.NV_ERR_NOT_SUPPORTED}).encode(),
-                            nested=dc.nested)
-    if hasattr(v, "params") and hasattr(v.params, "status"):
-        return DriverResult(arg=v.replace(params=v.params.replace(
-            status=nvs.NV_ERR_NOT_SUPPORTED)).encode(), nested=dc.nested)
-    return DriverResult(arg=call.encode(), errno=errno.EINVAL)
+    arg = dc.call.with_status(nvs.NV_ERR_NOT_SUPPORTED)
+    if arg is None:
+        return DriverResult(arg=dc.call.encode(), errno=errno.EINVAL)
+    return DriverResult(arg=arg, nested=dc.nested)
 
 
 # --------------------------------------------------------------------------- the relay
@@ -447,6 +439,14 @@ class RelayProcess:
 # --------------------------------------------------------------------------- the backend
 class RealBackend:
     name = "real"
+    # Capabilities (backends/base.py Backend says what each means): the host's driver files
+    # are shown (filtered) and handed out to seccomp tenants; the driver credits relayed
+    # objects to the relay, not to tenants, but accounts memory per process (VidmemMonitor);
+    # the hand-over carries the relay's channels (backends/realhandover.py).
+    host_proc = True
+    reports_tenant_pids = False
+    counts_process_memory = True
+    handover_format = "real"
 
     def __init__(self, notice: Callable[[str], None] | None = None, *, dev: str = "/dev",
                  proc: Path = PROC, relay_uid: int | None = 65534, channels: int = 8,
@@ -519,6 +519,10 @@ class RealBackend:
     # -- Backend API
     def gpus(self) -> list[RealGpu]:
         return self._gpus
+
+    def memory_in_use(self) -> None:
+        """Not counted here: the driver accounts per process (process_vidmem)."""
+        return None
 
     def gpu_index_of_instance(self, instance: int) -> int | None:
         """The GPU (minor) a device instance names, as the driver numbered them at start
@@ -729,12 +733,12 @@ class RelayRmClient:
             raise
 
     def esc(self, fd: int, name: str, value, nested: bytes | None = None, ptr_field: str = ""):
-        spec = self.abi.escape(name)
         bufs = [w.Buffer(value.encode())]
         if nested is not None:
             bufs.append(w.Buffer(nested, 0, value.spec.by_name[ptr_field].offset))
         rep = self.relay.ioctl(self.relay.sync,
-                               w.IoctlRequest(fd, iowr(spec.number, len(bufs[0].data)), bufs))
+                               w.IoctlRequest(fd, self.abi.escape_cmd(name, len(bufs[0].data)),
+                                              bufs))
         if rep.ret < 0:
             raise OSError(rep.errno, f"{name}: {os.strerror(rep.errno)}")
         return value.spec.decode(rep.buffers[0]), (rep.buffers[1] if nested is not None else None)

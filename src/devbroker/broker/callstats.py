@@ -24,7 +24,8 @@ import threading
 import time
 from typing import Any
 
-from devbroker.abi import registry
+from devbroker.abi import ioc_nr, ioc_type, registry
+from devbroker.abi.driver import NV_IOCTL_MAGIC
 from devbroker.abi.nodes import NodeKind
 from devbroker.broker.effects import around_each_step
 
@@ -34,7 +35,6 @@ BUCKETS = (10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-
            50e-3, 100e-3, 250e-3, 1.0)
 _BOUNDS_NS = tuple(int(b * 1e9) for b in BUCKETS)
 
-_NV_IOCTL_MAGIC = ord("F")
 _NODE_NAMES = {NodeKind.CTL: "nvidiactl", NodeKind.GPU: "nvidia-gpu", NodeKind.UVM: "nvidia-uvm",
                NodeKind.UVM_TOOLS: "nvidia-uvm-tools", NodeKind.CAP: "nvidia-cap",
                NodeKind.OTHER: "other"}
@@ -76,9 +76,9 @@ class _Names:
     def _escape(self, node: NodeKind, cmd: int) -> tuple[str, int]:
         if node in _UVM_NODES:
             return self.uvm.get(cmd, "UNKNOWN"), _PLAIN
-        if (cmd >> 8) & 0xFF != _NV_IOCTL_MAGIC:
+        if ioc_type(cmd) != NV_IOCTL_MAGIC:  # once per (node, cmd): the answer is cached
             return "UNKNOWN", _PLAIN
-        nr = cmd & 0xFF
+        nr = ioc_nr(cmd)
         return self.escapes.get(nr, "UNKNOWN"), self._sub.get(nr, _PLAIN)
 
     def ioctl(self, node: NodeKind, cmd: int, arg: bytes | None) -> tuple[str, str]:

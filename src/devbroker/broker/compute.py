@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from devbroker.abi import iowr
 from devbroker.abi import status as nvstatus
 from devbroker.broker.effects import Blocking, Steps, locked, run_async
 
@@ -227,7 +226,7 @@ def _control(broker: Any, s: Any, req: Any, g: ChannelGroup, cmd: int, **values:
     value = ctl.decode(bytes(ctl.size)).replace(hClient=g.client, hObject=g.handle, cmd=cmd,
                                                 paramsSize=spec.size, params=1)
     node = s.node if s.node in (NodeKind.CTL, NodeKind.GPU) else NodeKind.CTL
-    number = iowr(abi.escape("NV_ESC_RM_CONTROL").number, ctl.size)
+    number = abi.escape_cmd("NV_ESC_RM_CONTROL", ctl.size)
     call = abi.decode_ioctl(node, number, value.encode())
     result = yield from broker._call_backend(s, call, nested, req=req)
     if result.errno:

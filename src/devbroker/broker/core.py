@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import trio
 
-from devbroker.abi import DecodeError, iowr, registry
+from devbroker.abi import DecodeError, registry
 from devbroker.abi import status as nvstatus
 from devbroker.abi.nodes import NodeKind
 from devbroker.backends.base import Backend, DriverCall, DriverResult
@@ -294,7 +294,7 @@ class Broker:
             self.audit.deny(tenant=tenant.name, pid=req.caller.pid, what=what, reason=over)
             return OpenReply(errno=errno.EMFILE)
         try:
-            if req.want_file and getattr(self.backend, "tenant_files", False):
+            if req.want_file and self.backend.tenant_files:
                 file = self.backend.open(req.node, req.minor, tenant_file=True, flags=req.flags)
             else:
                 file = self.backend.open(req.node, req.minor)
@@ -527,17 +527,8 @@ class Broker:
     def _status_reply(self, abi, call, status: int, errno_: int = errno.EINVAL) -> IoctlReply:
         """Answer with the driver's status in the argument and ioctl() == 0; arguments
         without a status field (REGISTER_FD, …) are refused with errno_ instead."""
-        field_name = "rmStatus" if call.kind == "uvm" else "status"
-        value = call.value
-        inner = getattr(value, "params", None)
-        if value is None or not (hasattr(value, field_name) or hasattr(inner, field_name)):
-            return IoctlReply(errno=errno_)
-        if hasattr(value, "params") and not hasattr(value, field_name):
-            # nv_ioctl_nvos33_parameters_with_fd and similar wrap the NVOS struct.
-            value = value.replace(params=value.params.replace(**{field_name: status}))
-        else:
-            value = value.replace(**{field_name: status})
-        return IoctlReply(arg_out=value.encode())
+        arg = call.with_status(status)
+        return IoctlReply(errno=errno_) if arg is None else IoctlReply(arg_out=arg)
 
     def _call_backend(self, s: Session, call, nested: bytes | None = None,
                             fd_files: dict | None = None,
@@ -628,8 +619,7 @@ class Broker:
         ctl = abi.struct("NVOS54_PARAMETERS")
         value = ctl.decode(bytes(ctl.size)).replace(hClient=h, hObject=h, cmd=PROBE_CONTROL,
                                                     paramsSize=4, params=0)
-        spec = abi.escape("NV_ESC_RM_CONTROL")
-        cmd = iowr(spec.number, ctl.size)
+        cmd = abi.escape_cmd("NV_ESC_RM_CONTROL", ctl.size)
         # The probe has no pointer of the tenant's: params is the broker's own buffer.
         probe = abi.decode_ioctl(NodeKind.CTL, cmd, value.replace(params=1).encode())
         result = yield from self._execute_on_tenant_file(
@@ -660,9 +650,9 @@ class Broker:
         """After a continued allocation: compare the driver's own per-process accounting of
         the tenant's process with its quota, and end a tenant found holding more (a racing
         thread turned a decided call into an allocation the broker never saw)."""
-        usage = getattr(self.backend, "process_vidmem", None)
-        if usage is None or self.spawn is None:
+        if not self.backend.counts_process_memory or self.spawn is None:
             return
+        usage = self.backend.process_vidmem
         tgid, tenant = s.caller.pid, s.tenant
         try:
             # Taken now, while the process waits in this very call: the kill below reaches

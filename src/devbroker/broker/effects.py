@@ -114,10 +114,7 @@ def perform_blocking(eff: Effect, gate: Any) -> Any:
             return eff.memory.write(eff.addr, eff.data)
         return gate.direct(eff.tenant, eff.memory.write, eff.addr, eff.data, what=eff.what)
     if isinstance(eff, DriverIoctl):
-        run = getattr(eff.backend, "ioctl_blocking", None)
-        if run is None:
-            raise NotHere
-        return run(eff.file, eff.call)
+        return eff.backend.ioctl_blocking(eff.file, eff.call)
     if isinstance(eff, ResolveFd):
         got = eff.resolve(eff.fd)
         if inspect.isawaitable(got):

@@ -95,7 +95,7 @@ def version(ctx: CallContext) -> Steps:
 def sys_params(ctx: CallContext) -> Steps:
     """SYS_PARAMS sets a host-global, set-once value: never relayed, answered here."""
     b, call = ctx.broker, ctx.call
-    host = getattr(b.backend, "memblock_size", None)
+    host = b.backend.memblock_size
     asked = call.value.memblock_size
     if host is not None and asked != host:
         raise Refusal(f"SYS_PARAMS memblock_size={asked:#x} differs from the host's "
@@ -250,8 +250,7 @@ def rm_alloc(ctx: CallContext) -> Steps:
         # deviceId is the driver's device instance, which is not the GPU's minor number
         # (numbered at attach time: on the two-H200 host minor 0 was instance 1).
         instance = params.deviceId if params is not None else 0
-        lookup = getattr(b.backend, "gpu_index_of_instance", None)
-        gpu = lookup(instance) if lookup is not None else instance
+        gpu = b.backend.gpu_index_of_instance(instance)
         if gpu is None or gpu not in s.tenant.gpus:
             raise Refusal(f"{where}: device instance {instance} (GPU {gpu}) is not one of "
                           f"the tenant's GPUs {list(s.tenant.gpus)}",
@@ -471,7 +470,7 @@ def object_fd_control(ctx: CallContext, ctl: ControlCall) -> Steps:
         raise Refusal(f"{where}: fd {tenant_fd} is not one of the tenant's nvidiactl "
                       "files", status=nvstatus.NV_ERR_INVALID_PARAMETER, what=where)
     in_caller = getattr(s.file, "runs_in_caller", False)
-    if getattr(b.backend, "tenant_files", False) and not in_caller:
+    if b.backend.tenant_files and not in_caller:
         # Relayed real files (FUSE front end): the relay has no file the tenant's fd
         # could be translated to.
         raise Refusal(f"{where}: exporting objects through an fd needs the seccomp front "

@@ -94,7 +94,7 @@ def check_supported(broker, *, frontends: dict[str, int] | None = None,
     from devbroker.broker.objects import RmClient, RmObject
     from devbroker.frontends.fuse import _Handle, _Inode
 
-    if broker.backend.name not in ("emulated", "real"):
+    if broker.backend.handover_format is None:
         raise HandoverError(f"the {broker.backend.name} backend cannot be handed over")
     if broker.recorder is not None:
         raise HandoverError("the broker is recording (--record): restart it without, then "
@@ -115,7 +115,7 @@ def check_supported(broker, *, frontends: dict[str, int] | None = None,
         ("a FUSE inode", _fields(_Inode), FUSE_INODE_FIELDS),
         ("a FUSE open file", _fields(_Handle), FUSE_HANDLE_FIELDS),
     ]
-    if broker.backend.name == "emulated":
+    if broker.backend.handover_format == "emulated":
         checks.append(("the emulated backend", set(vars(broker.backend)), EMULATED_ATTRS))
     else:  # backends/realhandover.py carries the relay, its files and the tenant files
         from devbroker.backends.realhandover import unknown_state

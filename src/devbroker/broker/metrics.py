@@ -187,7 +187,7 @@ def metrics_snapshot(broker, stats, monitor, audit, *, started: float) -> dict[s
     snap = broker.snapshot()
     tenants = snap["tenants"]
     backend = broker.backend
-    backend_used = getattr(backend, "used", None)  # the emulated backend's accounting
+    backend_used = backend.memory_in_use()  # None where the driver counts (real)
     gpus = []
     for i, g in enumerate(backend.gpus()):
         idx = getattr(g, "index", i)

@@ -269,7 +269,7 @@ def gpu_pids(ctx, out):
     broker, s = ctx.broker, ctx.session
     mine = s.tenant.tgids()
     count = out.pidTblCount
-    if broker.backend.name == "real":
+    if not broker.backend.reports_tenant_pids:
         # The real driver credits every relayed object to the relay process, so the
         # driver's list says nothing about tenants: answer from the broker's own books
         # (processes of this tenant holding objects on this GPU).

@@ -140,9 +140,8 @@ def cmd_run(args) -> int:
     finally:
         # The real backend's relay, driver threads and private-node mount go with the broker
         # (unless a successor took them over).
-        stop = getattr(service.backend, "stop", None)
-        if stop is not None and not service.handed_over:
-            stop()
+        if not service.handed_over:
+            service.backend.stop()
         service.audit.close()  # writes the summaries of rate-limited refusals
     return 0
 

@@ -313,11 +313,11 @@ def _read_audit(path: Path) -> list[dict]:
 def _driver_held(broker, pid) -> dict | None:
     """The real driver's own accounting of a process's video memory (GPU -> bytes), or None
     with the emulated backend."""
-    usage = getattr(getattr(broker, "backend", None), "process_vidmem", None)
-    if usage is None or not pid:
+    backend = getattr(broker, "backend", None)
+    if backend is None or not backend.counts_process_memory or not pid:
         return None
     try:
-        return usage(int(pid))
+        return backend.process_vidmem(int(pid))
     except OSError:
         return None
 
@@ -479,7 +479,7 @@ def _run_seccomp(attacks: list[Attack], work: Path, flood: bool, report: Report,
     built = assemble(policy, audit=AuditLog(audit_path, deny_rate=0))
     broker, audit = built.broker, built.audit
     # Real driver files with the real backend (what CUDA gets), placeholders otherwise.
-    real_files = bool(getattr(broker.backend, "tenant_files", False))
+    real_files = broker.backend.tenant_files
     if real_files:
         broker.backend.prepare_tenant_files()
     caps = _capless if real_files else (lambda argv: argv)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
-from devbroker.abi import iowr, registry
+from devbroker.abi import registry
 from devbroker.abi.nodes import NodeKind
 from devbroker.assemble import assemble
 from devbroker.broker.audit import AuditLog
@@ -72,7 +72,7 @@ class InProcTenant:
             value = value.replace(**{ptr: ctypes.addressof(buf)})
         arg = value.encode()
         rep = await self.b.ioctl(IoctlRequest(self.caller, self.fds[fd],
-                                              iowr(self.abi.escape(name).number, len(arg)), 0,
+                                              self.abi.escape_cmd(name, len(arg)), 0,
                                               arg, OwnMemory(), self._resolve))
         out = value.spec.decode(rep.arg_out) if rep.arg_out else None
         got = nested.spec.decode(ctypes.string_at(ctypes.addressof(buf), nested.spec.size)) \

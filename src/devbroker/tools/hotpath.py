@@ -63,7 +63,7 @@ class OneCall:
                   cmd=FB_GET_INFO_V2, params=ctypes.addressof(self.params),
                   paramsSize=p.spec.size)
         self.arg = bytearray(v.encode())
-        self.cmd = iowr(c.abi.escape("NV_ESC_RM_CONTROL").number, len(self.arg))
+        self.cmd = c.abi.escape_cmd("NV_ESC_RM_CONTROL", len(self.arg))
         self.fd = c.ctl
         self.check()  # one answered call before anything is timed
 

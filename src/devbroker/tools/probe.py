@@ -17,7 +17,7 @@ import os
 import re
 import sys
 
-from devbroker.abi import iowr, registry
+from devbroker.abi import registry
 from devbroker.abi import status as nvs
 
 NV01_ROOT_CLIENT = 0x41
@@ -74,9 +74,8 @@ class Client:
 
     # -- raw escapes
     def escape(self, fd: int, name: str, value) -> object:
-        spec = self.abi.escape(name)
         buf = bytearray(value.encode())
-        fcntl.ioctl(fd, iowr(spec.number, len(buf)), buf, True)
+        fcntl.ioctl(fd, self.abi.escape_cmd(name, len(buf)), buf, True)
         return value.spec.decode(bytes(buf))
 
     def new(self, struct: str, **fields):
@@ -91,7 +90,7 @@ class Client:
     def card_info(self) -> list:
         entry = self.abi.struct("nv_ioctl_card_info_t")
         buf = bytearray(entry.size * 32)
-        fcntl.ioctl(self.ctl, iowr(200, len(buf)), buf, True)
+        fcntl.ioctl(self.ctl, self.abi.escape_cmd("NV_ESC_CARD_INFO", len(buf)), buf, True)
         return [entry.decode(bytes(buf[i * entry.size:(i + 1) * entry.size])) for i in range(32)]
 
     def alloc(self, parent: int, cls: int, params=None, handle: int | None = None,
