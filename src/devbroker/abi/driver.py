@@ -165,26 +165,36 @@ class IoctlCall:
 
     def with_status(self, status: int) -> bytes | None:
         """The argument with the driver's status set to `status` where the driver keeps it:
-        the top-level `status` (`rmStatus` for UVM commands), else that of the `params` it
-        wraps (nv_ioctl_nvos33_parameters_with_fd and the like). None where the argument
-        has no such field (REGISTER_FD, …, argument-less and unknown calls): the driver
-        answers those with an errno. (By field name; the emulator's _not_modelled goes by
-        the `status` role instead, which differs on ALLOC/FREE_OS_EVENT's `Status` and
-        NUMA_INFO/SET_NUMA_STATUS's NUMA `status`.)"""
-        name = "rmStatus" if self.kind == "uvm" else "status"
+        the field whose role is `status` (NV_STATUS: `status`, UVM's `rmStatus`, the OS
+        events' `Status`), at the top level or in the `params` it wraps
+        (nv_ioctl_nvos33_parameters_with_fd and the like). None where the argument has no
+        such field (REGISTER_FD, NUMA_INFO, whose `status` is a NUMA state, argument-less and
+        unknown calls): the driver answers those with an errno. The emulator's answers for
+        calls it does not model go by the same role."""
         value = self.value
         if value is None:
             return None
-        if hasattr(value, name):
+        name = _status_field(value)
+        if name is not None:
             return value.replace(**{name: status}).encode()
         inner = getattr(value, "params", None)
-        if hasattr(inner, name):
+        name = _status_field(inner) if inner is not None else None
+        if name is not None:
             return value.replace(params=inner.replace(**{name: status})).encode()
         return None
 
     def __repr__(self) -> str:
         v = f" {format_value(self.value, status_name=_status.name)}" if self.value is not None else ""
         return f"<IoctlCall {self.name}{v}>"
+
+
+def _status_field(value) -> str | None:
+    """The name of the field of a decoded struct whose role is the driver's NV status."""
+    spec = getattr(value, "spec", None)
+    for f in getattr(spec, "fields", ()):
+        if f.kind == "status":
+            return f.name
+    return None
 
 
 class DriverABI:
