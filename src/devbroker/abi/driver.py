@@ -12,6 +12,7 @@ from typing import Any
 from . import status as _status
 from .errors import DecodeError
 from .nodes import NodeKind
+from .ioc import IOC_READ, IOC_WRITE, ioc, ioc_dir, ioc_nr, ioc_size, ioc_type  # noqa: F401
 from .spec import StructSpec, StructValue, format_value
 
 NV_IOCTL_MAGIC = 0x46  # 'F'
@@ -21,25 +22,9 @@ NV_IOCTL_BASE = 200  # frontend escapes are 'F', 200+n; RM escapes are 'F', 0x27
 MAX_NESTED = 1 << 20
 
 
-def ioc_nr(cmd: int) -> int:
-    return cmd & 0xFF
-
-
-def ioc_type(cmd: int) -> int:
-    return (cmd >> 8) & 0xFF
-
-
-def ioc_size(cmd: int) -> int:
-    return (cmd >> 16) & 0x3FFF
-
-
-def ioc_dir(cmd: int) -> int:
-    return (cmd >> 30) & 0x3
-
-
 def iowr(nr: int, size: int, typ: int = NV_IOCTL_MAGIC) -> int:
-    """_IOWR(typ, nr, size) as Linux encodes it (dir 3 = read|write)."""
-    return (3 << 30) | (size << 16) | (typ << 8) | nr
+    """_IOWR(typ, nr, size): the NVIDIA escapes are read|write 'F' requests."""
+    return ioc(IOC_READ | IOC_WRITE, typ, nr, size)
 
 
 @dataclass(frozen=True)

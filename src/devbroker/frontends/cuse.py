@@ -39,6 +39,7 @@ from typing import Callable, Sequence
 
 import trio
 
+from devbroker.abi.ioc import ioc_type
 from devbroker.abi.nodes import NodeKind
 from devbroker.broker import memgate
 from devbroker.broker.interface import (
@@ -318,7 +319,7 @@ class CuseFrontend:
         if req.cmd == WHOAMI_IOCTL and caller.pid == os.getpid():
             self._send(conn, w.encode_ioctl(req.unique, session))  # resolve_fd asking
             return
-        is_f = (req.cmd >> 8) & 0xFF == _IOC_TYPE_F
+        is_f = ioc_type(req.cmd) == _IOC_TYPE_F
         size = w.ioc_size(req.cmd) if is_f else 0
         if size and not req.in_size and not req.out_size:
             # First round of an unrestricted ioctl: ask the kernel for the argument (copied

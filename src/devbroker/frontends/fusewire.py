@@ -924,19 +924,5 @@ def parse_out_header(buf: bytes) -> tuple[int, int, int]:
     return OUT_HEADER.unpack_from(buf, 0)
 
 
-# ioctl number helpers (asm-generic layout, used by x86-64 and arm64)
-IOC_NONE = 0
-IOC_WRITE = 1
-IOC_READ = 2
-
-
-def ioc(direction: int, type_: int, nr: int, size: int) -> int:
-    return (direction << 30) | (size << 16) | (type_ << 8) | nr
-
-
-def ioc_dir(cmd: int) -> int:
-    return (cmd >> 30) & 3
-
-
-def ioc_size(cmd: int) -> int:
-    return (cmd >> 16) & 0x3FFF
+# ioctl numbers: the asm-generic arithmetic (abi/ioc.py), here for the wire's callers
+from devbroker.abi.ioc import IOC_NONE, IOC_READ, IOC_WRITE, ioc, ioc_dir, ioc_size  # noqa: E402,F401

@@ -13,6 +13,8 @@ import enum
 import struct
 from dataclasses import dataclass
 
+from devbroker.abi.ioc import ioc_size, ioc_type
+
 PROTO_VERSION = 1
 REQ_MAGIC = 0x51524244  # "DBRQ"
 VERDICT_MAGIC = 0x44524244  # "DBRD"
@@ -187,4 +189,4 @@ def map_file(req_id: int, fd: int, offset: int = 0) -> VerdictRecord:
 
 def arg_size(cmd: int) -> int:
     """How many argument bytes the module copies into an IOCTL request for `cmd`."""
-    return (cmd >> 16) & 0x3FFF if (cmd >> 8) & 0xFF == ARG_TYPE else 0
+    return ioc_size(cmd) if ioc_type(cmd) == ARG_TYPE else 0

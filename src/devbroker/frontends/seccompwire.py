@@ -98,29 +98,10 @@ STAT_SYSCALLS = ("stat", "fstat", "lstat", "newfstatat", "statx")
 # ioctl numbers (asm-generic encoding: nr 8 bits, type 8, size 14, dir 2)
 # ---------------------------------------------------------------------------------------
 
-_IOC_NONE, _IOC_WRITE, _IOC_READ = 0, 1, 2
-
-
-def _IOC(direction: int, typ: int, nr: int, size: int) -> int:
-    if not 0 <= size < (1 << 14):
-        raise ValueError(f"ioctl size {size} does not fit 14 bits")
-    return (direction << 30) | (size << 16) | (typ << 8) | nr
-
-
-def IOC_NR(cmd: int) -> int:
-    return cmd & 0xFF
-
-
-def IOC_TYPE(cmd: int) -> int:
-    return (cmd >> 8) & 0xFF
-
-
-def IOC_SIZE(cmd: int) -> int:
-    return (cmd >> 16) & 0x3FFF
-
-
-def IOC_DIR(cmd: int) -> int:
-    return (cmd >> 30) & 0x3
+from devbroker.abi.ioc import (  # noqa: E402,F401  (the arithmetic's one home)
+    IOC_READ as _IOC_READ, IOC_WRITE as _IOC_WRITE, ioc as _IOC, ioc_dir as IOC_DIR,
+    ioc_nr as IOC_NR, ioc_size as IOC_SIZE, ioc_type as IOC_TYPE,
+)
 
 
 SECCOMP_DATA_SIZE = 64
