@@ -48,7 +48,7 @@ from devbroker.broker.interface import (
     RunInCaller,
 )
 from devbroker.broker.handlers import CallContext, embedded_buffers
-from devbroker.broker.objects import RmClient, drop_objects
+from devbroker.broker.objects import ClientRegistry, RmClient
 from devbroker.broker.procinfo import pid_namespace, stat_nosync
 from devbroker.broker.ratelimit import TokenBucket
 from devbroker.broker.refusal import Refusal
@@ -89,7 +89,6 @@ class Session:
     minor: int
     caller: Caller
     file: Any  # the backend's DriverFile
-    clients: set[int] = field(default_factory=set)  # root clients owned through this file
     closed: bool = False
     pidns: str | None = None  # the opener's pid namespace (an fd passed out of it is refused)
 
@@ -107,6 +106,7 @@ class TenantState:
     policy: Any  # devbroker.broker.policy.TenantPolicy
     limiter: TokenBucket
     sessions: dict[int, Session] = field(default_factory=dict)
+    # Its root clients by handle: written by the broker's ClientRegistry only.
     clients: dict[int, RmClient] = field(default_factory=dict)
     abi_by_tgid: dict[int, Any] = field(default_factory=dict)
     refusals: int = 0
@@ -154,7 +154,9 @@ class Broker:
         self.memgate = MemoryGate(self.audit)
         self.sessions: dict[int, Session] = {}
         self.tenants: dict[str, TenantState] = {}
-        self.client_owner: dict[int, str] = {}  # client handle -> tenant name
+        # Every root client, its tenant and its session (the only place they are added
+        # and removed; TenantState.clients is its per-tenant view).
+        self.clients = ClientRegistry()
         self._ids = itertools.count(1)
         self.policy = None
         self.on_policy_change: list[Callable[[Any], None]] = []
@@ -329,11 +331,7 @@ class Broker:
             self.recorder.close(s)
         # Closing the ctl file frees every client allocated through it (driver semantics),
         # and with them the quota they held.
-        for h in list(s.clients):
-            gone = s.tenant.clients.pop(h, None)
-            if gone is not None:
-                drop_objects(gone.objects.values())
-            self.client_owner.pop(h, None)
+        self.clients.close_session(s.id)
         try:
             self.backend.close(s.file)
         except OSError as e:  # pragma: no cover - real driver close errors are only logged
@@ -613,7 +611,7 @@ class Broker:
         tenant's)."""
         f = s.file
         if (not getattr(f, "runs_in_caller", False) or s.node is not NodeKind.CTL
-                or f.continued_root_allocs <= len(f.adopted) or h in self.client_owner):
+                or f.continued_root_allocs <= len(f.adopted) or h in self.clients):
             return False
         abi = self._abi(s)
         ctl = abi.struct("NVOS54_PARAMETERS")
@@ -627,9 +625,7 @@ class Broker:
         out = abi.decode_ioctl(NodeKind.CTL, cmd, result.arg).value
         if result.errno or out.status != nvstatus.NV_OK:
             return False
-        s.tenant.clients[h] = RmClient(h, s.id, s.caller.pid)
-        s.clients.add(h)
-        self.client_owner[h] = s.tenant.name
+        self.clients.new(s, h)
         f.adopted.add(h)
         self.audit.write("notice", tenant=s.tenant.name, pid=s.caller.pid, node=s.node_name,
                          message=f"root client {h:#x} allocated by the tenant itself adopted")
@@ -709,7 +705,7 @@ class Broker:
                 first = h
             if h == 0 and (zero_ok or name in CLIENT_FIELDS_ZERO_OK):
                 continue
-            owner = self.client_owner.get(h)
+            owner = self.clients.owner(h)
             if owner != s.tenant.name:
                 raise Refusal(f"{where}: {name}={h:#x} is not a client of this tenant",
                               status=nvstatus.NV_ERR_INVALID_CLIENT, what=where)

@@ -21,7 +21,7 @@ from devbroker.abi.nodes import NodeKind
 from devbroker.broker import limits, rewrite
 from devbroker.broker.effects import ResolveFd, Steps
 from devbroker.broker.interface import IoctlReply, IoctlRequest, RunInCaller
-from devbroker.broker.objects import RmClient, drop_objects, share
+from devbroker.broker.objects import drop_objects, share
 from devbroker.broker.refusal import Refusal
 
 ROOT_CLIENT_CLASSES = frozenset({0x0, 0x41})  # NV01_ROOT, NV01_ROOT_CLIENT
@@ -189,7 +189,7 @@ def rm_alloc(ctx: CallContext) -> Steps:
         if s.node is not NodeKind.CTL:
             raise Refusal(f"{where}: root clients are allocated on nvidiactl",
                           status=nvstatus.NV_ERR_INVALID_ARGUMENT, what=where)
-        owner = b.client_owner.get(v.hObjectNew) if v.hObjectNew else None
+        owner = b.clients.owner(v.hObjectNew) if v.hObjectNew else None
         if owner is not None and owner != s.tenant.name:
             # Issue 13 item 7: another tenant's client handle. The driver keeps client
             # handles host-wide, so it cannot be given out; the answer is exactly the
@@ -203,7 +203,8 @@ def rm_alloc(ctx: CallContext) -> Steps:
         if over := limits.alloc_refusal(s.tenant, root_client=True):
             raise Refusal(over, status=nvstatus.NV_ERR_INSUFFICIENT_RESOURCES, what=where)
         f = s.file
-        if getattr(f, "runs_in_caller", False) and not f.continued_root_allocs and not s.clients:
+        if (getattr(f, "runs_in_caller", False) and not f.continued_root_allocs
+                and not b.clients.of_session(s.id)):
             # The driver records the caller's pid as the client's owner, and RM_MAP_MEMORY
             # and UVM later insist on it: the tenant must make this call itself. Safe
             # against a racing thread only because this file holds no client yet: a
@@ -216,10 +217,7 @@ def rm_alloc(ctx: CallContext) -> Steps:
         result = yield from b._call_backend(s, call, nested, req=req)
         out = abi.decode_ioctl(s.node, req.cmd, result.arg).value
         if not result.errno and out.status == nvstatus.NV_OK:
-            h = out.hObjectNew
-            s.tenant.clients[h] = RmClient(h, s.id, s.caller.pid)
-            s.clients.add(h)
-            b.client_owner[h] = s.tenant.name
+            b.clients.new(s, out.hObjectNew)
         return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
     client = yield from b._client_of(s, v.hRoot, where, req)
@@ -328,12 +326,7 @@ def rm_free(ctx: CallContext) -> Steps:
     out = abi.decode_ioctl(s.node, req.cmd, result.arg).value
     if not result.errno and out.status == nvstatus.NV_OK:
         if v.hObjectOld == v.hRoot:
-            gone = s.tenant.clients.pop(v.hRoot, None)
-            if gone is not None:
-                drop_objects(gone.objects.values())
-            b.client_owner.pop(v.hRoot, None)
-            for sess in s.tenant.sessions.values():
-                sess.clients.discard(v.hRoot)
+            b.clients.remove(v.hRoot)
         else:
             drop_objects(client.remove(v.hObjectOld))
     return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
@@ -506,9 +499,7 @@ def object_fd_control(ctx: CallContext, ctl: ControlCall) -> Steps:
         if v.cmd == EXPORT_OBJECTS_TO_FD:
             if holder is None:
                 h = export_holder_handle(target.id)
-                holder = s.tenant.clients[h] = RmClient(h, target.id, target.caller.pid)
-                target.clients.add(h)
-                b.client_owner[h] = s.tenant.name
+                holder = b.clients.new(target, h)
             base = int(params.index)
             for i, h in enumerate(list(params.objects)[:int(params.numObjects)]):
                 slot = base + i + 1  # (0 would be the holder's own handle)

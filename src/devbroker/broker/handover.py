@@ -6,7 +6,8 @@ tenants (src/devbroker/upgrade.py moves it, with the file descriptors, over a Un
 - the running policy (its canonical TOML: the successor validates it with its own code);
 - the broker core's state: tenants with their counters, RM clients and object trees (hence
   the quota accounting), sessions (the open files) with their callers and pid namespaces,
-  which client belongs to which tenant, the id counter, the one-time notices;
+  which client belongs to which tenant and file (the client registry), the id counter, the
+  one-time notices;
 - the backend's state (emulated backend: its open files, clients, objects and memory used);
 - the per-call counters and the alert state (so that counters go on rising and an alert that
   is on is not raised twice);
@@ -30,13 +31,13 @@ FORMAT = 1
 # What the hand-over carries (or deliberately leaves, with the reason in the comment). A
 # name appearing on the live objects and missing here stops an upgrade (check_supported).
 BROKER_ATTRS = frozenset({
-    "backend", "audit", "policy", "sessions", "tenants", "client_owner", "_ids", "_logged_once",
+    "backend", "audit", "policy", "sessions", "tenants", "clients", "_ids", "_logged_once",
     "memgate",  # rebuilt: its stalled threads belong to the old process
     "recorder",  # an upgrade is refused while recording (check_supported)
     "on_policy_change", "spawn", "_trio_token",  # set up by the successor's daemon
 })
-SESSION_FIELDS = frozenset({"id", "tenant", "node", "minor", "caller", "file", "clients",
-                            "closed", "pidns"})
+SESSION_FIELDS = frozenset({"id", "tenant", "node", "minor", "caller", "file", "closed",
+                            "pidns"})
 TENANT_FIELDS = frozenset({"name", "policy", "limiter", "sessions", "clients", "abi_by_tgid",
                            "refusals", "requests", "continued", "uvm_mapped"})
 CLIENT_FIELDS = frozenset({"handle", "session", "tgid", "objects",
@@ -215,14 +216,16 @@ def export_broker(broker, file_id=lambda f: f.id) -> dict[str, Any]:
         sessions.append({
             "id": s.id, "tenant": tenant_key[id(s.tenant)], "node": int(s.node),
             "minor": s.minor, "caller": [s.caller.pid, s.caller.tid, s.caller.uid, s.caller.gid],
-            "file": file_id(s.file), "clients": sorted(s.clients), "closed": s.closed,
+            "file": file_id(s.file), "clients": sorted(broker.clients.of_session(s.id)),
+            "closed": s.closed,
             "pidns": s.pidns,
         })
     return {
         "next_id": _next(broker._ids),
         "tenants": tenants,
         "sessions": sessions,
-        "client_owner": [[h, t] for h, t in broker.client_owner.items()],
+        # (the tenants' clients and the sessions say it too; kept: the format is unchanged)
+        "client_owner": [[h, name] for h, name in broker.clients.owners()],
         "logged_once": [_key(k) for k in broker._logged_once],
     }
 
@@ -233,7 +236,7 @@ def import_broker(broker, state: dict[str, Any], files: dict[int, Any]) -> None:
     from devbroker.abi.nodes import NodeKind
     from devbroker.broker.core import Session, TenantState, _RevokedTenant
     from devbroker.broker.interface import Caller
-    from devbroker.broker.objects import RmClient, RmObject
+    from devbroker.broker.objects import ClientRegistry, RmClient, RmObject
     from devbroker.broker.ratelimit import TokenBucket
 
     for td in state["tenants"]:
@@ -250,24 +253,42 @@ def import_broker(broker, state: dict[str, Any], files: dict[int, Any]) -> None:
         t.limiter.waited = td["rate_limited"]
         t.uvm_mapped = {int(tgid): int(n) for tgid, n in td["uvm_mapped"]}
         t.abi_by_tgid = {int(tgid): registry.get(v) for tgid, v in td["abi_by_tgid"]}
-        t.clients = {}
+    broker.sessions = {}
+    for sd in state["sessions"]:
+        t = broker.tenants[sd["tenant"]]
+        s = Session(sd["id"], t, NodeKind(sd["node"]), sd["minor"], Caller(*sd["caller"]),
+                    files[sd["file"]], closed=sd["closed"], pidns=sd["pidns"])
+        broker.sessions[s.id] = s
+        t.sessions[s.id] = s
+    # The clients go into the registry through their sessions, in the order they were made
+    # (that of client_owner), each into its tenant's books.
+    made = {}
+    for td in state["tenants"]:
         for cd in td["clients"]:
             objects = {handle: RmObject(handle, cls, parent, gpu=gpu, charged=charged,
                                         children=set(children))
                        for handle, cls, parent, gpu, charged, children in cd["objects"]}
             # RmClient's running totals and each object's owner follow from its objects.
             c = RmClient(cd["handle"], cd["session"], cd["tgid"], objects=objects)
-            t.clients[c.handle] = c
-        _link_shares(td.get("shares", []), t.clients)
-    broker.sessions = {}
-    for sd in state["sessions"]:
-        t = broker.tenants[sd["tenant"]]
-        s = Session(sd["id"], t, NodeKind(sd["node"]), sd["minor"], Caller(*sd["caller"]),
-                    files[sd["file"]], clients=set(sd["clients"]), closed=sd["closed"],
-                    pidns=sd["pidns"])
-        broker.sessions[s.id] = s
-        t.sessions[s.id] = s
-    broker.client_owner = {int(h): t for h, t in state["client_owner"]}
+            s = broker.sessions.get(c.session)
+            if s is None or s.tenant is not broker.tenants[td["key"]]:
+                raise HandoverError(f"client {c.handle:#x} of tenant {td['key']!r} names "
+                                    f"session {c.session}, not an open file of that tenant")
+            made[c.handle] = (s, c)
+    broker.clients = ClientRegistry()
+    for h in dict.fromkeys([int(h) for h, _ in state["client_owner"]] + list(made)):
+        if h in made:
+            broker.clients.add(*made[h])
+    for td in state["tenants"]:
+        _link_shares(td.get("shares", []), broker.tenants[td["key"]].clients)
+    # The three records of who holds what must agree (they were kept apart before issue 11).
+    owners = {int(h): t for h, t in state["client_owner"]}
+    if dict(broker.clients.owners()) != owners or any(
+            set(sd["clients"]) != broker.clients.of_session(sd["id"])
+            for sd in state["sessions"]):
+        raise HandoverError("the exported books disagree on which tenant and file hold "
+                            "which client (client_owner, the tenants' clients and the "
+                            "sessions' clients)")
     broker._ids = itertools.count(int(state["next_id"]))
     broker._logged_once = {_unkey(k) for k in state["logged_once"]}
 

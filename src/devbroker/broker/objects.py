@@ -6,7 +6,10 @@ quota when a subtree is freed or the owning file is closed — without asking th
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
 
 
 @dataclass
@@ -137,3 +140,81 @@ def drop_objects(objects) -> None:
             else:
                 heir.charged += obj.charged
             obj.charged = 0
+
+
+class ClientRegistry:
+    """Every root client the broker knows of, with its tenant and the ctl-file session it
+    came through: the only place clients are added and removed (issue 11).
+
+    The tenant's view (TenantState.clients: handle -> RmClient, read on every call) is a
+    dict this registry alone writes; the owner of a handle and the clients of a session are
+    answered from the registry's own indexes. All lookups are O(1); nothing walks all
+    clients. Sessions and tenants are the core's (Session, TenantState), used by their
+    `id`, `tenant`, `caller`, `name` and `clients` only."""
+
+    def __init__(self) -> None:
+        self._tenant: dict[int, Any] = {}  # handle -> TenantState
+        self._of_session: dict[int, set[int]] = {}  # session id -> handles
+
+    def add(self, session, client: RmClient) -> RmClient:
+        """Record `client`, allocated through `session`'s ctl file (so its tenant's)."""
+        if client.session != session.id:
+            raise ValueError(f"client {client.handle:#x} names session {client.session}, "
+                             f"not {session.id}")
+        h = client.handle
+        if h in self._tenant:  # (the driver refuses a duplicate: the books follow it)
+            self.remove(h)
+        tenant = session.tenant
+        self._tenant[h] = tenant
+        tenant.clients[h] = client
+        self._of_session.setdefault(session.id, set()).add(h)
+        return client
+
+    def new(self, session, handle: int) -> RmClient:
+        """A new, empty root client of `session`'s tenant, allocated by its caller."""
+        return self.add(session, RmClient(handle, session.id, session.caller.pid))
+
+    def remove(self, handle: int) -> RmClient | None:
+        """The client is gone (freed, or its file closed): it and its objects leave the
+        books, and the charges they shared move to the handles still there."""
+        tenant = self._tenant.pop(handle, None)
+        if tenant is None:
+            return None
+        client = tenant.clients.pop(handle)
+        held = self._of_session.get(client.session)
+        if held is not None:
+            held.discard(handle)
+            if not held:
+                del self._of_session[client.session]
+        drop_objects(client.objects.values())
+        return client
+
+    def close_session(self, session_id: int) -> list[RmClient]:
+        """The session's ctl file closed: the driver frees every client allocated through it."""
+        return [c for h in list(self._of_session.get(session_id, ()))
+                if (c := self.remove(h)) is not None]
+
+    def owner(self, handle: int) -> str | None:
+        """The name of the tenant that holds the client, or None."""
+        tenant = self._tenant.get(handle)
+        return None if tenant is None else tenant.name
+
+    @staticmethod
+    def of_tenant(tenant) -> Mapping[int, RmClient]:
+        """The tenant's clients by handle, read-only (TenantState.clients itself: by the
+        TenantState, not the name, which a revoked tenant shares with its successor)."""
+        return MappingProxyType(tenant.clients)
+
+    def of_session(self, session_id: int) -> frozenset[int]:
+        """The handles of the clients allocated through this session's ctl file."""
+        return frozenset(self._of_session.get(session_id, ()))
+
+    def owners(self):
+        """(handle, tenant name) of every client, in the order they were added."""
+        return ((h, t.name) for h, t in self._tenant.items())
+
+    def __contains__(self, handle: int) -> bool:
+        return handle in self._tenant
+
+    def __len__(self) -> int:
+        return len(self._tenant)
