@@ -7,7 +7,8 @@ importing module to the imported one (a `from PKG import name` names the submodu
 there is one). Fails (exit 1) and says which when
 
 - module-level imports form a cycle (imports inside functions are left out of this check:
-  they run later, but are listed with --lazy);
+  they run later, but are listed with --lazy; imports under `if TYPE_CHECKING:` never run
+  and are left out too);
 - a module imports (anywhere) one of a higher layer than its own (LAYERS below);
 - a module of TOP_ONLY imports devbroker modules inside a function (its imports belong at
   the top, where a reader and this check see them).
@@ -65,8 +66,18 @@ def modules(src: Path) -> dict[str, Path]:
     return out
 
 
-def imports(name: str, path: Path, known: set[str]) -> list[tuple[str, int, bool]]:
-    """(imported module, line, at module level) for each devbroker import of a module."""
+def _type_checking(node: ast.AST) -> bool:
+    """`if TYPE_CHECKING:` or `if typing.TYPE_CHECKING:`."""
+    if not isinstance(node, ast.If):
+        return False
+    t = node.test
+    return ((isinstance(t, ast.Name) and t.id == "TYPE_CHECKING")
+            or (isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"))
+
+
+def imports(name: str, path: Path, known: set[str]) -> list[tuple[str, int, bool | None]]:
+    """(imported module, line, at module level) for each devbroker import of a module;
+    None for "under `if TYPE_CHECKING:`" (for annotations only)."""
     tree = ast.parse(path.read_text(), str(path))
     is_pkg = path.name == "__init__.py"
     out = []
@@ -82,8 +93,16 @@ def imports(name: str, path: Path, known: set[str]) -> list[tuple[str, int, bool
 
     def visit(node: ast.AST, top: bool) -> None:
         for child in ast.iter_child_nodes(node):
+            if _type_checking(child):
+                # Names for annotations, never imported at run time: no module-level arrow
+                # (no import cycle); the `else:` branch runs as usual.
+                visit(ast.Module(body=child.body, type_ignores=[]), None)
+                visit(ast.Module(body=child.orelse, type_ignores=[]), top)
+                continue
             inner = top and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef,
                                                    ast.Lambda))
+            if top is None:
+                inner = None
             if isinstance(child, ast.Import):
                 for a in child.names:
                     if a.name == PKG or a.name.startswith(PKG + "."):
@@ -168,6 +187,8 @@ def check(src: Path = SRC, show_lazy: bool = False, dot: bool = False) -> int:
             edges.add((name, target))
             if at_top:
                 top[name].add(target)
+            elif at_top is None:
+                pass  # annotations only: no cycle, not a lazy import (the layer check stays)
             else:
                 lazy.append(f"{path.relative_to(src.parent)}:{line}: {name} -> {target}")
                 if name in TOP_ONLY:

@@ -39,3 +39,28 @@ def test_a_cycle_an_upward_import_and_a_late_import_are_caught(tmp_path):
     assert "devbroker.broker.interface imports devbroker.frontends.procmem inside a function" \
         in r.stderr
     assert "upward import devbroker.backends.emulated (layer 1) -> devbroker.broker.a" in r.stderr
+
+
+def test_imports_for_annotations_make_no_cycle_but_still_count_for_layers(tmp_path):
+    """`if TYPE_CHECKING:` imports never run: two modules naming each other's types that way
+    are no cycle, and the rest of such a module's imports are checked as usual."""
+    pkg = tmp_path / "devbroker"
+    for d in ("", "broker", "frontends"):
+        (pkg / d).mkdir(parents=True, exist_ok=True)
+        (pkg / d / "__init__.py").write_text("")
+    (pkg / "broker" / "core.py").write_text("from devbroker.broker import handlers\n")
+    (pkg / "broker" / "handlers.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from devbroker.broker.core import Broker\n"
+        "    from devbroker.frontends import fuse\n"
+        "else:\n    from devbroker.broker import core\n")
+    (pkg / "frontends" / "fuse.py").write_text("import os\n")
+    r = run("--src", str(tmp_path))
+    assert r.returncode == 1
+    # the else branch runs: that import is a cycle; the annotation-only one is not reported
+    # as a function-level import, but its layer is still checked
+    assert "import cycle (module level): devbroker.broker.core <-> devbroker.broker.handlers" \
+        in r.stderr
+    assert "inside a function" not in r.stderr
+    assert ("upward import devbroker.broker.handlers (layer 2) -> devbroker.frontends.fuse "
+            "(layer 3)") in r.stderr

@@ -34,6 +34,21 @@ class PciLocation:
         return int(self.pci_bus_id.split(".")[1], 16)
 
 
+class GpuInfo(Protocol):
+    """One GPU as a backend describes it (backends/emulated.EmulatedGpu, real.RealGpu)."""
+
+    index: int  # the device minor (/dev/nvidia<index>), the policy's GPU number
+    name: str
+    uuid: str
+    pci_bus_id: str
+    memory_bytes: int
+
+    @property
+    def gpu_id(self) -> int:
+        """The driver's GPU id (GET_ATTACHED_IDS, ATTACH_IDS, ...)."""
+        ...
+
+
 class DriverFile(Protocol):
     """An open file of the backend's driver (opaque to the broker)."""
 
@@ -110,7 +125,7 @@ class Backend(Protocol):
     # a tenant asking for another value is refused (broker/handlers.sys_params).
     memblock_size: int | None
 
-    def gpus(self) -> list[Any]: ...
+    def gpus(self) -> "list[GpuInfo]": ...
 
     def gpu_index_of_instance(self, instance: int) -> int | None:
         """The GPU (minor) an RM device instance (NV0080 deviceId) names, None for none:

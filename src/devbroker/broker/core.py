@@ -27,7 +27,8 @@ import trio
 from devbroker.abi import DecodeError, registry
 from devbroker.abi import status as nvstatus
 from devbroker.abi.nodes import NodeKind
-from devbroker.backends.base import Backend, DriverCall, DriverResult
+from devbroker.abi.driver import DriverABI
+from devbroker.backends.base import Backend, DriverCall, DriverFile, DriverResult
 from devbroker.broker import compute, limits, rules
 from devbroker.broker.audit import AuditLog
 from devbroker.broker.effects import (
@@ -49,7 +50,9 @@ from devbroker.broker.interface import (
 )
 from devbroker.broker.handlers import CallContext, embedded_buffers
 from devbroker.broker.objects import ClientRegistry, RmClient
+from devbroker.broker.policy import Policy, TenantPolicy
 from devbroker.broker.procinfo import pid_namespace, stat_nosync
+from devbroker.broker.record import Recorder
 from devbroker.broker.ratelimit import TokenBucket
 from devbroker.broker.refusal import Refusal
 from devbroker.broker.rules import CLIENT_FIELDS_ZERO_OK, CLIENT_HANDLE_FIELDS
@@ -88,7 +91,7 @@ class Session:
     node: NodeKind
     minor: int
     caller: Caller
-    file: Any  # the backend's DriverFile
+    file: DriverFile
     closed: bool = False
     pidns: str | None = None  # the opener's pid namespace (an fd passed out of it is refused)
 
@@ -103,12 +106,12 @@ class Session:
 @dataclass
 class TenantState:
     name: str
-    policy: Any  # devbroker.broker.policy.TenantPolicy
+    policy: TenantPolicy
     limiter: TokenBucket
     sessions: dict[int, Session] = field(default_factory=dict)
     # Its root clients by handle: written by the broker's ClientRegistry only.
     clients: dict[int, RmClient] = field(default_factory=dict)
-    abi_by_tgid: dict[int, Any] = field(default_factory=dict)
+    abi_by_tgid: dict[int, DriverABI] = field(default_factory=dict)
     refusals: int = 0
     requests: int = 0
     continued: int = 0  # decided calls the tenant's own kernel context ran (run_in_caller)
@@ -144,8 +147,8 @@ class TenantState:
 class Broker:
     """Implements devbroker.broker.interface.BrokerInterface."""
 
-    def __init__(self, policy: Any, backend: Backend, audit: AuditLog | None = None,
-                 *, recorder: Any = None):
+    def __init__(self, policy: Policy, backend: Backend, audit: AuditLog | None = None,
+                 *, recorder: Recorder | None = None):
         self.backend = backend
         self.audit = audit or AuditLog()
         self.recorder = recorder
@@ -158,8 +161,8 @@ class Broker:
         # and removed; TenantState.clients is its per-tenant view).
         self.clients = ClientRegistry()
         self._ids = itertools.count(1)
-        self.policy = None
-        self.on_policy_change: list[Callable[[Any], None]] = []
+        self.policy: Policy | None = None
+        self.on_policy_change: list[Callable[[Policy], None]] = []
         compute.install(self)  # issue 15: a policy change re-sets running channel groups
         # Starts a background task (the daemon's nursery.start_soon); None: no background
         # work (quota watch off). Set with set_spawner (it may be called from any thread).
@@ -170,7 +173,7 @@ class Broker:
 
     # ------------------------------------------------------------------ policy
     @_locked
-    def apply_policy(self, policy: Any) -> None:
+    def apply_policy(self, policy: Policy) -> None:
         """Install a (validated) policy. Running tenants keep their sessions and objects."""
         for gpu in {g for t in policy.tenants.values() for g in t.gpus}:
             if gpu >= len(self.backend.gpus()):

@@ -13,16 +13,21 @@ from __future__ import annotations
 
 import errno
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from devbroker.abi import registry, vidmem
+from devbroker.abi.driver import DriverABI, IoctlCall, NestedRef
 from devbroker.abi import status as nvstatus
 from devbroker.abi.nodes import NodeKind
 from devbroker.broker import limits, rewrite
 from devbroker.broker.effects import ResolveFd, Steps
 from devbroker.broker.interface import IoctlReply, IoctlRequest, RunInCaller
-from devbroker.broker.objects import drop_objects, share
+from devbroker.broker.objects import RmClient, drop_objects, share
 from devbroker.broker.refusal import Refusal
+
+if TYPE_CHECKING:  # (core and rules import this module: names for annotations only)
+    from devbroker.broker.core import Broker, Session
+    from devbroker.broker.rules import EscapeRule
 
 ROOT_CLIENT_CLASSES = frozenset({0x0, 0x41})  # NV01_ROOT, NV01_ROOT_CLIENT
 DEVICE_CLASS = 0x80  # NV01_DEVICE_0
@@ -36,7 +41,7 @@ UNKNOWN_CLASS = -1  # an object whose class the books do not know (a duplicate o
 class AllocCall:
     """What rm_alloc decided of an RM_ALLOC, for a class row's `check`."""
     rm_class: int
-    client: Any  # objects.RmClient named by hRoot (the tenant's)
+    client: RmClient  # named by hRoot (the tenant's)
     h_root: int
     params: Any  # the decoded allocation parameters, None without any
     where: str  # "RM_ALLOC <name>", for refusals
@@ -45,21 +50,21 @@ class AllocCall:
 @dataclass(frozen=True)
 class ControlCall:
     """What rm_control decided of an RM_CONTROL, for a control row's own `run`."""
-    client: Any  # objects.RmClient named by hClient (the tenant's)
+    client: RmClient  # named by hClient (the tenant's)
     params: Any  # the decoded parameters (after the row's pre-hook), None without any
-    ref: Any  # abi.NestedRef of the parameter block
+    ref: NestedRef  # of the parameter block
     where: str  # "RM_CONTROL <name>", for refusals
 
 
 @dataclass
 class CallContext:
     """One decided-to-run call: who sent it, what it is, and the row that allowed it."""
-    broker: Any  # core.Broker
-    session: Any  # core.Session
-    abi: Any  # abi.DriverABI of the caller
+    broker: Broker
+    session: Session
+    abi: DriverABI  # the caller's
     req: IoctlRequest
-    call: Any  # abi.IoctlCall, decoded
-    rule: Any  # rules.EscapeRule
+    call: IoctlCall  # decoded
+    rule: EscapeRule
     rules: Any  # the rules module: CONTROLS, CLASSES, control_rule, ...
 
     @property

@@ -9,11 +9,15 @@ hand on; a pre-hook may refuse by raising Refusal.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from devbroker.abi import status as nvs
+from devbroker.abi.driver import DriverABI
 from devbroker.broker.procinfo import pid_in_own_namespace, pid_namespace
 from devbroker.broker.refusal import Refusal
+
+if TYPE_CHECKING:  # (core imports this module: names for annotations only)
+    from devbroker.broker.core import Broker, Session
 
 INVALID_GPU_ID = 0xFFFFFFFF
 ATTACH_ALL_PROBED = 0x0000FFFF  # NV0000_CTRL_GPU_ATTACH_ALL_PROBED_IDS
@@ -23,9 +27,9 @@ KiB = 1024
 @dataclass(frozen=True)
 class ControlContext:
     """What a control's rewrite hook may look at besides the parameters."""
-    broker: Any  # core.Broker
-    session: Any  # core.Session of the call
-    abi: Any  # the caller's DriverABI
+    broker: Broker
+    session: Session  # of the call
+    abi: DriverABI  # the caller's
     cmd: int
     params_in: Any  # the parameters as sent (after the pre-hook), None when there are none
     gpu: int | None  # the GPU of the object the control was sent to
