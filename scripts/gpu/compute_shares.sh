@@ -17,16 +17,11 @@
 # Writes into $OUT: run.log, results.json (short: one entry per measurement), bundle.tgz
 # (audit log, broker log, every workload's output). PARTS="a b e c d" selects parts.
 set -u
-OUT=${OUT:-/tmp/compute-shares-out}; mkdir -p "$OUT"
 REPO=$(cd "$(dirname "$0")/../.." && pwd); cd "$REPO"
-W=/tmp/compute-shares-work; rm -rf "$W"; mkdir -p "$W"
-exec > >(tee -a "$OUT/run.log") 2>&1
-export PYTHONUNBUFFERED=1
-PY=$(command -v python3)
-RUN=/run/devbroker-shares
-RES="$OUT/results.json"; echo '{}' > "$RES"
-PARTS=${PARTS:-a b e c d}
 . scripts/gpu/lib.sh
+gpu_run_start compute-shares
+RUN=/run/devbroker-shares
+PARTS=${PARTS:-a b e c d}
 install_wheels
 WL="$PY $REPO/scripts/gpu/compute_workload.py"
 "$PY" -c 'import trio, torch, sys; print("python", sys.version.split()[0], "trio", trio.__version__, "torch", torch.__version__)'

@@ -11,14 +11,9 @@
 #            loop whose slice is L: p50 step time against alone
 # Writes $OUT/run.log and $OUT/results.json.
 set -u
-OUT=${OUT:-/tmp/compute-sweep-out}; mkdir -p "$OUT"
 REPO=$(cd "$(dirname "$0")/../.." && pwd); cd "$REPO"
-W=/tmp/compute-sweep-work; rm -rf "$W"; mkdir -p "$W"
-exec > >(tee -a "$OUT/run.log") 2>&1
-export PYTHONUNBUFFERED=1
-PY=$(command -v python3)
-RES="$OUT/results.json"; echo '{}' > "$RES"
 . scripts/gpu/lib.sh
+gpu_run_start compute-sweep
 install_wheels
 WL="$PY $REPO/scripts/gpu/compute_workload.py"
 SO=/tmp/greedy_tsg.so

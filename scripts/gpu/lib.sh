@@ -1,5 +1,17 @@
 # Shared by the GPU run scripts (sourced): log steps, record results, install the wheels the
 # GPU host lacks. Needs PY, RES (results.json) and REPO set by the caller.
+# gpu_run_start NAME (after `cd` to the repository root and sourcing this file): what every
+# GPU run sets up. $OUT (default /tmp/NAME-out) is what the device tool brings back: run.log
+# (all output from here on) and results.json ($RES, written with `put`); $W (/tmp/NAME-work,
+# emptied) holds the rest; $PY is the host's python3.
+gpu_run_start() {
+  OUT=${OUT:-/tmp/$1-out}; mkdir -p "$OUT"
+  W=/tmp/$1-work; rm -rf "$W"; mkdir -p "$W"
+  exec > >(tee -a "$OUT/run.log") 2>&1
+  export PYTHONUNBUFFERED=1
+  PY=$(command -v python3)
+  RES="$OUT/results.json"; echo '{}' > "$RES"
+}
 step() { echo; echo "=== $* [$(date +%T)]"; }
 # put KEY TEXT: the last line of TEXT as JSON (or the text's tail) under KEY in $RES
 put() { "$PY" - "$RES" "$1" "$2" <<'PYEOF'

@@ -8,18 +8,13 @@
 # seccomp). Writes into $OUT: run.log, results.json, and bundle.tgz (audit logs, broker logs,
 # the recording session.nvtrace, profiles).
 set -u
-OUT=${OUT:-/tmp/h200-cuda-out}; mkdir -p "$OUT"
 REPO=$(cd "$(dirname "$0")/../.." && pwd); cd "$REPO"
-# The device tool brings back at most 8 files: everything but the log and the results goes
-# into $W and comes back as one archive (bundle.tgz).
-W=/tmp/h200-cuda-work; rm -rf "$W"; mkdir -p "$W"
-exec > >(tee -a "$OUT/run.log") 2>&1
-export PYTHONUNBUFFERED=1
-PY=$(command -v python3)
-RUN=/run/devbroker-cuda
-RES="$OUT/results.json"; echo '{}' > "$RES"
-ONLY=${ONLY:-all}
 . scripts/gpu/lib.sh
+gpu_run_start h200-cuda
+# (The device tool brings back at most 8 files: what is not the log or the results goes into
+# $W and comes back as one archive, bundle.tgz.)
+RUN=/run/devbroker-cuda
+ONLY=${ONLY:-all}
 install_wheels
 "$PY" -c 'import trio, torch, sys; print("python", sys.version.split()[0], "trio", trio.__version__, "torch", torch.__version__)'
 cat /proc/driver/nvidia/version; nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv

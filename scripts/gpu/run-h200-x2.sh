@@ -6,16 +6,11 @@
 # Writes into $OUT: run.log, results.json, bundle.tgz (audit and broker logs).
 # X2_ONLY=views: only the views, the routes to the other GPU and the quotas.
 set -u
-OUT=${OUT:-/tmp/h200-x2-out}; mkdir -p "$OUT"
 REPO=$(cd "$(dirname "$0")/../.." && pwd); cd "$REPO"
-W=/tmp/h200-x2-work; rm -rf "$W"; mkdir -p "$W"
-exec > >(tee -a "$OUT/run.log") 2>&1
-export PYTHONUNBUFFERED=1
-PY=$(command -v python3)
+. scripts/gpu/lib.sh
+gpu_run_start h200-x2
 TORCHRUN=$(dirname "$PY")/torchrun
 RUN=/run/devbroker-x2
-RES="$OUT/results.json"; echo '{}' > "$RES"
-. scripts/gpu/lib.sh
 install_wheels
 nvidia-smi -L
 nvidia-smi --query-gpu=index,uuid,pci.bus_id,memory.total,memory.used --format=csv
