@@ -213,6 +213,17 @@ class DriverABI:
         spec = self._escape_by_name[name]
         return iowr(spec.number, spec.size if size is None else size)
 
+    def own_control(self, node: NodeKind | int, h_client: int, h_object: int, cmd: int,
+                    params_size: int) -> IoctlCall:
+        """An NV_ESC_RM_CONTROL the broker sends itself (a probe, a scheduling value),
+        decoded as a tenant's would be: its parameters are the broker's own buffer (params=1
+        marks it: no pointer of a tenant's), passed to the backend as the nested bytes."""
+        ctl = self.struct("NVOS54_PARAMETERS")
+        value = ctl.decode(bytes(ctl.size)).replace(hClient=h_client, hObject=h_object,
+                                                    cmd=cmd, paramsSize=params_size, params=1)
+        return self.decode_ioctl(node, self.escape_cmd("NV_ESC_RM_CONTROL", ctl.size),
+                                 value.encode())
+
     def with_status(self, node: NodeKind | int, cmd: int, arg: bytes,
                     status: int) -> bytes | None:
         """`arg` (the argument of ioctl `cmd` on `node`) with the driver's status set to

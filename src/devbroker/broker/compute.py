@@ -221,17 +221,13 @@ def _control(broker: Any, s: Any, req: Any, g: ChannelGroup, cmd: int, **values:
 
     abi = broker._abi(s)
     spec = abi.control(cmd)
-    ctl = abi.struct("NVOS54_PARAMETERS")
     nested = spec.params.decode(bytes(spec.size)).replace(**values).encode()
-    value = ctl.decode(bytes(ctl.size)).replace(hClient=g.client, hObject=g.handle, cmd=cmd,
-                                                paramsSize=spec.size, params=1)
     node = s.node if s.node in (NodeKind.CTL, NodeKind.GPU) else NodeKind.CTL
-    number = abi.escape_cmd("NV_ESC_RM_CONTROL", ctl.size)
-    call = abi.decode_ioctl(node, number, value.encode())
+    call = abi.own_control(node, g.client, g.handle, cmd, spec.size)
     result = yield from broker._call_backend(s, call, nested, req=req)
     if result.errno:
         raise OSError(result.errno, os.strerror(result.errno))
-    return abi.decode_ioctl(node, number, result.arg).value.status
+    return abi.decode_ioctl(node, call.cmd, result.arg).value.status
 
 
 def _apply(broker: Any, s: Any, req: Any, g: ChannelGroup, want: Schedule, why: str) -> Steps:

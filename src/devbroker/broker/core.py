@@ -617,15 +617,10 @@ class Broker:
                 or f.continued_root_allocs <= len(f.adopted) or h in self.clients):
             return False
         abi = self._abi(s)
-        ctl = abi.struct("NVOS54_PARAMETERS")
-        value = ctl.decode(bytes(ctl.size)).replace(hClient=h, hObject=h, cmd=PROBE_CONTROL,
-                                                    paramsSize=4, params=0)
-        cmd = abi.escape_cmd("NV_ESC_RM_CONTROL", ctl.size)
-        # The probe has no pointer of the tenant's: params is the broker's own buffer.
-        probe = abi.decode_ioctl(NodeKind.CTL, cmd, value.replace(params=1).encode())
+        probe = abi.own_control(NodeKind.CTL, h, h, PROBE_CONTROL, 4)
         result = yield from self._execute_on_tenant_file(
             s, DriverCall(probe, bytes(4), {}, abi=abi, tgid=s.caller.pid), req)
-        out = abi.decode_ioctl(NodeKind.CTL, cmd, result.arg).value
+        out = abi.decode_ioctl(NodeKind.CTL, probe.cmd, result.arg).value
         if result.errno or out.status != nvstatus.NV_OK:
             return False
         self.clients.new(s, h)
