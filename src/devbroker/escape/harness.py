@@ -44,10 +44,10 @@ ESCAPE_UUIDS = ("GPU-e5ca9e00-0000-4000-8000-000000000000",
                 "GPU-e5ca9e00-0000-4000-8000-000000000001")
 
 
-def _tenants(**keys) -> list[str]:
+def _tenants(victim_gpus: tuple[int, ...] = (0, 1), **keys) -> list[str]:
     """A victim (alice, GPUs 0 and 1), an attacker (bob, GPU 0 shared with alice) and a
     flooder (mallory, GPU 0, rate-limited); `keys`: more policy keys for each."""
-    return [tenant(VICTIM, gpus=[0, 1], memory_quota="1GiB", **keys),
+    return [tenant(VICTIM, gpus=list(victim_gpus), memory_quota="1GiB", **keys),
             tenant(ATTACKER, gpus=[0], memory_quota=f"{ATTACKER_QUOTA >> 20}MiB", **keys),
             tenant(FLOODER, gpus=[0], memory_quota="64MiB",
                    rate_limit={"requests_per_second": FLOOD_RATE, "burst": 10}, **keys)]
@@ -81,11 +81,9 @@ def policy_text(backend: str) -> str:
         return POLICY
     if backend != "real":
         raise ValueError(f"backend {backend!r}: emulated or real")
-    victim_gpus = [0, 1] if host_gpus(backend) >= 2 else [0]
-    tenants = _tenants(capabilities=REAL_CAPABILITIES)
-    tenants[0] = tenant(VICTIM, gpus=victim_gpus, memory_quota="1GiB",
-                        capabilities=REAL_CAPABILITIES)
-    return "\n".join([broker_table(backend="real", driver_version=None), *tenants])
+    victim_gpus = (0, 1) if host_gpus(backend) >= 2 else (0,)
+    return "\n".join([broker_table(backend="real", driver_version=None),
+                      *_tenants(victim_gpus, capabilities=REAL_CAPABILITIES)])
 
 
 SRC = str(Path(__file__).resolve().parents[2])
