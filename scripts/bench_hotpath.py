@@ -12,7 +12,8 @@ tenant process, timed call by call (devbroker.tools.hotpath), through:
    driver node: the same C server mounted as the backend's /dev (every RM call answered
    NV_OK with the argument as sent, so the broker's decode, relay, rewrite and write-back all
    run) and a /proc/driver/nvidia made from the emulator's view;
-4. the seccomp front end with the emulated backend (`devbroker exec --frontend seccomp`);
+4. the seccomp front end with the emulated backend (`devbroker exec --frontend seccomp`),
+   and the same with the broker's control lane off (broker/fastlane.py; what the lane buys);
 5. throughput with 1, 4 and 16 tenant processes calling as fast as answered (FUSE, emulated),
    and the floor's with 16 (what the machine allows at all);
 6. fairness: a quiet tenant (one call every 2 ms) alone, then while another tenant floods
@@ -345,8 +346,10 @@ def measure(a) -> dict:
         prof.stop()
         rows["fuse-emulated"] = {"ns": d["ns"]}
         log("seccomp + emulated")
+        prof = Profile(a.profile, "seccomp-emulated", daemon.proc.pid)
         d = run_json(daemon.exec_argv("quiet", "seccomp", HOTPATH + ["latency", "--n", str(n)]),
                      "latency")
+        prof.stop()
         rows["seccomp-emulated"] = {"ns": d["ns"]}
         for procs in (1, 4, 16):
             log(f"throughput, {procs} tenant processes")
@@ -361,6 +364,18 @@ def measure(a) -> dict:
         quiet_argv = HOTPATH + ["quiet", "--n", str(a.quiet_n), "--interval", "0.002", "--wait"]
         rows["quiet-alone"] = quiet_run(daemon, quiet_argv, None)
         rows["quiet-flooded"] = quiet_run(daemon, quiet_argv, 15)
+    finally:
+        daemon.stop()
+    log("seccomp + emulated, control lane off (what the lane buys)")
+    os.environ["DEVBROKER_CONTROL_LANE"] = "0"
+    try:
+        daemon = Daemon(work / "daemon-nolane")
+    finally:
+        os.environ.pop("DEVBROKER_CONTROL_LANE", None)
+    try:
+        d = run_json(daemon.exec_argv("quiet", "seccomp", HOTPATH + ["latency", "--n", str(n)]),
+                     "latency")
+        rows["seccomp-emulated-nolane"] = {"ns": d["ns"]}
     finally:
         daemon.stop()
     shutil.rmtree(work, ignore_errors=True)
@@ -403,6 +418,7 @@ LATENCY_ROWS = [
     ("fuse-emulated", "devbroker FUSE + emulated backend", 100),
     ("fuse-real", "devbroker FUSE + real backend, relay → stand-in node (C FUSE server)", 150),
     ("seccomp-emulated", "devbroker seccomp front end + emulated backend", None),
+    ("seccomp-emulated-nolane", "the same, control lane off (DEVBROKER_CONTROL_LANE=0)", None),
 ]
 
 

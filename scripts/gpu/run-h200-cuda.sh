@@ -166,8 +166,26 @@ put dev_bench "$(texec c16 $CC bench 2>&1 | tail -5)"
 put dev_bench2 "$(texec c16 $CC bench 2>&1 | tail -5)"
 put dev_control "$(texec c16 "$PY" scripts/gpu/tenant_checks.py bench-control 500 2>&1 | last)"
 put dev_nvml_seq "$(texec c16 "$PY" scripts/gpu/tenant_checks.py bench-nvml 30 2>&1 | last)"
+put dev_init2 "$(texec c16 $CC init 2>&1 | last)"
+put dev_init3 "$(texec c16 $CC init 2>&1 | last)"
+put dev_init3_listener "$(grep '"tenant-detached"' "$W/audit2.log" | tail -1)"
 
 step "stop the broker"
+kill -TERM $BROKER; wait $BROKER; echo "broker exit $?"
+
+# What the control lane (broker/fastlane.py) buys: the same measurements, lane off.
+step "third broker, control lane off (DEVBROKER_CONTROL_LANE=0)"
+rm -f "$RUN/seccomp.sock" "$RUN/control.sock"
+DEVBROKER_CONTROL_LANE=0 "$PY" -m devbroker.cli.main --run-dir "$RUN" run --backend real \
+   --policy scripts/gpu/h200-cuda-policy.toml --audit "$W/audit3.log" > "$W/broker3.log" 2>&1 &
+BROKER=$!
+for i in $(seq 1 150); do [ -S "$RUN/seccomp.sock" ] && [ -S "$RUN/control.sock" ] && break; sleep 0.2; done
+sleep 0.5
+put nolane_control "$(texec c16 "$PY" scripts/gpu/tenant_checks.py bench-control 500 2>&1 | last)"
+put nolane_nvml_seq "$(texec c16 "$PY" scripts/gpu/tenant_checks.py bench-nvml 30 2>&1 | last)"
+put nolane_init "$(texec c16 $CC init 2>&1 | last)"
+put nolane_init2 "$(texec c16 $CC init 2>&1 | last)"
+put nolane_init_listener "$(grep '"tenant-detached"' "$W/audit3.log" | tail -1)"
 kill -TERM $BROKER; wait $BROKER; echo "broker exit $?"
 step "audit"
 grep -E '"deny"|"error"' "$W/audit.log" | head -40

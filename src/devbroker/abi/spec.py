@@ -305,6 +305,17 @@ class StructValue:
         es = f.elem.size
         return StructValue(f.elem, raw[k * es:(k + 1) * es])
 
+    def raw_field(self, name: str) -> bytes:
+        """The bytes of one array, struct or bytes field as they are in the value (for
+        rewrites that patch a few entries of a long table in place: issue 14)."""
+        f = self.spec.by_name[name]
+        if f.scalar:
+            raise TypeError(f"{self.spec.name}.{name} is a scalar")
+        c = self._cache.get(f._index)
+        if c is not None:  # changed since decode: encode what it is now
+            return self.encode()[f.offset:f.offset + f.size]
+        return self._values()[f._index]
+
     def replace_elements(self, name: str, changes: dict[int, Any]) -> "StructValue":
         """A new value with entries of one array field replaced (by index), the others'
         bytes untouched."""

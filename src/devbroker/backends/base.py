@@ -158,6 +158,17 @@ class Backend(Protocol):
         raise NotHere for a file it can only serve the trio way (a relayed file)."""
         ...
 
+    def run_control(self, file: DriverFile, fd: int, hdr: bytes, params: bytearray,
+                    header: Any, abi: Any) -> tuple[int, int, bytes]:
+        """One RM_CONTROL the broker admitted unchanged (broker/fastlane.py), from private
+        copies: `hdr` the NVOS54 header as the tenant sent it, `params` its parameter block
+        (answered in place). `fd` is the broker's duplicate of the tenant's file where the
+        file lives in the tenant (-1 else); `header` the layout (fastlane.Header), `abi` the caller's. Returns
+        (ioctl return value, errno, the header as the driver left it, with the tenant's
+        params pointer); on the calling thread, like ioctl_blocking (NotHere where it
+        cannot)."""
+        ...
+
     # Only where counts_process_memory:
     # `process_vidmem(tgid) -> dict[int, int]`: the driver's account of tgid's device memory
     # (GPU index -> bytes).

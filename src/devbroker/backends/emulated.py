@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import struct
 import logging
 import threading
 import time
@@ -20,7 +21,7 @@ from typing import Callable
 from devbroker.abi import registry, vidmem
 from devbroker.abi import status as nvs
 from devbroker.abi.nodes import NodeKind
-from devbroker.backends.base import DriverCall, DriverResult, PciLocation
+from devbroker.backends.base import DriverCall, DriverResult, NotHere, PciLocation
 from devbroker.backends import emulated_export  # noqa: F401  (registers its control handlers)
 from devbroker.backends import emulated_sched  # channel groups (issue 15): registers controls
 from devbroker.backends.emulated_controls import CONTROL_HANDLERS, H200_FACTS
@@ -535,26 +536,50 @@ class EmulatedBackend:
 
     def NV_ESC_RM_CONTROL(self, f, dc):
         v = dc.call.value
-        c = self.clients.get(v.hClient)
+        status, nested = self._control(v.hClient, v.hObject, v.cmd, dc.abi or self.abi,
+                                       dc.nested, dc)
+        return self._status(dc, status, nested=nested)
+
+    def _control(self, h_client: int, h_object: int, cmd: int, abi, nested: bytes | None,
+                 dc: DriverCall | None = None) -> tuple[int, bytes | None]:
+        """(status, parameters after the call; None: as sent) of one control."""
+        c = self.clients.get(h_client)
         if c is None:
-            return self._status(dc, nvs.NV_ERR_INVALID_CLIENT)
-        obj = c.objects.get(v.hObject)
+            return nvs.NV_ERR_INVALID_CLIENT, None
+        obj = c.objects.get(h_object)
         if obj is None:
-            return self._status(dc, nvs.NV_ERR_INVALID_OBJECT_HANDLE)
-        handler = CONTROL_HANDLERS.get(v.cmd)
-        spec = (dc.abi or self.abi).control(v.cmd)
-        if handler is None or spec is None or spec.params is None or dc.nested is None:
-            self._note(("control", v.cmd), f"emulator: control {self.abi.control_name(v.cmd)} "
-                       f"({v.cmd:#x}) is not modelled: NV_ERR_NOT_SUPPORTED")
-            return self._status(dc, nvs.NV_ERR_NOT_SUPPORTED)
-        params = spec.params.decode(dc.nested)
+            return nvs.NV_ERR_INVALID_OBJECT_HANDLE, None
+        handler = CONTROL_HANDLERS.get(cmd)
+        spec = abi.control(cmd)
+        if handler is None or spec is None or spec.params is None or nested is None:
+            self._note(("control", cmd), f"emulator: control {self.abi.control_name(cmd)} "
+                       f"({cmd:#x}) is not modelled: NV_ERR_NOT_SUPPORTED")
+            return nvs.NV_ERR_NOT_SUPPORTED, None
+        params = spec.params.decode(nested)
         if getattr(handler, "wants_call", False):  # fds in the parameters (emulated_export)
+            if dc is None:
+                raise NotHere
             status, params = handler(self, c, obj, params, dc)
         elif getattr(handler, "wants_embedded", False):
-            status, params = handler(self, c, obj, params, dc.embedded, abi=dc.abi or self.abi)
+            if dc is None:
+                raise NotHere
+            status, params = handler(self, c, obj, params, dc.embedded, abi=abi)
         else:
             status, params = handler(self, c, obj, params)
-        return self._status(dc, status, nested=params.encode())
+        return status, params.encode()
+
+    def run_control(self, file: EmuFile, fd: int, hdr: bytes, params: bytearray, header,
+                    abi) -> tuple[int, int, bytes]:
+        """A control the broker admitted unchanged (broker/fastlane.py): the same answer as
+        through NV_ESC_RM_CONTROL, from the header's fields and the parameter block."""
+        h_client, h_object, cmd, _ptr, _size = header.unpack(hdr)
+        with self._calls:
+            status, out = self._control(h_client, h_object, cmd, abi, bytes(params))
+        if out is not None:
+            params[:] = out
+        priv = bytearray(hdr)
+        struct.pack_into("<I", priv, header.status_offset, status)
+        return 0, 0, bytes(priv)
 
     # ------------------------------------------------------------------ UVM
     def UVM_INITIALIZE(self, f, dc):

@@ -19,7 +19,9 @@ See docs/real-backend.md for the privilege design and what this path cannot serv
 """
 from __future__ import annotations
 
+import ctypes
 import errno
+import fcntl
 import itertools
 import logging
 import os
@@ -437,6 +439,14 @@ class RelayProcess:
 
 
 # --------------------------------------------------------------------------- the backend
+def _ioctl_in_place(fd: int, cmd: int, arg: bytearray) -> tuple[int, int]:
+    """ioctl(fd, cmd, arg) with arg answered in place: (return value, errno)."""
+    try:
+        return fcntl.ioctl(fd, cmd, arg, True), 0
+    except OSError as e:
+        return -1, e.errno or errno.EIO
+
+
 class RealBackend:
     name = "real"
     # Capabilities (backends/base.py Backend says what each means): the host's driver files
@@ -646,6 +656,30 @@ class RealBackend:
             with effective_caps_lowered():
                 rep = run_ioctl(prep.request)
         return self._finish_tenant_call(dc, prep, rep)
+
+    def run_control(self, file, fd: int, hdr: bytes, params: bytearray, header,
+                    abi) -> tuple[int, int, bytes]:
+        """A control the broker admitted unchanged (broker/fastlane.py), on the broker's
+        duplicate of a tenant file: the driver reads the private header, whose params
+        pointer names the private parameter block (answered in place), never the tenant's
+        memory. On this thread, without the capabilities the driver checks (as
+        ioctl_blocking). Relayed files go the general way (NotHere)."""
+        if not getattr(file, "runs_in_caller", False) or fd < 0:
+            raise NotHere
+        block = (ctypes.c_char * len(params)).from_buffer(params)
+        priv = bytearray(hdr)
+        off = header.params_offset
+        struct.pack_into("<Q", priv, off, ctypes.addressof(block))
+        try:
+            if thread_is_driver_safe():
+                ret, err = _ioctl_in_place(fd, header.ioctl_cmd, priv)
+            else:
+                with effective_caps_lowered():
+                    ret, err = _ioctl_in_place(fd, header.ioctl_cmd, priv)
+        finally:
+            del block  # (releases params for resizing)
+        priv[off:off + 8] = hdr[off:off + 8]  # the tenant's pointer, as the driver leaves it
+        return ret, err, bytes(priv)
 
     async def ioctl(self, file: RealFile, dc: DriverCall) -> DriverResult:
         import trio

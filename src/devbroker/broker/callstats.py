@@ -296,6 +296,12 @@ class InstrumentedBroker:
             steps = around_each_step(self._broker.ioctl_steps(req), lambda: _Marking(cell))
         return _observed(steps, done)
 
+    @property
+    def control_lane(self):
+        """The broker's control lane (fastlane.py), its calls counted like ioctl_steps'."""
+        lane = getattr(self._broker, "control_lane", None)
+        return None if lane is None else _CountedLane(lane, self._stats)
+
     def map_check_now(self, req):
         stats = self._stats
         s = self._broker.sessions.get(req.session)
@@ -337,3 +343,38 @@ class InstrumentedBroker:
         key = (("", "release", "UNKNOWN", "") if s is None else
                (s.tenant.name, "release", _NODE_NAMES.get(s.node, "other"), ""))
         stats._record(key, _OK, stats.clock() - t0)
+
+
+class _CountedLane:
+    """A control lane whose calls are recorded as the general path's are: one row per
+    (tenant, ioctl, escape, control), verdict ok or error, time from admission to answer
+    (kept on the admitted call itself: a call sent the general way after admission is
+    counted there)."""
+
+    __slots__ = ("_lane", "_stats")
+
+    def __init__(self, lane: Any, stats: CallStats):
+        self._lane, self._stats = lane, stats
+
+    def ioctl_cmds(self, versions) -> frozenset[int]:
+        return self._lane.ioctl_cmds(versions)
+
+    def admit(self, session_id: int, caller: Any, ioctl_cmd: int, hdr: bytes):
+        t0 = self._stats.clock()
+        adm = self._lane.admit(session_id, caller, ioctl_cmd, hdr)
+        if adm is not None:
+            s = adm.session
+            adm.mark = (t0, (s.tenant.name, "ioctl",
+                             *self._stats.names.ioctl(s.node, ioctl_cmd, hdr)))
+        return adm
+
+    def finish(self, adm, hdr: bytes, params_in: bytes, ret: int, err: int, hdr_out: bytes,
+               params_out: bytearray) -> bytes:
+        out = self._lane.finish(adm, hdr, params_in, ret, err, hdr_out, params_out)
+        self._done(adm, _ERROR if err else _OK)
+        return out
+
+    def _done(self, adm, verdict: int) -> None:
+        if adm.mark is not None:
+            t0, key = adm.mark
+            self._stats._record(key, verdict, self._stats.clock() - t0)

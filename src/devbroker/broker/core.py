@@ -31,6 +31,7 @@ from devbroker.abi.driver import DriverABI
 from devbroker.backends.base import Backend, DriverCall, DriverFile, DriverResult
 from devbroker.broker import compute, limits, rules
 from devbroker.broker.audit import AuditLog
+from devbroker.broker.fastlane import ControlLane
 from devbroker.broker.effects import (
     STATE_LOCK, DriverIoctl, Effect, RateLimit, ReadMemory, ResolveFd, Steps, WriteMemory,
     locked, perform_async, run_async,
@@ -155,6 +156,8 @@ class Broker:
         # Every read and write of a tenant's memory goes through the gate: on a worker
         # thread, with a deadline, so that no tenant's page can stall the broker (issue 13).
         self.memgate = MemoryGate(self.audit)
+        # The common RM controls decided in a few lookups (fastlane.py; seccomp listeners).
+        self.control_lane = ControlLane(self)
         self.sessions: dict[int, Session] = {}
         self.tenants: dict[str, TenantState] = {}
         # Every root client, its tenant and its session (the only place they are added

@@ -252,20 +252,31 @@ def fb_info(ctx, out):
         return out
     quota = s.tenant.quota(gpu)
     used = s.tenant.used().get(gpu, 0)
-    total_kib = quota // KiB
-    free_kib = max(0, quota - used) // KiB
-    changes = {}
+    total_kib = min(quota // KiB, 0xFFFFFFFF)
+    free_kib = min(max(0, quota - used) // KiB, 0xFFFFFFFF)
     # Only the entries the caller asked for (fbInfoListSize, bounded by the array): the
-    # driver leaves the rest as sent.
-    for i in range(min(out.fbInfoListSize, out.spec.by_name["fbInfoList"].count)):
-        e = out.element("fbInfoList", i)
-        if e.index in _FB_TOTAL:
-            changes[i] = e.replace(data=min(total_kib, 0xFFFFFFFF))
-        elif e.index in _FB_FREE:
-            changes[i] = e.replace(data=min(free_kib, 0xFFFFFFFF))
-        elif e.index in _FB_ZERO:
-            changes[i] = e.replace(data=0)
-    return out.replace_elements("fbInfoList", changes)
+    # driver leaves the rest as sent. Patched in the table's bytes (one control NVML and
+    # CUDA send often: no value per entry, issue 14).
+    f = out.spec.by_name["fbInfoList"]
+    elem = f.elem.by_name
+    esz = f.size // f.count
+    at_index, at_data = elem["index"].offset, elem["data"].offset
+    table = bytearray(out.raw_field("fbInfoList"))
+    changed = False
+    for i in range(min(out.fbInfoListSize, f.count)):
+        base = i * esz
+        index = int.from_bytes(table[base + at_index:base + at_index + 4], "little")
+        if index in _FB_TOTAL:
+            new = total_kib
+        elif index in _FB_FREE:
+            new = free_kib
+        elif index in _FB_ZERO:
+            new = 0
+        else:
+            continue
+        table[base + at_data:base + at_data + 4] = new.to_bytes(4, "little")
+        changed = True
+    return out.replace(fbInfoList=bytes(table)) if changed else out
 
 
 def gpu_pids(ctx, out):

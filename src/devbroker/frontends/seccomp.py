@@ -43,7 +43,9 @@ from typing import Mapping, Sequence
 
 import trio
 
+from devbroker.abi import registry
 from devbroker.abi.nodes import NodeKind
+from devbroker.backends.base import NotHere
 from devbroker.broker import memgate
 from devbroker.broker.effects import (
     Await, Blocking, HandOver, RateLimit, ReadMemory, Steps, WriteMemory, perform_async,
@@ -80,6 +82,10 @@ IN_DELETE_SELF = 0x00000400
 IN_IGNORED = 0x00008000
 PIDFD_THREAD = os.O_EXCL  # Linux 6.9: a pidfd for a (non-leader) thread
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+_NR_IOCTL = w.NR["ioctl"]
+_NR_OPEN = w.NR["open"]
+_NR_OPENS = frozenset({w.NR["open"], w.NR["openat"], w.NR["openat2"]})
+_GENERAL = object()  # _control_lane's "not mine: the general steps decide it"
 _PATH_MAX = 4096
 
 
@@ -242,12 +248,25 @@ class SupervisorStats:
     continued_decided: int = 0  # ioctls the broker decided and the tenant's kernel ran
     refused_foreign: int = 0  # NVIDIA files the broker did not give out (refused)
     handed_to_trio: int = 0  # notifications a listener thread handed to the trio thread
+    controls_fast: int = 0  # RM controls the broker's control lane admitted (fastlane.py)
     # Time the listener threads spent deciding, by system call (ns; the answer excluded):
     # what a tenant's init pays for the broker, per kind of call.
     ns_open: int = 0
     ns_ioctl: int = 0
     ns_mmap: int = 0
     sync_wake_up: bool = False  # the kernel wakes listener and tenant on one CPU (6.6+)
+    # Where the control lane's time goes (ns, summed over its calls): the tenant's header
+    # and parameters read, the broker's admission, the duplicate of the tenant's file and
+    # its check, the driver call, the books and post-hook, the results written back; and
+    # for every notification, the receive and the answer's send (which wakes the tenant).
+    lane_ns_read: int = 0
+    lane_ns_admit: int = 0
+    lane_ns_dup: int = 0
+    lane_ns_driver: int = 0
+    lane_ns_finish: int = 0
+    lane_ns_write: int = 0
+    ns_recv: int = 0
+    ns_send: int = 0
 
 
 class _NotifMemory:
@@ -338,6 +357,14 @@ class SeccompSupervisor:
         self._basenames = {posixpath.basename(p) for p in self.nodes} | {"", ".", ".."}
         self.sizes = (sizes or get_notif_sizes()).check()
         self.stats = SupervisorStats()
+        # The broker's control lane (broker/fastlane.py) and the ioctl numbers it takes;
+        # DEVBROKER_CONTROL_LANE=0 sends every control the general way (benchmarks).
+        lane = getattr(broker, "control_lane", None)
+        if os.environ.get("DEVBROKER_CONTROL_LANE", "1") == "0":
+            lane = None
+        self._lane = lane
+        self._lane_cmds = (lane.ioctl_cmds(registry.get(v) for v in registry.versions())
+                           if lane is not None else frozenset())
         self.sessions: dict[tuple[int, int], Session] = {}
         self._by_wd: dict[int, Session] = {}
         self._listener = -1
@@ -526,9 +553,10 @@ class SeccompSupervisor:
             # Synchronous wake-ups (see seccompwire): on kernels before 6.6, EINVAL and
             # the ordinary wake-ups.
             # (the flags are the ioctl's argument itself, not a pointer to them)
-            fcntl.ioctl(self._lfd, w.SECCOMP_IOCTL_NOTIF_SET_FLAGS,
-                        w.SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP)
-            self.stats.sync_wake_up = True
+            if self.sync_wake_up:
+                fcntl.ioctl(self._lfd, w.SECCOMP_IOCTL_NOTIF_SET_FLAGS,
+                            w.SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP)
+                self.stats.sync_wake_up = True
         except OSError:
             pass
         self._token = trio.lowlevel.current_trio_token()
@@ -597,6 +625,19 @@ class SeccompSupervisor:
         if last:
             os.close(self._lfd)  # no thread can use the number any more
 
+    # How a listener waits for the tenant's next call (docs/benchmarks.md, "How a listener
+    # waits"): with synchronous wake-ups the kernel runs listener and tenant on one CPU,
+    # which is what a 2-CPU machine wants (RM_CONTROL p50 152 -> 113 µs there); with many
+    # CPUs it is better to keep them apart and have the thread look for the next call
+    # without sleeping for a while after each answer (H200, 16 CPUs: 128 -> 112 µs, NVML's
+    # init sequence 35.3 -> 33.7 ms). Environment overrides: DEVBROKER_SECCOMP_SYNC_WAKE
+    # (0/1), DEVBROKER_SECCOMP_SPIN_US.
+    _many_cpus = (os.cpu_count() or 1) >= 4
+    sync_wake_up = os.environ.get("DEVBROKER_SECCOMP_SYNC_WAKE",
+                                  "0" if _many_cpus else "1") != "0"
+    spin_s = int(os.environ.get("DEVBROKER_SECCOMP_SPIN_US",
+                                "100" if _many_cpus else "0") or 0) / 1e6
+
     def _thread_main(self) -> None:
         """Receive and answer notifications until the filter has no users. The threads use
         the supervisor's own duplicate of the listener (closed by the last one out), so a
@@ -609,6 +650,8 @@ class SeccompSupervisor:
         poller = select.poll()
         poller.register(self._lfd, select.POLLIN)
         poller.register(_HANDOVER_WAKE, select.POLLIN)  # live upgrade: leave poll() now
+        spin = self.spin_s
+        spin_until = 0.0
         try:
             while not self._stopping:
                 n = None
@@ -617,14 +660,24 @@ class SeccompSupervisor:
                 try:
                     if self._stopping:
                         break
-                    events = poller.poll(200)
+                    # Right after an answer the tenant's next call is usually microseconds
+                    # away: look for it without sleeping for `spin` seconds (no wake-up
+                    # on either side, this thread's caches kept), then sleep in poll().
+                    if spin and time.monotonic() < spin_until:
+                        events = poller.poll(0)
+                        if not events:
+                            continue
+                    else:
+                        events = poller.poll(200)
                     revents = next((ev for fd, ev in events if fd == self._lfd), 0)
                     if not revents:
                         if self._surplus():  # an extra thread retires when idle
                             break
                         continue
                     if revents & select.POLLIN:
+                        t0 = time.perf_counter_ns()
                         n = self._recv_on(self._lfd)
+                        self.stats.ns_recv += time.perf_counter_ns() - t0
                     elif revents & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
                         self._stopping = True
                         self._to_trio(self._hup.set)
@@ -637,8 +690,13 @@ class SeccompSupervisor:
                 self._serving[me] = [n, time.monotonic()]
                 try:
                     self._answer_here(n)
+                except Exception:  # a bug costs this call (EIO), never the listener thread
+                    log.exception("seccomp: answering %s from %d failed", n.syscall, n.pid)
+                    self._send_quietly(w.NotifResp.fail(n.id, errno.EIO))
                 finally:
                     self._serving.pop(me, None)
+                if spin:
+                    spin_until = time.monotonic() + spin
                 if self._surplus():
                     break
         except Exception:  # pragma: no cover - a bug must not kill the tenant's service
@@ -666,7 +724,27 @@ class SeccompSupervisor:
 
     def _answer_here(self, n: w.Notif) -> None:
         """Decide one notification on this thread; hand it to trio when it must wait."""
-        steps = self._steps_for(n)
+        d = n.data
+        if d.nr == _NR_IOCTL and d.arg_u32(1) in self._lane_cmds:
+            t0 = time.perf_counter_ns()
+            looked = self._lookup_stat(n.pid, d.arg_int(0))
+            if looked[0] is not None:
+                resp = self._control_lane(n, looked[0])
+                if resp is not _GENERAL:
+                    self.stats.ns_ioctl += time.perf_counter_ns() - t0
+                    self._send_quietly(resp)
+                    return
+            steps = self._ioctl_steps(n, looked)
+        elif d.nr in _NR_OPENS:
+            t0 = time.perf_counter_ns()
+            resp = self._open_quick(n)
+            if resp is not None:
+                self.stats.ns_open += time.perf_counter_ns() - t0
+                self._send_quietly(resp)
+                return
+            steps = self._open_steps(n)
+        else:
+            steps = self._steps_for(n)
         if steps is None:
             self._send_quietly(w.NotifResp.cont(n.id))
             return
@@ -709,10 +787,12 @@ class SeccompSupervisor:
     def _send_quietly(self, resp: w.NotifResp | None) -> None:
         if resp is None:
             return
+        t0 = time.perf_counter_ns()
         try:
             self._send(resp)
         except OSError:
             log.exception("seccomp: answering notification %d failed", resp.id)
+        self.stats.ns_send += time.perf_counter_ns() - t0
 
     def _steps_for(self, n: w.Notif) -> Steps | None:
         nr = n.data.nr
@@ -751,6 +831,29 @@ class SeccompSupervisor:
                 self._start_thread()
 
     # -- open -----------------------------------------------------------------------------
+
+    def _open_quick(self, n: w.Notif) -> w.NotifResp | None:
+        """CONTINUE for an open whose path plainly names none of our nodes, decided from one
+        read of the path's first bytes (never past their page); None: the general steps
+        decide (ours, a long or unreadable path, a name that needs resolving). A CUDA
+        process opens ~2,800 files (libraries, /proc, /sys) and ~50 NVIDIA nodes; the
+        decision for the others is the general one (basename not one of the nodes'), and
+        what a racing thread can do with a continued open is the same (docs/seccomp.md)."""
+        d = n.data
+        ptr = d.args[0] if d.nr == _NR_OPEN else d.args[1]
+        try:
+            raw = self._gate.direct(self.tenant, _vm_read, n.pid, ptr,
+                                    min(_PAGE - ptr % _PAGE, 256), what="read of an open path")
+        except OSError:
+            return None
+        end = raw.find(b"\0")
+        if end < 0:
+            return None
+        name = raw[:end].rpartition(b"/")[2].decode("utf-8", "surrogateescape")
+        if name in self._basenames:
+            return None
+        self.stats.opens_continued += 1
+        return w.NotifResp.cont(n.id)
 
     def _open_steps(self, n: w.Notif) -> Steps:
         d, tid = n.data, n.pid
@@ -901,10 +1004,11 @@ class SeccompSupervisor:
 
     # -- ioctl ------------------------------------------------------------------------------
 
-    def _ioctl_steps(self, n: w.Notif) -> Steps:
+    def _ioctl_steps(self, n: w.Notif,
+                     looked: tuple[Session | None, bool] | None = None) -> Steps:
         d, tid = n.data, n.pid
         fd, cmd, argp = d.arg_int(0), d.arg_u32(1), d.args[2]
-        sess, nvidia = self._lookup_stat(tid, fd)
+        sess, nvidia = looked if looked is not None else self._lookup_stat(tid, fd)
         if sess is None:
             if nvidia:
                 return self._refuse_foreign(n, f"ioctl {cmd:#x} on fd {fd}")
@@ -986,6 +1090,90 @@ class SeccompSupervisor:
                 self._audit_memory(tid, f"ioctl {cmd:#x}", e)
                 return w.NotifResp.fail(n.id, errno.EFAULT)
         return w.NotifResp.ok(n.id, reply.result)
+
+    def _control_lane(self, n: w.Notif, sess: Session) -> w.NotifResp | None | object:
+        """An RM control the broker's control lane admits (broker/fastlane.py), answered
+        here in a dozen system calls; `_GENERAL` for every other call (the general steps
+        then decide it from the start, refusals and audit records included).
+
+        Private copies: the header and the parameter block are read once into the broker's
+        memory; the lane decides on that header and the driver reads only those copies
+        (the header's params pointer replaced by the copy's address), so a racing tenant
+        thread that rewrites its own memory after the read changes nothing the driver
+        sees. The driver runs on the broker's duplicate of the tenant's file, checked to
+        be the session's file (a racing dup2 cannot put another file there), after the
+        notification is confirmed current (the thread that called is the one whose memory
+        and fd table were read). Nothing is continued: the kernel re-reads nothing."""
+        d, tid = n.data, n.pid
+        fd, cmd, argp = d.arg_int(0), d.arg_u32(1), d.args[2]
+        gate = self._gate
+        clock = time.perf_counter_ns
+        stats = self.stats
+        t0 = clock()
+        try:
+            caller, _caps = self._caller_caps(tid)
+            hdr = gate.direct(self.tenant, _vm_read, tid, argp, w.IOC_SIZE(cmd),
+                              what=f"read of ioctl {cmd:#x}'s argument")
+        except OSError:
+            return _GENERAL  # the general path reads again and answers with its record
+        lane = self._lane
+        t1 = clock()
+        adm = lane.admit(sess.id, caller, cmd, hdr)
+        if adm is None:
+            return _GENERAL
+        t2 = clock()
+        try:
+            params_in = gate.direct(self.tenant, _vm_read, tid, adm.params_ptr,
+                                    adm.params_size,
+                                    what=f"read of {adm.params_size} bytes at {adm.params_ptr:#x}")
+        except OSError:
+            return _GENERAL
+        params = bytearray(params_in)
+        t3 = clock()
+        dup = -1
+        try:
+            if sess.real:
+                try:
+                    dup = self._getfd(tid, fd)
+                    held = _stat_nosync(fd=dup)
+                except OSError:
+                    return _GENERAL
+                if (held.st_dev, held.st_ino) != sess.key:
+                    return _GENERAL  # another file at that number now: decided the general way
+            if not self.id_valid(n.id):
+                stats.stale += 1
+                return None
+            t4 = clock()
+            ret, err, hdr_out = self.broker.backend.run_control(
+                adm.session.file, dup, hdr, params, adm.header, adm.abi)
+            t5 = clock()
+        except NotHere:
+            return _GENERAL
+        finally:
+            if dup >= 0:
+                os.close(dup)
+        stats.ioctls += 1
+        stats.controls_fast += 1
+        out = lane.finish(adm, hdr, params_in, ret, err, hdr_out, params)
+        t6 = clock()
+        stats.lane_ns_read += (t1 - t0) + (t3 - t2)
+        stats.lane_ns_admit += t2 - t1
+        stats.lane_ns_dup += t4 - t3
+        stats.lane_ns_driver += t5 - t4
+        stats.lane_ns_finish += t6 - t5
+        if err:  # the driver's failure: the tenant's buffers stay as they were
+            return w.NotifResp.fail(n.id, err)
+        if not self.id_valid(n.id):
+            stats.stale += 1
+            return None
+        try:
+            gate.direct(self.tenant, vm_write_many, tid, [(adm.params_ptr, out), (argp, hdr_out)],
+                        what=f"write of ioctl {cmd:#x}'s results")
+        except OSError as e:
+            self._audit_memory(tid, f"ioctl {cmd:#x}", e)
+            return w.NotifResp.fail(n.id, errno.EFAULT)
+        stats.lane_ns_write += clock() - t6
+        return w.NotifResp.ok(n.id, ret)
 
     # -- mmap -------------------------------------------------------------------------------
 

@@ -1,0 +1,268 @@
+"""The control lane: the broker's decision for the most common CUDA/NVML call, made in a
+few dictionary lookups instead of the general steps (issues 12 and 14).
+
+Most of what CUDA and NVML send is NV_ESC_RM_CONTROL with a control whose row changes
+nothing and whose parameter block holds nothing the broker looks at (`rules.simple_control`:
+173 of the 231 controls of a PyTorch run). For those the general path (core.Broker.
+_ioctl_steps -> handlers.rm_control) decodes the NVOS54 header into objects, walks the rule
+tables through generator layers and effects, and ends by copying the parameter block to the
+driver and back; on the H200 that cost ~200 µs per call against the driver's ~17 µs.
+
+The lane answers one question, `ControlLane.admit`: would the general path run this call on
+the driver unchanged (or with only a post-hook on the answer)? It checks, from the 32-byte
+header the front end read into its own memory, everything the general path checks before it
+would call the driver — the session and its tenant (not revoked, the same sandbox, the GPU
+not revoked), the escape row (RM_CONTROL allowed, on this node), the client and the object
+(the tenant's, on a GPU it still has), the control row (allowed, granted, not reserved by the
+driver), the parameter size (the layout's) and the parameter pointer (not NULL) — and takes
+the tenant's rate-limit token last. Anything else — a refusal, an unknown client (adoption),
+a pre-hook, a broker answer, a control with pointers, fds, client handles or GPU ids in its
+parameters, an empty token bucket — is `None`: the front end sends the
+call down the general path, which makes every refusal with its audit record. So the lane can
+only ever allow what the general path allows, and never refuses anything itself.
+
+What the lane leaves to the front end: the private copies (header and parameters read once
+into broker memory, the driver sees only those, the tenant's memory is written after), the
+check that the caller is still the thread that made the call, and the driver call itself
+(`Backend.run_control`). `tests/test_fastlane.py` runs every control of the recorded PyTorch
+and NVML traces through both paths and compares the decisions.
+"""
+from __future__ import annotations
+
+import struct
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from devbroker.abi import ioc
+from devbroker.abi import status as nvstatus
+from devbroker.abi.driver import NV_IOCTL_MAGIC
+from devbroker.abi.nodes import NodeKind
+from devbroker.backends.base import DriverResult
+
+from . import handlers, rewrite, rules
+from .effects import STATE_LOCK
+
+if TYPE_CHECKING:
+    from devbroker.abi.driver import DriverABI
+
+    from .core import Broker, Session
+    from .interface import Caller
+    from .objects import RmClient
+
+RM_CONTROL = "NV_ESC_RM_CONTROL"
+
+
+@dataclass(frozen=True)
+class Header:
+    """Where NVOS54's fields are in one driver version's layout (read from its table)."""
+    ioctl_cmd: int  # the ioctl number: _IOWR('F', nr, sizeof(NVOS54_PARAMETERS))
+    size: int
+    unpack: Callable[[bytes], tuple]  # -> (hClient, hObject, cmd, params, paramsSize)
+    params_offset: int  # the params pointer (replaced by the broker's copy's address)
+    status_offset: int
+
+
+_HEADERS: dict[Any, Header | None] = {}
+_HEADERS_LOCK = threading.Lock()
+
+
+def header_of(abi: DriverABI) -> Header | None:
+    """NVOS54's layout in `abi`, or None when its table has no RM_CONTROL (the lane is
+    then off for that version)."""
+    known = _HEADERS.get(abi, False)
+    if known is not False:
+        return known
+    with _HEADERS_LOCK:
+        hdr = None
+        for nr, spec in abi.escapes.items():
+            if spec.name != RM_CONTROL or spec.params is None:
+                continue
+            f = spec.params.by_name
+            need = ("hClient", "hObject", "cmd", "params", "paramsSize", "status")
+            if all(n in f for n in need):
+                unpack = _fixed_unpacker([f[n].offset for n in need[:5]],
+                                         ["I", "I", "I", "Q", "I"])
+                size = spec.params.size
+                if unpack is not None:
+                    hdr = Header(ioc.ioc(ioc.IOC_READ | ioc.IOC_WRITE, NV_IOCTL_MAGIC, nr, size), size, unpack,
+                                 f["params"].offset, f["status"].offset)
+            break
+        _HEADERS[abi] = hdr
+        return hdr
+
+
+def _fixed_unpacker(offsets: list[int], kinds: list[str]) -> Callable[[bytes], tuple] | None:
+    """One struct.unpack_from for fields at these offsets (pad bytes between them)."""
+    order = sorted(zip(offsets, kinds, range(len(kinds))))
+    fmt, pos = "<", 0
+    for off, kind, _i in order:
+        if off < pos:
+            return None
+        fmt += f"{off - pos}x" if off > pos else ""
+        fmt += kind
+        pos = off + struct.calcsize("<" + kind)
+    s = struct.Struct(fmt)
+    perm = [i for _o, _k, i in order]
+    if perm == list(range(len(kinds))):
+        return lambda b, _u=s.unpack_from: _u(b)
+
+    def unpack(b: bytes, _u=s.unpack_from, _p=perm) -> tuple:
+        got = _u(b)
+        out = [0] * len(got)
+        for j, i in enumerate(_p):
+            out[i] = got[j]
+        return tuple(out)
+    return unpack
+
+
+@dataclass(slots=True)
+class Admitted:
+    """A control the general path would run as sent: what the front end needs to run it."""
+    session: Session
+    abi: DriverABI
+    header: Header
+    client: RmClient
+    h_object: int
+    cmd: int
+    params_ptr: int
+    params_size: int
+    gpu: int | None
+    post: Callable | None  # the row's post-hook (rewrite.py), run on an NV_OK answer
+    mark: Any = None  # the call counters' (callstats._CountedLane): start and row
+
+
+class ControlLane:
+    """The broker's side of the control lane (module docstring). One per broker; its methods
+    run on seccomp listener threads and take the state lock themselves."""
+
+    def __init__(self, broker: Broker):
+        self.broker = broker
+        escape = rules.ESCAPES.get(RM_CONTROL)
+        # The lane mirrors handlers.rm_control: if the escape row ever gets another handler,
+        # a rewrite of its own or an in-caller reason, the lane is off rather than wrong.
+        self.escape = (escape if escape is not None and escape.handler is handlers.rm_control
+                       and escape.rewrite is None and not escape.in_caller else None)
+        self.admitted = 0
+        self._plans: dict[tuple, tuple | None] = {}  # (abi, cmd) -> _plan's answer
+        self.passed = 0  # declined: sent down the general path
+
+    def ioctl_cmds(self, versions) -> frozenset[int]:
+        """The ioctl numbers the lane may take, over the given ABIs (front ends test the
+        number before reading anything)."""
+        out = set()
+        for abi in versions:
+            h = header_of(abi)
+            if h is not None:
+                out.add(h.ioctl_cmd)
+        return frozenset(out)
+
+    def admit(self, session_id: int, caller: Caller, ioctl_cmd: int,
+              hdr: bytes) -> Admitted | None:
+        """The call if the general path would run it on the driver as sent; None sends it
+        down the general path (which decides it again, refusals and audit included)."""
+        with STATE_LOCK:
+            got = self._admit(session_id, caller, ioctl_cmd, hdr)
+        if got is None:
+            self.passed += 1
+        else:
+            self.admitted += 1
+        return got
+
+    def _admit(self, session_id: int, caller: Caller, ioctl_cmd: int,
+               hdr: bytes) -> Admitted | None:
+        b = self.broker
+        escape = self.escape
+        if escape is None:
+            return None
+        s = b.sessions.get(session_id)
+        if s is None or s.closed:
+            return None
+        tenant = s.tenant
+        if tenant.revoked:
+            return None
+        # core.Broker._same_sandbox, without its refusal: same uid, same pid namespace
+        # (an unknown namespace on either side goes the general way, which reads it).
+        if caller.uid != s.caller.uid or (s.pidns is not None and (
+                caller.pidns is None or caller.pidns != s.pidns)):
+            return None
+        if s.node is NodeKind.GPU and s.minor not in tenant.gpus:
+            return None
+        abi = b._abi(s)
+        h = header_of(abi)
+        if h is None or ioctl_cmd != h.ioctl_cmd or len(hdr) != h.size:
+            return None
+        caps = tenant.policy.capabilities
+        if not escape.granted(caps) or s.node not in escape.nodes:
+            return None
+        h_client, h_object, cmd, params_ptr, params_size = h.unpack(hdr)
+        client = tenant.clients.get(h_client)
+        if client is None:  # not the tenant's, or not adopted yet: the general path decides
+            return None
+        obj = client.objects.get(h_object)
+        if obj is None or (obj.gpu is not None and obj.gpu not in tenant.gpus):
+            return None
+        plan = self._plan(abi, cmd)
+        if plan is None or plan[0] not in caps:
+            return None
+        _cap, post, size = plan
+        if params_size != size or params_ptr == 0:
+            return None
+        # Last, as the general path's own first step does: a token, or the general way (it
+        # waits for one there).
+        if not tenant.limiter.try_acquire():
+            return None
+        return Admitted(s, abi, h, client, h_object, cmd, params_ptr, params_size, obj.gpu,
+                        post)
+
+    def _plan(self, abi: DriverABI, cmd: int) -> tuple[str, Callable | None, int] | None:
+        """(capability, post-hook, parameter size) of a control the lane may take in this
+        ABI, None for one it may not: its row is on the allowlist, not reserved by the
+        driver's flags, changes nothing on the way in (no pre-hook, no broker answer, no run
+        of its own, no charge) and its parameters hold nothing the broker looks at
+        (rules.plain_layout); a post-hook on the answer is allowed. The tables do not change
+        while the broker runs, so this is computed once per (ABI, control) on the
+        allowlist (a number not on it costs a lookup, and is not remembered)."""
+        row = rules.CONTROLS.get(cmd)
+        if row is None:
+            return None
+        key = (abi, cmd)
+        try:
+            return self._plans[key]
+        except KeyError:
+            pass
+        plan = None
+        rule = rules.control_rule(cmd, abi)
+        op = abi.control(cmd)
+        if (rule is not None and not rule.driver_flag and rule.pre is None
+                and rule.relay_if is None and rule.run is None and not rule.charge
+                and op is not None and op.params is not None and op.size
+                and rules.plain_layout(op.params)):
+            plan = (rule.capability, rule.post, op.size)
+        self._plans[key] = plan
+        return plan
+
+    def finish(self, adm: Admitted, hdr: bytes, params_in: bytes, ret: int, err: int,
+               hdr_out: bytes, params_out: bytearray) -> bytes:
+        """After the driver answered: the books (a request of the tenant's; the recording,
+        when the broker keeps one), and the parameters the tenant gets back: through the
+        row's post-hook when there is one and the driver said NV_OK, as handlers.rm_control
+        does. (Nothing is written to the tenant when err is set.)"""
+        h = adm.header
+        status = int.from_bytes(hdr_out[h.status_offset:h.status_offset + 4], "little")
+        with STATE_LOCK:
+            s = adm.session
+            s.tenant.requests += 1
+            out = bytes(params_out)
+            if adm.post is not None and not err and status == nvstatus.NV_OK:
+                spec = adm.abi.control(adm.cmd).params
+                ctx = rewrite.ControlContext(self.broker, s, adm.abi, adm.cmd,
+                                             spec.decode(params_in), adm.gpu, adm.client,
+                                             adm.h_object)
+                out = adm.post(ctx, spec.decode(out)).encode()
+            recorder = self.broker.recorder
+        if recorder is not None:
+            call = adm.abi.decode_ioctl(s.node, h.ioctl_cmd, hdr)
+            recorder.ioctl(s, call, params_in,
+                           DriverResult(arg=hdr_out, nested=out, result=ret, errno=err))
+        return out

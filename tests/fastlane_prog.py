@@ -1,0 +1,81 @@
+"""A tenant program of tests/test_fastlane.py: every RM control of the recorded PyTorch and
+NVML sessions (the shared H200 traces), with the parameters they were sent with, issued on
+nvidiactl against this tenant's own client, device and subdevice; then calls the broker must
+refuse (another client, a wrong paramsSize, a NULL parameter pointer, an object that is not
+the tenant's). Prints one JSON line per call: the control, errno, NVOS54 status and a digest
+of the parameter block after the call.
+
+    fastlane_prog.py TRACE...
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import hashlib
+import json
+import sys
+
+from devbroker.abi import nvtrace
+from devbroker.abi.nvtrace import RecordType
+from devbroker.abi.traceview import TraceDecoder
+from devbroker.tools.probe import Client
+
+
+def main(paths: list[str]) -> int:
+    c = Client()
+    c.check_version()
+    c.open_root()
+    g = c.open_gpu(c.attached_ids()[0])
+    # The object a control goes to, by the class its number names (cmd >> 16).
+    targets = {0x0000: c.hclient, 0x0080: g["hdevice"], 0x2080: g["hsubdevice"]}
+    seen: dict[int, bytes] = {}
+    for path in paths:
+        dec = TraceDecoder(c.abi)
+        for rec in nvtrace.read_file(path):
+            ev = dec.decode(rec)
+            if (rec.type != RecordType.IOCTL or ev.call_in is None
+                    or ev.call_in.name != "NV_ESC_RM_CONTROL"):
+                continue
+            cmd = ev.call_in.value.cmd
+            if cmd >> 16 in targets and cmd not in seen and rec.xin:
+                seen[cmd] = bytes(rec.xin)
+    cmd_nr = c.abi.escape_cmd("NV_ESC_RM_CONTROL", 32)
+
+    def call(what: str, h_client: int, h_object: int, cmd: int, params: bytes | None,
+             size: int | None = None) -> None:
+        buf = ctypes.create_string_buffer(params or b"\0", max(len(params or b""), 1))
+        v = c.new("NVOS54_PARAMETERS", hClient=h_client, hObject=h_object, cmd=cmd,
+                  params=ctypes.addressof(buf) if params is not None else 0,
+                  paramsSize=len(params or b"") if size is None else size)
+        arg = bytearray(v.encode())
+        err = 0
+        try:
+            fcntl.ioctl(c.ctl, cmd_nr, arg, True)
+        except OSError as e:
+            err = e.errno or errno.EIO
+        status = int.from_bytes(arg[28:32], "little")
+        out = buf.raw[:len(params or b"")]
+        print(json.dumps({"what": what, "cmd": cmd, "errno": err, "status": status,
+                          "params": hashlib.sha256(out).hexdigest()[:16]}), flush=True)
+
+    for cmd, params in sorted(seen.items()):
+        call("trace", c.hclient, targets[cmd >> 16], cmd, params)
+    fb = 0x20801303
+    p = seen.get(fb, bytes(c.abi.control(fb).size))
+    call("foreign-client", 0xC1D00000, g["hsubdevice"], fb, p)
+    call("foreign-object", c.hclient, 0xBAD0BAD0, fb, p)
+    call("short-params", c.hclient, g["hsubdevice"], fb, p[:-4])
+    call("null-params", c.hclient, g["hsubdevice"], fb, None, size=len(p))
+    from devbroker.broker import rules
+
+    unlisted = next(k for k, op in sorted(c.abi.controls.items())
+                    if k >> 16 == 0x2080 and k not in rules.CONTROLS and op.size)
+    call("unlisted-control", c.hclient, g["hsubdevice"], unlisted,
+         bytes(c.abi.control(unlisted).size))
+    print(json.dumps({"what": "done", "controls": len(seen)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,117 @@
+"""The control lane (broker/fastlane.py; issues 12, 14): the common RM controls decided in a
+few lookups on a seccomp listener thread must be decided exactly as the general steps decide
+them.
+
+A real tenant process (tests/fastlane_prog.py) sends every control of the recorded PyTorch and
+NVML sessions, with their recorded parameters, through `devbroker exec --frontend seccomp`
+to a broker with the emulated backend, plus calls that must be refused. The same program runs
+against a broker whose lane is off (DEVBROKER_CONTROL_LANE=0): every answer (errno, NVOS54
+status, the parameter block after the call) must be the same, the lane must have taken the
+controls it may take, and every refusal must still be audited (the lane only ever declines)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from devbroker.abi import registry
+from devbroker.broker import fastlane, rules
+
+HERE = Path(__file__).resolve().parent
+# Controls whose answer is a clock reading (the emulator's, like the driver's, moves on
+# between two runs): compared by errno and status only.
+CLOCKS = {0x20800406}  # NV2080_CTRL_CMD_TIMER_GET_GPU_CPU_TIME_CORRELATION_INFO
+
+POLICY = """
+[broker]
+backend = "emulated"
+driver_version = "580.159.04"
+
+[[broker.gpu]]
+name = "NVIDIA H200"
+uuid = "GPU-5d1c0e7a-0b6e-4f43-9c1a-3a2b7e0d0001"
+pci_bus_id = "0000:00:06.0"
+memory = "141GiB"
+
+[tenant.t]
+gpus = [0]
+memory_quota = "8GiB"
+capabilities = ["nvml", "compute", "uvm"]
+"""
+
+
+def test_header_layout_in_every_driver_version():
+    """The lane reads NVOS54 by the offsets of each version's table; all agree with the
+    driver's struct (hClient, hObject, cmd, flags, params, paramsSize, status)."""
+    for version in registry.versions():
+        h = fastlane.header_of(registry.get(version))
+        assert h is not None, version
+        assert (h.ioctl_cmd, h.size, h.params_offset, h.status_offset) == \
+            (0xC020462A, 32, 16, 28), version
+        raw = (1).to_bytes(4, "little") + (2).to_bytes(4, "little") + \
+            (0x20801303).to_bytes(4, "little") + bytes(4) + \
+            (0x7F0000001000).to_bytes(8, "little") + (1028).to_bytes(4, "little") + bytes(4)
+        assert h.unpack(raw) == (1, 2, 0x20801303, 0x7F0000001000, 1028)
+
+
+def test_rows_with_pre_hooks_answers_or_charges_are_never_laned():
+    """A row that changes what goes to the driver is for the general steps only."""
+    abi = registry.get("580.159.04")
+    for cmd, row in rules.CONTROLS.items():
+        if row.pre or row.relay_if or row.run or row.charge:
+            assert not rules.simple_control(abi, cmd), hex(cmd)
+
+
+def _run(start_broker, traces_dir, lane: bool):
+    old = os.environ.get("DEVBROKER_CONTROL_LANE")
+    os.environ["DEVBROKER_CONTROL_LANE"] = "1" if lane else "0"
+    try:
+        b = start_broker(POLICY)
+    finally:
+        if old is None:
+            os.environ.pop("DEVBROKER_CONTROL_LANE", None)
+        else:
+            os.environ["DEVBROKER_CONTROL_LANE"] = old
+    b.frontend = "seccomp"
+    traces = [str(traces_dir / f"h200-580.159.04-{n}.nvtrace") for n in ("torch", "nvml")]
+    r = b.exec("t", sys.executable, str(HERE / "fastlane_prog.py"), *traces, timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    assert lines and lines[-1]["what"] == "done", r.stdout + r.stderr
+    b.stop()
+    detached = [a for a in b.audit() if a.get("event") == "tenant-detached"]
+    fast = sum(a.get("controls_fast", 0) for a in detached)
+    denies = [a for a in b.audit() if a.get("event") == "deny"]
+    return lines[:-1], lines[-1]["controls"], fast, denies
+
+
+@pytest.mark.root
+def test_lane_answers_as_the_general_path(start_broker, traces_dir):
+    if os.geteuid() != 0:
+        pytest.skip("needs root (seccomp tenant sandbox)")
+    on, n_on, fast_on, denies_on = _run(start_broker, traces_dir, lane=True)
+    off, n_off, fast_off, denies_off = _run(start_broker, traces_dir, lane=False)
+    assert n_on == n_off > 50  # the traces' distinct controls were all sent
+    assert fast_off == 0
+    # The lane took a good part of the calls (the allowed simple controls and FB_GET_INFO_V2's
+    # post-hook row), and none of the refused ones.
+    print("lane took", fast_on, "of", len(on), "calls;", len(denies_on), "refusals")
+    assert fast_on >= 40, fast_on
+    diff = [(a, b) for a, b in zip(on, off)
+            if a != b and not (a["cmd"] in CLOCKS and {**a, "params": ""} == {**b, "params": ""})]
+    assert not diff, diff[:5]
+    assert len(on) == len(off)
+    by_what = {x["what"]: x for x in on if x["what"] != "trace"}
+    # refusals: the driver's answers for foreign handles, EINVAL-class for a bad size or
+    # pointer, NOT_SUPPORTED-class status for a control not on the allowlist; audited alike
+    assert by_what["foreign-client"]["status"] != 0
+    assert by_what["foreign-object"]["status"] != 0
+    assert by_what["unlisted-control"]["status"] != 0 or by_what["unlisted-control"]["errno"]
+    assert by_what["short-params"]["status"] != 0 or by_what["short-params"]["errno"]
+    assert by_what["null-params"]["status"] != 0 or by_what["null-params"]["errno"]
+    what = lambda ds: sorted(d.get("what", "") for d in ds)  # noqa: E731
+    assert what(denies_on) == what(denies_off)
+    assert len(denies_on) >= 4
