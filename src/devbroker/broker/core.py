@@ -838,7 +838,11 @@ class Broker:
                 **compute.tenant_status(self, t),  # issue 15: share, priority, groups
             })
         return {"backend": self.backend.name, "driver": self.backend.version,
-                "tenants": tenants}
+                "tenants": tenants,
+                # the control lane (fastlane.py): controls it ran, and those it sent the
+                # general way (refusals, rows with hooks, unknown clients, ...)
+                "control_lane": {"admitted": self.control_lane.admitted,
+                                 "declined": self.control_lane.passed}}
 
 
 class _RevokedTenant:

@@ -32,3 +32,21 @@ def to_trio(token: trio.lowlevel.TrioToken, fn: Callable[..., Any], *args: Any) 
         return True
     except trio.RunFinishedError:
         return False
+
+
+# A front end's "not for the control lane: decide it the general way" (broker/fastlane.py).
+GENERAL = object()
+
+
+def control_lane_of(broker: Any) -> tuple[Any, frozenset[int]]:
+    """The broker's control lane (broker/fastlane.py) and the ioctl numbers it takes, for a
+    front end to test before anything else; (None, empty) for a broker without one, or when
+    DEVBROKER_CONTROL_LANE=0 (benchmarks compare both ways)."""
+    import os
+
+    from devbroker.abi import registry
+
+    lane = getattr(broker, "control_lane", None)
+    if lane is None or os.environ.get("DEVBROKER_CONTROL_LANE", "1") == "0":
+        return None, frozenset()
+    return lane, lane.ioctl_cmds(registry.get(v) for v in registry.versions())

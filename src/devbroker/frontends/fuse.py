@@ -35,8 +35,10 @@ import trio
 
 from devbroker.abi.nodes import NodeKind
 from devbroker.broker import limits, memgate
+from devbroker.backends.base import NotHere
 from devbroker.broker.effects import (
-    Await, HandOver, Steps, WriteMemory, perform_async, perform_blocking, run_async, run_blocking,
+    Await, HandOver, ReadMemory, Steps, WriteMemory, perform_async, perform_blocking, run_async,
+    run_blocking,
 )
 from devbroker.broker.procinfo import pid_namespace
 from devbroker.broker.interface import (
@@ -49,7 +51,9 @@ from devbroker.broker.interface import (
     ReleaseRequest,
 )
 from devbroker.frontends import fusewire as w
-from devbroker.frontends.common import WHOAMI_IOCTL, sanitize_errno, to_trio
+from devbroker.frontends.common import (
+    GENERAL, WHOAMI_IOCTL, control_lane_of, sanitize_errno, to_trio,
+)
 from devbroker.frontends.fusetree import Content, NodeSpec, TenantTree, desired, render
 from devbroker.frontends.fusetree import split as split_path
 from devbroker.frontends.procmem import pidfd_getfd
@@ -188,6 +192,7 @@ class FuseFrontend:
         broker/handover.py): the /dev/fuse fd it passed and its export_state()."""
         self.mountpoint = os.path.abspath(os.fspath(mountpoint))
         self.broker = broker
+        self._lane, self._lane_cmds = control_lane_of(broker)  # broker/fastlane.py
         self.entry_ttl = entry_ttl
         self.attr_ttl = attr_ttl
         self.max_write = max_write
@@ -1363,6 +1368,10 @@ class FuseFrontend:
         # and writes the argument through `memory` at arg_ptr, sized from its ABI registry.
         arg = req.data if req.in_size else None
         tenant = h.inode.tenant or ""
+        if req.cmd in self._lane_cmds and req.in_size == req.out_size == len(req.data):
+            got = yield from self._control_lane_steps(req, h, caller, memory, tenant)
+            if got is not GENERAL:
+                return got
         ireq = IoctlRequest(caller, h.session, req.cmd, req.arg, arg, memory,
                             resolve_fd=functools.partial(self.resolve_fd, caller.pid,
                                                          tenant=tenant))
@@ -1391,6 +1400,40 @@ class FuseFrontend:
                              caller.pid, e)
                     return w.encode_error(req.unique, errno.EFAULT)
         return w.encode_ioctl(req.unique, rep.result, out)
+
+    def _control_lane_steps(self, req: w.Ioctl, h: "_Handle", caller: Caller,
+                            memory: ProcessMemory, tenant: str) -> Steps:
+        """An RM control the broker's control lane admits (broker/fastlane.py), run on
+        private copies: the header is the kernel's copy in the request, the parameter block
+        is read once through the memory gate; GENERAL for everything else (the general
+        steps then decide it, refusals and audit records included). The backend may
+        decline (NotHere: a relayed file), and the general steps take it then."""
+        hdr = bytes(req.data)
+        lane = self._lane
+        adm = lane.admit(h.session, caller, req.cmd, hdr)
+        if adm is None:
+            return GENERAL
+        try:
+            params_in = yield ReadMemory(memory, adm.params_ptr, adm.params_size, tenant,
+                                         f"read of {adm.params_size} bytes at "
+                                         f"{adm.params_ptr:#x}")
+        except OSError:
+            return GENERAL
+        params = bytearray(params_in)
+        try:
+            ret, err, hdr_out = self.broker.backend.run_control(
+                adm.session.file, -1, hdr, params, adm.header, adm.abi)
+        except NotHere:
+            return GENERAL
+        out = lane.finish(adm, hdr, params_in, ret, err, hdr_out, params)
+        if err:  # the driver's failure: the tenant's buffers stay as they were
+            return w.encode_error(req.unique, sanitize_errno(err))
+        try:
+            yield WriteMemory(memory, adm.params_ptr, out, tenant,
+                              f"write of ioctl {req.cmd:#x}'s results")
+        except OSError:
+            return w.encode_error(req.unique, errno.EFAULT)
+        return w.encode_ioctl(req.unique, ret, hdr_out[:req.out_size])
 
     @staticmethod
     def _same_sandbox_quick(h: _Handle, caller: Caller) -> bool:

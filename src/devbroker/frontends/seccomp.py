@@ -43,7 +43,6 @@ from typing import Mapping, Sequence
 
 import trio
 
-from devbroker.abi import registry
 from devbroker.abi.nodes import NodeKind
 from devbroker.backends.base import NotHere
 from devbroker.broker import memgate
@@ -63,7 +62,7 @@ from devbroker.broker.interface import (
 )
 from devbroker.backends.tenantfile import CAP_SYS_ADMIN, drop_driver_capabilities_for_thread
 from devbroker.frontends import seccompwire as w
-from devbroker.frontends.common import to_trio
+from devbroker.frontends.common import GENERAL as _GENERAL, control_lane_of, to_trio
 from devbroker.frontends.procmem import vm_write_many
 
 log = logging.getLogger("devbroker.seccomp")
@@ -85,7 +84,6 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 _NR_IOCTL = w.NR["ioctl"]
 _NR_OPEN = w.NR["open"]
 _NR_OPENS = frozenset({w.NR["open"], w.NR["openat"], w.NR["openat2"]})
-_GENERAL = object()  # _control_lane's "not mine: the general steps decide it"
 _PATH_MAX = 4096
 
 
@@ -359,12 +357,7 @@ class SeccompSupervisor:
         self.stats = SupervisorStats()
         # The broker's control lane (broker/fastlane.py) and the ioctl numbers it takes;
         # DEVBROKER_CONTROL_LANE=0 sends every control the general way (benchmarks).
-        lane = getattr(broker, "control_lane", None)
-        if os.environ.get("DEVBROKER_CONTROL_LANE", "1") == "0":
-            lane = None
-        self._lane = lane
-        self._lane_cmds = (lane.ioctl_cmds(registry.get(v) for v in registry.versions())
-                           if lane is not None else frozenset())
+        self._lane, self._lane_cmds = control_lane_of(broker)
         self.sessions: dict[tuple[int, int], Session] = {}
         self._by_wd: dict[int, Session] = {}
         self._listener = -1
