@@ -435,3 +435,34 @@ async def test_cancelling_the_supervisor_kills_the_tenant(tmp_path):
     assert not outer.cancelled_caught
     assert h.process.returncode == -signal.SIGKILL
     assert sorted(b.released) == sorted(b.sessions) and len(b.sessions) == 1
+
+
+class _BuggyLane:
+    """A control lane with a bug: admission raises."""
+
+    def ioctl_cmds(self, versions):
+        return frozenset({F(0x2A, 32)})  # NV_ESC_RM_CONTROL
+
+    def admit(self, *args):
+        raise RuntimeError("a bug in the control lane")
+
+
+async def test_a_bug_costs_one_call_not_the_listener(tmp_path):
+    """An exception while a listener thread answers a notification answers that call EIO
+    and leaves the thread serving (before, it ended the thread and the tenant hung)."""
+    b = FakeBroker()
+    b.control_lane = _BuggyLane()
+    rc, res, h = await run(
+        f"""
+        fd = os.open("/dev/nvidiactl", os.O_RDWR)
+        res["buggy"] = err(fcntl.ioctl, fd, {F(0x2A, 32)}, bytearray(32), True)
+        buf = bytearray(b"abcdefghijklmnop")
+        res["after"] = [fcntl.ioctl(fd, XFORM, buf, True), buf.decode()]
+        res["again"] = err(fcntl.ioctl, fd, {F(0x2A, 32)}, bytearray(32), True)
+        """,
+        b,
+        tmp_path,
+    )
+    assert rc == 0, res
+    assert res["buggy"] == errno.EIO and res["again"] == errno.EIO
+    assert res["after"] == [0, "PONMLKJIHGFEDCBA"]
