@@ -82,6 +82,10 @@ IN_IGNORED = 0x00008000
 PIDFD_THREAD = os.O_EXCL  # Linux 6.9: a pidfd for a (non-leader) thread
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _NR_IOCTL = w.NR["ioctl"]
+# Listener threads that may look for their tenant's next call without sleeping at once
+# (SeccompSupervisor.spin_s), broker-wide: a quarter of the CPUs, so that busy tenants
+# cannot have the broker's threads spinning on every CPU (and contending for its GIL).
+_SPIN_SLOTS = threading.BoundedSemaphore(max(1, (os.cpu_count() or 1) // 4))
 _NR_OPEN = w.NR["open"]
 _NR_OPENS = frozenset({w.NR["open"], w.NR["openat"], w.NR["openat2"]})
 _PATH_MAX = 4096
@@ -250,6 +254,7 @@ class SupervisorStats:
     # Time the listener threads spent deciding, by system call (ns; the answer excluded):
     # what a tenant's init pays for the broker, per kind of call.
     ns_open: int = 0
+    ns_open_node: int = 0  # of ns_open: the opens of our nodes (driver open, install)
     ns_ioctl: int = 0
     ns_mmap: int = 0
     sync_wake_up: bool = False  # the kernel wakes listener and tenant on one CPU (6.6+)
@@ -623,8 +628,8 @@ class SeccompSupervisor:
     # which is what a 2-CPU machine wants (RM_CONTROL p50 152 -> 113 µs there); with many
     # CPUs it is better to keep them apart and have the thread look for the next call
     # without sleeping for a while after each answer (H200, 16 CPUs: 128 -> 112 µs, NVML's
-    # init sequence 35.3 -> 33.7 ms). Environment overrides: DEVBROKER_SECCOMP_SYNC_WAKE
-    # (0/1), DEVBROKER_SECCOMP_SPIN_US.
+    # init sequence 35.3 -> 33.7 ms); at most _SPIN_SLOTS threads do so at a time.
+    # Environment overrides: DEVBROKER_SECCOMP_SYNC_WAKE (0/1), DEVBROKER_SECCOMP_SPIN_US.
     _many_cpus = (os.cpu_count() or 1) >= 4
     sync_wake_up = os.environ.get("DEVBROKER_SECCOMP_SYNC_WAKE",
                                   "0" if _many_cpus else "1") != "0"
@@ -645,6 +650,7 @@ class SeccompSupervisor:
         poller.register(_HANDOVER_WAKE, select.POLLIN)  # live upgrade: leave poll() now
         spin = self.spin_s
         spin_until = 0.0
+        spinning = False  # holds one of _SPIN_SLOTS
         try:
             while not self._stopping:
                 n = None
@@ -656,11 +662,14 @@ class SeccompSupervisor:
                     # Right after an answer the tenant's next call is usually microseconds
                     # away: look for it without sleeping for `spin` seconds (no wake-up
                     # on either side, this thread's caches kept), then sleep in poll().
-                    if spin and time.monotonic() < spin_until:
+                    if spinning and time.monotonic() < spin_until:
                         events = poller.poll(0)
                         if not events:
                             continue
                     else:
+                        if spinning:
+                            _SPIN_SLOTS.release()
+                            spinning = False
                         events = poller.poll(200)
                     revents = next((ev for fd, ev in events if fd == self._lfd), 0)
                     if not revents:
@@ -688,13 +697,16 @@ class SeccompSupervisor:
                     self._send_quietly(w.NotifResp.fail(n.id, errno.EIO))
                 finally:
                     self._serving.pop(me, None)
-                if spin:
+                if spin and (spinning or _SPIN_SLOTS.acquire(blocking=False)):
+                    spinning = True
                     spin_until = time.monotonic() + spin
                 if self._surplus():
                     break
         except Exception:  # pragma: no cover - a bug must not kill the tenant's service
             log.exception("seccomp: listener thread failed")
         finally:
+            if spinning:
+                _SPIN_SLOTS.release()
             with self._threads_lock:
                 self._live -= 1
             self._drop_listener_ref()
@@ -741,6 +753,7 @@ class SeccompSupervisor:
         if steps is None:
             self._send_quietly(w.NotifResp.cont(n.id))
             return
+        opens_before = self.stats.opens
         t0 = time.perf_counter_ns()
         try:
             resp = run_blocking(steps, self._perform_here)
@@ -761,6 +774,8 @@ class SeccompSupervisor:
             self.stats.ns_mmap += spent
         else:
             self.stats.ns_open += spent
+            if self.stats.opens != opens_before:  # one of our nodes (install included)
+                self.stats.ns_open_node += spent
         self._send_quietly(resp)
 
     def _perform_here(self, eff):
