@@ -158,6 +158,11 @@ class Backend(Protocol):
         raise NotHere for a file it can only serve the trio way (a relayed file)."""
         ...
 
+    def can_run_control(self, file: DriverFile) -> bool:
+        """Whether run_control can run a control on this file here (the control lane asks
+        before it takes anything of the tenant's, such as a rate-limit token)."""
+        ...
+
     def run_control(self, file: DriverFile, fd: int, hdr: bytes, params: bytearray,
                     header: Any, abi: Any) -> tuple[int, int, bytes]:
         """One RM_CONTROL the broker admitted unchanged (broker/fastlane.py), from private

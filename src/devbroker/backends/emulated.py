@@ -568,6 +568,9 @@ class EmulatedBackend:
             status, params = handler(self, c, obj, params)
         return status, params.encode()
 
+    def can_run_control(self, file: EmuFile) -> bool:
+        return True
+
     def run_control(self, file: EmuFile, fd: int, hdr: bytes, params: bytearray, header,
                     abi) -> tuple[int, int, bytes]:
         """A control the broker admitted unchanged (broker/fastlane.py): the same answer as

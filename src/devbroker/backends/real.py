@@ -657,6 +657,9 @@ class RealBackend:
                 rep = run_ioctl(prep.request)
         return self._finish_tenant_call(dc, prep, rep)
 
+    def can_run_control(self, file) -> bool:
+        return getattr(file, "runs_in_caller", False)  # a tenant file; relayed ones: no
+
     def run_control(self, file, fd: int, hdr: bytes, params: bytearray, header,
                     abi) -> tuple[int, int, bytes]:
         """A control the broker admitted unchanged (broker/fastlane.py), on the broker's

@@ -144,8 +144,8 @@ class ControlLane:
         self.escape = (escape if escape is not None and escape.handler is handlers.rm_control
                        and escape.rewrite is None and not escape.in_caller else None)
         self.admitted = 0
-        self._plans: dict[tuple, tuple | None] = {}  # (abi, cmd) -> _plan's answer
         self.passed = 0  # declined: sent down the general path
+        self._plans: dict[tuple, tuple | None] = {}  # (abi, cmd) -> _plan's answer
 
     def ioctl_cmds(self, versions) -> frozenset[int]:
         """The ioctl numbers the lane may take, over the given ABIs (front ends test the
@@ -163,10 +163,10 @@ class ControlLane:
         down the general path (which decides it again, refusals and audit included)."""
         with STATE_LOCK:
             got = self._admit(session_id, caller, ioctl_cmd, hdr)
-        if got is None:
-            self.passed += 1
-        else:
-            self.admitted += 1
+            if got is None:
+                self.passed += 1
+            else:
+                self.admitted += 1
         return got
 
     def _admit(self, session_id: int, caller: Caller, ioctl_cmd: int,
@@ -187,6 +187,9 @@ class ControlLane:
                 caller.pidns is None or caller.pidns != s.pidns)):
             return None
         if s.node is NodeKind.GPU and s.minor not in tenant.gpus:
+            return None
+        can_run = getattr(b.backend, "can_run_control", None)
+        if can_run is None or not can_run(s.file):  # a relayed file: the general way
             return None
         abi = b._abi(s)
         h = header_of(abi)
