@@ -188,8 +188,7 @@ class ControlLane:
             return None
         if s.node is NodeKind.GPU and s.minor not in tenant.gpus:
             return None
-        can_run = getattr(b.backend, "can_run_control", None)
-        if can_run is None or not can_run(s.file):  # a relayed file: the general way
+        if not b.backend.can_run_control(s.file):  # a relayed file: the general way
             return None
         abi = b._abi(s)
         h = header_of(abi)
