@@ -129,3 +129,64 @@ def test_lane_answers_as_the_general_path(start_broker, traces_dir, frontend):
     what = lambda ds: sorted(d.get("what", "") for d in ds)  # noqa: E731
     assert what(denies_on) == what(denies_off)
     assert len(denies_on) >= 4
+
+
+def test_continue_lane_admits_exactly_what_the_general_steps_continue(traces_dir):
+    """Every UVM command of the recorded PyTorch session, on a UVM file that lives in the
+    tenant (as with the real backend): the continue lane admits it exactly when the general
+    steps answer "run in the caller" — with the trace's clients the tenant's, and again
+    with them another tenant's (then both refuse; only the general steps write the
+    record)."""
+    import ctypes
+
+    from devbroker.abi import nvtrace
+    from devbroker.abi.nodes import NodeKind
+    from devbroker.abi.nvtrace import RecordType
+    from devbroker.abi.traceview import TraceDecoder
+    from devbroker.backends.tenantfile import TenantFile
+    from devbroker.broker.effects import perform_blocking, run_blocking
+    from devbroker.broker.interface import Caller, IoctlRequest, OpenRequest
+    from devbroker.testing.inproc import OwnMemory, make_broker
+    from devbroker.testing.policies import tenant, two_h200
+
+    abi = registry.get("580.159.04")
+    calls = []
+    dec = TraceDecoder(abi)
+    for rec in nvtrace.read_file(traces_dir / "h200-580.159.04-torch.nvtrace"):
+        ev = dec.decode(rec)
+        if rec.type == RecordType.IOCTL and ev.call_in is not None and ev.call_in.kind == "uvm":
+            size = abi.uvm(rec.cmd).size  # (the recorder keeps a window of long arguments)
+            calls.append((rec.cmd, (bytes(rec.in_) + bytes(size))[:size]))
+    assert len(calls) > 100
+    for owner in ("alice", "bob"):
+        b = make_broker(two_h200(tenant("alice", capabilities=["nvml", "compute", "uvm"]),
+                                 tenant("bob", gpus=[1], capabilities=["nvml", "compute",
+                                                                       "uvm"])))
+        caller = Caller(4242, 4242, 0, 0, "pid:[1]")
+        ctl = b.open_now(OpenRequest(caller, owner, NodeKind.CTL, 0)).session
+        uvm = b.open_now(OpenRequest(caller, "alice", NodeKind.UVM, 0)).session
+        s = b.sessions[uvm]
+        s.file = TenantFile(NodeKind.UVM, 0, "/dev/nvidia-uvm", (1, 2))
+        for cmd, arg in calls:
+            spec = abi.uvm(cmd)
+            for name in ("hClient",):
+                if spec.params is not None and name in spec.params.by_name:
+                    h = getattr(spec.params.decode(arg[:spec.size]), name)
+                    if h and b.clients.owner(h) is None:
+                        b.clients.new(b.sessions[ctl], h)
+        lane = b.continue_lane
+        admitted = general = 0
+        for cmd, arg in calls:
+            size = lane.arg_size(uvm, cmd)
+            ok = size is not None and lane.admit(uvm, caller, cmd, arg[:size])
+            buf = ctypes.create_string_buffer(arg, len(arg))
+            req = IoctlRequest(caller, uvm, cmd, ctypes.addressof(buf), None, OwnMemory())
+            rep = run_blocking(b.ioctl_steps(req), lambda e: perform_blocking(e, b.memgate))
+            assert ok == rep.run_in_caller, (owner, abi.uvm(cmd).name, rep)
+            admitted += ok
+            general += rep.run_in_caller
+        print(owner, "admitted", admitted, "continued by the general steps", general, "of", len(calls))
+        if owner == "alice":
+            assert admitted == general > 100
+        else:  # bob's clients named in alice's UVM calls: continued only where none is named
+            assert admitted == general < len(calls)

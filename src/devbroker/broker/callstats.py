@@ -297,6 +297,12 @@ class InstrumentedBroker:
         return _observed(steps, done)
 
     @property
+    def continue_lane(self):
+        """The broker's continue lane (fastlane.py), its calls counted as continued."""
+        lane = getattr(self._broker, "continue_lane", None)
+        return None if lane is None else _CountedContinue(lane, self._stats)
+
+    @property
     def control_lane(self):
         """The broker's control lane (fastlane.py), its calls counted like ioctl_steps'."""
         lane = getattr(self._broker, "control_lane", None)
@@ -378,3 +384,26 @@ class _CountedLane:
         if adm.mark is not None:
             t0, key = adm.mark
             self._stats._record(key, verdict, self._stats.clock() - t0)
+
+
+class _CountedContinue:
+    """A continue lane whose admitted calls are recorded as the general path's continued
+    ones are (verdict "continued")."""
+
+    __slots__ = ("_lane", "_stats")
+
+    def __init__(self, lane: Any, stats: CallStats):
+        self._lane, self._stats = lane, stats
+
+    def arg_size(self, session_id: int, cmd: int) -> int | None:
+        return self._lane.arg_size(session_id, cmd)
+
+    def admit(self, session_id: int, caller: Any, cmd: int, arg: bytes) -> bool:
+        t0 = self._stats.clock()
+        ok = self._lane.admit(session_id, caller, cmd, arg)
+        if ok:
+            s = self._lane.broker.sessions.get(session_id)
+            if s is not None:
+                self._stats._record((s.tenant.name, "ioctl", *self._stats.names.ioctl(
+                    s.node, cmd, arg)), _CONTINUED, self._stats.clock() - t0)
+        return ok

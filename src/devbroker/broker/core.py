@@ -31,7 +31,7 @@ from devbroker.abi.driver import DriverABI
 from devbroker.backends.base import Backend, DriverCall, DriverFile, DriverResult
 from devbroker.broker import compute, limits, rules
 from devbroker.broker.audit import AuditLog
-from devbroker.broker.fastlane import ControlLane
+from devbroker.broker.fastlane import ContinueLane, ControlLane
 from devbroker.broker.effects import (
     STATE_LOCK, DriverIoctl, Effect, RateLimit, ReadMemory, ResolveFd, Steps, WriteMemory,
     locked, perform_async, run_async,
@@ -158,6 +158,8 @@ class Broker:
         self.memgate = MemoryGate(self.audit)
         # The common RM controls decided in a few lookups (fastlane.py; seccomp listeners).
         self.control_lane = ControlLane(self)
+        # UVM commands the driver binds to the caller, continued after the client check
+        self.continue_lane = ContinueLane(self)
         self.sessions: dict[int, Session] = {}
         self.tenants: dict[str, TenantState] = {}
         # Every root client, its tenant and its session (the only place they are added
@@ -842,7 +844,9 @@ class Broker:
                 # the control lane (fastlane.py): controls it ran, and those it sent the
                 # general way (refusals, rows with hooks, unknown clients, ...)
                 "control_lane": {"admitted": self.control_lane.admitted,
-                                 "declined": self.control_lane.passed}}
+                                 "declined": self.control_lane.passed},
+                "continue_lane": {"admitted": self.continue_lane.admitted,
+                                  "declined": self.continue_lane.passed}}
 
 
 class _RevokedTenant:

@@ -42,6 +42,7 @@ from devbroker.backends.base import DriverResult
 
 from . import handlers, rewrite, rules
 from .effects import STATE_LOCK
+from .refusal import Refusal
 
 if TYPE_CHECKING:
     from devbroker.abi.driver import DriverABI
@@ -268,3 +269,89 @@ class ControlLane:
             recorder.ioctl(s, call, params_in,
                            DriverResult(arg=hdr_out, nested=out, result=ret, errno=err))
         return out
+
+
+class ContinueLane:
+    """The same idea for the UVM commands the driver binds to the caller (issue 12): ~120
+    of a CUDA init's ioctls are UVM commands whose row lets the kernel continue them in the
+    tenant once the broker has checked the RM clients they name (handlers.uvm). `admit`
+    answers whether the general steps would continue this one: the session is a real
+    driver file of the tenant's (UVM node), the command's row is `handlers.uvm` with an
+    in-caller reason and no fd fields (UVM_MM_INITIALIZE names a file: general way), granted
+    to the tenant, and every client handle in the argument is 0 or the tenant's
+    (`Broker._check_clients`, the same function); the rate token is taken last. A refusal
+    is never made here: the general steps make it, with the audit record. The front end
+    refuses to continue for a caller that could hold CAP_SYS_ADMIN (the general rule) and
+    answers CONTINUE; what a racing thread can do with the re-read argument is the row's
+    `race` (docs/security.md), as for the general path."""
+
+    def __init__(self, broker: Broker):
+        self.broker = broker
+        self.admitted = 0
+        self.passed = 0
+        self._plans: dict[tuple, tuple | None] = {}  # (abi, cmd) -> (layout, row) or None
+
+    def _plan(self, abi: DriverABI, cmd: int) -> tuple | None:
+        key = (abi, cmd)
+        try:
+            return self._plans[key]
+        except KeyError:
+            pass
+        spec = abi.uvm(cmd)
+        plan = None
+        if spec is not None and spec.params is not None and spec.size:
+            row = rules.UVM_COMMANDS.get(spec.name)
+            if (row is not None and row.handler is handlers.uvm and row.in_caller
+                    and row.rewrite is None and not row.fd_fields(spec.params)):
+                plan = (spec, row)
+        if len(self._plans) < 4096:  # command numbers come from the tenant
+            self._plans[key] = plan
+        return plan
+
+    def arg_size(self, session_id: int, cmd: int) -> int | None:
+        """The argument size to read for this command on this session, None when the lane
+        cannot take it at all (the front end then reads nothing)."""
+        with STATE_LOCK:
+            s = self.broker.sessions.get(session_id)
+            if (s is None or s.closed or s.node is not NodeKind.UVM
+                    or not getattr(s.file, "runs_in_caller", False)):
+                return None
+            plan = self._plan(self.broker._abi(s), cmd)
+            return plan[0].size if plan is not None else None
+
+    def admit(self, session_id: int, caller: Caller, cmd: int, arg: bytes) -> bool:
+        with STATE_LOCK:
+            ok = self._admit(session_id, caller, cmd, arg)
+            if ok:
+                self.admitted += 1
+            else:
+                self.passed += 1
+            return ok
+
+    def _admit(self, session_id: int, caller: Caller, cmd: int, arg: bytes) -> bool:
+        b = self.broker
+        s = b.sessions.get(session_id)
+        if s is None or s.closed or s.node is not NodeKind.UVM:
+            return False
+        tenant = s.tenant
+        if tenant.revoked or not getattr(s.file, "runs_in_caller", False):
+            return False
+        if caller.uid != s.caller.uid or (s.pidns is not None and (
+                caller.pidns is None or caller.pidns != s.pidns)):
+            return False
+        plan = self._plan(b._abi(s), cmd)
+        if plan is None:
+            return False
+        spec, row = plan
+        if not row.granted(tenant.policy.capabilities) or s.node not in row.nodes \
+                or len(arg) != spec.size:
+            return False
+        try:
+            b._check_clients(s, spec.params.decode(arg), where=spec.name, zero_ok=True)
+        except Refusal:
+            return False
+        if not tenant.limiter.try_acquire():
+            return False
+        tenant.requests += 1
+        tenant.continued += 1
+        return True

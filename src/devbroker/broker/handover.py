@@ -35,7 +35,7 @@ BROKER_ATTRS = frozenset({
     "memgate",  # rebuilt: its stalled threads belong to the old process
     "recorder",  # an upgrade is refused while recording (check_supported)
     "on_policy_change", "spawn", "_trio_token",  # set up by the successor's daemon
-    "control_lane",  # its plans are derived again; its two counters start afresh
+    "control_lane", "continue_lane",  # plans derived again; counters start afresh
 })
 SESSION_FIELDS = frozenset({"id", "tenant", "node", "minor", "caller", "file", "closed",
                             "pidns"})
@@ -74,7 +74,7 @@ SUPERVISOR_ATTRS = frozenset({
     "_threads_lock", "_recv_lock", "_stopping", "_serving", "_token", "_nursery", "_hup",
     "_changed", "closed", "_handover_hold",
     "_gate",  # the broker's memory gate (a cached property): the successor's broker's
-    "_lane", "_lane_cmds",  # the successor's broker's control lane
+    "_lane", "_lane_cmds", "_clane",  # the successor's broker's lanes
 })
 SECCOMP_SESSION_FIELDS = frozenset({"id", "node", "minor", "key", "wd", "opener", "released",
                                     "real"})

@@ -251,6 +251,7 @@ class SupervisorStats:
     refused_foreign: int = 0  # NVIDIA files the broker did not give out (refused)
     handed_to_trio: int = 0  # notifications a listener thread handed to the trio thread
     controls_fast: int = 0  # RM controls the broker's control lane admitted (fastlane.py)
+    uvm_fast: int = 0  # UVM commands its continue lane admitted (CONTINUEd)
     # Time the listener threads spent deciding, by system call (ns; the answer excluded):
     # what a tenant's init pays for the broker, per kind of call.
     ns_open: int = 0
@@ -363,6 +364,8 @@ class SeccompSupervisor:
         # The broker's control lane (broker/fastlane.py) and the ioctl numbers it takes;
         # DEVBROKER_CONTROL_LANE=0 sends every control the general way (benchmarks).
         self._lane, self._lane_cmds = control_lane_of(broker)
+        # UVM commands the driver binds to the caller (broker/fastlane.py ContinueLane)
+        self._clane = getattr(broker, "continue_lane", None) if self._lane is not None else None
         self.sessions: dict[tuple[int, int], Session] = {}
         self._by_wd: dict[int, Session] = {}
         self._listener = -1
@@ -735,6 +738,17 @@ class SeccompSupervisor:
             looked = self._lookup_stat(n.pid, d.arg_int(0))
             if looked[0] is not None:
                 resp = self._control_lane(n, looked[0])
+                if resp is not _GENERAL:
+                    self.stats.ns_ioctl += time.perf_counter_ns() - t0
+                    self._send_quietly(resp)
+                    return
+            steps = self._ioctl_steps(n, looked)
+        elif d.nr == _NR_IOCTL and self._clane is not None:
+            t0 = time.perf_counter_ns()
+            looked = self._lookup_stat(n.pid, d.arg_int(0))
+            sess = looked[0]
+            if sess is not None and sess.real and sess.node is NodeKind.UVM:
+                resp = self._continue_lane(n, sess)
                 if resp is not _GENERAL:
                     self.stats.ns_ioctl += time.perf_counter_ns() - t0
                     self._send_quietly(resp)
@@ -1182,6 +1196,32 @@ class SeccompSupervisor:
             return w.NotifResp.fail(n.id, errno.EFAULT)
         stats.lane_ns_write += clock() - t6
         return w.NotifResp.ok(n.id, ret)
+
+    def _continue_lane(self, n: w.Notif, sess: Session) -> w.NotifResp | object:
+        """A UVM command the broker's continue lane admits (broker/fastlane.py ContinueLane):
+        its argument read once into the broker, its client handles checked, CONTINUE;
+        `_GENERAL` for everything else (the general steps decide it from the start,
+        refusals and audit records included)."""
+        d, tid = n.data, n.pid
+        cmd, argp = d.arg_u32(1), d.args[2]
+        lane = self._clane
+        size = lane.arg_size(sess.id, cmd)
+        if size is None:
+            return _GENERAL
+        try:
+            caller, caps = self._caller_caps(tid)
+            if caps & (1 << CAP_SYS_ADMIN) or caps < 0:
+                return _GENERAL  # the general steps refuse it (privileged in the driver)
+            arg = self._gate.direct(self.tenant, _vm_read, tid, argp, size,
+                                    what=f"read of UVM command {cmd}'s argument")
+        except OSError:
+            return _GENERAL
+        if not lane.admit(sess.id, caller, cmd, arg):
+            return _GENERAL
+        self.stats.ioctls += 1
+        self.stats.continued_decided += 1
+        self.stats.uvm_fast += 1
+        return w.NotifResp.cont(n.id)
 
     # -- mmap -------------------------------------------------------------------------------
 
