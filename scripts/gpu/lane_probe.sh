@@ -36,6 +36,9 @@ for cfg in ${CONFIGS:-1:1:0 0:1:0}; do
   put "${k}_nvml_seq" "$(texec "$PY" scripts/gpu/tenant_checks.py bench-nvml 20 2>&1 | last)"
   put "${k}_init" "$(texec "$PY" scripts/gpu/cuda_checks.py init 2>&1 | last)"
   put "${k}_init2" "$(texec "$PY" scripts/gpu/cuda_checks.py init 2>&1 | last)"
+  # the same control bench after CUDA tenants came and went (the listener's wait must not
+  # depend on what ran before)
+  put "${k}_control_after" "$(texec "$PY" scripts/gpu/tenant_checks.py bench-control 2000 2>&1 | last)"
   put "${k}_init_listener" "$(grep '"tenant-detached"' "$W/audit$cfg.log" | tail -1)"
   kill -TERM $BROKER; wait $BROKER
   grep -E '"error"' "$W/audit$cfg.log" | tail -5; tail -5 "$W/broker$cfg.log"
@@ -52,7 +55,7 @@ for k in sorted(x[:-8] for x in d if x.endswith("_control")):
     ph = {p: round(l.get(p, 0) / n / 1000, 1) for p in ("lane_ns_read", "lane_ns_admit",
           "lane_ns_dup", "lane_ns_driver", "lane_ns_finish", "lane_ns_write")}
     nn = max(1, l.get("notifications", 1))
-    print(k, "control p50", c.get("p50_us"), "nvml p50", d.get(k + "_nvml_seq", {}).get("p50_us"),
+    print(k, "control p50", c.get("p50_us"), "after CUDA tenants", d.get(k + "_control_after", {}).get("p50_us"), "nvml p50", d.get(k + "_nvml_seq", {}).get("p50_us"),
           "init", d.get(k + "_init", {}).get("init_first_alloc_s"), d.get(k + "_init2", {}).get("init_first_alloc_s"),
           "per ioctl", round(l.get("ns_ioctl", 0) / max(1, l.get("ioctls", 1)) / 1000, 1),
           "recv", round(l.get("ns_recv", 0) / nn / 1000, 1), "send", round(l.get("ns_send", 0) / nn / 1000, 1), ph)

@@ -82,10 +82,6 @@ IN_IGNORED = 0x00008000
 PIDFD_THREAD = os.O_EXCL  # Linux 6.9: a pidfd for a (non-leader) thread
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _NR_IOCTL = w.NR["ioctl"]
-# Listener threads that may look for their tenant's next call without sleeping at once
-# (SeccompSupervisor.spin_s), broker-wide: a quarter of the CPUs, so that busy tenants
-# cannot have the broker's threads spinning on every CPU (and contending for its GIL).
-_SPIN_SLOTS = threading.BoundedSemaphore(max(1, (os.cpu_count() or 1) // 4))
 _NR_OPEN = w.NR["open"]
 _NR_OPENS = frozenset({w.NR["open"], w.NR["openat"], w.NR["openat2"]})
 _PATH_MAX = 4096
@@ -631,8 +627,8 @@ class SeccompSupervisor:
     # which is what a 2-CPU machine wants (RM_CONTROL p50 152 -> 113 µs there); with many
     # CPUs it is better to keep them apart and have the thread look for the next call
     # without sleeping for a while after each answer (H200, 16 CPUs: 128 -> 112 µs, NVML's
-    # init sequence 35.3 -> 33.7 ms); at most _SPIN_SLOTS threads do so at a time.
-    # Environment overrides: DEVBROKER_SECCOMP_SYNC_WAKE (0/1), DEVBROKER_SECCOMP_SPIN_US.
+    # init sequence 35.3 -> 33.7 ms). Environment overrides: DEVBROKER_SECCOMP_SYNC_WAKE
+    # (0/1), DEVBROKER_SECCOMP_SPIN_US.
     _many_cpus = (os.cpu_count() or 1) >= 4
     sync_wake_up = os.environ.get("DEVBROKER_SECCOMP_SYNC_WAKE",
                                   "0" if _many_cpus else "1") != "0"
@@ -653,7 +649,6 @@ class SeccompSupervisor:
         poller.register(_HANDOVER_WAKE, select.POLLIN)  # live upgrade: leave poll() now
         spin = self.spin_s
         spin_until = 0.0
-        spinning = False  # holds one of _SPIN_SLOTS
         try:
             while not self._stopping:
                 n = None
@@ -665,14 +660,11 @@ class SeccompSupervisor:
                     # Right after an answer the tenant's next call is usually microseconds
                     # away: look for it without sleeping for `spin` seconds (no wake-up
                     # on either side, this thread's caches kept), then sleep in poll().
-                    if spinning and time.monotonic() < spin_until:
+                    if spin and time.monotonic() < spin_until:
                         events = poller.poll(0)
                         if not events:
                             continue
                     else:
-                        if spinning:
-                            _SPIN_SLOTS.release()
-                            spinning = False
                         events = poller.poll(200)
                     revents = next((ev for fd, ev in events if fd == self._lfd), 0)
                     if not revents:
@@ -700,16 +692,13 @@ class SeccompSupervisor:
                     self._send_quietly(w.NotifResp.fail(n.id, errno.EIO))
                 finally:
                     self._serving.pop(me, None)
-                if spin and (spinning or _SPIN_SLOTS.acquire(blocking=False)):
-                    spinning = True
+                if spin:
                     spin_until = time.monotonic() + spin
                 if self._surplus():
                     break
         except Exception:  # pragma: no cover - a bug must not kill the tenant's service
             log.exception("seccomp: listener thread failed")
         finally:
-            if spinning:
-                _SPIN_SLOTS.release()
             with self._threads_lock:
                 self._live -= 1
             self._drop_listener_ref()
