@@ -92,6 +92,8 @@ def _run(start_broker, traces_dir, lane: bool, frontend: str):
     lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
     assert lines and lines[-1]["what"] == "done", r.stdout + r.stderr
     st_fast = b.status().get("control_lane", {}).get("admitted", 0)
+    shown = b.cli("status").stdout  # what the operator sees
+    assert f"control lane: {st_fast} calls" in shown, shown
     b.stop()
     detached = [a for a in b.audit() if a.get("event") == "tenant-detached"]
     fast = sum(a.get("controls_fast", 0) for a in detached)

@@ -219,6 +219,12 @@ def cmd_status(args) -> int:
         print(f"{t['name']:<12} {','.join(map(str, t['gpus'])) or '-':<8} {t['open_files']:>5} "
               f"{len(t['processes']):>5} {t['objects']:>5} {mem:<32} {t['requests']:>7} "
               f"{t['refusals']:>6}  {_share(t)}")
+    lanes = [(name, snap[key]) for name, key in (("control lane", "control_lane"),
+                                                  ("continue lane", "continue_lane"))
+             if key in snap]
+    if lanes:  # broker/fastlane.py: calls decided in a few lookups, and those sent on
+        print("; ".join(f"{name}: {c['admitted']} calls, {c['declined']} sent the general way"
+                        for name, c in lanes))
     return 0
 
 
