@@ -710,6 +710,8 @@ class SeccompSupervisor:
     def _surplus(self) -> bool:
         """More threads free to answer than `threads` (threads held up in a slow call or a
         stalled page do not count: they are why the others were started)."""
+        if self._live <= self.threads:  # the common case, asked after every answer
+            return False
         now = time.monotonic()
         held = sum(1 for _n, since in list(self._serving.values())
                    if now - since > self.busy_hold)
