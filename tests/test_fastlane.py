@@ -19,28 +19,14 @@ import pytest
 
 from devbroker.abi import registry
 from devbroker.broker import fastlane, rules
+from devbroker.testing.policies import one_h200, tenant
 
 HERE = Path(__file__).resolve().parent
 # Controls whose answer is a clock reading (the emulator's, like the driver's, moves on
 # between two runs): compared by errno and status only.
 CLOCKS = {0x20800406}  # NV2080_CTRL_CMD_TIMER_GET_GPU_CPU_TIME_CORRELATION_INFO
 
-POLICY = """
-[broker]
-backend = "emulated"
-driver_version = "580.159.04"
-
-[[broker.gpu]]
-name = "NVIDIA H200"
-uuid = "GPU-5d1c0e7a-0b6e-4f43-9c1a-3a2b7e0d0001"
-pci_bus_id = "0000:00:06.0"
-memory = "141GiB"
-
-[tenant.t]
-gpus = [0]
-memory_quota = "8GiB"
-capabilities = ["nvml", "compute", "uvm"]
-"""
+POLICY = one_h200(tenant("t", memory_quota="8GiB", capabilities=["nvml", "compute", "uvm"]))
 
 
 def test_header_layout_in_every_driver_version():
@@ -149,7 +135,7 @@ def test_continue_lane_admits_exactly_what_the_general_steps_continue(traces_dir
     from devbroker.broker.effects import perform_blocking, run_blocking
     from devbroker.broker.interface import Caller, IoctlRequest, OpenRequest
     from devbroker.testing.inproc import OwnMemory, make_broker
-    from devbroker.testing.policies import tenant, two_h200
+    from devbroker.testing.policies import two_h200
 
     abi = registry.get("580.159.04")
     calls = []
