@@ -703,6 +703,8 @@ class FuseFrontend:
         poller = select.poll()
         poller.register(fd, select.POLLIN)
         poller.register(self._wake, select.POLLIN)
+        spin = int(os.environ.get("DEVBROKER_FUSE_SPIN_US", "0") or 0) / 1e6
+        spin_until = 0.0
         try:
             while not self._closed:
                 if self._pause_requested:
@@ -716,6 +718,10 @@ class FuseFrontend:
                 if self._serve_next(me):
                     if self._surplus():
                         break
+                    spin_until = time.monotonic() + spin
+                    continue
+                if spin and time.monotonic() < spin_until:
+                    poller.poll(0)  # the tenant's next request is usually microseconds away
                     continue
                 if not poller.poll(200) and self._surplus():
                     break  # an extra thread retires when idle
@@ -738,6 +744,8 @@ class FuseFrontend:
     def _surplus(self) -> bool:
         """More threads free to read than `threads` (threads held up in a slow call or a
         stalled page do not count: they are why the others were started)."""
+        if self._live <= self.threads:  # the common case, asked after every request
+            return False
         now = time.monotonic()
         held = sum(1 for _u, since, _a in list(self._serving.values())
                    if now - since > self.busy_hold)
