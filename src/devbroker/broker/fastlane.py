@@ -117,6 +117,20 @@ def _fixed_unpacker(offsets: list[int], kinds: list[str]) -> Callable[[bytes], t
     return unpack
 
 
+def _usable_session(b: Broker, session_id: int, caller: Caller) -> Session | None:
+    """The session, when the general path would go on with it: open, its tenant in the
+    running policy, and the caller in the opener's sandbox (core.Broker._same_sandbox
+    without its refusal: same uid, same pid namespace; an unknown namespace on either side
+    goes the general way, which reads it). Both lanes start here."""
+    s = b.sessions.get(session_id)
+    if s is None or s.closed or s.tenant.revoked:
+        return None
+    if caller.uid != s.caller.uid or (s.pidns is not None and (
+            caller.pidns is None or caller.pidns != s.pidns)):
+        return None
+    return s
+
+
 @dataclass(slots=True)
 class Admitted:
     """A control the general path would run as sent: what the front end needs to run it."""
@@ -176,17 +190,10 @@ class ControlLane:
         escape = self.escape
         if escape is None:
             return None
-        s = b.sessions.get(session_id)
-        if s is None or s.closed:
+        s = _usable_session(b, session_id, caller)
+        if s is None:
             return None
         tenant = s.tenant
-        if tenant.revoked:
-            return None
-        # core.Broker._same_sandbox, without its refusal: same uid, same pid namespace
-        # (an unknown namespace on either side goes the general way, which reads it).
-        if caller.uid != s.caller.uid or (s.pidns is not None and (
-                caller.pidns is None or caller.pidns != s.pidns)):
-            return None
         if s.node is NodeKind.GPU and s.minor not in tenant.gpus:
             return None
         if not b.backend.can_run_control(s.file):  # a relayed file: the general way
@@ -330,15 +337,11 @@ class ContinueLane:
 
     def _admit(self, session_id: int, caller: Caller, cmd: int, arg: bytes) -> bool:
         b = self.broker
-        s = b.sessions.get(session_id)
-        if s is None or s.closed or s.node is not NodeKind.UVM:
+        s = _usable_session(b, session_id, caller)
+        if (s is None or s.node is not NodeKind.UVM
+                or not getattr(s.file, "runs_in_caller", False)):
             return False
         tenant = s.tenant
-        if tenant.revoked or not getattr(s.file, "runs_in_caller", False):
-            return False
-        if caller.uid != s.caller.uid or (s.pidns is not None and (
-                caller.pidns is None or caller.pidns != s.pidns)):
-            return False
         plan = self._plan(b._abi(s), cmd)
         if plan is None:
             return False
