@@ -13,7 +13,8 @@ tenant process, timed call by call (devbroker.tools.hotpath), through:
    NV_OK with the argument as sent, so the broker's decode, relay, rewrite and write-back all
    run) and a /proc/driver/nvidia made from the emulator's view;
 4. the seccomp front end with the emulated backend (`devbroker exec --frontend seccomp`),
-   and the same with the broker's control lane off (broker/fastlane.py; what the lane buys);
+   the same with the Python listener instead of the native loop (frontends/nativelane.py;
+   what the loop buys), and with the broker's control lane off (broker/fastlane.py);
 5. throughput with 1, 4 and 16 tenant processes calling as fast as answered (FUSE, emulated),
    and the floor's with 16 (what the machine allows at all);
 6. fairness: a quiet tenant (one call every 2 ms) alone, then while another tenant floods
@@ -366,18 +367,23 @@ def measure(a) -> dict:
         rows["quiet-flooded"] = quiet_run(daemon, quiet_argv, 15)
     finally:
         daemon.stop()
-    log("seccomp + emulated, control lane off (what the lane buys)")
-    os.environ["DEVBROKER_CONTROL_LANE"] = "0"
-    try:
-        daemon = Daemon(work / "daemon-nolane")
-    finally:
-        os.environ.pop("DEVBROKER_CONTROL_LANE", None)
-    try:
-        d = run_json(daemon.exec_argv("quiet", "seccomp", HOTPATH + ["latency", "--n", str(n)]),
-                     "latency")
-        rows["seccomp-emulated-nolane"] = {"ns": d["ns"]}
-    finally:
-        daemon.stop()
+    for key, env, what in (
+            ("seccomp-emulated-python", "DEVBROKER_NATIVE_LANE",
+             "seccomp + emulated, the Python listener (what the native loop buys)"),
+            ("seccomp-emulated-nolane", "DEVBROKER_CONTROL_LANE",
+             "seccomp + emulated, control lane off (what the lanes buy)")):
+        log(what)
+        os.environ[env] = "0"
+        try:
+            daemon = Daemon(work / f"daemon-{key}")
+        finally:
+            os.environ.pop(env, None)
+        try:
+            d = run_json(daemon.exec_argv("quiet", "seccomp", HOTPATH + ["latency", "--n", str(n)]),
+                         "latency")
+            rows[key] = {"ns": d["ns"]}
+        finally:
+            daemon.stop()
     shutil.rmtree(work, ignore_errors=True)
     return rows
 
@@ -418,6 +424,7 @@ LATENCY_ROWS = [
     ("fuse-emulated", "devbroker FUSE + emulated backend", 100),
     ("fuse-real", "devbroker FUSE + real backend, relay → stand-in node (C FUSE server)", 150),
     ("seccomp-emulated", "devbroker seccomp front end + emulated backend", None),
+    ("seccomp-emulated-python", "the same, the Python listener (DEVBROKER_NATIVE_LANE=0)", None),
     ("seccomp-emulated-nolane", "the same, control lane off (DEVBROKER_CONTROL_LANE=0)", None),
 ]
 

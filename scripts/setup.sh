@@ -35,4 +35,13 @@ if ! .venv/bin/python -m pip install -q -e ".$extras" >"$log" 2>&1; then
     exit 1
 fi
 .venv/bin/python -c "import devbroker.cli.main, trio" || { echo "setup: install failed" >&2; exit 1; }
+# The seccomp listener's native loop (src/devbroker/native/lane.c, loaded with ctypes): built
+# now so the broker does not build it at its first tenant. Without a compiler the broker
+# still runs, on its Python listener (slower: docs/benchmarks.md).
+if ! command -v cc >/dev/null; then
+    echo "setup: installing gcc (the native listener loop)" >&2
+    apt-get update -qq && apt-get install -y -qq gcc libc6-dev >/dev/null || true
+fi
+.venv/bin/python -m devbroker.native >/dev/null \
+    || echo "setup: the native listener loop did not build; the Python one will serve" >&2
 echo "setup: ready: $PWD/.venv (devbroker installed from $PWD/src; pip log $PWD/$log)" >&2

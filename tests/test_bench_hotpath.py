@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (FUSE mounts)")
 
-ROWS = ["floor", "fuse-emulated", "fuse-real", "seccomp-emulated", "seccomp-emulated-nolane"]
+ROWS = ["floor", "fuse-emulated", "fuse-real", "seccomp-emulated", "seccomp-emulated-python",
+        "seccomp-emulated-nolane"]
 
 
 def test_short_run_reports_every_path(tmp_path):

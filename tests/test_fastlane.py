@@ -57,10 +57,13 @@ SPIN = {"DEVBROKER_SECCOMP_SYNC_WAKE": "0", "DEVBROKER_SECCOMP_SPIN_US": "100"}
 
 
 def _run(start_broker, traces_dir, lane: bool, frontend: str):
-    env = {"DEVBROKER_CONTROL_LANE": "1" if lane else "0"}
+    env = {"DEVBROKER_CONTROL_LANE": "1" if lane else "0", "DEVBROKER_NATIVE_LANE": "1"}
     if frontend == "seccomp-spin":
         frontend = "seccomp"
         env.update(SPIN)
+    elif frontend == "seccomp-python":  # the Python listener's lanes (no native loop)
+        frontend = "seccomp"
+        env["DEVBROKER_NATIVE_LANE"] = "0"
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -83,14 +86,20 @@ def _run(start_broker, traces_dir, lane: bool, frontend: str):
     b.stop()
     detached = [a for a in b.audit() if a.get("event") == "tenant-detached"]
     fast = sum(a.get("controls_fast", 0) for a in detached)
+    native = sum(a.get("native_answered", 0) for a in detached)
     if frontend == "fuse":  # no listener counters: the broker's own
         fast = st_fast
+    elif env["DEVBROKER_NATIVE_LANE"] == "1" and lane:
+        # the native loop answered the lane's calls (and the tenant's other opens) itself
+        assert native >= fast > 0, (native, fast)
+    else:
+        assert native == 0, native
     denies = [a for a in b.audit() if a.get("event") == "deny"]
     return lines[:-1], lines[-1]["controls"], fast, denies
 
 
 @pytest.mark.root
-@pytest.mark.parametrize("frontend", ["seccomp", "seccomp-spin", "fuse"])
+@pytest.mark.parametrize("frontend", ["seccomp", "seccomp-spin", "seccomp-python", "fuse"])
 def test_lane_answers_as_the_general_path(start_broker, traces_dir, frontend):
     if os.geteuid() != 0:
         pytest.skip("needs root (tenant sandbox)")

@@ -464,5 +464,5 @@ async def test_a_bug_costs_one_call_not_the_listener(tmp_path):
         tmp_path,
     )
     assert rc == 0, res
-    assert res["buggy"] == errno.EIO and res["again"] == errno.EIO
+    assert res["buggy"] == errno.EIO and res["again"] == errno.EIO, res
     assert res["after"] == [0, "PONMLKJIHGFEDCBA"]

@@ -163,6 +163,14 @@ class Backend(Protocol):
         before it takes anything of the tenant's, such as a rate-limit token)."""
         ...
 
+    def control_is_plain_ioctl(self, file: DriverFile) -> bool:
+        """Whether run_control on this file is exactly one ioctl(fd, header.ioctl_cmd, the
+        private header with its params pointer naming the private block) on the broker's
+        duplicate of the tenant's file, on a thread without the driver-checked
+        capabilities: then a native loop (frontends/nativelane.py) may make that call
+        itself. False where the backend answers some other way (the emulator, a relay)."""
+        return False
+
     def run_control(self, file: DriverFile, fd: int, hdr: bytes, params: bytearray,
                     header: Any, abi: Any) -> tuple[int, int, bytes]:
         """One RM_CONTROL the broker admitted unchanged (broker/fastlane.py), from private

@@ -660,6 +660,9 @@ class RealBackend:
     def can_run_control(self, file) -> bool:
         return getattr(file, "runs_in_caller", False)  # a tenant file; relayed ones: no
 
+    def control_is_plain_ioctl(self, file) -> bool:
+        return getattr(file, "runs_in_caller", False)  # run_control below, on such a file
+
     def run_control(self, file, fd: int, hdr: bytes, params: bytearray, header,
                     abi) -> tuple[int, int, bytes]:
         """A control the broker admitted unchanged (broker/fastlane.py), on the broker's

@@ -365,14 +365,21 @@ class _CountedLane:
     def ioctl_cmds(self, versions) -> frozenset[int]:
         return self._lane.ioctl_cmds(versions)
 
-    def admit(self, session_id: int, caller: Any, ioctl_cmd: int, hdr: bytes):
+    def admit(self, session_id: int, caller: Any, ioctl_cmd: int, hdr: bytes,
+              max_params: int | None = None):
         t0 = self._stats.clock()
-        adm = self._lane.admit(session_id, caller, ioctl_cmd, hdr)
+        adm = self._lane.admit(session_id, caller, ioctl_cmd, hdr, max_params)
         if adm is not None:
             s = adm.session
             adm.mark = (t0, (s.tenant.name, "ioctl",
                              *self._stats.names.ioctl(s.node, ioctl_cmd, hdr)))
         return adm
+
+    def needs_finish(self, adm) -> bool:
+        return True  # the call's row needs the driver's verdict
+
+    def book(self, adm) -> None:
+        self._lane.book(adm)
 
     def finish(self, adm, hdr: bytes, params_in: bytes, ret: int, err: int, hdr_out: bytes,
                params_out: bytearray) -> bytes:

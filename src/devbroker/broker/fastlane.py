@@ -145,6 +145,7 @@ class Admitted:
     gpu: int | None
     post: Callable | None  # the row's post-hook (rewrite.py), run on an NV_OK answer
     mark: Any = None  # the call counters' (callstats._CountedLane): start and row
+    booked: bool = False  # the tenant's request already counted (ControlLane.book)
 
 
 class ControlLane:
@@ -173,11 +174,13 @@ class ControlLane:
         return frozenset(out)
 
     def admit(self, session_id: int, caller: Caller, ioctl_cmd: int,
-              hdr: bytes) -> Admitted | None:
+              hdr: bytes, max_params: int | None = None) -> Admitted | None:
         """The call if the general path would run it on the driver as sent; None sends it
-        down the general path (which decides it again, refusals and audit included)."""
+        down the general path (which decides it again, refusals and audit included).
+        max_params: the largest parameter block the front end can copy (a larger one goes
+        the general way, before a rate token is taken)."""
         with STATE_LOCK:
-            got = self._admit(session_id, caller, ioctl_cmd, hdr)
+            got = self._admit(session_id, caller, ioctl_cmd, hdr, max_params)
             if got is None:
                 self.passed += 1
             else:
@@ -185,7 +188,7 @@ class ControlLane:
         return got
 
     def _admit(self, session_id: int, caller: Caller, ioctl_cmd: int,
-               hdr: bytes) -> Admitted | None:
+               hdr: bytes, max_params: int | None = None) -> Admitted | None:
         b = self.broker
         escape = self.escape
         if escape is None:
@@ -216,7 +219,8 @@ class ControlLane:
         if plan is None or plan[0] not in caps:
             return None
         _cap, post, size = plan
-        if params_size != size or params_ptr == 0:
+        if params_size != size or params_ptr == 0 or (
+                max_params is not None and size > max_params):
             return None
         # Last, as the general path's own first step does: a token, or the general way (it
         # waits for one there).
@@ -252,6 +256,18 @@ class ControlLane:
         self._plans[key] = plan
         return plan
 
+    def needs_finish(self, adm: Admitted) -> bool:
+        """Whether `finish` has anything to do besides counting the request: a post-hook,
+        or a recording."""
+        return adm.post is not None or self.broker.recorder is not None
+
+    def book(self, adm: Admitted) -> None:
+        """Count the request now, for a front end that will not call `finish` (nothing
+        else to do there: `needs_finish` False)."""
+        with STATE_LOCK:
+            adm.session.tenant.requests += 1
+        adm.booked = True
+
     def finish(self, adm: Admitted, hdr: bytes, params_in: bytes, ret: int, err: int,
                hdr_out: bytes, params_out: bytearray) -> bytes:
         """After the driver answered: the books (a request of the tenant's; the recording,
@@ -262,7 +278,8 @@ class ControlLane:
         status = int.from_bytes(hdr_out[h.status_offset:h.status_offset + 4], "little")
         with STATE_LOCK:
             s = adm.session
-            s.tenant.requests += 1
+            if not adm.booked:
+                s.tenant.requests += 1
             out = bytes(params_out)
             if adm.post is not None and not err and status == nvstatus.NV_OK:
                 spec = adm.abi.control(adm.cmd).params

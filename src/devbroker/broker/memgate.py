@@ -202,6 +202,7 @@ class MemoryGate:
             stalled = self.stalled.get(tenant, 0)
             if stalled < self.stall_limit:
                 self._direct[tid] = [tenant, time.monotonic(), what, False]
+                marked = _accessing.get(tid)  # a native listener thread's mark (below)
                 _accessing[tid] = tenant
         if stalled >= self.stall_limit:
             raise MemoryAccessRefused(
@@ -218,7 +219,10 @@ class MemoryGate:
         finally:
             with _lock:
                 entry = self._direct.pop(tid, None)
-                _accessing.pop(tid, None)
+                if marked is None:
+                    _accessing.pop(tid, None)
+                else:
+                    _accessing[tid] = marked
                 _own_mount_faults.discard(tid)
                 late = entry is not None and entry[3]
                 if late:
@@ -241,6 +245,35 @@ class MemoryGate:
                     self.timeouts[tenant] = self.timeouts.get(tenant, 0) + 1
                     out.append((tid, tenant, what))
         return out
+
+    # -- accesses made in C (the seccomp listener's native loop, frontends/nativelane.py) --
+    # Its thread reads and writes the tenant's memory whenever it answers a call, so it is
+    # marked as accessing for its whole life (the FUSE front end refuses its faults on the
+    # broker's own mount at once); its listener's watchdog reads when an access started
+    # and reports one past the deadline here, and the loop reports its return.
+
+    @staticmethod
+    def mark_native(tid: int, tenant: str) -> None:
+        with _lock:
+            _accessing[tid] = tenant
+
+    @staticmethod
+    def unmark_native(tid: int) -> None:
+        with _lock:
+            _accessing.pop(tid, None)
+            _own_mount_faults.discard(tid)
+
+    def native_stalled(self, tenant: str) -> int:
+        """A native access past the deadline: counted as stalled until native_returned."""
+        with _lock:
+            n = self.stalled[tenant] = self.stalled.get(tenant, 0) + 1
+            self.timeouts[tenant] = self.timeouts.get(tenant, 0) + 1
+        return n
+
+    def native_returned(self, tenant: str, what: str, seconds: float) -> None:
+        with _lock:
+            self.stalled[tenant] = max(0, self.stalled.get(tenant, 1) - 1)
+        self._returned(tenant, what, seconds)
 
     def _returned(self, tenant: str, what: str, seconds: float) -> None:
         # On the worker thread: AuditLog.write takes its own lock.

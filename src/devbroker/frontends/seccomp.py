@@ -60,7 +60,10 @@ from devbroker.broker.interface import (
     OpenRequest,
     ReleaseRequest,
 )
-from devbroker.backends.tenantfile import CAP_SYS_ADMIN, drop_driver_capabilities_for_thread
+from devbroker.backends.tenantfile import (
+    CAP_SYS_ADMIN, drop_driver_capabilities_for_thread, thread_is_driver_safe,
+)
+from devbroker.frontends import nativelane
 from devbroker.frontends import seccompwire as w
 from devbroker.frontends.common import GENERAL as _GENERAL, control_lane_of, to_trio
 from devbroker.frontends.procmem import vm_write_many
@@ -247,6 +250,7 @@ class SupervisorStats:
     refused_foreign: int = 0  # NVIDIA files the broker did not give out (refused)
     handed_to_trio: int = 0  # notifications a listener thread handed to the trio thread
     controls_fast: int = 0  # RM controls the broker's control lane admitted (fastlane.py)
+    native_answered: int = 0  # notifications answered by the native loop (nativelane.py)
     uvm_fast: int = 0  # UVM commands its continue lane admitted (CONTINUEd)
     # Time the listener threads spent deciding, by system call (ns; the answer excluded):
     # what a tenant's init pays for the broker, per kind of call.
@@ -362,6 +366,11 @@ class SeccompSupervisor:
         self._lane, self._lane_cmds = control_lane_of(broker)
         # UVM commands the driver binds to the caller (broker/fastlane.py ContinueLane)
         self._clane = getattr(broker, "continue_lane", None) if self._lane is not None else None
+        # The native loop (frontends/nativelane.py): with the lanes, unless turned off or
+        # unbuildable; created with the first thread, freed by the last one out.
+        self._native_lib = (nativelane.library()
+                            if self._lane is not None and nativelane.enabled() else None)
+        self._native: nativelane.NativeLane | None = None
         self.sessions: dict[tuple[int, int], Session] = {}
         self._by_wd: dict[int, Session] = {}
         self._listener = -1
@@ -611,8 +620,16 @@ class SeccompSupervisor:
         with self._threads_lock:
             self._lfd_refs += 1
             self._live += 1
-        t = threading.Thread(target=self._thread_main, name=f"seccomp-{self.tenant}",
-                             daemon=True)
+        target = self._thread_main
+        if self._native_lib is not None:
+            try:
+                with self._threads_lock:
+                    if self._native is None:
+                        self._native = self._new_native()
+                target = self._native_thread_main
+            except (OSError, ValueError) as e:
+                log.warning("seccomp: native loop not started (%s); the Python one serves", e)
+        t = threading.Thread(target=target, name=f"seccomp-{self.tenant}", daemon=True)
         t.start()
 
     def _drop_listener_ref(self) -> None:
@@ -621,6 +638,9 @@ class SeccompSupervisor:
             last = self._lfd_refs == 0
         if last:
             os.close(self._lfd)  # no thread can use the number any more
+            native, self._native = self._native, None
+            if native is not None:
+                native.free()
 
     # How a listener waits for the tenant's next call (docs/benchmarks.md, "How a listener
     # waits"): with synchronous wake-ups the kernel runs listener and tenant on one CPU,
@@ -703,6 +723,131 @@ class SeccompSupervisor:
                 self._live -= 1
             self._drop_listener_ref()
 
+    def _new_native(self) -> nativelane.NativeLane:
+        return nativelane.NativeLane(
+            self._native_lib, self, self._lfd, _HANDOVER_WAKE, max(self.sizes.notif, w.SECCOMP_NOTIF_SIZE),
+            (_NR_IOCTL, _NR_OPEN, w.NR["openat"], w.NR["openat2"]),
+            (w.SECCOMP_IOCTL_NOTIF_RECV, w.SECCOMP_IOCTL_NOTIF_SEND,
+             w.SECCOMP_IOCTL_NOTIF_ID_VALID),
+            int(self.spin_s * 1e9), self._basenames, self._lane_cmds)
+
+    def _native_thread_main(self) -> None:
+        """`_thread_main` with the waiting, receiving and the lanes' answers in C
+        (frontends/nativelane.py): the loop comes back here for every notification it does
+        not answer itself, which is then answered exactly as `_thread_main` would."""
+        me = threading.get_native_id()
+        if self.real_files:
+            drop_driver_capabilities_for_thread()  # as _thread_main: before any driver call
+        nl = self._native
+        t = nl.thread()
+        t.driver_safe = thread_is_driver_safe()
+        memgate.MemoryGate.mark_native(me, self.tenant)
+        size = max(self.sizes.notif, w.SECCOMP_NOTIF_SIZE)
+        try:
+            while not self._stopping:
+                rc = t.serve()
+                t.fold(self.stats)
+                if rc == nativelane.DVB_NOTIF or rc == nativelane.DVB_LATE:
+                    n = w.Notif.decode(t.notif_bytes(size))
+                    if rc == nativelane.DVB_LATE:
+                        # an access the watchdog answered EFAULT came back: the gate's books;
+                        # the call is answered below unless the watchdog's answer was for it
+                        t.reported = False
+                        self._gate.native_returned(self.tenant, "tenant memory access "
+                                                   "(native loop)", nl.lib.dvb_late_ns(t.ptr) / 1e9)
+                        if not self.id_valid(n.id):
+                            continue
+                    self._serving[me] = [n, time.monotonic()]
+                    try:
+                        self._answer_here(n, lanes=False)
+                    except Exception:  # a bug costs this call (EIO), never the listener thread
+                        log.exception("seccomp: answering %s from %d failed", n.syscall, n.pid)
+                        self._send_quietly(w.NotifResp.fail(n.id, errno.EIO))
+                    finally:
+                        self._serving.pop(me, None)
+                elif rc == nativelane.DVB_WRITE_FAILED:
+                    n = w.Notif.decode(t.notif_bytes(size))
+                    e = OSError(nl.lib.dvb_err(t.ptr), os.strerror(nl.lib.dvb_err(t.ptr)))
+                    self._audit_memory(n.pid, f"ioctl {n.data.arg_u32(1):#x}", e)
+                    self._send_quietly(w.NotifResp.fail(n.id, errno.EFAULT))
+                elif rc == nativelane.DVB_HUP:
+                    self._stopping = True
+                    self._to_trio(self._hup.set)
+                    break
+                elif rc == nativelane.DVB_ERROR:
+                    err = nl.lib.dvb_err(t.ptr)
+                    raise OSError(err, f"seccomp listener: {os.strerror(err)}")
+                # DVB_IDLE, DVB_FOLD, DVB_WAKE: the loop's condition and the surplus below
+                if self._surplus():
+                    break
+        except Exception:  # pragma: no cover - a bug must not kill the tenant's service
+            log.exception("seccomp: native listener thread failed")
+        finally:
+            memgate.MemoryGate.unmark_native(me)
+            nl.drop(t)
+            with self._threads_lock:
+                self._live -= 1
+            self._drop_listener_ref()
+
+    def _native_ioctl(self, t: nativelane.NativeThread, c: nativelane.Call) -> int:
+        """The native loop's question for one ioctl (nativelane.NativeLane._on_ioctl): the
+        control lane's admission, the continue lane's decision, or the general path — the
+        same choices as `_answer_here`, on the header the loop read privately."""
+        sess = self.sessions.get((c.dev, c.ino))
+        if sess is None or sess.released:
+            return nativelane.ACT_DECLINE
+        if c.hdr_len:
+            if c.cmd not in self._lane_cmds:
+                return nativelane.ACT_DECLINE
+            try:
+                caller, _caps = self._caller_caps(c.tid)
+            except OSError:
+                return nativelane.ACT_DECLINE
+            lane = self._lane
+            adm = lane.admit(sess.id, caller, c.cmd, nativelane.NativeLane.hdr(t),
+                             max_params=nativelane.PARAMS_MAX)
+            if adm is None:
+                return nativelane.ACT_DECLINE
+            plain = getattr(self.broker.backend, "control_is_plain_ioctl", None)
+            driver = bool(sess.real and t.driver_safe and plain is not None
+                          and plain(adm.session.file))
+            finish = not driver or lane.needs_finish(adm)
+            if not finish:
+                lane.book(adm)
+            c.params_ptr, c.params_size = adm.params_ptr, adm.params_size
+            c.params_off = adm.header.params_offset
+            c.driver, c.finish = int(driver), int(finish)
+            t.adm = adm
+            return nativelane.ACT_CONTROL
+        if self._clane is not None and sess.real and sess.node is NodeKind.UVM:
+            if self._continue_decision(c.tid, c.cmd, c.argp, sess):
+                return nativelane.ACT_CONTINUE
+        return nativelane.ACT_DECLINE
+
+    def _native_finish(self, t: nativelane.NativeThread, c: nativelane.Call) -> int:
+        """After the native loop's driver call (or instead of it, for a backend that does
+        not run controls as a plain ioctl): the lane's books and post-hook; 1 done, 0 the
+        backend cannot run it here (the general way)."""
+        adm, t.adm = t.adm, None
+        if adm is None:
+            return -1
+        NL = nativelane.NativeLane
+        hdr, params_in, params = NL.hdr(t), NL.params_in(t), NL.params(t)
+        if c.driver:
+            ret, err, hdr_out = c.ret, c.err, NL.hdr_out(t)
+        else:
+            try:
+                ret, err, hdr_out = self.broker.backend.run_control(
+                    adm.session.file, -1, hdr, params, adm.header, adm.abi)
+            except NotHere:
+                return 0
+            c.ret, c.err = ret, err
+            NL.set_hdr_out(t, hdr_out)
+        out = self._lane.finish(adm, hdr, params_in, ret, err, hdr_out, params)
+        if not err:
+            NL.set_params(t, out)
+        return 1
+
     @property
     def live_threads(self) -> int:
         return self._live
@@ -721,10 +866,20 @@ class SeccompSupervisor:
     def _to_trio(self, fn, *args) -> bool:
         return to_trio(self._token, fn, *args)
 
-    def _answer_here(self, n: w.Notif) -> None:
-        """Decide one notification on this thread; hand it to trio when it must wait."""
+    def _answer_here(self, n: w.Notif, lanes: bool = True) -> None:
+        """Decide one notification on this thread; hand it to trio when it must wait.
+        lanes=False: the native loop already offered it to the lanes."""
         d = n.data
-        if d.nr == _NR_IOCTL and d.arg_u32(1) in self._lane_cmds:
+        if not lanes:
+            if d.nr == _NR_IOCTL:
+                t0 = time.perf_counter_ns()
+                steps = self._ioctl_steps(n)
+            elif d.nr in _NR_OPENS:
+                t0 = time.perf_counter_ns()
+                steps = self._open_steps(n)
+            else:
+                steps = self._steps_for(n)
+        elif d.nr == _NR_IOCTL and d.arg_u32(1) in self._lane_cmds:
             t0 = time.perf_counter_ns()
             looked = self._lookup_stat(n.pid, d.arg_int(0))
             if looked[0] is not None:
@@ -835,13 +990,42 @@ class SeccompSupervisor:
                                   "thread is left to the kernel"))
                 self._send_quietly(w.NotifResp.fail(n.id, errno.EFAULT))
             now = time.monotonic()
+            busy = [since for _n, since in list(self._serving.values())]
+            native = self._native
+            if native is not None:
+                busy += self._watch_native(native, now)
             with self._threads_lock:
                 live = self._live
-            busy = [since for _n, since in list(self._serving.values())]
             if (not self._stopping and busy and len(busy) >= live
                     and now - max(busy) > self.busy_hold
                     and live < self.threads + self.max_extra_threads):
                 self._start_thread()
+
+    def _watch_native(self, native: nativelane.NativeLane, now: float) -> list[float]:
+        """The watchdog's look at the native loop's threads: an access to the tenant's
+        memory past the gate's deadline is answered EFAULT, audited and counted as stalled
+        (the loop reports its return); while the tenant has stalled accesses, the loop
+        leaves every call to the Python listener and its gate. Returns when each busy
+        thread started its call (monotonic seconds)."""
+        gate = self._gate
+        now_ns = int(now * 1e9)
+        out = []
+        for t in list(native.threads.values()):
+            busy, mem, nid, tid = t.watch()
+            if busy:
+                out.append(busy / 1e9)
+            if mem and not t.reported and now_ns - mem > gate.deadline * 1e9:
+                t.reported = True
+                native.lib.dvb_abandon(t.ptr)
+                n = gate.native_stalled(self.tenant)
+                what = "tenant memory access (native loop)"
+                self._audit_memory(tid, what, OSError(
+                    errno.EFAULT, f"{what} did not complete within {gate.deadline:g} s (the "
+                                  "page waits on something outside the broker); its thread "
+                                  f"is left to the kernel ({n} stalled for this tenant)"))
+                self._send_quietly(w.NotifResp.fail(nid, errno.EFAULT))
+        native.set_mem_off(gate.stalled.get(self.tenant, 0) > 0)
+        return out
 
     # -- open -----------------------------------------------------------------------------
 
@@ -1189,30 +1373,37 @@ class SeccompSupervisor:
         return w.NotifResp.ok(n.id, ret)
 
     def _continue_lane(self, n: w.Notif, sess: Session) -> w.NotifResp | object:
-        """A UVM command the broker's continue lane admits (broker/fastlane.py ContinueLane):
-        its argument read once into the broker, its client handles checked, CONTINUE;
-        `_GENERAL` for everything else (the general steps decide it from the start,
-        refusals and audit records included)."""
-        d, tid = n.data, n.pid
-        cmd, argp = d.arg_u32(1), d.args[2]
+        """A UVM command the broker's continue lane admits: CONTINUE; `_GENERAL` for
+        everything else (the general steps decide it from the start, refusals and audit
+        records included)."""
+        d = n.data
+        if self._continue_decision(n.pid, d.arg_u32(1), d.args[2], sess):
+            return w.NotifResp.cont(n.id)
+        return _GENERAL
+
+    def _continue_decision(self, tid: int, cmd: int, argp: int, sess: Session) -> bool:
+        """Whether the continue lane (broker/fastlane.py ContinueLane) admits this UVM
+        command: its argument read once into the broker, its client handles checked, the
+        caller without CAP_SYS_ADMIN (else the general steps refuse it: privileged in the
+        driver). Both listeners (Python and native) ask here."""
         lane = self._clane
         size = lane.arg_size(sess.id, cmd)
         if size is None:
-            return _GENERAL
+            return False
         try:
             caller, caps = self._caller_caps(tid)
             if caps & (1 << CAP_SYS_ADMIN) or caps < 0:
-                return _GENERAL  # the general steps refuse it (privileged in the driver)
+                return False
             arg = self._gate.direct(self.tenant, _vm_read, tid, argp, size,
                                     what=f"read of UVM command {cmd}'s argument")
         except OSError:
-            return _GENERAL
+            return False
         if not lane.admit(sess.id, caller, cmd, arg):
-            return _GENERAL
+            return False
         self.stats.ioctls += 1
         self.stats.continued_decided += 1
         self.stats.uvm_fast += 1
-        return w.NotifResp.cont(n.id)
+        return True
 
     # -- mmap -------------------------------------------------------------------------------
 

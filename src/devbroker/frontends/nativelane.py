@@ -1,0 +1,255 @@
+"""The seccomp listener's native loop (native/lane.c), as the Python listener drives it.
+
+Why: on the H200 the Python listener's control lane cost ~95 µs over the driver's ~16 µs per
+RM_CONTROL, and a CUDA init ~200 ms of listener time over ~3,700 notifications: the
+system calls a call needs cost 1–3 µs each, the Python around each of them 3–5× that
+(docs/hardware.md, run 3). The C loop makes those system calls itself — wait, receive,
+statx of the fd, private reads, pidfd_getfd, NOTIF_ID_VALID, the driver ioctl, one
+process_vm_writev, the answer — and calls back into Python only for the decision.
+
+Who decides what (nothing new is decided here):
+* an **ioctl**: C reads the header of a control-lane ioctl number into its private buffer
+  and calls `on_ioctl`, which is this module's `NativeLane._on_ioctl`: the session behind
+  the file, then `ControlLane.admit` (broker/fastlane.py, the same admission as the Python
+  lane) or the continue lane's decision (`SeccompSupervisor._continue_decision`, the same
+  function the Python listener uses). Its answer: ACT_CONTROL (C runs the admitted control
+  as the Python lane would), ACT_CONTINUE, ACT_DECLINE (the whole notification goes to
+  the Python listener, whose general steps decide it from the start, refusal and audit
+  record included), or ACT_FAIL when deciding raised (a bug costs that call EIO, as in the
+  Python listener, and never sends it another way). `on_finish` runs the row's post-hook and the books
+  (`ControlLane.finish`), and the backend's `run_control` when the driver call cannot be a
+  plain ioctl on the tenant's file (the emulated backend).
+* an **open** whose path's basename is none of the tenant's node names: CONTINUE in C, the
+  Python `_open_quick` rule on the same bytes.
+* everything else: back to the Python listener (`DVB_NOTIF`), which answers as before.
+
+Off with DEVBROKER_NATIVE_LANE=0 (and with DEVBROKER_CONTROL_LANE=0, which turns every lane
+off), or when the library cannot be built (devbroker.native logs why).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from typing import TYPE_CHECKING
+
+from devbroker import native
+
+if TYPE_CHECKING:
+    from .seccomp import SeccompSupervisor
+
+log = logging.getLogger("devbroker.seccomp.native")
+
+ABI = 3  # native/lane.c DVB_ABI
+DVB_NOTIF, DVB_IDLE, DVB_WAKE, DVB_HUP, DVB_FOLD, DVB_LATE, DVB_WRITE_FAILED, DVB_ERROR = \
+    range(1, 9)
+ACT_DECLINE, ACT_CONTINUE, ACT_CONTROL, ACT_FAIL = 0, 1, 2, 3
+# native/lane.c's counters, in its order: SupervisorStats field names ("" = not folded)
+COUNTERS = ("notifications", "opens_continued", "ioctls", "controls_fast", "stale",
+            "lane_ns_read", "lane_ns_admit", "lane_ns_dup", "lane_ns_driver", "lane_ns_finish",
+            "lane_ns_write", "ns_recv", "ns_send", "ns_ioctl", "ns_open", "native_answered")
+HDR_MAX = 64
+PARAMS_MAX = 16384
+
+_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)
+
+
+class Call(ctypes.Structure):
+    """native/lane.c struct dvb_call: one ioctl being decided."""
+    _fields_ = [(n, ctypes.c_int64) for n in (
+        "id", "tid", "fd", "cmd", "argp", "dev", "ino", "mode", "rdev", "hdr_len",
+        "params_ptr", "params_size", "params_off", "driver", "finish", "ret", "err",
+        "pad0", "pad1")] + [
+        ("hdr", ctypes.c_uint8 * HDR_MAX),
+        ("hdr_out", ctypes.c_uint8 * HDR_MAX),
+        ("params_in", ctypes.c_uint8 * PARAMS_MAX),
+        ("params", ctypes.c_uint8 * PARAMS_MAX),
+    ]
+
+
+_OFF_HDR = Call.hdr.offset
+_OFF_HDR_OUT = Call.hdr_out.offset
+_OFF_PARAMS_IN = Call.params_in.offset
+_OFF_PARAMS = Call.params.offset
+
+
+def enabled() -> bool:
+    return os.environ.get("DEVBROKER_NATIVE_LANE", "1") != "0"
+
+
+def library() -> ctypes.CDLL | None:
+    """native/lane.c loaded and checked, or None (the Python listener serves)."""
+    lib = native.load("lane")
+    if lib is None or getattr(lib, "_devbroker_checked", False):
+        return lib
+    lib.dvb_abi.restype = ctypes.c_int
+    lib.dvb_call_size.restype = ctypes.c_size_t
+    if lib.dvb_abi() != ABI or lib.dvb_call_size() != ctypes.sizeof(Call):
+        log.warning("native lane: library ABI %d / call size %d, expected %d / %d: not used",
+                    lib.dvb_abi(), lib.dvb_call_size(), ABI, ctypes.sizeof(Call))
+        return None
+    vp, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.dvb_shared_new.restype = vp
+    lib.dvb_shared_new.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_size_t,
+                                   ctypes.POINTER(ctypes.c_int),
+                                   ctypes.POINTER(ctypes.c_ulong), i64, _CALLBACK, _CALLBACK]
+    lib.dvb_shared_free.argtypes = [vp]
+    lib.dvb_set_names.argtypes = [vp, ctypes.c_char_p, ctypes.c_size_t]
+    lib.dvb_set_lane_cmds.argtypes = [vp, ctypes.POINTER(ctypes.c_uint32), ctypes.c_int]
+    lib.dvb_set_mem_off.argtypes = [vp, ctypes.c_int]
+    lib.dvb_thread_new.restype = vp
+    lib.dvb_thread_new.argtypes = [vp, ctypes.c_int]
+    lib.dvb_thread_free.argtypes = [vp]
+    lib.dvb_call_of.restype = vp
+    lib.dvb_call_of.argtypes = [vp]
+    lib.dvb_notif_of.restype = vp
+    lib.dvb_notif_of.argtypes = [vp]
+    lib.dvb_err.argtypes = [vp]
+    lib.dvb_late_ns.restype = i64
+    lib.dvb_late_ns.argtypes = [vp]
+    lib.dvb_fold.argtypes = [vp, ctypes.POINTER(i64)]
+    lib.dvb_watch.argtypes = [vp, ctypes.POINTER(i64)]
+    lib.dvb_abandon.argtypes = [vp]
+    lib.dvb_serve.argtypes = [vp]
+    lib.dvb_serve.restype = ctypes.c_int
+    lib._devbroker_checked = True
+    return lib
+
+
+class NativeThread:
+    """One listener thread's C state (its call buffer, counters, what it is doing)."""
+
+    def __init__(self, lane: NativeLane, slot: int):
+        self.lane, self.slot = lane, slot
+        lib = lane.lib
+        self.ptr = lib.dvb_thread_new(lane.shared, slot)
+        if not self.ptr:
+            raise MemoryError("dvb_thread_new")
+        self.call = Call.from_address(lib.dvb_call_of(self.ptr))
+        self.base = ctypes.addressof(self.call)
+        self.notif_addr = lib.dvb_notif_of(self.ptr)
+        self._counts = (ctypes.c_int64 * len(COUNTERS))()
+        self._watch = (ctypes.c_int64 * 4)()
+        self.adm = None  # the Admitted of the control in flight (between the callbacks)
+        self.reported = False  # its current access was answered by the watchdog
+
+    def serve(self) -> int:
+        return self.lane.lib.dvb_serve(self.ptr)
+
+    def notif_bytes(self, size: int) -> bytes:
+        return ctypes.string_at(self.notif_addr, size)
+
+    def fold(self, stats) -> None:
+        self.lane.lib.dvb_fold(self.ptr, self._counts)
+        for name, v in zip(COUNTERS, self._counts):
+            if v:
+                setattr(stats, name, getattr(stats, name) + v)
+
+    def watch(self) -> tuple[int, int, int, int]:
+        """(busy since, memory access since (monotonic ns, 0: not), notification id, tid)"""
+        self.lane.lib.dvb_watch(self.ptr, self._watch)
+        return tuple(self._watch)
+
+    def close(self) -> None:
+        if self.ptr:
+            self.lane.lib.dvb_thread_free(self.ptr)
+            self.ptr = None
+
+
+class NativeLane:
+    """One listener's native loop: the shared C state, and the callbacks into the broker."""
+
+    def __init__(self, lib: ctypes.CDLL, sup: SeccompSupervisor, listener_fd: int,
+                 wake_fd: int, notif_size: int, nrs: tuple[int, int, int, int],
+                 reqs: tuple[int, int, int], spin_ns: int, names: set[str],
+                 lane_cmds: frozenset[int]):
+        self.lib, self.sup = lib, sup
+        # the callbacks stay referenced for the loop's life (C holds bare pointers)
+        self._cb_ioctl = _CALLBACK(self._on_ioctl)
+        self._cb_finish = _CALLBACK(self._on_finish)
+        self.shared = lib.dvb_shared_new(
+            listener_fd, wake_fd, notif_size, (ctypes.c_int * 4)(*nrs),
+            (ctypes.c_ulong * 3)(*reqs), spin_ns, self._cb_ioctl, self._cb_finish)
+        if not self.shared:
+            raise OSError("dvb_shared_new failed")
+        blob = b"".join(n.encode("utf-8", "surrogateescape") + b"\0" for n in sorted(names))
+        if lib.dvb_set_names(self.shared, blob, len(blob)) != 0:
+            raise ValueError("node names too long for the native loop")
+        cmds = sorted(lane_cmds)
+        if lib.dvb_set_lane_cmds(self.shared, (ctypes.c_uint32 * max(1, len(cmds)))(*cmds),
+                                 len(cmds)) != 0:
+            raise ValueError("too many control-lane ioctl numbers")
+        self.threads: dict[int, NativeThread] = {}
+        self._slots = 0
+        self._lock = threading.Lock()
+        self.mem_off = False
+
+    def thread(self) -> NativeThread:
+        with self._lock:
+            self._slots += 1
+            t = NativeThread(self, self._slots)
+            self.threads[t.slot] = t
+        return t
+
+    def drop(self, t: NativeThread) -> None:
+        with self._lock:
+            self.threads.pop(t.slot, None)
+        t.close()
+
+    def set_mem_off(self, off: bool) -> None:
+        if off != self.mem_off:
+            self.mem_off = off
+            self.lib.dvb_set_mem_off(self.shared, int(off))
+
+    def free(self) -> None:
+        if self.shared:
+            self.lib.dvb_shared_free(self.shared)
+            self.shared = None
+
+    # -- the callbacks (on the listener thread, GIL taken by ctypes) ---------------------
+
+    def _on_ioctl(self, slot: int) -> int:
+        try:
+            t = self.threads[slot]
+            return self.sup._native_ioctl(t, t.call)
+        except Exception:  # a bug costs this call (EIO), never the listener
+            log.exception("native lane: deciding an ioctl failed")
+            return ACT_FAIL
+
+    def _on_finish(self, slot: int) -> int:
+        try:
+            t = self.threads[slot]
+            return self.sup._native_finish(t, t.call)
+        except Exception:
+            log.exception("native lane: finishing a control failed")
+            return -1
+
+    # -- helpers for those -----------------------------------------------------------------
+
+    @staticmethod
+    def hdr(t: NativeThread) -> bytes:
+        return ctypes.string_at(t.base + _OFF_HDR, t.call.hdr_len)
+
+    @staticmethod
+    def hdr_out(t: NativeThread) -> bytes:
+        return ctypes.string_at(t.base + _OFF_HDR_OUT, t.call.hdr_len)
+
+    @staticmethod
+    def set_hdr_out(t: NativeThread, data: bytes) -> None:
+        ctypes.memmove(t.base + _OFF_HDR_OUT, data, min(len(data), HDR_MAX))
+
+    @staticmethod
+    def params_in(t: NativeThread) -> bytes:
+        return ctypes.string_at(t.base + _OFF_PARAMS_IN, t.call.params_size)
+
+    @staticmethod
+    def params(t: NativeThread) -> bytearray:
+        return bytearray(ctypes.string_at(t.base + _OFF_PARAMS, t.call.params_size))
+
+    @staticmethod
+    def set_params(t: NativeThread, data: bytes) -> None:
+        if len(data) != t.call.params_size:
+            raise ValueError(f"post-hook changed the parameter size {t.call.params_size} "
+                             f"-> {len(data)}")
+        ctypes.memmove(t.base + _OFF_PARAMS, data, len(data))

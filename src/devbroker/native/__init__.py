@@ -1,0 +1,137 @@
+"""devbroker's C parts that Python loads with ctypes: built from their source on first use.
+
+Today one: `lane.c`, the seccomp listener's native loop (frontends/nativelane.py). A shared
+library with no Python headers in it, so one build serves every Python version, built with
+the host's C compiler (`cc`, or $CC) into
+
+1. the directory named by DEVBROKER_NATIVE_DIR, else
+2. this package's directory when the process may write there (a checkout: scripts/setup.sh
+   builds it there ahead of time with `python -m devbroker.native`), else
+3. $XDG_CACHE_HOME/devbroker (~/.cache/devbroker),
+
+as `<name>-<digest>.so`, the digest of the source and the flags: an edited source is built
+again, never an old library loaded for it. A library is loaded only when it is owned by this
+process's user and not writable by group or others (whoever could rewrite it could run code
+in the broker). No compiler, or a failed build: `load` returns None with the reason logged
+once, and callers keep their Python path.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+log = logging.getLogger("devbroker.native")
+
+HERE = Path(__file__).resolve().parent
+CFLAGS = ["-O2", "-fPIC", "-shared", "-Wall", "-Wextra", "-Wno-unused-parameter",
+          "-fvisibility=default", "-pthread"]
+_loaded: dict[str, ctypes.CDLL | None] = {}
+_why_not: dict[str, str] = {}
+_lock = threading.Lock()
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or "cc"
+    return shutil.which(cc)
+
+
+def _digest(src: bytes) -> str:
+    h = hashlib.sha256(src)
+    h.update(" ".join(CFLAGS).encode())
+    return h.hexdigest()[:16]
+
+
+def _dirs() -> list[Path]:
+    out = []
+    env = os.environ.get("DEVBROKER_NATIVE_DIR")
+    if env:
+        out.append(Path(env))
+    out.append(HERE)
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    out.append(Path(cache) / "devbroker")
+    return out
+
+
+def _trusted(p: Path) -> bool:
+    try:
+        st = p.stat()
+    except OSError:
+        return False
+    return st.st_uid == os.geteuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def build(name: str) -> Path:
+    """Build `name`.c if no trusted build of this source exists; the library's path.
+    Raises RuntimeError with the compiler's message when it cannot."""
+    src_path = HERE / f"{name}.c"
+    src = src_path.read_bytes()
+    fname = f"{name}-{_digest(src)}.so"
+    for d in _dirs():
+        if _trusted(d / fname):
+            return d / fname
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, or $CC) on PATH")
+    errors = []
+    for d in _dirs():
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            if not os.access(d, os.W_OK):
+                continue
+            fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=d)
+            os.close(fd)
+        except OSError as e:
+            errors.append(f"{d}: {e.strerror or e}")
+            continue
+        try:
+            r = subprocess.run([cc, *CFLAGS, "-o", tmp, str(src_path)], capture_output=True,
+                               text=True, timeout=120)
+            if r.returncode != 0:
+                raise RuntimeError(f"{cc} failed on {src_path}:\n{r.stderr.strip()}")
+            os.chmod(tmp, 0o755)
+            os.replace(tmp, d / fname)
+            return d / fname
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    raise RuntimeError("nowhere to build it: " + "; ".join(errors or ["no writable directory"]))
+
+
+def load(name: str) -> ctypes.CDLL | None:
+    """The library `name` (built if needed), or None (the reason logged once; `why_not`)."""
+    with _lock:
+        if name in _loaded:
+            return _loaded[name]
+        lib = None
+        try:
+            lib = ctypes.CDLL(str(build(name)))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            _why_not[name] = str(e)
+            log.warning("native %s not available, the Python path serves instead: %s", name, e)
+        _loaded[name] = lib
+        return lib
+
+
+def why_not(name: str) -> str | None:
+    return _why_not.get(name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m devbroker.native [NAME...]`: build now (setup scripts), print the paths."""
+    names = (argv if argv is not None else sys.argv[1:]) or ["lane"]
+    for n in names:
+        try:
+            print(build(n))
+        except RuntimeError as e:
+            print(f"devbroker.native: {n}: {e}", file=sys.stderr)
+            return 1
+    return 0

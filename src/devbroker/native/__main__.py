@@ -1,0 +1,3 @@
+import sys
+from devbroker.native import main
+sys.exit(main())

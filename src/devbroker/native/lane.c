@@ -1,0 +1,553 @@
+/*
+ * devbroker's native listener loop for the seccomp front end (issues 12 and 14).
+ *
+ * What it is: the mechanical part of answering a tenant's notifications — wait, receive,
+ * read the few bytes a decision needs into private buffers, make the driver call on the
+ * broker's duplicate of the tenant's file, write the results back, answer — done in C, so
+ * that a call costs the system calls it needs and not the Python around each of them. It
+ * decides nothing itself: every ioctl it takes is decided by the broker (a Python callback
+ * into frontends/nativelane.py, which asks broker/fastlane.py's lanes, the same code the
+ * Python listener uses), and everything else comes back to the Python listener whole.
+ * The one thing decided here is an open whose path plainly names none of the tenant's
+ * nodes (the basename is not one of theirs): CONTINUE, the Python listener's own rule
+ * (`SeccompSupervisor._open_quick`), with the basenames it was given.
+ *
+ * Why each answer stays safe is the Python listener's argument, kept step for step:
+ * the header and parameters are read once into this thread's buffers and the driver sees
+ * only those (the header's params pointer replaced by the private block's address); the
+ * duplicate of the tenant's fd is checked to be the session's file (dev, inode); the
+ * notification is confirmed pending (NOTIF_ID_VALID) after the last read and dup and
+ * before the driver call, and again before anything is written to the tenant. The thread
+ * runs without the capabilities the driver checks (dropped by its Python start). Tenant
+ * memory is read with process_vm_readv, which can block on a page the tenant controls: the
+ * thread publishes when such an access started (`mem_since`), the Python watchdog answers
+ * the call with EFAULT past the memory gate's deadline and sets `abandoned`, and the loop
+ * reports the late return (DVB_LATE) so the gate's books balance; while the tenant has
+ * stalled accesses (`mem_off`) every call goes to the Python listener and its gate.
+ *
+ * No kernel or libc headers beyond POSIX/glibc are needed: the seccomp structures and
+ * ioctl numbers are defined here and checked against the kernel's sizes by the caller.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/sysmacros.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+#ifndef SYS_pidfd_getfd
+#define SYS_pidfd_getfd 438
+#endif
+#define DVB_PIDFD_THREAD O_EXCL /* Linux 6.9: a pidfd for a (non-leader) thread */
+
+#define DVB_ABI 3 /* bumped with any change of the structures below (nativelane.py checks) */
+
+struct dvb_notif { /* struct seccomp_notif */
+    uint64_t id;
+    uint32_t pid;
+    uint32_t flags;
+    int32_t nr;
+    uint32_t arch;
+    uint64_t ip;
+    uint64_t args[6];
+};
+
+struct dvb_resp { /* struct seccomp_notif_resp */
+    uint64_t id;
+    int64_t val;
+    int32_t error;
+    uint32_t flags;
+};
+#define DVB_CONTINUE 1 /* SECCOMP_USER_NOTIF_FLAG_CONTINUE */
+
+enum { DVB_NOTIF = 1, DVB_IDLE, DVB_WAKE, DVB_HUP, DVB_FOLD, DVB_LATE, DVB_WRITE_FAILED,
+       DVB_ERROR };
+enum { ACT_DECLINE = 0, ACT_CONTINUE = 1, ACT_CONTROL = 2, ACT_FAIL = 3 };
+
+/* counters, in nativelane.COUNTERS order */
+enum { C_NOTIFICATIONS, C_OPENS_CONTINUED, C_IOCTLS, C_CONTROLS_FAST, C_STALE,
+       C_LANE_NS_READ, C_LANE_NS_ADMIT, C_LANE_NS_DUP, C_LANE_NS_DRIVER, C_LANE_NS_FINISH,
+       C_LANE_NS_WRITE, C_NS_RECV, C_NS_SEND, C_NS_IOCTL, C_NS_OPEN, C_ANSWERED,
+       C_COUNT };
+
+#define DVB_HDR_MAX 64
+#define DVB_PARAMS_MAX 16384
+#define DVB_NAMES_MAX 4096
+#define DVB_LANE_CMDS 8
+
+/* One call being decided: what the Python callbacks read and fill (nativelane.Call). */
+struct dvb_call {
+    int64_t id, tid, fd, cmd, argp;        /* the notification */
+    int64_t dev, ino, mode, rdev;          /* the file behind fd (statx of /proc/tid/fd/fd) */
+    int64_t hdr_len;                       /* bytes of hdr read (0: none) */
+    /* filled by on_ioctl for ACT_CONTROL */
+    int64_t params_ptr, params_size, params_off;
+    int64_t driver;                        /* 1: make the driver call here; 0: on_finish runs it */
+    int64_t finish;                        /* 1: call on_finish after the driver call */
+    /* filled for on_finish */
+    int64_t ret, err;
+    int64_t pad[2];
+    uint8_t hdr[DVB_HDR_MAX];
+    uint8_t hdr_out[DVB_HDR_MAX];
+    uint8_t params_in[DVB_PARAMS_MAX];
+    uint8_t params[DVB_PARAMS_MAX];
+};
+
+typedef int (*dvb_callback)(int slot);
+
+struct dvb_shared {
+    int listener, wake_fd;
+    int nr_ioctl, nr_open, nr_openat, nr_openat2;
+    unsigned long req_recv, req_send, req_id_valid;
+    size_t notif_size;
+    int64_t spin_ns;
+    volatile int mem_off;
+    uint32_t lane_cmds[DVB_LANE_CMDS];
+    int n_lane_cmds;
+    char names[DVB_NAMES_MAX]; /* NUL-separated basenames that may be ours */
+    size_t names_len;
+    dvb_callback on_ioctl, on_finish;
+    pthread_mutex_t recv_lock;
+};
+
+struct dvb_thread {
+    struct dvb_shared *sh;
+    int slot;
+    int last_rc;
+    int err;                        /* errno of DVB_ERROR / DVB_WRITE_FAILED */
+    volatile int64_t busy_since;    /* CLOCK_MONOTONIC ns while answering in C, else 0 */
+    volatile int64_t mem_since;     /* ... while reading or writing tenant memory, else 0 */
+    volatile int64_t cur_id, cur_pid; /* the notification being answered */
+    volatile int abandoned;         /* set by the watchdog: the call was answered EFAULT */
+    int64_t late_ns;                /* how long the abandoned access took (DVB_LATE) */
+    int64_t spin_until;
+    int64_t counters[C_COUNT];
+    unsigned char notif[256];       /* the notification handed back (DVB_NOTIF) */
+    struct dvb_call call;
+};
+
+static int64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+int dvb_abi(void) { return DVB_ABI; }
+size_t dvb_call_size(void) { return sizeof(struct dvb_call); }
+size_t dvb_params_max(void) { return DVB_PARAMS_MAX; }
+
+struct dvb_shared *dvb_shared_new(int listener, int wake_fd, size_t notif_size,
+                                  const int *nrs, const unsigned long *reqs, int64_t spin_ns,
+                                  dvb_callback on_ioctl, dvb_callback on_finish)
+{
+    if (notif_size < sizeof(struct dvb_notif) || notif_size > 256)
+        return NULL;
+    struct dvb_shared *sh = calloc(1, sizeof(*sh));
+    if (!sh)
+        return NULL;
+    sh->listener = listener;
+    sh->wake_fd = wake_fd;
+    sh->notif_size = notif_size;
+    sh->nr_ioctl = nrs[0];
+    sh->nr_open = nrs[1];
+    sh->nr_openat = nrs[2];
+    sh->nr_openat2 = nrs[3];
+    sh->req_recv = reqs[0];
+    sh->req_send = reqs[1];
+    sh->req_id_valid = reqs[2];
+    sh->spin_ns = spin_ns;
+    sh->on_ioctl = on_ioctl;
+    sh->on_finish = on_finish;
+    pthread_mutex_init(&sh->recv_lock, NULL);
+    return sh;
+}
+
+void dvb_shared_free(struct dvb_shared *sh)
+{
+    if (sh) {
+        pthread_mutex_destroy(&sh->recv_lock);
+        free(sh);
+    }
+}
+
+int dvb_set_names(struct dvb_shared *sh, const char *names, size_t len)
+{
+    if (len > DVB_NAMES_MAX)
+        return -1;
+    memcpy(sh->names, names, len);
+    sh->names_len = len;
+    return 0;
+}
+
+int dvb_set_lane_cmds(struct dvb_shared *sh, const uint32_t *cmds, int n)
+{
+    if (n < 0 || n > DVB_LANE_CMDS)
+        return -1;
+    memcpy(sh->lane_cmds, cmds, sizeof(uint32_t) * n);
+    sh->n_lane_cmds = n;
+    return 0;
+}
+
+void dvb_set_mem_off(struct dvb_shared *sh, int off) { sh->mem_off = off; }
+
+struct dvb_thread *dvb_thread_new(struct dvb_shared *sh, int slot)
+{
+    struct dvb_thread *t = calloc(1, sizeof(*t));
+    if (t) {
+        t->sh = sh;
+        t->slot = slot;
+    }
+    return t;
+}
+
+void dvb_thread_free(struct dvb_thread *t) { free(t); }
+struct dvb_call *dvb_call_of(struct dvb_thread *t) { return &t->call; }
+unsigned char *dvb_notif_of(struct dvb_thread *t) { return t->notif; }
+int dvb_err(struct dvb_thread *t) { return t->err; }
+int64_t dvb_late_ns(struct dvb_thread *t) { return t->late_ns; }
+
+/* Copy the counters out and zero them (the owning thread only). */
+void dvb_fold(struct dvb_thread *t, int64_t *out)
+{
+    memcpy(out, t->counters, sizeof(t->counters));
+    memset(t->counters, 0, sizeof(t->counters));
+}
+
+/* For the watchdog (another thread): busy_since, mem_since, cur_id, cur_pid. */
+void dvb_watch(struct dvb_thread *t, int64_t *out)
+{
+    out[0] = t->busy_since;
+    out[1] = t->mem_since;
+    out[2] = t->cur_id;
+    out[3] = t->cur_pid;
+}
+
+void dvb_abandon(struct dvb_thread *t) { t->abandoned = 1; }
+
+/* ---------------------------------------------------------------- the listener's calls */
+
+static int id_valid(struct dvb_shared *sh, uint64_t id)
+{
+    return ioctl(sh->listener, sh->req_id_valid, &id) == 0;
+}
+
+static void send_resp(struct dvb_thread *t, uint64_t id, int64_t val, int error, int cont)
+{
+    /* error: a positive errno here, negative to the kernel (the syscall's -1/errno) */
+    struct dvb_resp r = {.id = id, .val = val, .error = -error,
+                         .flags = cont ? DVB_CONTINUE : 0};
+    int64_t t0 = now_ns();
+    if (ioctl(t->sh->listener, t->sh->req_send, &r) < 0)
+        t->counters[C_STALE]++; /* ENOENT: the task died or was interrupted, or answered */
+    t->counters[C_NS_SEND] += now_ns() - t0;
+    t->counters[C_ANSWERED]++;
+}
+
+/* Tenant memory: one access, published for the watchdog. Returns bytes moved or -1. */
+static ssize_t tenant_read(struct dvb_thread *t, pid_t pid, uint64_t addr, void *buf,
+                           size_t len)
+{
+    struct iovec l = {buf, len}, r = {(void *)(uintptr_t)addr, len};
+    t->mem_since = now_ns();
+    ssize_t got = process_vm_readv(pid, &l, 1, &r, 1, 0);
+    int e = errno;
+    if (t->abandoned)
+        t->late_ns = now_ns() - t->mem_since;
+    t->mem_since = 0;
+    errno = e;
+    return got;
+}
+
+static ssize_t tenant_write2(struct dvb_thread *t, pid_t pid, uint64_t a1, void *b1,
+                             size_t n1, uint64_t a2, void *b2, size_t n2)
+{
+    struct iovec l[2] = {{b1, n1}, {b2, n2}};
+    struct iovec r[2] = {{(void *)(uintptr_t)a1, n1}, {(void *)(uintptr_t)a2, n2}};
+    t->mem_since = now_ns();
+    ssize_t got = process_vm_writev(pid, l, 2, r, 2, 0);
+    int e = errno;
+    if (t->abandoned)
+        t->late_ns = now_ns() - t->mem_since;
+    t->mem_since = 0;
+    errno = e;
+    return got;
+}
+
+/* ------------------------------------------------------------------------- answers */
+/* Each returns 0 (answered here, or the task is gone), DVB_NOTIF (the Python listener
+ * answers it), or another DVB_ code for the loop to return. */
+
+static int answer_open(struct dvb_thread *t, struct dvb_notif *n)
+{
+    struct dvb_shared *sh = t->sh;
+    int64_t t0 = now_ns();
+    uint64_t ptr = n->nr == sh->nr_open ? n->args[0] : n->args[1];
+    long page = sysconf(_SC_PAGESIZE);
+    size_t len = page - ptr % page;
+    char buf[257];
+    if (sh->mem_off)
+        return DVB_NOTIF;
+    if (len > 256)
+        len = 256;
+    ssize_t got = tenant_read(t, n->pid, ptr, buf, len);
+    if (t->abandoned)
+        return DVB_LATE;
+    if (got <= 0)
+        return DVB_NOTIF;
+    char *end = memchr(buf, 0, got);
+    if (!end)
+        return DVB_NOTIF; /* long or unterminated: the general steps read the whole path */
+    char *slash = memrchr(buf, '/', end - buf);
+    const char *base = slash ? slash + 1 : buf;
+    size_t blen = end - base;
+    for (size_t i = 0; i < sh->names_len;) {
+        size_t l = strlen(sh->names + i);
+        if (l == blen && memcmp(sh->names + i, base, l) == 0)
+            return DVB_NOTIF; /* may be one of our nodes */
+        i += l + 1;
+    }
+    send_resp(t, n->id, 0, 0, 1);
+    t->counters[C_OPENS_CONTINUED]++;
+    t->counters[C_NS_OPEN] += now_ns() - t0;
+    return 0;
+}
+
+static int lane_cmd(struct dvb_shared *sh, uint32_t cmd)
+{
+    for (int i = 0; i < sh->n_lane_cmds; i++)
+        if (sh->lane_cmds[i] == cmd)
+            return 1;
+    return 0;
+}
+
+static int run_control(struct dvb_thread *t, struct dvb_notif *n, int64_t t0, int64_t t1,
+                       int64_t t2)
+{
+    struct dvb_shared *sh = t->sh;
+    struct dvb_call *c = &t->call;
+    size_t size = (size_t)c->params_size, hlen = (size_t)c->hdr_len;
+    int dup = -1;
+    if (size > DVB_PARAMS_MAX || c->params_off < 0 || (size_t)c->params_off + 8 > hlen
+        || sh->mem_off)
+        return DVB_NOTIF;
+    ssize_t got = tenant_read(t, n->pid, (uint64_t)c->params_ptr, c->params, size);
+    if (t->abandoned)
+        return DVB_LATE;
+    if (got != (ssize_t)size)
+        return DVB_NOTIF; /* the general path reads again and answers with its record */
+    memcpy(c->params_in, c->params, size);
+    int64_t t3 = now_ns();
+    if (c->driver) {
+        /* The broker's own duplicate of the tenant's file, through a pidfd of the calling
+         * thread opened here (never one another thread could close meanwhile). */
+        int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)n->pid, DVB_PIDFD_THREAD);
+        if (pidfd < 0)
+            return DVB_NOTIF;
+        dup = (int)syscall(SYS_pidfd_getfd, pidfd, (int)c->fd, 0);
+        close(pidfd);
+        if (dup < 0)
+            return DVB_NOTIF;
+        struct stat st;
+        if (fstat(dup, &st) < 0 || (int64_t)st.st_dev != c->dev || (int64_t)st.st_ino != c->ino) {
+            close(dup); /* another file at that number now: decided the general way */
+            return DVB_NOTIF;
+        }
+    }
+    /* The reads and the dup reached the thread that made the call. */
+    if (!id_valid(sh, n->id)) {
+        if (dup >= 0)
+            close(dup);
+        t->counters[C_STALE]++;
+        return 0;
+    }
+    int64_t t4 = now_ns();
+    if (c->driver) {
+        uint8_t priv[DVB_HDR_MAX];
+        uint64_t block = (uint64_t)(uintptr_t)c->params;
+        memcpy(priv, c->hdr, hlen);
+        memcpy(priv + c->params_off, &block, 8);
+        int r = ioctl(dup, (unsigned long)(uint32_t)c->cmd, priv);
+        c->err = r < 0 ? errno : 0;
+        c->ret = r < 0 ? -1 : r;
+        close(dup);
+        memcpy(priv + c->params_off, c->hdr + c->params_off, 8); /* the tenant's pointer */
+        memcpy(c->hdr_out, priv, hlen);
+    }
+    int64_t t5 = now_ns();
+    if (!c->driver || c->finish) {
+        int fin = sh->on_finish(t->slot); /* run (emulated) and/or books and post-hook */
+        if (fin == 0)
+            return DVB_NOTIF; /* the backend could not run it here: the general way */
+        if (fin < 0) {
+            send_resp(t, n->id, 0, EIO, 0); /* a bug costs this call, not the listener */
+            return 0;
+        }
+    }
+    int64_t t6 = now_ns();
+    t->counters[C_IOCTLS]++;
+    t->counters[C_CONTROLS_FAST]++;
+    t->counters[C_LANE_NS_READ] += (t1 - t0) + (t3 - t2);
+    t->counters[C_LANE_NS_ADMIT] += t2 - t1;
+    t->counters[C_LANE_NS_DUP] += t4 - t3;
+    t->counters[C_LANE_NS_DRIVER] += t5 - t4;
+    t->counters[C_LANE_NS_FINISH] += t6 - t5;
+    if (c->err) { /* the driver's failure: the tenant's buffers stay as they were */
+        send_resp(t, n->id, 0, (int)c->err, 0);
+        return 0;
+    }
+    if (!id_valid(sh, n->id)) {
+        t->counters[C_STALE]++;
+        return 0;
+    }
+    ssize_t put = tenant_write2(t, n->pid, (uint64_t)c->params_ptr, c->params, size,
+                                (uint64_t)c->argp, c->hdr_out, hlen);
+    if (t->abandoned)
+        return DVB_LATE;
+    if (put != (ssize_t)(size + hlen)) {
+        t->err = errno ? errno : EFAULT;
+        return DVB_WRITE_FAILED; /* the Python listener audits it and answers EFAULT */
+    }
+    t->counters[C_LANE_NS_WRITE] += now_ns() - t6;
+    send_resp(t, n->id, c->ret, 0, 0);
+    return 0;
+}
+
+static int answer_ioctl(struct dvb_thread *t, struct dvb_notif *n)
+{
+    struct dvb_shared *sh = t->sh;
+    struct dvb_call *c = &t->call;
+    int64_t t0 = now_ns();
+    char path[64];
+    struct statx sx;
+    c->id = (int64_t)n->id;
+    c->tid = n->pid;
+    c->fd = (int)n->args[0];
+    c->cmd = (uint32_t)n->args[1];
+    c->argp = (int64_t)n->args[2];
+    c->hdr_len = 0;
+    c->params_ptr = c->params_size = 0;
+    c->params_off = -1;
+    c->driver = c->finish = 0;
+    c->ret = c->err = 0;
+    if (c->fd < 0)
+        return DVB_NOTIF;
+    /* AT_STATX_DONT_SYNC: attributes as cached, never a round trip to a file's server */
+    snprintf(path, sizeof(path), "/proc/%u/fd/%d", n->pid, (int)c->fd);
+    if (statx(AT_FDCWD, path, AT_STATX_DONT_SYNC, STATX_TYPE | STATX_MODE | STATX_INO, &sx) < 0)
+        return DVB_NOTIF;
+    c->dev = (int64_t)makedev(sx.stx_dev_major, sx.stx_dev_minor);
+    c->ino = (int64_t)sx.stx_ino;
+    c->mode = sx.stx_mode;
+    c->rdev = (int64_t)makedev(sx.stx_rdev_major, sx.stx_rdev_minor);
+    size_t size = (c->cmd >> 16) & 0x3fff; /* _IOC_SIZE */
+    if (lane_cmd(sh, (uint32_t)c->cmd) && size <= DVB_HDR_MAX && !sh->mem_off) {
+        ssize_t got = tenant_read(t, n->pid, (uint64_t)c->argp, c->hdr, size);
+        if (t->abandoned)
+            return DVB_LATE;
+        if (got == (ssize_t)size)
+            c->hdr_len = (int64_t)size;
+    }
+    int64_t t1 = now_ns();
+    int act = sh->on_ioctl(t->slot);
+    int64_t t2 = now_ns();
+    int rc;
+    if (act == ACT_CONTINUE) {
+        send_resp(t, n->id, 0, 0, 1);
+        rc = 0;
+    } else if (act == ACT_FAIL) { /* a bug in the decision: this call fails, closed */
+        send_resp(t, n->id, 0, EIO, 0);
+        rc = 0;
+    } else if (act == ACT_CONTROL && c->hdr_len) {
+        rc = run_control(t, n, t0, t1, t2);
+    } else {
+        rc = DVB_NOTIF;
+    }
+    if (rc == 0)
+        t->counters[C_NS_IOCTL] += now_ns() - t0;
+    return rc;
+}
+
+/* Wait for, receive and answer notifications until one needs the Python listener (or the
+ * loop has news for it). The GIL is not held (ctypes releases it). */
+int dvb_serve(struct dvb_thread *t)
+{
+    struct dvb_shared *sh = t->sh;
+    struct dvb_notif *n = (struct dvb_notif *)t->notif;
+    int64_t started = now_ns();
+    int handled = 0;
+    if (t->last_rc == DVB_NOTIF || t->last_rc == DVB_WRITE_FAILED)
+        t->spin_until = now_ns() + sh->spin_ns; /* the Python listener just answered one */
+    for (;;) {
+        if (handled >= 512 || (handled && now_ns() - started > 100000000))
+            return t->last_rc = DVB_FOLD; /* the Python side folds counters, checks its state */
+        pthread_mutex_lock(&sh->recv_lock);
+        int spinning = sh->spin_ns && now_ns() < t->spin_until;
+        struct pollfd p[2] = {{sh->listener, POLLIN, 0}, {sh->wake_fd, POLLIN, 0}};
+        int r = poll(p, 2, spinning ? 0 : 200);
+        if (r < 0) {
+            int e = errno;
+            pthread_mutex_unlock(&sh->recv_lock);
+            if (e == EINTR)
+                continue;
+            t->err = e;
+            return t->last_rc = DVB_ERROR;
+        }
+        if (r == 0) {
+            pthread_mutex_unlock(&sh->recv_lock);
+            if (spinning)
+                continue;
+            return t->last_rc = DVB_IDLE;
+        }
+        if (p[1].revents) {
+            pthread_mutex_unlock(&sh->recv_lock);
+            return t->last_rc = DVB_WAKE; /* live upgrade: leave now */
+        }
+        if (!(p[0].revents & POLLIN)) {
+            pthread_mutex_unlock(&sh->recv_lock);
+            if (p[0].revents & (POLLHUP | POLLERR | POLLNVAL))
+                return t->last_rc = DVB_HUP;
+            continue;
+        }
+        memset(t->notif, 0, sizeof(t->notif)); /* the kernel insists on zeroes */
+        int64_t t0 = now_ns();
+        r = ioctl(sh->listener, sh->req_recv, t->notif);
+        int e = errno;
+        t->counters[C_NS_RECV] += now_ns() - t0;
+        pthread_mutex_unlock(&sh->recv_lock);
+        if (r < 0) {
+            if (e == ENOENT || e == EINTR)
+                continue;
+            t->err = e;
+            return t->last_rc = DVB_ERROR;
+        }
+        t->counters[C_NOTIFICATIONS]++;
+        t->cur_id = (int64_t)n->id;
+        t->cur_pid = n->pid;
+        t->busy_since = now_ns();
+        int rc = DVB_NOTIF;
+        if (n->nr == sh->nr_ioctl)
+            rc = answer_ioctl(t, n);
+        else if (n->nr == sh->nr_open || n->nr == sh->nr_openat || n->nr == sh->nr_openat2)
+            rc = answer_open(t, n);
+        t->busy_since = 0;
+        if (rc == DVB_LATE)
+            t->abandoned = 0;
+        if (rc != 0)
+            return t->last_rc = rc;
+        handled++;
+        t->spin_until = now_ns() + sh->spin_ns;
+    }
+}
