@@ -187,3 +187,93 @@ def test_continue_lane_admits_exactly_what_the_general_steps_continue(traces_dir
             assert admitted == general > 100
         else:  # bob's clients named in alice's UVM calls: continued only where none is named
             assert admitted == general < len(calls)
+
+
+# A seccomp tenant whose RM_CONTROL parameter block lies in a page nobody serves (a
+# userfaultfd range): the native loop's read of it blocks in the kernel.
+STALLER = r"""
+import ctypes, fcntl, json, os, struct, sys, time
+from devbroker.escape.attacks import (PAGE, SYS_userfaultfd, UFFD_API, UFFDIO_API,
+                                      UFFDIO_REGISTER, UFFDIO_REGISTER_MODE_MISSING, libc)
+from devbroker.tools.hotpath import OneCall
+c = OneCall("/dev", False)
+uffd = libc.syscall(ctypes.c_long(SYS_userfaultfd), ctypes.c_long(os.O_CLOEXEC | os.O_NONBLOCK))
+assert uffd >= 0, ctypes.get_errno()
+fcntl.ioctl(uffd, UFFDIO_API, bytearray(struct.pack("=QQQ", UFFD_API, 0, 0)), True)
+addr = libc.mmap(None, PAGE, 3, 0x22, -1, 0)
+fcntl.ioctl(uffd, UFFDIO_REGISTER,
+            bytearray(struct.pack("=QQQQ", addr, PAGE, UFFDIO_REGISTER_MODE_MISSING, 0)), True)
+c.arg[16:24] = struct.pack("<Q", addr)  # NVOS54.params: the unserved page
+print(json.dumps({"what": "calling", "t": time.monotonic()}), flush=True)
+try:
+    c.call()
+    got = {"errno": 0}
+except OSError as e:
+    got = {"errno": e.errno}
+got.update(what="answered", t=time.monotonic())
+print(json.dumps(got), flush=True)
+sys.stdin.readline()
+os.close(uffd)  # the broker's stalled read returns
+print(json.dumps({"what": "released"}), flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.root
+def test_native_loop_stalled_tenant_page_is_refused_at_the_deadline(start_broker):
+    """The native loop reads the tenant's memory in C: a read that blocks on a page the
+    tenant controls is answered EFAULT by the listener's watchdog at the memory gate's
+    deadline (audited, counted as stalled while it stays in the kernel), the tenant's
+    other calls are served meanwhile, and the read's late return is booked."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (tenant sandbox)")
+    import errno
+    import subprocess
+    import time
+
+    # The tenant's root has no CAP_SYS_PTRACE in its sandbox: a userfaultfd that also
+    # catches the kernel's faults needs unprivileged ones allowed, for this test only.
+    knob = Path("/proc/sys/vm/unprivileged_userfaultfd")
+    if not knob.exists():
+        pytest.skip("no userfaultfd in this kernel")
+    before = knob.read_text().strip()
+    knob.write_text("1")
+    b = start_broker(POLICY)
+    b.frontend = "seccomp"
+    p = b.exec_popen("t", sys.executable, "-c", STALLER, stdin=subprocess.PIPE,
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = lambda: json.loads(p.stdout.readline() or "null")  # noqa: E731
+        calling = line()
+        assert calling and calling["what"] == "calling", p.stderr.read()
+        answered = line()
+        assert answered["what"] == "answered"
+        assert answered["errno"] == errno.EFAULT, (answered, calling, b.audit()[-5:])
+        assert 1.5 < answered["t"] - calling["t"] < 30  # at the deadline (2 s), not at once
+        assert b.tenant("t")["memory_stalled"] == 1
+        # the same tenant's other process is served while the read is still stuck
+        r = b.exec("t", sys.executable, "-m", "devbroker.tools.hotpath", "latency", "--n", "50",
+                   "--dev", "/dev", timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        assert line()["what"] == "released"
+        for _ in range(200):
+            if b.tenant("t")["memory_stalled"] == 0:
+                break
+            time.sleep(0.05)
+        assert b.tenant("t")["memory_stalled"] == 0
+    finally:
+        p.kill()
+        p.wait()
+        knob.write_text(before)
+    b.stop()
+    audit = b.audit()
+    late = [a for a in audit if a.get("event") == "deny" and a.get("tenant") == "t"
+            and "did not complete within" in a.get("reason", "")]
+    assert len(late) == 1, audit
+    assert "native loop" in late[0]["what"]
+    assert any(a.get("tenant") == "t" and "returned after" in a.get("message", "")
+               for a in audit), audit
+    detached = [a for a in audit if a.get("event") == "tenant-detached"]
+    assert sum(a.get("native_answered", 0) for a in detached) > 0

@@ -375,11 +375,22 @@ class _CountedLane:
                              *self._stats.names.ioctl(s.node, ioctl_cmd, hdr)))
         return adm
 
-    def needs_finish(self, adm) -> bool:
-        return True  # the call's row needs the driver's verdict
+    def table_patch(self, adm):
+        return self._lane.table_patch(adm)
+
+    def needs_finish(self, adm, patched: bool = False) -> bool:
+        return self._lane.needs_finish(adm, patched)
 
     def book(self, adm) -> None:
         self._lane.book(adm)
+
+    def answered(self, adm, err: int, end_ns: int) -> None:
+        """The row of a call answered without finish (the verdict and the end time the
+        front end kept for it)."""
+        self._lane.answered(adm, err, end_ns)
+        if adm.mark is not None:
+            t0, key = adm.mark
+            self._stats._record(key, _ERROR if err else _OK, max(0, end_ns - t0))
 
     def finish(self, adm, hdr: bytes, params_in: bytes, ret: int, err: int, hdr_out: bytes,
                params_out: bytearray) -> bytes:

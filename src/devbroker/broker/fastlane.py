@@ -256,10 +256,25 @@ class ControlLane:
         self._plans[key] = plan
         return plan
 
-    def needs_finish(self, adm: Admitted) -> bool:
-        """Whether `finish` has anything to do besides counting the request: a post-hook,
-        or a recording."""
-        return adm.post is not None or self.broker.recorder is not None
+    def table_patch(self, adm: Admitted):
+        """The row's post-hook as data (rewrite.TablePatch) for a front end that applies it
+        itself after an NV_OK answer, with the values as of now; None when the hook has no
+        such form or a recording wants the answer through `finish`."""
+        as_patch = rewrite.AS_TABLE_PATCH.get(adm.post)
+        if as_patch is None or self.broker.recorder is not None:
+            return None
+        with STATE_LOCK:
+            return as_patch(adm.session, adm.gpu, adm.abi.control(adm.cmd).params)
+
+    def needs_finish(self, adm: Admitted, patched: bool = False) -> bool:
+        """Whether `finish` has anything to do besides counting the request: a post-hook
+        (unless the front end applies it as a TablePatch), or a recording."""
+        return (adm.post is not None and not patched) or self.broker.recorder is not None
+
+    def answered(self, adm: Admitted, err: int, end_ns: int) -> None:
+        """A call the front end answered without `finish` was answered at end_ns
+        (time.perf_counter_ns's clock) with errno err: nothing to do here (the call
+        counters' wrapper records its row)."""
 
     def book(self, adm: Admitted) -> None:
         """Count the request now, for a front end that will not call `finish` (nothing

@@ -245,38 +245,95 @@ _FB_FREE = {0x12, 0x16}  # LARGEST_FREE_REGION_SIZE_KB, HEAP_FREE
 _FB_ZERO = {0x10, 0x27}  # FB_TAX_SIZE_KB, HEAP_OFFLINE_SIZE (reserved memory: none visible)
 
 
-def fb_info(ctx, out):
-    s = ctx.session
-    gpu = ctx.gpu
+@dataclass(frozen=True)
+class TablePatch:
+    """A post-hook as data: in the parameter block's table of (index, data) entries, the
+    first `count` entries (a u32 field at `count_offset`, bounded by `capacity`) whose index
+    is in `values` get that value as data (u32). What fb_info does, in a form a front end
+    may apply itself after the driver answered NV_OK (frontends/nativelane.py)."""
+    table_offset: int
+    entry_size: int
+    index_offset: int
+    data_offset: int
+    capacity: int
+    count_offset: int
+    values: tuple[tuple[int, int], ...]  # (index, value)
+
+    def apply(self, block: bytearray) -> bool:
+        """Patch the whole parameter block in place; whether anything changed."""
+        count = int.from_bytes(block[self.count_offset:self.count_offset + 4], "little")
+        end = self.table_offset + self.capacity * self.entry_size
+        table = bytearray(block[self.table_offset:end])
+        changed = self.apply_table(table, count)
+        block[self.table_offset:end] = table
+        return changed
+
+    def apply_table(self, table: bytearray, count: int) -> bool:
+        """Patch the table's own bytes, `count` entries asked for."""
+        values = dict(self.values)
+        changed = False
+        for i in range(min(count, self.capacity)):
+            base = i * self.entry_size
+            index = int.from_bytes(table[base + self.index_offset:base + self.index_offset + 4],
+                                   "little")
+            new = values.get(index)
+            if new is not None:
+                at = base + self.data_offset
+                table[at:at + 4] = new.to_bytes(4, "little")
+                changed = True
+        return changed
+
+
+def fb_info_patch(session, gpu, spec) -> TablePatch | None:
+    """fb_info's rewrite for this session's tenant and GPU, as a TablePatch of the
+    parameter layout `spec` (None: no GPU, nothing to rewrite). The tenant sees its quota
+    as the card's memory and its own use as the only use."""
     if gpu is None:
-        return out
-    quota = s.tenant.quota(gpu)
-    used = s.tenant.used().get(gpu, 0)
+        return None
+    quota = session.tenant.quota(gpu)
+    used = session.tenant.used().get(gpu, 0)
     total_kib = min(quota // KiB, 0xFFFFFFFF)
     free_kib = min(max(0, quota - used) // KiB, 0xFFFFFFFF)
+    layout = _FB_LAYOUTS.get(id(spec))
+    if layout is None:  # the specs live as long as the ABI tables: one layout per spec
+        f = spec.by_name["fbInfoList"]
+        elem = f.elem.by_name
+        layout = _FB_LAYOUTS[id(spec)] = (
+            f.offset, f.size // f.count, elem["index"].offset, elem["data"].offset, f.count,
+            spec.by_name["fbInfoListSize"].offset, spec)
+    key = (id(spec), total_kib, free_kib)
+    patch = _FB_PATCHES.get(key)
+    if patch is None:  # (one object per layout and values: a front end compares by identity)
+        values = ((0x07, total_kib), (0x08, total_kib), (0x09, total_kib), (0x0A, total_kib),
+                  (0x20, total_kib), (0x12, free_kib), (0x16, free_kib), (0x10, 0), (0x27, 0))
+        if len(_FB_PATCHES) >= 256:
+            _FB_PATCHES.clear()
+        patch = _FB_PATCHES[key] = TablePatch(*layout[:6], values)
+    return patch
+
+
+_FB_LAYOUTS: dict[int, tuple] = {}
+_FB_PATCHES: dict[tuple, TablePatch] = {}
+# (fb_info_patch writes the three sets out as literals: they must stay the same sets)
+assert {i for i, _ in ((0x07, 0), (0x08, 0), (0x09, 0), (0x0A, 0), (0x20, 0))} == _FB_TOTAL
+assert {0x12, 0x16} == _FB_FREE and {0x10, 0x27} == _FB_ZERO
+
+
+def fb_info(ctx, out):
     # Only the entries the caller asked for (fbInfoListSize, bounded by the array): the
-    # driver leaves the rest as sent. Patched in the table's bytes (one control NVML and
+    # driver leaves the rest as sent. Patched in the block's bytes (one control NVML and
     # CUDA send often: no value per entry, issue 14).
-    f = out.spec.by_name["fbInfoList"]
-    elem = f.elem.by_name
-    esz = f.size // f.count
-    at_index, at_data = elem["index"].offset, elem["data"].offset
+    patch = fb_info_patch(ctx.session, ctx.gpu, out.spec)
+    if patch is None:
+        return out
     table = bytearray(out.raw_field("fbInfoList"))
-    changed = False
-    for i in range(min(out.fbInfoListSize, f.count)):
-        base = i * esz
-        index = int.from_bytes(table[base + at_index:base + at_index + 4], "little")
-        if index in _FB_TOTAL:
-            new = total_kib
-        elif index in _FB_FREE:
-            new = free_kib
-        elif index in _FB_ZERO:
-            new = 0
-        else:
-            continue
-        table[base + at_data:base + at_data + 4] = new.to_bytes(4, "little")
-        changed = True
-    return out.replace(fbInfoList=bytes(table)) if changed else out
+    return out.replace(fbInfoList=bytes(table)) if patch.apply_table(table, out.fbInfoListSize) \
+        else out
+
+
+# Post-hooks that can also be given as data (TablePatch) computed before the driver call:
+# hook -> fn(session, gpu, params spec) -> TablePatch | None.
+AS_TABLE_PATCH = {fb_info: fb_info_patch}
 
 
 def gpu_pids(ctx, out):

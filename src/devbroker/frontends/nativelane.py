@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("devbroker.seccomp.native")
 
-ABI = 3  # native/lane.c DVB_ABI
+ABI = 4  # native/lane.c DVB_ABI
 DVB_NOTIF, DVB_IDLE, DVB_WAKE, DVB_HUP, DVB_FOLD, DVB_LATE, DVB_WRITE_FAILED, DVB_ERROR = \
     range(1, 9)
 ACT_DECLINE, ACT_CONTINUE, ACT_CONTROL, ACT_FAIL = 0, 1, 2, 3
@@ -51,6 +51,7 @@ COUNTERS = ("notifications", "opens_continued", "ioctls", "controls_fast", "stal
             "lane_ns_write", "ns_recv", "ns_send", "ns_ioctl", "ns_open", "native_answered")
 HDR_MAX = 64
 PARAMS_MAX = 16384
+PATCH_MAX = 16
 
 _CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)
 
@@ -60,7 +61,11 @@ class Call(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int64) for n in (
         "id", "tid", "fd", "cmd", "argp", "dev", "ino", "mode", "rdev", "hdr_len",
         "params_ptr", "params_size", "params_off", "driver", "finish", "ret", "err",
-        "pad0", "pad1")] + [
+        "status_off", "patch_n", "patch_table_off", "patch_entry_size", "patch_index_off",
+        "patch_data_off", "patch_capacity", "patch_count_off",
+        "done_count", "done_err", "done_ns")] + [
+        ("patch_index", ctypes.c_uint32 * PATCH_MAX),
+        ("patch_value", ctypes.c_uint32 * PATCH_MAX),
         ("hdr", ctypes.c_uint8 * HDR_MAX),
         ("hdr_out", ctypes.c_uint8 * HDR_MAX),
         ("params_in", ctypes.c_uint8 * PARAMS_MAX),
@@ -132,7 +137,13 @@ class NativeThread:
         self._counts = (ctypes.c_int64 * len(COUNTERS))()
         self._watch = (ctypes.c_int64 * 4)()
         self.adm = None  # the Admitted of the control in flight (between the callbacks)
+        # a control answered without on_finish, whose row the counters still owe, and the
+        # loop's count of those when it was admitted
+        self.unfinished = None
+        self.done_seen = 0
         self.reported = False  # its current access was answered by the watchdog
+        self.driver_safe = False
+        self.last_patch = None  # the TablePatch now in the call buffer (set_patch)
 
     def serve(self) -> int:
         return self.lane.lib.dvb_serve(self.ptr)
@@ -246,6 +257,24 @@ class NativeLane:
     @staticmethod
     def params(t: NativeThread) -> bytearray:
         return bytearray(ctypes.string_at(t.base + _OFF_PARAMS, t.call.params_size))
+
+    @staticmethod
+    def set_patch(t: NativeThread, c: Call, patch) -> bool:
+        """Give the loop a post-hook as data (rewrite.TablePatch); False if it does not fit.
+        (The same patch as this thread's last one is already in its call buffer.)"""
+        if patch is t.last_patch:
+            c.patch_n = len(patch.values)
+            return True
+        if len(patch.values) > PATCH_MAX:
+            return False
+        t.last_patch = patch
+        c.patch_table_off, c.patch_entry_size = patch.table_offset, patch.entry_size
+        c.patch_index_off, c.patch_data_off = patch.index_offset, patch.data_offset
+        c.patch_capacity, c.patch_count_off = patch.capacity, patch.count_offset
+        for k, (index, value) in enumerate(patch.values):
+            c.patch_index[k], c.patch_value[k] = index, value
+        c.patch_n = len(patch.values)
+        return True
 
     @staticmethod
     def set_params(t: NativeThread, data: bytes) -> None:

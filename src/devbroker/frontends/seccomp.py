@@ -747,6 +747,8 @@ class SeccompSupervisor:
             while not self._stopping:
                 rc = t.serve()
                 t.fold(self.stats)
+                if t.unfinished is not None:
+                    self._settle(t)
                 if rc == nativelane.DVB_NOTIF or rc == nativelane.DVB_LATE:
                     n = w.Notif.decode(t.notif_bytes(size))
                     if rc == nativelane.DVB_LATE:
@@ -793,6 +795,8 @@ class SeccompSupervisor:
         """The native loop's question for one ioctl (nativelane.NativeLane._on_ioctl): the
         control lane's admission, the continue lane's decision, or the general path — the
         same choices as `_answer_here`, on the header the loop read privately."""
+        if t.unfinished is not None:
+            self._settle(t)
         sess = self.sessions.get((c.dev, c.ino))
         if sess is None or sess.released:
             return nativelane.ACT_DECLINE
@@ -811,11 +815,14 @@ class SeccompSupervisor:
             plain = getattr(self.broker.backend, "control_is_plain_ioctl", None)
             driver = bool(sess.real and t.driver_safe and plain is not None
                           and plain(adm.session.file))
-            finish = not driver or lane.needs_finish(adm)
+            patch = lane.table_patch(adm) if adm.post is not None else None
+            patched = patch is not None and nativelane.NativeLane.set_patch(t, c, patch)
+            finish = lane.needs_finish(adm, patched)
             if not finish:
                 lane.book(adm)
+                t.unfinished, t.done_seen = adm, c.done_count  # its row: _settle
             c.params_ptr, c.params_size = adm.params_ptr, adm.params_size
-            c.params_off = adm.header.params_offset
+            c.params_off, c.status_off = adm.header.params_offset, adm.header.status_offset
             c.driver, c.finish = int(driver), int(finish)
             t.adm = adm
             return nativelane.ACT_CONTROL
@@ -832,7 +839,7 @@ class SeccompSupervisor:
         if adm is None:
             return -1
         NL = nativelane.NativeLane
-        hdr, params_in, params = NL.hdr(t), NL.params_in(t), NL.params(t)
+        hdr, params = NL.hdr(t), NL.params(t)
         if c.driver:
             ret, err, hdr_out = c.ret, c.err, NL.hdr_out(t)
         else:
@@ -840,13 +847,26 @@ class SeccompSupervisor:
                 ret, err, hdr_out = self.broker.backend.run_control(
                     adm.session.file, -1, hdr, params, adm.header, adm.abi)
             except NotHere:
+                t.unfinished = None  # the general way counts it
                 return 0
             c.ret, c.err = ret, err
             NL.set_hdr_out(t, hdr_out)
-        out = self._lane.finish(adm, hdr, params_in, ret, err, hdr_out, params)
+            if not c.finish:
+                NL.set_params(t, bytes(params))  # the loop applies the patch, if any
+                return 1
+        out = self._lane.finish(adm, hdr, NL.params_in(t), ret, err, hdr_out, params)
         if not err:
             NL.set_params(t, out)
         return 1
+
+    def _settle(self, t: nativelane.NativeThread) -> None:
+        """The row of the control the loop answered last without on_finish (the loop kept
+        its errno and end time); a control it sent the general way instead has its row
+        there."""
+        adm, t.unfinished = t.unfinished, None
+        c = t.call
+        if c.done_count != t.done_seen:
+            self._lane.answered(adm, c.done_err, c.done_ns)
 
     @property
     def live_threads(self) -> int:
@@ -993,7 +1013,10 @@ class SeccompSupervisor:
             busy = [since for _n, since in list(self._serving.values())]
             native = self._native
             if native is not None:
-                busy += self._watch_native(native, now)
+                try:
+                    busy += self._watch_native(native, now)
+                except Exception:  # pragma: no cover - the watchdog must go on watching
+                    log.exception("seccomp: watching the native loop failed")
             with self._threads_lock:
                 live = self._live
             if (not self._stopping and busy and len(busy) >= live
@@ -1012,6 +1035,7 @@ class SeccompSupervisor:
         out = []
         for t in list(native.threads.values()):
             busy, mem, nid, tid = t.watch()
+            nid &= 0xFFFF_FFFF_FFFF_FFFF  # (an unsigned id, carried in an int64)
             if busy:
                 out.append(busy / 1e9)
             if mem and not t.reported and now_ns - mem > gate.deadline * 1e9:

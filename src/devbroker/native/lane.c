@@ -52,7 +52,7 @@
 #endif
 #define DVB_PIDFD_THREAD O_EXCL /* Linux 6.9: a pidfd for a (non-leader) thread */
 
-#define DVB_ABI 3 /* bumped with any change of the structures below (nativelane.py checks) */
+#define DVB_ABI 4 /* bumped with any change of the structures below (nativelane.py checks) */
 
 struct dvb_notif { /* struct seccomp_notif */
     uint64_t id;
@@ -86,6 +86,7 @@ enum { C_NOTIFICATIONS, C_OPENS_CONTINUED, C_IOCTLS, C_CONTROLS_FAST, C_STALE,
 #define DVB_PARAMS_MAX 16384
 #define DVB_NAMES_MAX 4096
 #define DVB_LANE_CMDS 8
+#define DVB_PATCH_MAX 16
 
 /* One call being decided: what the Python callbacks read and fill (nativelane.Call). */
 struct dvb_call {
@@ -98,7 +99,13 @@ struct dvb_call {
     int64_t finish;                        /* 1: call on_finish after the driver call */
     /* filled for on_finish */
     int64_t ret, err;
-    int64_t pad[2];
+    int64_t status_off;                    /* NVOS54.status in the header */
+    /* the row's post-hook as data (rewrite.TablePatch), applied here on an NV_OK answer */
+    int64_t patch_n, patch_table_off, patch_entry_size, patch_index_off, patch_data_off,
+            patch_capacity, patch_count_off;
+    /* the last control answered without on_finish: for its row in the call counters */
+    int64_t done_count, done_err, done_ns;
+    uint32_t patch_index[DVB_PATCH_MAX], patch_value[DVB_PATCH_MAX];
     uint8_t hdr[DVB_HDR_MAX];
     uint8_t hdr_out[DVB_HDR_MAX];
     uint8_t params_in[DVB_PARAMS_MAX];
@@ -333,6 +340,29 @@ static int lane_cmd(struct dvb_shared *sh, uint32_t cmd)
     return 0;
 }
 
+/* rewrite.TablePatch.apply on the private parameter block (bounds checked against it) */
+static void apply_patch(struct dvb_call *c, size_t size)
+{
+    uint32_t count, index;
+    if (c->patch_n <= 0 || c->patch_n > DVB_PATCH_MAX || c->patch_count_off < 0
+        || (size_t)c->patch_count_off + 4 > size)
+        return;
+    memcpy(&count, c->params + c->patch_count_off, 4);
+    if (count > (uint64_t)c->patch_capacity)
+        count = (uint32_t)c->patch_capacity;
+    for (uint32_t i = 0; i < count; i++) {
+        size_t base = (size_t)c->patch_table_off + (size_t)i * (size_t)c->patch_entry_size;
+        if (base + (size_t)c->patch_index_off + 4 > size || base + (size_t)c->patch_data_off + 4 > size)
+            return;
+        memcpy(&index, c->params + base + c->patch_index_off, 4);
+        for (int k = 0; k < c->patch_n; k++)
+            if (c->patch_index[k] == index) {
+                memcpy(c->params + base + c->patch_data_off, &c->patch_value[k], 4);
+                break;
+            }
+    }
+}
+
 static int run_control(struct dvb_thread *t, struct dvb_notif *n, int64_t t0, int64_t t1,
                        int64_t t2)
 {
@@ -396,6 +426,17 @@ static int run_control(struct dvb_thread *t, struct dvb_notif *n, int64_t t0, in
             return 0;
         }
     }
+    if (c->patch_n && !c->err && c->status_off >= 0 && (size_t)c->status_off + 4 <= hlen) {
+        uint32_t status;
+        memcpy(&status, c->hdr_out + c->status_off, 4);
+        if (status == 0) /* NV_OK: the post-hook's rewrite of the answer */
+            apply_patch(c, size);
+    }
+    if (!c->finish) { /* the call's row, recorded by Python at its next visit */
+        c->done_err = c->err;
+        c->done_ns = now_ns();
+        c->done_count++;
+    }
     int64_t t6 = now_ns();
     t->counters[C_IOCTLS]++;
     t->counters[C_CONTROLS_FAST]++;
@@ -442,6 +483,8 @@ static int answer_ioctl(struct dvb_thread *t, struct dvb_notif *n)
     c->params_off = -1;
     c->driver = c->finish = 0;
     c->ret = c->err = 0;
+    c->patch_n = 0;
+    c->status_off = -1;
     if (c->fd < 0)
         return DVB_NOTIF;
     /* AT_STATX_DONT_SYNC: attributes as cached, never a round trip to a file's server */
