@@ -75,6 +75,9 @@ SUPERVISOR_ATTRS = frozenset({
     "_changed", "closed", "_handover_hold",
     "_gate",  # the broker's memory gate (a cached property): the successor's broker's
     "_lane", "_lane_cmds", "_clane",  # the successor's broker's lanes
+    # the native loop (frontends/nativelane.py): its threads fold their counters into
+    # `stats` at every return and hold no sessions; the successor starts its own
+    "_native_lib", "_native",
 })
 SECCOMP_SESSION_FIELDS = frozenset({"id", "node", "minor", "key", "wd", "opener", "released",
                                     "real"})
