@@ -28,7 +28,8 @@ PKG = "devbroker"
 # Lowest first. A module may import its own layer and those below; the first prefix that
 # matches a module's dotted name (after "devbroker.") gives its layer.
 LAYERS: list[tuple[str, ...]] = [
-    ("abi", "sandbox.linux"),                # the driver ABI (sans-IO); Linux syscalls (a leaf)
+    ("abi", "sandbox.linux", "native"),      # the driver ABI (sans-IO); Linux syscalls and
+    #                                          the C parts' build and load (leaves)
     ("backends",),                                                 # drivers: emulated, real
     ("broker",),                                                   # the core and its rules
     ("frontends", "sandbox", "oci.profile", "oci.state"),          # how tenants reach it

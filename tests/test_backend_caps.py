@@ -20,7 +20,8 @@ CAPS = {
     "handover_format": {EmulatedBackend: "emulated", RealBackend: "real"},
 }
 METHODS = ("gpus", "open", "close", "ioctl", "ioctl_blocking", "map_read",
-           "gpu_index_of_instance", "memory_in_use", "prepare_tenant_files", "stop")
+           "gpu_index_of_instance", "memory_in_use", "prepare_tenant_files", "stop",
+           "can_run_control", "control_is_plain_ioctl", "run_control")
 
 
 def test_protocol_lists_the_capabilities():

@@ -16,15 +16,17 @@ gpu_run_start h200-cuda
 RUN=/run/devbroker-cuda
 ONLY=${ONLY:-all}
 install_wheels
+step "build the native listener loop (frontends/nativelane.py)"
+put native_loop "$("$PY" -m devbroker.native 2>&1 | tail -1)"
 "$PY" -c 'import trio, torch, sys; print("python", sys.version.split()[0], "trio", trio.__version__, "torch", torch.__version__)'
 cat /proc/driver/nvidia/version; nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
-CC="$PY scripts/gpu/cuda_checks.py"
+CHK="$PY scripts/gpu/cuda_checks.py"  # (not CC: the host exports CC for its compiler)
 
 if [ "$ONLY" = all ] || [ "$ONLY" = native ]; then
 step "native baseline"
-put native_init "$($CC init 2>&1)"
-put native_bench "$($CC bench 2>&1)"
-put native_bench2 "$($CC bench 2>&1)"
+put native_init "$($CHK init 2>&1)"
+put native_bench "$($CHK bench 2>&1)"
+put native_bench2 "$($CHK bench 2>&1)"
 put native_control "$("$PY" scripts/gpu/tenant_checks.py bench-control 500 2>&1 | last)"
 put native_nvml_seq "$("$PY" scripts/gpu/tenant_checks.py bench-nvml 30 2>&1 | last)"
 fi
@@ -49,10 +51,10 @@ texec() { local t=$1; shift
   timeout 240 "${DB[@]}" exec --tenant "$t" --uid 0 "${BINDS[@]}" -- env PYTHONPATH="$PYTHONPATH" PYTHONUNBUFFERED=1 "$@"; }
 
 step "c8: torch init (8 GiB quota)"
-put c8_init "$(texec c8 $CC init 2>&1 | tail -30)"
+put c8_init "$(texec c8 $CHK init 2>&1 | tail -30)"
 put broker_threads_caps_after "$(for t in /proc/$BROKER/task/*; do echo "$(cat $t/comm) $(grep CapEff $t/status | tr -d '\t')"; done | sort | uniq -c | paste -sd';')"
 grep -E '"deny"|"error"' "$W/audit.log" | tail -20
-if ! grep -q '"ok": true' <<<"$(texec c8 $CC init 2>&1 | tail -1)"; then
+if ! grep -q '"ok": true' <<<"$(texec c8 $CHK init 2>&1 | tail -1)"; then
   step "CUDA init failed through devbroker: what the driver and the broker said"
   kill -TERM $BROKER; wait $BROKER
   "$PY" -m devbroker.cli.main trace show "$W/session.nvtrace" > "$W/trace.txt" 2>&1
@@ -67,21 +69,21 @@ step "what the seccomp listener did during one CUDA init (audit: tenant-detached
 grep '"tenant-detached"' "$W/audit.log" | tail -1
 put c8_init_listener "$(grep '"tenant-detached"' "$W/audit.log" | tail -1)"
 step "c8: train 200 steps"
-put c8_train "$(texec c8 $CC train 2>&1 | tail -20)"
+put c8_train "$(texec c8 $CHK train 2>&1 | tail -20)"
 step "c8: quota 6 GiB / 12 GiB"
-put c8_quota "$(texec c8 $CC quota 2>&1 | tail -20)"
+put c8_quota "$(texec c8 $CHK quota 2>&1 | tail -20)"
 step "c8: quota with expandable segments"
-put c8_quota_expandable "$(texec c8 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $CC quota 2>&1 | tail -20)"
+put c8_quota_expandable "$(texec c8 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $CHK quota 2>&1 | tail -20)"
 step "c8: CuPy up to the quota"
-put c8_cupy "$(texec c8 $CC cupy 2>&1 | tail -20)"
+put c8_cupy "$(texec c8 $CHK cupy 2>&1 | tail -20)"
 step "c8: nvidia-smi and pynvml"
 texec c8 nvidia-smi; put c8_smi_rc $?
 put c8_nvml "$(texec c8 "$PY" scripts/gpu/tenant_checks.py nvml 2>&1 | last)"
 
 step "two tenants train; SIGKILL of one returns its memory"
 put host_before "$("$PY" scripts/gpu/tenant_checks.py nvml 2>&1 | last)"
-texec c16 $CC hold 10 > "$W/hold16.txt" 2>&1 &
-texec c8 $CC hold 4 > "$W/hold8.txt" 2>&1 &
+texec c16 $CHK hold 10 > "$W/hold16.txt" 2>&1 &
+texec c8 $CHK hold 4 > "$W/hold8.txt" 2>&1 &
 for i in $(seq 1 150); do grep -q holding "$W/hold16.txt" && grep -q holding "$W/hold8.txt" && break; sleep 0.2; done
 cat "$W/hold16.txt" "$W/hold8.txt" | tail -20
 "${DB[@]}" status
@@ -112,7 +114,7 @@ grep '"violation"' "$W/audit.log" | tail -3
 put host_after_races "$("$PY" scripts/gpu/tenant_checks.py nvml 2>&1 | last)"
 
 step "broker death: the tenant's NVIDIA calls fail closed"
-texec c8 $CC hold 2 > "$W/hold_death.txt" 2>&1 &
+texec c8 $CHK hold 2 > "$W/hold_death.txt" 2>&1 &
 for i in $(seq 1 150); do grep -q holding "$W/hold_death.txt" && break; sleep 0.2; done
 kill -9 $BROKER; wait $BROKER 2>/dev/null
 sleep 1
@@ -144,7 +146,7 @@ if [ -x $SPY ]; then
   wait $SPYP
   $SPY record -p $BROKER -d 10 -r 2000 -f raw --threads -o "$W/prof_init.txt" > /dev/null 2>&1 &
   SPYP=$!; sleep 0.5
-  texec c16 $CC init 2>&1 | last
+  texec c16 $CHK init 2>&1 | last
   wait $SPYP
   put dev_init_listener "$(grep '"tenant-detached"' "$W/audit2.log" | tail -1)"
   for f in prof_control prof_init; do "$PY" - "$W/$f.txt" > "$W/$f.summary" <<'PYS'
@@ -162,12 +164,12 @@ for f, n in incl.most_common(60): print(f"{n*100/tot:5.1f}% incl {f[:160]}")
 PYS
   head -40 "$W/$f.summary"; done
 fi
-put dev_bench "$(texec c16 $CC bench 2>&1 | tail -5)"
-put dev_bench2 "$(texec c16 $CC bench 2>&1 | tail -5)"
+put dev_bench "$(texec c16 $CHK bench 2>&1 | tail -5)"
+put dev_bench2 "$(texec c16 $CHK bench 2>&1 | tail -5)"
 put dev_control "$(texec c16 "$PY" scripts/gpu/tenant_checks.py bench-control 500 2>&1 | last)"
 put dev_nvml_seq "$(texec c16 "$PY" scripts/gpu/tenant_checks.py bench-nvml 30 2>&1 | last)"
-put dev_init2 "$(texec c16 $CC init 2>&1 | last)"
-put dev_init3 "$(texec c16 $CC init 2>&1 | last)"
+put dev_init2 "$(texec c16 $CHK init 2>&1 | last)"
+put dev_init3 "$(texec c16 $CHK init 2>&1 | last)"
 put dev_init3_listener "$(grep '"tenant-detached"' "$W/audit2.log" | tail -1)"
 
 step "stop the broker"
@@ -183,8 +185,8 @@ for i in $(seq 1 150); do [ -S "$RUN/seccomp.sock" ] && [ -S "$RUN/control.sock"
 sleep 0.5
 put nolane_control "$(texec c16 "$PY" scripts/gpu/tenant_checks.py bench-control 500 2>&1 | last)"
 put nolane_nvml_seq "$(texec c16 "$PY" scripts/gpu/tenant_checks.py bench-nvml 30 2>&1 | last)"
-put nolane_init "$(texec c16 $CC init 2>&1 | last)"
-put nolane_init2 "$(texec c16 $CC init 2>&1 | last)"
+put nolane_init "$(texec c16 $CHK init 2>&1 | last)"
+put nolane_init2 "$(texec c16 $CHK init 2>&1 | last)"
 put nolane_init_listener "$(grep '"tenant-detached"' "$W/audit3.log" | tail -1)"
 kill -TERM $BROKER; wait $BROKER; echo "broker exit $?"
 step "audit"

@@ -81,11 +81,11 @@ done
 
 if [ "${X2_PERF:-1}" = 1 ]; then
   step "per-call cost, native then through devbroker (tenant a), one run; a profile of the broker"
-  CC="$PY scripts/gpu/cuda_checks.py"
-  put native_bench "$($CC bench 2>&1 | last)"
+  CHK="$PY scripts/gpu/cuda_checks.py"
+  put native_bench "$($CHK bench 2>&1 | last)"
   put native_control "$("$PY" scripts/gpu/tenant_checks.py bench-control 500 2>&1 | last)"
   put native_nvml_seq "$("$PY" scripts/gpu/tenant_checks.py bench-nvml 30 2>&1 | last)"
-  put dev_bench "$(texec a $CC bench 2>&1 | last)"
+  put dev_bench "$(texec a $CHK bench 2>&1 | last)"
   put dev_control "$(texec a "$PY" scripts/gpu/tenant_checks.py bench-control 500 2>&1 | last)"
   put dev_nvml_seq "$(texec a "$PY" scripts/gpu/tenant_checks.py bench-nvml 30 2>&1 | last)"
   SPY=/tmp/site/bin/py-spy
@@ -126,11 +126,11 @@ step "the escape harness against the real driver (seccomp: real driver files; fu
 for fe in ${X2_ESCAPE_FE:-seccomp fuse}; do escape_real $fe; done
 
 step "kill each tenant's holder: host memory back to the baseline"
-CC="$PY scripts/gpu/cuda_checks.py"
-texec a $CC hold 6 > "$W/hold_a.txt" 2>&1 &
-texec b $CC hold 10 > "$W/hold_b.txt" 2>&1 &
-texec c env CUDA_VISIBLE_DEVICES=0 $CC hold 5 > "$W/hold_c0.txt" 2>&1 &
-texec c env CUDA_VISIBLE_DEVICES=1 $CC hold 7 > "$W/hold_c1.txt" 2>&1 &
+CHK="$PY scripts/gpu/cuda_checks.py"
+texec a $CHK hold 6 > "$W/hold_a.txt" 2>&1 &
+texec b $CHK hold 10 > "$W/hold_b.txt" 2>&1 &
+texec c env CUDA_VISIBLE_DEVICES=0 $CHK hold 5 > "$W/hold_c0.txt" 2>&1 &
+texec c env CUDA_VISIBLE_DEVICES=1 $CHK hold 7 > "$W/hold_c1.txt" 2>&1 &
 for i in $(seq 1 200); do grep -q holding "$W/hold_a.txt" && grep -q holding "$W/hold_b.txt" \
   && grep -q holding "$W/hold_c0.txt" && grep -q holding "$W/hold_c1.txt" && break; sleep 0.2; done
 nvidia-smi --query-gpu=index,memory.used --format=csv

@@ -571,6 +571,9 @@ class EmulatedBackend:
     def can_run_control(self, file: EmuFile) -> bool:
         return True
 
+    def control_is_plain_ioctl(self, file: EmuFile) -> bool:
+        return False  # the emulator answers in Python (run_control below)
+
     def run_control(self, file: EmuFile, fd: int, hdr: bytes, params: bytearray, header,
                     abi) -> tuple[int, int, bytes]:
         """A control the broker admitted unchanged (broker/fastlane.py): the same answer as

@@ -812,9 +812,8 @@ class SeccompSupervisor:
                              max_params=nativelane.PARAMS_MAX)
             if adm is None:
                 return nativelane.ACT_DECLINE
-            plain = getattr(self.broker.backend, "control_is_plain_ioctl", None)
-            driver = bool(sess.real and t.driver_safe and plain is not None
-                          and plain(adm.session.file))
+            driver = bool(sess.real and t.driver_safe
+                          and self.broker.backend.control_is_plain_ioctl(adm.session.file))
             patch = lane.table_patch(adm) if adm.post is not None else None
             patched = patch is not None and nativelane.NativeLane.set_patch(t, c, patch)
             finish = lane.needs_finish(adm, patched)

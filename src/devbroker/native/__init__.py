@@ -2,7 +2,7 @@
 
 Today one: `lane.c`, the seccomp listener's native loop (frontends/nativelane.py). A shared
 library with no Python headers in it, so one build serves every Python version, built with
-the host's C compiler (`cc`, or $CC) into
+the host's C compiler (`$CC` when it names one, else `cc`, else `gcc`) into
 
 1. the directory named by DEVBROKER_NATIVE_DIR, else
 2. this package's directory when the process may write there (a checkout: scripts/setup.sh
@@ -21,6 +21,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import stat
 import subprocess
@@ -39,9 +40,26 @@ _why_not: dict[str, str] = {}
 _lock = threading.Lock()
 
 
-def _compiler() -> str | None:
-    cc = os.environ.get("CC") or "cc"
-    return shutil.which(cc)
+def _compiler() -> list[str] | None:
+    """$CC when it names a compiler (it may carry flags: "gcc -m64"), else cc, else gcc.
+    (A $CC that is something else, such as a script's own variable that leaked into the
+    environment, is passed over rather than trusted.)"""
+    cands = []
+    env = os.environ.get("CC", "").strip()
+    if env:
+        try:
+            cands.append(shlex.split(env))
+        except ValueError:
+            pass
+    cands += [["cc"], ["gcc"]]
+    for argv in cands:
+        exe = shutil.which(argv[0]) if argv else None
+        if exe and os.path.basename(exe).rstrip("0123456789.-") in _COMPILERS:
+            return [exe, *argv[1:]]
+    return None
+
+
+_COMPILERS = {"cc", "gcc", "clang", "x86_64-linux-gnu-gcc", "tcc"}
 
 
 def _digest(src: bytes) -> str:
@@ -80,7 +98,7 @@ def build(name: str) -> Path:
             return d / fname
     cc = _compiler()
     if cc is None:
-        raise RuntimeError("no C compiler (cc, or $CC) on PATH")
+        raise RuntimeError("no C compiler on PATH (cc, gcc, or $CC naming one)")
     errors = []
     for d in _dirs():
         try:
@@ -93,10 +111,10 @@ def build(name: str) -> Path:
             errors.append(f"{d}: {e.strerror or e}")
             continue
         try:
-            r = subprocess.run([cc, *CFLAGS, "-o", tmp, str(src_path)], capture_output=True,
+            r = subprocess.run([*cc, *CFLAGS, "-o", tmp, str(src_path)], capture_output=True,
                                text=True, timeout=120)
             if r.returncode != 0:
-                raise RuntimeError(f"{cc} failed on {src_path}:\n{r.stderr.strip()}")
+                raise RuntimeError(f"{cc[0]} failed on {src_path}:\n{r.stderr.strip()}")
             os.chmod(tmp, 0o755)
             os.replace(tmp, d / fname)
             return d / fname
