@@ -130,7 +130,8 @@ def cuda_rules() -> None:
 
 def own_mount_ptr() -> None:
     """Issue 13 item 1: nested pointers into untouched pages mapped from the broker's own
-    FUSE mount (this tenant's /dev/nvidia0 and /proc/driver/nvidia/version). Each call runs
+    FUSE mount (this tenant's /dev/nvidia0; /proc/driver/nvidia/version, now a copy in the
+    sandbox's tmpfs, is an ordinary read-only page). Each call runs
     on a thread with a watchdog, so a broker that hangs shows as "hang" instead of hanging
     this program. Reports one line per attempt, then "done" and waits for a line on stdin
     (still holding the mappings) before one more ordinary call."""

@@ -85,6 +85,36 @@ def test_sandbox_shows_only_the_tenants_nodes(broker):
     assert names[-1] == "0000:00:06.0"
 
 
+def test_proc_driver_view_is_a_read_only_copy_of_the_brokers(broker):
+    """/proc/driver/nvidia in the sandbox holds the broker's view of the tenant (its GPUs
+    only), copied into the sandbox's own tmpfs: NVML reads it ~15 times per nvmlInit, and
+    through the broker's mount each open+read+close cost FUSE round trips (issue 14)."""
+    script = (
+        "import json, os\n"
+        "st = os.statvfs('/proc/driver/nvidia')\n"
+        "fs = open('/proc/self/mountinfo').read().splitlines()\n"
+        "mine = [l for l in fs if l.split()[4] == '/proc/driver']\n"
+        "try:\n"
+        "    open('/proc/driver/nvidia/params', 'a')\n"
+        "    write = 'ok'\n"
+        "except OSError as e:\n"
+        "    write = e.errno\n"
+        "print(json.dumps({'mount': mine[-1].split(' - ')[1].split()[0] if mine else None,\n"
+        "                  'ro': bool(st.f_flag & os.ST_RDONLY), 'write': write,\n"
+        "                  'gpus': sorted(os.listdir('/proc/driver/nvidia/gpus')),\n"
+        "                  'version': open('/proc/driver/nvidia/version').read()}))\n")
+    r = broker.exec("alice", sys.executable, "-c", script)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["mount"] == "tmpfs" and got["ro"]
+    assert got["write"] in (errno.EROFS, errno.EACCES)
+    assert got["gpus"] == ["0000:00:06.0"]  # alice's GPU only
+    view = broker.run_dir / "nodes" / "alice" / "proc" / "driver" / "nvidia" / "version"
+    if view.exists():  # the broker's own view (FUSE), when it serves one
+        assert got["version"] == view.read_text()
+    assert "NVRM version" in got["version"]
+
+
 def test_quota_is_the_drivers_out_of_memory_and_free_returns_it(broker):
     r = probe(broker, "alice", "--alloc", "10GiB", "--alloc", "10GiB")
     g = r["gpus"][0]

@@ -1416,8 +1416,10 @@ def _stall_attempts(c, addr: int, where: str) -> list[Outcome]:
 
 def a_own_mount_ptr(ctx):
     """Nested pointers into pages mapped from the broker's own FUSE mount (the tenant's
-    GPU node and /proc/driver/nvidia/version), never touched: a fault on them is a FUSE
-    READ to the broker itself (issue 13, item 1: it hung the whole broker)."""
+    GPU node; and /proc/driver/nvidia/version, which was the broker's too until the sandbox
+    began to copy that view into its own tmpfs: now an ordinary page, kept as a case),
+    never touched: a fault on them is a FUSE READ to the broker itself (issue 13, item 1:
+    it hung the whole broker)."""
     c = ctx.client()
     outs = []
     maps = []

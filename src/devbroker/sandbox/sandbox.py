@@ -804,18 +804,25 @@ def _build_proc(tenant: Path, proc_devices: str | None = None) -> None:
 
 def mount_proc_driver_view(proc: str, tenant: Path, proc_devices: str | None = None) -> None:
     """On the procfs at ``proc``: ``driver`` becomes a read-only tmpfs holding only
-    ``nvidia/``, a bind of the tenant's ``proc/driver/nvidia``; ``devices`` (with
-    ``proc_devices``) a read-only bind of that text. Shared with the OCI hook
-    (devbroker.oci.hook), which passes the container's procfs as a /proc/self/fd path."""
+    ``nvidia/``, a copy of the tenant's ``proc/driver/nvidia`` as it is now; ``devices``
+    (with ``proc_devices``) a read-only bind of that text. Shared with the OCI hook
+    (devbroker.oci.hook), which passes the container's procfs as a /proc/self/fd path.
+
+    A copy, not a bind of the broker's view: NVML opens and reads these files ~15 times per
+    nvmlInit (`params` ten times), and each open+read+close of a file the broker serves
+    costs FUSE round trips (~1 ms on the development machine, against ~20 µs for a file
+    here; issue 14). The files say what the driver is and which GPUs the tenant has; a
+    policy change that takes a GPU away takes effect for every call at once (the broker
+    refuses them) and in this view for processes started after it."""
     # procfs refuses mkdir, and /proc/driver is global (it shows the host's driver whatever
     # the pid namespace): cover it with a tmpfs that holds only the tenant's view.
     linux.mount("tmpfs", f"{proc}/driver", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                "mode=0755,size=64k")
-    os.mkdir(f"{proc}/driver/nvidia", 0o555)
+                "mode=0755,size=1m")
     view = tenant / "proc" / "driver" / "nvidia"
     if view.is_dir():
-        linux.mount(str(view), f"{proc}/driver/nvidia", None, MS_BIND | MS_REC)
-        linux.remount_bind(f"{proc}/driver/nvidia", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        _copy_view(view, Path(f"{proc}/driver/nvidia"))
+    else:
+        os.mkdir(f"{proc}/driver/nvidia", 0o555)
     if proc_devices is not None:
         # /proc/devices with the NVIDIA majors NVML looks up (nvidia-uvm's must match what the
         # stat shim reports for /dev/nvidia-uvm). Written into the /proc/driver tmpfs while it
@@ -828,6 +835,25 @@ def mount_proc_driver_view(proc: str, tenant: Path, proc_devices: str | None = N
         linux.remount_bind(f"{proc}/devices", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
         os.unlink(tmp)
     linux.remount_bind(f"{proc}/driver", MS_RDONLY)
+
+
+def _copy_view(src: Path, dst: Path, depth: int = 0) -> None:
+    """src's directories and regular files into dst (directories 0555, files 0444); links
+    and other kinds are left out (the broker's view has none)."""
+    if depth > 16:
+        raise OSError(errno.ELOOP, f"{src}: the view is deeper than 16 levels")
+    os.mkdir(dst, 0o755)
+    for entry in sorted(os.scandir(src), key=lambda e: e.name):
+        if entry.is_dir(follow_symlinks=False):
+            _copy_view(Path(entry.path), dst / entry.name, depth + 1)
+        elif entry.is_file(follow_symlinks=False):
+            data = Path(entry.path).read_bytes()
+            fd = os.open(dst / entry.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o444)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+    os.chmod(dst, 0o555)
 
 
 def _driver_version_from(tenant: Path) -> str | None:
