@@ -189,34 +189,6 @@ def test_continue_lane_admits_exactly_what_the_general_steps_continue(traces_dir
             assert admitted == general < len(calls)
 
 
-# A seccomp tenant whose RM_CONTROL parameter block lies in a page nobody serves (a
-# userfaultfd range): the native loop's read of it blocks in the kernel.
-STALLER = r"""
-import ctypes, fcntl, json, os, struct, sys, time
-from devbroker.escape.attacks import (PAGE, SYS_userfaultfd, UFFD_API, UFFDIO_API,
-                                      UFFDIO_REGISTER, UFFDIO_REGISTER_MODE_MISSING, libc)
-from devbroker.tools.hotpath import OneCall
-c = OneCall("/dev", False)
-uffd = libc.syscall(ctypes.c_long(SYS_userfaultfd), ctypes.c_long(os.O_CLOEXEC | os.O_NONBLOCK))
-assert uffd >= 0, ctypes.get_errno()
-fcntl.ioctl(uffd, UFFDIO_API, bytearray(struct.pack("=QQQ", UFFD_API, 0, 0)), True)
-addr = libc.mmap(None, PAGE, 3, 0x22, -1, 0)
-fcntl.ioctl(uffd, UFFDIO_REGISTER,
-            bytearray(struct.pack("=QQQQ", addr, PAGE, UFFDIO_REGISTER_MODE_MISSING, 0)), True)
-c.arg[16:24] = struct.pack("<Q", addr)  # NVOS54.params: the unserved page
-print(json.dumps({"what": "calling", "t": time.monotonic()}), flush=True)
-try:
-    c.call()
-    got = {"errno": 0}
-except OSError as e:
-    got = {"errno": e.errno}
-got.update(what="answered", t=time.monotonic())
-print(json.dumps(got), flush=True)
-sys.stdin.readline()
-os.close(uffd)  # the broker's stalled read returns
-print(json.dumps({"what": "released"}), flush=True)
-sys.stdin.readline()
-"""
 
 
 @pytest.mark.root
@@ -240,7 +212,9 @@ def test_native_loop_stalled_tenant_page_is_refused_at_the_deadline(start_broker
     knob.write_text("1")
     b = start_broker(POLICY)
     b.frontend = "seccomp"
-    p = b.exec_popen("t", sys.executable, "-c", STALLER, stdin=subprocess.PIPE,
+    from stallers import STALLER
+
+    p = b.exec_popen("t", sys.executable, "-c", STALLER, "/dev", stdin=subprocess.PIPE,
                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = lambda: json.loads(p.stdout.readline() or "null")  # noqa: E731

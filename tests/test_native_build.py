@@ -11,7 +11,11 @@ from devbroker import native
 
 def test_builds_with_the_hosts_compiler_and_the_library_loads(tmp_path, monkeypatch):
     monkeypatch.setattr(native, "_dirs", lambda: [tmp_path])
+    older = tmp_path / "lane-0123456789abcdef.so"  # a build of an earlier source
+    older.write_bytes(b"old")
+    older.chmod(0o755)
     lib = native.build("lane")
+    assert not older.exists()  # replaced, not left to pile up
     assert lib.parent == tmp_path and lib.name.startswith("lane-")
     assert native._trusted(lib)
     assert ctypes.CDLL(str(lib)).dvb_abi() >= 1

@@ -158,9 +158,20 @@ class NativeThread:
                 setattr(stats, name, getattr(stats, name) + v)
 
     def watch(self) -> tuple[int, int, int, int]:
-        """(busy since, memory access since (monotonic ns, 0: not), notification id, tid)"""
-        self.lane.lib.dvb_watch(self.ptr, self._watch)
-        return tuple(self._watch)
+        """(busy since, memory access since (monotonic ns, 0: not), notification id, tid),
+        all 0 once the thread has left. For the watchdog (another thread): under the lane's
+        lock, which `NativeLane.drop` holds while it frees the thread's state."""
+        with self.lane._lock:
+            if not self.ptr:
+                return (0, 0, 0, 0)
+            self.lane.lib.dvb_watch(self.ptr, self._watch)
+            return tuple(self._watch)
+
+    def abandon(self) -> None:
+        """The watchdog answered the thread's call: its loop reports the access's return."""
+        with self.lane._lock:
+            if self.ptr:
+                self.lane.lib.dvb_abandon(self.ptr)
 
     def close(self) -> None:
         if self.ptr:
@@ -204,9 +215,9 @@ class NativeLane:
         return t
 
     def drop(self, t: NativeThread) -> None:
-        with self._lock:
+        with self._lock:  # (the watchdog reads a thread's state under this lock)
             self.threads.pop(t.slot, None)
-        t.close()
+            t.close()
 
     def set_mem_off(self, off: bool) -> None:
         if off != self.mem_off:

@@ -1039,7 +1039,7 @@ class SeccompSupervisor:
                 out.append(busy / 1e9)
             if mem and not t.reported and now_ns - mem > gate.deadline * 1e9:
                 t.reported = True
-                native.lib.dvb_abandon(t.ptr)
+                t.abandon()
                 n = gate.native_stalled(self.tenant)
                 what = "tenant memory access (native loop)"
                 self._audit_memory(tid, what, OSError(

@@ -34,6 +34,8 @@ log = logging.getLogger("devbroker.native")
 
 HERE = Path(__file__).resolve().parent
 CFLAGS = ["-O2", "-fPIC", "-shared", "-Wall", "-Wextra", "-Wno-unused-parameter",
+          "-Werror=implicit-function-declaration", "-Werror=incompatible-pointer-types",
+          "-Werror=int-conversion",
           "-fvisibility=default", "-pthread"]
 _loaded: dict[str, ctypes.CDLL | None] = {}
 _why_not: dict[str, str] = {}
@@ -117,11 +119,23 @@ def build(name: str) -> Path:
                 raise RuntimeError(f"{cc[0]} failed on {src_path}:\n{r.stderr.strip()}")
             os.chmod(tmp, 0o755)
             os.replace(tmp, d / fname)
+            _drop_older(d, name, fname)
             return d / fname
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     raise RuntimeError("nowhere to build it: " + "; ".join(errors or ["no writable directory"]))
+
+
+def _drop_older(d: Path, name: str, keep: str) -> None:
+    """Builds of earlier sources of `name` in d, ours (a process that loaded one keeps its
+    mapping: unlinking a loaded library is safe)."""
+    for old in d.glob(f"{name}-*.so"):
+        if old.name != keep and _trusted(old):
+            try:
+                old.unlink()
+            except OSError:
+                pass
 
 
 def load(name: str) -> ctypes.CDLL | None:

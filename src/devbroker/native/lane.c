@@ -34,6 +34,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
@@ -263,13 +264,14 @@ static void send_resp(struct dvb_thread *t, uint64_t id, int64_t val, int error,
     t->counters[C_ANSWERED]++;
 }
 
-/* Tenant memory: one access, published for the watchdog. Returns bytes moved or -1. */
-static ssize_t tenant_read(struct dvb_thread *t, pid_t pid, uint64_t addr, void *buf,
-                           size_t len)
+/* Tenant memory: one process_vm_readv/writev, published for the watchdog (mem_since).
+ * Returns the bytes moved or -1 (errno). */
+static ssize_t tenant_rw(struct dvb_thread *t, pid_t pid, int write, struct iovec *l,
+                         struct iovec *r, unsigned long n)
 {
-    struct iovec l = {buf, len}, r = {(void *)(uintptr_t)addr, len};
     t->mem_since = now_ns();
-    ssize_t got = process_vm_readv(pid, &l, 1, &r, 1, 0);
+    ssize_t got = write ? process_vm_writev(pid, l, n, r, n, 0)
+                        : process_vm_readv(pid, l, n, r, n, 0);
     int e = errno;
     if (t->abandoned)
         t->late_ns = now_ns() - t->mem_since;
@@ -278,19 +280,19 @@ static ssize_t tenant_read(struct dvb_thread *t, pid_t pid, uint64_t addr, void 
     return got;
 }
 
+static ssize_t tenant_read(struct dvb_thread *t, pid_t pid, uint64_t addr, void *buf,
+                           size_t len)
+{
+    struct iovec l = {buf, len}, r = {(void *)(uintptr_t)addr, len};
+    return tenant_rw(t, pid, 0, &l, &r, 1);
+}
+
 static ssize_t tenant_write2(struct dvb_thread *t, pid_t pid, uint64_t a1, void *b1,
                              size_t n1, uint64_t a2, void *b2, size_t n2)
 {
     struct iovec l[2] = {{b1, n1}, {b2, n2}};
     struct iovec r[2] = {{(void *)(uintptr_t)a1, n1}, {(void *)(uintptr_t)a2, n2}};
-    t->mem_since = now_ns();
-    ssize_t got = process_vm_writev(pid, l, 2, r, 2, 0);
-    int e = errno;
-    if (t->abandoned)
-        t->late_ns = now_ns() - t->mem_since;
-    t->mem_since = 0;
-    errno = e;
-    return got;
+    return tenant_rw(t, pid, 1, l, r, 2);
 }
 
 /* ------------------------------------------------------------------------- answers */
