@@ -888,44 +888,16 @@ class SeccompSupervisor:
     def _answer_here(self, n: w.Notif, lanes: bool = True) -> None:
         """Decide one notification on this thread; hand it to trio when it must wait.
         lanes=False: the native loop already offered it to the lanes."""
-        d = n.data
-        if not lanes:
-            if d.nr == _NR_IOCTL:
-                t0 = time.perf_counter_ns()
-                steps = self._ioctl_steps(n)
-            elif d.nr in _NR_OPENS:
-                t0 = time.perf_counter_ns()
-                steps = self._open_steps(n)
-            else:
-                steps = self._steps_for(n)
-        elif d.nr == _NR_IOCTL and d.arg_u32(1) in self._lane_cmds:
-            t0 = time.perf_counter_ns()
-            looked = self._lookup_stat(n.pid, d.arg_int(0))
-            if looked[0] is not None:
-                resp = self._control_lane(n, looked[0])
-                if resp is not _GENERAL:
-                    self.stats.ns_ioctl += time.perf_counter_ns() - t0
-                    self._send_quietly(resp)
-                    return
-            steps = self._ioctl_steps(n, looked)
-        elif d.nr == _NR_IOCTL and self._clane is not None:
-            t0 = time.perf_counter_ns()
-            looked = self._lookup_stat(n.pid, d.arg_int(0))
-            sess = looked[0]
-            if sess is not None and sess.real and sess.node is NodeKind.UVM:
-                resp = self._continue_lane(n, sess)
-                if resp is not _GENERAL:
-                    self.stats.ns_ioctl += time.perf_counter_ns() - t0
-                    self._send_quietly(resp)
-                    return
-            steps = self._ioctl_steps(n, looked)
-        elif d.nr in _NR_OPENS:
-            t0 = time.perf_counter_ns()
-            resp = self._open_quick(n)
-            if resp is not None:
-                self.stats.ns_open += time.perf_counter_ns() - t0
+        looked = None
+        if lanes:
+            resp, looked = self._python_lanes(n)
+            if resp is not _GENERAL:
                 self._send_quietly(resp)
                 return
+        nr = n.data.nr
+        if nr == _NR_IOCTL:
+            steps = self._ioctl_steps(n, looked)
+        elif nr in _NR_OPENS:
             steps = self._open_steps(n)
         else:
             steps = self._steps_for(n)
@@ -956,6 +928,35 @@ class SeccompSupervisor:
             if self.stats.opens != opens_before:  # one of our nodes (install included)
                 self.stats.ns_open_node += spent
         self._send_quietly(resp)
+
+    def _python_lanes(self, n: w.Notif) -> tuple[w.NotifResp | None | object, tuple | None]:
+        """The Python listener's short cuts (the native loop has its own, in C): the control
+        lane, the continue lane, the quick open. (The answer — None: the task is gone,
+        nothing to send — or `_GENERAL`; the fd lookup when one was made, for the general
+        steps to reuse.)"""
+        d = n.data
+        t0 = time.perf_counter_ns()
+        if d.nr == _NR_IOCTL:
+            cmd = d.arg_u32(1)
+            if cmd not in self._lane_cmds and self._clane is None:
+                return _GENERAL, None
+            looked = self._lookup_stat(n.pid, d.arg_int(0))
+            sess, resp = looked[0], _GENERAL
+            if sess is not None:
+                if cmd in self._lane_cmds:
+                    resp = self._control_lane(n, sess)
+                elif self._clane is not None and sess.real and sess.node is NodeKind.UVM:
+                    resp = self._continue_lane(n, sess)
+            if resp is not _GENERAL:
+                self.stats.ns_ioctl += time.perf_counter_ns() - t0
+            return resp, looked
+        if d.nr in _NR_OPENS:
+            resp = self._open_quick(n)
+            if resp is None:
+                return _GENERAL, None
+            self.stats.ns_open += time.perf_counter_ns() - t0
+            return resp, None
+        return _GENERAL, None
 
     def _perform_here(self, eff):
         return perform_blocking(eff, self._gate)
