@@ -104,15 +104,23 @@ def bench() -> None:
     torch.cuda.synchronize()
     mm_s = time.perf_counter() - t
     tflops = 2 * n ** 3 * iters / mm_s / 1e12
+    # The launch-bound loop: 2,000 tiny kernels, synchronized at the end. One pass varies by
+    # ±30 % from run to run on the H200 (0.027-0.047 s natively), more than the ≤ 2 % the
+    # comparison asks about: a warm-up pass, then the median (and min) of 9 passes.
     y = torch.zeros(1, device="cuda")
     torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(2000):
-        y.add_(1)
-    torch.cuda.synchronize()
-    tiny_s = time.perf_counter() - t
+    passes = []
+    for i in range(10):
+        t = time.perf_counter()
+        for _ in range(2000):
+            y.add_(1)
+        torch.cuda.synchronize()
+        if i:
+            passes.append(time.perf_counter() - t)
+    passes.sort()
     out(ok=True, init_first_alloc_s=round(init_s, 4), bf16_tflops=round(tflops, 1),
-        tiny_2000_s=round(tiny_s, 4), x=int(x.numel()))
+        tiny_2000_s=round(passes[len(passes) // 2], 4), tiny_2000_min_s=round(passes[0], 4),
+        tiny_2000_passes=[round(p, 4) for p in passes], x=int(x.numel()))
 
 
 def cupy_check() -> None:
