@@ -80,6 +80,12 @@ def _run(start_broker, traces_dir, lane: bool, frontend: str):
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
     assert lines and lines[-1]["what"] == "done", r.stdout + r.stderr
+    # the broker says at start which loop its seccomp listeners run, and why
+    started = b.output()
+    if frontend == "seccomp":
+        want = ("native loop (" if env["DEVBROKER_NATIVE_LANE"] == "1" and lane
+                else "Python loop (")
+        assert f"seccomp listeners: {want}" in started, started
     st_fast = b.status().get("control_lane", {}).get("admitted", 0)
     shown = b.cli("status").stdout  # what the operator sees
     assert f"control lane: {st_fast} calls" in shown, shown
@@ -225,6 +231,8 @@ def test_native_loop_stalled_tenant_page_is_refused_at_the_deadline(start_broker
         assert answered["errno"] == errno.EFAULT, (answered, calling, b.audit()[-5:])
         assert 1.5 < answered["t"] - calling["t"] < 30  # at the deadline (2 s), not at once
         assert b.tenant("t")["memory_stalled"] == 1
+        shown = b.cli("status").stdout  # the operator sees which loop serves the tenant
+        assert "seccomp listeners: t (native loop" in shown, shown
         # the same tenant's other process is served while the read is still stuck
         r = b.exec("t", sys.executable, "-m", "devbroker.tools.hotpath", "latency", "--n", "50",
                    "--dev", "/dev", timeout=60)

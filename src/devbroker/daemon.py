@@ -155,6 +155,7 @@ class BrokerService:
         snap["policy"] = self.policy_source or "built-in example"
         # Each seccomp listener (one per tenant process tree): what it answered and how.
         snap["seccomp"] = [{"tenant": sup.tenant, "threads": sup.live_threads,
+                            "loop": getattr(sup, "listener_loop", "python"),
                             **dataclasses.asdict(sup.stats)}
                            for sup in list(self.supervisors)]
         snap["pid"] = os.getpid()
@@ -562,6 +563,11 @@ async def run_forever(service: BrokerService, *, quiet: bool = False,
                 print(f"devbroker: {service.backend.name} backend (driver "
                       f"{service.backend.version}), {nodes}, "
                       f"control socket {service.paths.control}", file=sys.stderr, flush=True)
+                if service.frontend_kind in ("fuse", "seccomp"):  # they take seccomp tenants
+                    from devbroker.frontends.nativelane import describe
+
+                    print(f"devbroker: seccomp listeners: {describe()}", file=sys.stderr,
+                          flush=True)
                 if service.metrics is not None:
                     print(f"devbroker: metrics at {service.metrics.url}", file=sys.stderr,
                           flush=True)

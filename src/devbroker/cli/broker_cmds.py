@@ -225,6 +225,11 @@ def cmd_status(args) -> int:
     if lanes:  # broker/fastlane.py: calls decided in a few lookups, and those sent on
         print("; ".join(f"{name}: {c['admitted']} calls, {c['declined']} sent the general way"
                         for name, c in lanes))
+    listeners = snap.get("seccomp") or []
+    if listeners:  # frontends/nativelane.py: which loop answers each tenant process tree
+        print("seccomp listeners: " + ", ".join(
+            f"{x['tenant']} ({x.get('loop', 'python')} loop, {x.get('notifications', 0)} "
+            f"notifications, {x.get('native_answered', 0)} answered in C)" for x in listeners))
     return 0
 
 

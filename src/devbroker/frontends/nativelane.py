@@ -83,6 +83,19 @@ def enabled() -> bool:
     return os.environ.get("DEVBROKER_NATIVE_LANE", "1") != "0"
 
 
+def describe() -> str:
+    """Which loop seccomp listeners will run, and why (for the broker's start line and
+    `devbroker status`); builds the library now if it must (not at the first tenant)."""
+    if os.environ.get("DEVBROKER_CONTROL_LANE", "1") == "0":
+        return "Python loop (DEVBROKER_CONTROL_LANE=0: lanes off)"
+    if not enabled():
+        return "Python loop (DEVBROKER_NATIVE_LANE=0)"
+    lib = library()
+    if lib is None:
+        return f"Python loop (the native one is unavailable: {native.why_not('lane') or 'ABI mismatch'})"
+    return f"native loop ({lib._name})"
+
+
 def library() -> ctypes.CDLL | None:
     """native/lane.c loaded and checked, or None (the Python listener serves)."""
     lib = native.load("lane")
@@ -93,6 +106,8 @@ def library() -> ctypes.CDLL | None:
     if lib.dvb_abi() != ABI or lib.dvb_call_size() != ctypes.sizeof(Call):
         log.warning("native lane: library ABI %d / call size %d, expected %d / %d: not used",
                     lib.dvb_abi(), lib.dvb_call_size(), ABI, ctypes.sizeof(Call))
+        native._why_not["lane"] = (f"{lib._name}: ABI {lib.dvb_abi()}, call size "
+                                   f"{lib.dvb_call_size()}; expected {ABI}, {ctypes.sizeof(Call)}")
         return None
     vp, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.dvb_shared_new.restype = vp

@@ -868,6 +868,11 @@ class SeccompSupervisor:
             self._lane.answered(adm, c.done_err, c.done_ns)
 
     @property
+    def listener_loop(self) -> str:
+        """"native" when this listener's threads run the C loop, else "python"."""
+        return "native" if self._native_lib is not None else "python"
+
+    @property
     def live_threads(self) -> int:
         return self._live
 
