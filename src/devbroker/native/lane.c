@@ -480,6 +480,7 @@ static int answer_ioctl(struct dvb_thread *t, struct dvb_notif *n)
     c->fd = (int)n->args[0];
     c->cmd = (uint32_t)n->args[1];
     c->argp = (int64_t)n->args[2];
+    c->mode = 0; /* 0 until the statx below: the Python listener reuses the file's identity */
     c->hdr_len = 0;
     c->params_ptr = c->params_size = 0;
     c->params_off = -1;
