@@ -14,8 +14,6 @@ step "host primitives"
 put costs "$("$PY" scripts/bench/syscall_costs.py)"
 put native_control "$("$PY" scripts/gpu/tenant_checks.py bench-control 2000 2>&1 | last)"
 put native_nvml_seq "$("$PY" scripts/gpu/tenant_checks.py bench-nvml 20 2>&1 | last)"
-mapfile -t BINDS < <("$PY" -c 'from devbroker.testing.tenant_binds import bind_args; print("\n".join(bind_args()))' | sed '/^$/d')
-BINDS+=(--bind /tmp/site)
 step "build the native listener loop"
 "$PY" -m devbroker.native || echo "native loop did not build"
 # CONFIGS: lane:sync:spin[:native] words: DEVBROKER_CONTROL_LANE, DEVBROKER_SECCOMP_SYNC_WAKE,
@@ -24,16 +22,10 @@ for cfg in ${CONFIGS:-1:0:100:1 1:0:100:0 0:0:100:0}; do
   IFS=: read -r lane sync spin nat <<<"$cfg"
   nat=${nat:-1}
   step "broker, lane $lane, sync wake-ups $sync, spin $spin us, native loop $nat"
-  rm -rf "$RUN"; mkdir -p "$RUN"
   DEVBROKER_NATIVE_LANE=$nat \
   DEVBROKER_CONTROL_LANE=$lane DEVBROKER_SECCOMP_SYNC_WAKE=$sync DEVBROKER_SECCOMP_SPIN_US=$spin \
-  "$PY" -m devbroker.cli.main --run-dir "$RUN" run --backend real \
-     --policy scripts/gpu/h200-cuda-policy.toml --audit "$W/audit$cfg.log" > "$W/broker$cfg.log" 2>&1 &
-  BROKER=$!
-  for i in $(seq 1 150); do [ -S "$RUN/seccomp.sock" ] && [ -S "$RUN/control.sock" ] && break; sleep 0.2; done
-  sleep 0.5
-  texec() { timeout 60 "$PY" -m devbroker.cli.main --run-dir "$RUN" exec --tenant c16 --uid 0 \
-      "${BINDS[@]}" -- env PYTHONPATH="$PYTHONPATH" "$@"; }
+    probe_broker "$RUN" scripts/gpu/h200-cuda-policy.toml "$W/audit$cfg.log" "$W/broker$cfg.log"
+  texec() { PTEXEC_TIMEOUT=60 ptexec "$@"; }
   k="c${lane}${sync}_${spin}_n${nat}"
   put "${k}_control" "$(texec "$PY" scripts/gpu/tenant_checks.py bench-control 2000 2>&1 | last)"
   put "${k}_control_listener" "$(grep '"tenant-detached"' "$W/audit$cfg.log" | tail -1)"

@@ -11,20 +11,11 @@ RUN=/run/devbroker-launch
 install_wheels
 "$PY" -m devbroker.native >/dev/null || echo "native loop did not build"
 CHK="$PY scripts/gpu/cuda_checks.py"
-mapfile -t BINDS < <("$PY" -c 'from devbroker.testing.tenant_binds import bind_args; print("\n".join(bind_args()))' | sed '/^$/d')
-BINDS+=(--bind /tmp/site)
-rm -rf "$RUN"; mkdir -p "$RUN"
-"$PY" -m devbroker.cli.main --run-dir "$RUN" run --backend real \
-   --policy scripts/gpu/h200-cuda-policy.toml --audit "$W/audit.log" > "$W/broker.log" 2>&1 &
-BROKER=$!
-for i in $(seq 1 150); do [ -S "$RUN/seccomp.sock" ] && [ -S "$RUN/control.sock" ] && break; sleep 0.2; done
-sleep 0.5
-texec() { timeout 120 "$PY" -m devbroker.cli.main --run-dir "$RUN" exec --tenant c16 --uid 0 \
-    "${BINDS[@]}" -- env PYTHONPATH="$PYTHONPATH" "$@"; }
+probe_broker "$RUN" scripts/gpu/h200-cuda-policy.toml "$W/audit.log" "$W/broker.log"
 for i in 1 2 3; do
   step "round $i"
   put "native_bench$i" "$($CHK bench 2>&1 | last)"
-  put "dev_bench$i" "$(texec $CHK bench 2>&1 | last)"
+  put "dev_bench$i" "$(ptexec $CHK bench 2>&1 | last)"
 done
 kill -TERM $BROKER; wait $BROKER
 "$PY" - "$RES" <<'PYX'

@@ -56,3 +56,23 @@ PYX
   put "escape_real_$fe" "$(head -1 "$W/escape-$fe.txt" | tr "'" '"')"
   tail -5 "$W/escape-$fe.err"
 }
+
+# The probes' broker and tenant (lane_probe.sh, nvml_probe.sh, launch_probe.sh):
+# probe_broker RUN POLICY AUDIT LOG starts `devbroker run --backend real` in the background
+# ($BROKER; environment assignments before the call reach it) and waits for its sockets;
+# ptexec CMD... runs CMD as tenant c16 (root in its sandbox, the carried wheels bound in).
+probe_broker() { local run=$1 pol=$2 audit=$3 logf=$4
+  if [ -z "${BINDS+x}" ]; then
+    mapfile -t BINDS < <("$PY" -c 'from devbroker.testing.tenant_binds import bind_args; print("\n".join(bind_args()))' | sed '/^$/d')
+    BINDS+=(--bind /tmp/site)
+  fi
+  PROBE_RUN=$run
+  rm -rf "$run"; mkdir -p "$run"
+  "$PY" -m devbroker.cli.main --run-dir "$run" run --backend real --policy "$pol" \
+     --audit "$audit" > "$logf" 2>&1 &
+  BROKER=$!
+  for i in $(seq 1 150); do [ -S "$run/seccomp.sock" ] && [ -S "$run/control.sock" ] && break; sleep 0.2; done
+  sleep 0.5
+}
+ptexec() { timeout "${PTEXEC_TIMEOUT:-120}" "$PY" -m devbroker.cli.main --run-dir "$PROBE_RUN" \
+    exec --tenant c16 --uid 0 "${BINDS[@]}" -- env PYTHONPATH="$PYTHONPATH" "$@"; }

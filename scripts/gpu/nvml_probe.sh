@@ -13,17 +13,8 @@ install_wheels
 put native_nvml_seq "$("$PY" scripts/gpu/tenant_checks.py bench-nvml 30 2>&1 | last)"
 POL="$W/policy.toml"
 { cat scripts/gpu/h200-cuda-policy.toml; printf '\n[broker.metrics]\nlisten = "127.0.0.1:9464"\n'; } > "$POL"
-mapfile -t BINDS < <("$PY" -c 'from devbroker.testing.tenant_binds import bind_args; print("\n".join(bind_args()))' | sed '/^$/d')
-BINDS+=(--bind /tmp/site)
-rm -rf "$RUN"; mkdir -p "$RUN"
-"$PY" -m devbroker.cli.main --run-dir "$RUN" run --backend real --policy "$POL" \
-   --audit "$W/audit.log" > "$W/broker.log" 2>&1 &
-BROKER=$!
-for i in $(seq 1 150); do [ -S "$RUN/seccomp.sock" ] && [ -S "$RUN/control.sock" ] && break; sleep 0.2; done
-sleep 0.5
-texec() { timeout 120 "$PY" -m devbroker.cli.main --run-dir "$RUN" exec --tenant c16 --uid 0 \
-    "${BINDS[@]}" -- env PYTHONPATH="$PYTHONPATH" "$@"; }
-put dev_nvml_seq "$(texec "$PY" scripts/gpu/tenant_checks.py bench-nvml 30 2>&1 | last)"
+probe_broker "$RUN" "$POL" "$W/audit.log" "$W/broker.log"
+put dev_nvml_seq "$(ptexec "$PY" scripts/gpu/tenant_checks.py bench-nvml 30 2>&1 | last)"
 "$PY" - > "$OUT/metrics.txt" <<'PYX'
 import urllib.request
 print(urllib.request.urlopen("http://127.0.0.1:9464/metrics", timeout=10).read().decode())

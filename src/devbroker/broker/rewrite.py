@@ -250,7 +250,8 @@ class TablePatch:
     """A post-hook as data: in the parameter block's table of (index, data) entries, the
     first `count` entries (a u32 field at `count_offset`, bounded by `capacity`) whose index
     is in `values` get that value as data (u32). What fb_info does, in a form a front end
-    may apply itself after the driver answered NV_OK (frontends/nativelane.py)."""
+    may apply itself after the driver answered NV_OK (native/lane.c apply_patch; fb_info
+    below applies it to the table's bytes)."""
     table_offset: int
     entry_size: int
     index_offset: int
@@ -258,15 +259,6 @@ class TablePatch:
     capacity: int
     count_offset: int
     values: tuple[tuple[int, int], ...]  # (index, value)
-
-    def apply(self, block: bytearray) -> bool:
-        """Patch the whole parameter block in place; whether anything changed."""
-        count = int.from_bytes(block[self.count_offset:self.count_offset + 4], "little")
-        end = self.table_offset + self.capacity * self.entry_size
-        table = bytearray(block[self.table_offset:end])
-        changed = self.apply_table(table, count)
-        block[self.table_offset:end] = table
-        return changed
 
     def apply_table(self, table: bytearray, count: int) -> bool:
         """Patch the table's own bytes, `count` entries asked for."""
@@ -304,8 +296,9 @@ def fb_info_patch(session, gpu, spec) -> TablePatch | None:
     key = (id(spec), total_kib, free_kib)
     patch = _FB_PATCHES.get(key)
     if patch is None:  # (one object per layout and values: a front end compares by identity)
-        values = ((0x07, total_kib), (0x08, total_kib), (0x09, total_kib), (0x0A, total_kib),
-                  (0x20, total_kib), (0x12, free_kib), (0x16, free_kib), (0x10, 0), (0x27, 0))
+        values = tuple([(i, total_kib) for i in sorted(_FB_TOTAL)]
+                       + [(i, free_kib) for i in sorted(_FB_FREE)]
+                       + [(i, 0) for i in sorted(_FB_ZERO)])
         if len(_FB_PATCHES) >= 256:
             _FB_PATCHES.clear()
         patch = _FB_PATCHES[key] = TablePatch(*layout[:6], values)
@@ -314,9 +307,6 @@ def fb_info_patch(session, gpu, spec) -> TablePatch | None:
 
 _FB_LAYOUTS: dict[int, tuple] = {}
 _FB_PATCHES: dict[tuple, TablePatch] = {}
-# (fb_info_patch writes the three sets out as literals: they must stay the same sets)
-assert {i for i, _ in ((0x07, 0), (0x08, 0), (0x09, 0), (0x0A, 0), (0x20, 0))} == _FB_TOTAL
-assert {0x12, 0x16} == _FB_FREE and {0x10, 0x27} == _FB_ZERO
 
 
 def fb_info(ctx, out):
