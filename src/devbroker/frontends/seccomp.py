@@ -451,11 +451,14 @@ class SeccompSupervisor:
             st = _stat_nosync(f"/proc/{tid}/fd/{fd}")
         except OSError:
             return None, False
-        s = self.sessions.get((st.st_dev, st.st_ino))
+        return self._looked(st.st_dev, st.st_ino, st.st_mode, st.st_rdev)
+
+    def _looked(self, dev: int, ino: int, mode: int, rdev: int) -> tuple[Session | None, bool]:
+        """`_lookup_stat`'s answer for a file of this identity."""
+        s = self.sessions.get((dev, ino))
         if s is not None and not s.released:
             return s, False
-        nvidia = _stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) in self.nvidia_majors
-        return None, nvidia
+        return None, _stat.S_ISCHR(mode) and os.major(rdev) in self.nvidia_majors
 
     def _refuse_foreign(self, n: w.Notif, what: str) -> w.NotifResp:
         """An NVIDIA device file this supervisor did not install: no ioctl, no mmap."""
@@ -798,10 +801,7 @@ class SeccompSupervisor:
         c = t.call
         if n.data.nr != _NR_IOCTL or not c.mode or (c.id & 0xFFFF_FFFF_FFFF_FFFF) != n.id:
             return None
-        s = self.sessions.get((c.dev, c.ino))
-        if s is not None and not s.released:
-            return s, False
-        return None, _stat.S_ISCHR(c.mode) and os.major(c.rdev) in self.nvidia_majors
+        return self._looked(c.dev, c.ino, c.mode, c.rdev)
 
     def _native_ioctl(self, t: nativelane.NativeThread, c: nativelane.Call) -> int:
         """The native loop's question for one ioctl (nativelane.NativeLane._on_ioctl): the
