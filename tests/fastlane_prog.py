@@ -67,6 +67,27 @@ def main(paths: list[str]) -> int:
     call("foreign-object", c.hclient, 0xBAD0BAD0, fb, p)
     call("short-params", c.hclient, g["hsubdevice"], fb, p[:-4])
     call("null-params", c.hclient, g["hsubdevice"], fb, None, size=len(p))
+    # Checked controls (GPU ids in the parameters; a pre-hook): the lane decides them on its
+    # private copy, or sends them the general way to be refused there.
+    from devbroker.broker.rewrite import ATTACH_ALL_PROBED, INVALID_GPU_ID
+
+    def ids_params(cmd: int, **kw) -> bytes:
+        return c.params(cmd, **kw).encode()
+
+    own = c.attached_ids()[0]
+    call("own-gpu-id", c.hclient, c.hclient, 0x205, ids_params(0x205, gpuId=own))
+    call("foreign-gpu-id", c.hclient, c.hclient, 0x205, ids_params(0x205, gpuId=0x7700))
+    call("attach-all-probed", c.hclient, c.hclient, 0x215,
+         ids_params(0x215, gpuIds=[ATTACH_ALL_PROBED] + [INVALID_GPU_ID] * 31))
+    call("attach-foreign", c.hclient, c.hclient, 0x215,
+         ids_params(0x215, gpuIds=[0x7700] + [INVALID_GPU_ID] * 31))
+    call("attached-ids", c.hclient, c.hclient, 0x201, bytes(c.abi.control(0x201).size))
+    # GET_ID_INFO's szName: NULL (as NVML and CUDA send it) is laned; a buffer behind it
+    # goes the general way (whose answer the lane-off run gives too)
+    call("id-info-null-name", c.hclient, c.hclient, 0x202, ids_params(0x202, gpuId=own))
+    name = ctypes.create_string_buffer(64)
+    call("id-info-name", c.hclient, c.hclient, 0x202,
+         ids_params(0x202, gpuId=own, szName=ctypes.addressof(name)))
     from devbroker.broker import rules
 
     unlisted = next(k for k, op in sorted(c.abi.controls.items())

@@ -25,6 +25,8 @@ HERE = Path(__file__).resolve().parent
 # Controls whose answer is a clock reading (the emulator's, like the driver's, moves on
 # between two runs): compared by errno and status only.
 CLOCKS = {0x20800406}  # NV2080_CTRL_CMD_TIMER_GET_GPU_CPU_TIME_CORRELATION_INFO
+# Calls whose parameters hold an address of the program's (different in each run)
+ADDRESSES = {"id-info-name"}
 
 POLICY = one_h200(tenant("t", memory_quota="8GiB", capabilities=["nvml", "compute", "uvm"]))
 
@@ -43,12 +45,39 @@ def test_header_layout_in_every_driver_version():
         assert h.unpack(raw) == (1, 2, 0x20801303, 0x7F0000001000, 1028)
 
 
-def test_rows_with_pre_hooks_answers_or_charges_are_never_laned():
-    """A row that changes what goes to the driver is for the general steps only."""
+def test_rows_with_answers_runs_or_charges_are_never_laned_and_pre_hooks_only_checked():
+    """A row the broker answers itself, runs itself or charges is for the general steps
+    only; a row with a pre-hook, or whose parameters name client handles, GPU ids or
+    pointers, is laned only as a checked control (ControlLane.check on the private copy
+    first; pointers must be NULL there); a layout with an fd, or a pointer in an array,
+    never."""
     abi = registry.get("580.159.04")
+    lane = fastlane.ControlLane(object.__new__(type("B", (), {})))
+    checked = plain = 0
     for cmd, row in rules.CONTROLS.items():
         if row.pre or row.relay_if or row.run or row.charge:
             assert not rules.simple_control(abi, cmd), hex(cmd)
+        plan = lane._plan(abi, cmd)
+        op = abi.control(cmd)
+        if row.relay_if or row.run or row.charge or row.driver_flag or op is None or \
+                op.params is None or rules.lane_pointers(op.params) is None:
+            assert plan is None, hex(cmd)
+            continue
+        if plan is None:
+            continue
+        _cap, post, size, pre, is_checked, ptrs = plan
+        assert pre is row.pre and post is row.post and size == op.size
+        assert is_checked == (row.pre is not None or not rules.plain_layout(op.params)), hex(cmd)
+        # every pointer field is one the check requires NULL; none in a plain layout
+        assert ptrs == tuple(o for p, f, o in op.params.walk() if f.kind == "ptr"), hex(cmd)
+        assert is_checked or not ptrs
+        checked += is_checked
+        plain += not is_checked
+    # the NVML id controls are among the checked ones
+    for cmd in (0x201, 0x202, 0x205, 0x214, 0x215, 0x216):
+        assert lane._plan(abi, cmd)[4] is True, hex(cmd)
+    assert lane._plan(abi, 0x202)[5]  # GET_ID_INFO's szName: laned only when NULL
+    assert checked > 10 and plain > 50, (checked, plain)
 
 
 # The seccomp listener's wait on a many-CPU host (no synchronous wake-ups, looking for the
@@ -118,7 +147,8 @@ def test_lane_answers_as_the_general_path(start_broker, traces_dir, frontend):
     print("lane took", fast_on, "of", len(on), "calls;", len(denies_on), "refusals")
     assert fast_on >= 40, fast_on
     diff = [(a, b) for a, b in zip(on, off)
-            if a != b and not (a["cmd"] in CLOCKS and {**a, "params": ""} == {**b, "params": ""})]
+            if a != b and not ((a["cmd"] in CLOCKS or a["what"] in ADDRESSES)
+                               and {**a, "params": ""} == {**b, "params": ""})]
     assert not diff, diff[:5]
     assert len(on) == len(off)
     by_what = {x["what"]: x for x in on if x["what"] != "trace"}
@@ -129,9 +159,19 @@ def test_lane_answers_as_the_general_path(start_broker, traces_dir, frontend):
     assert by_what["unlisted-control"]["status"] != 0 or by_what["unlisted-control"]["errno"]
     assert by_what["short-params"]["status"] != 0 or by_what["short-params"]["errno"]
     assert by_what["null-params"]["status"] != 0 or by_what["null-params"]["errno"]
+    # checked controls: the tenant's own GPU id answered, another id refused, ATTACH_IDS's
+    # "all probed" rewritten by its pre-hook to the tenant's GPUs (answered), a foreign one
+    # refused — the same answers with the lane on and off (compared above)
+    assert by_what["own-gpu-id"]["status"] == 0 and not by_what["own-gpu-id"]["errno"]
+    assert by_what["foreign-gpu-id"]["status"] != 0
+    assert by_what["attach-all-probed"]["status"] == 0
+    assert by_what["attach-foreign"]["status"] != 0
+    assert by_what["attached-ids"]["status"] == 0
+    assert by_what["id-info-null-name"]["status"] == 0
     what = lambda ds: sorted(d.get("what", "") for d in ds)  # noqa: E731
     assert what(denies_on) == what(denies_off)
-    assert len(denies_on) >= 4
+    assert len(denies_on) >= 6
+    assert any("0x7700" in d.get("reason", "") for d in denies_on), denies_on
 
 
 def test_continue_lane_admits_exactly_what_the_general_steps_continue(traces_dir):

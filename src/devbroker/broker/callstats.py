@@ -375,6 +375,9 @@ class _CountedLane:
                              *self._stats.names.ioctl(s.node, ioctl_cmd, hdr)))
         return adm
 
+    def check(self, adm, params: bytearray) -> bool:
+        return self._lane.check(adm, params)
+
     def table_patch(self, adm):
         return self._lane.table_patch(adm)
 

@@ -16,10 +16,19 @@ not revoked), the escape row (RM_CONTROL allowed, on this node), the client and 
 (the tenant's, on a GPU it still has), the control row (allowed, granted, not reserved by the
 driver), the parameter size (the layout's) and the parameter pointer (not NULL) — and takes
 the tenant's rate-limit token last. Anything else — a refusal, an unknown client (adoption),
-a pre-hook, a broker answer, a control with pointers, fds, client handles or GPU ids in its
-parameters, an empty token bucket — is `None`: the front end sends the
-call down the general path, which makes every refusal with its audit record. So the lane can
-only ever allow what the general path allows, and never refuses anything itself.
+a broker answer or run, a charge, a control with an fd or a pointer inside an array in its
+parameters, an empty token bucket — is `None`: the front end sends the call down the
+general path, which makes every refusal with its audit record. So the lane can only ever
+allow what the general path allows, and never refuses anything itself.
+
+*Checked* controls (issue 14: NVML's GPU-id controls cost 150–330 µs each on the H200 down
+the general path): a control whose parameters name client handles, GPU ids or pointers, or
+whose row has a pre-hook, is admitted on its header and then `ControlLane.check`ed on the
+front end's private copy of its parameters before the driver call — the same tests, in
+the same order, as handlers.rm_control (every client handle the tenant's, the pre-hook,
+which may rewrite the copy, every GPU id the tenant's), every pointer NULL (so the driver
+touches no memory but the copy; a buffer behind one goes the general way, which copies
+it), and the rate token last. A failed check is `False`: the general way again.
 
 What the lane leaves to the front end: the private copies (header and parameters read once
 into broker memory, the driver sees only those, the tenant's memory is written after), the
@@ -37,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from devbroker.abi import ioc
 from devbroker.abi import status as nvstatus
 from devbroker.abi.driver import NV_IOCTL_MAGIC
+from devbroker.abi.errors import DecodeError
 from devbroker.abi.nodes import NodeKind
 from devbroker.backends.base import DriverResult
 
@@ -146,6 +156,12 @@ class Admitted:
     post: Callable | None  # the row's post-hook (rewrite.py), run on an NV_OK answer
     mark: Any = None  # the call counters' (callstats._CountedLane): start and row
     booked: bool = False  # the tenant's request already counted (ControlLane.book)
+    # A checked control (ControlLane.check must pass on the private parameters before the
+    # driver runs it): its row's pre-hook, and the parameters as checked (for the post-hook)
+    checked: bool = False
+    pre: Callable | None = None
+    params_value: Any = None
+    null_ptrs: tuple = ()  # offsets of pointer fields that must be NULL (checked controls)
 
 
 class ControlLane:
@@ -218,25 +234,73 @@ class ControlLane:
         plan = self._plan(abi, cmd)
         if plan is None or plan[0] not in caps:
             return None
-        _cap, post, size = plan
+        _cap, post, size, pre, checked, ptrs = plan
         if params_size != size or params_ptr == 0 or (
                 max_params is not None and size > max_params):
             return None
         # Last, as the general path's own first step does: a token, or the general way (it
-        # waits for one there).
-        if not tenant.limiter.try_acquire():
+        # waits for one there). A checked control takes it in `check`, after its last test.
+        if not checked and not tenant.limiter.try_acquire():
             return None
         return Admitted(s, abi, h, client, h_object, cmd, params_ptr, params_size, obj.gpu,
-                        post)
+                        post, checked=checked, pre=pre, null_ptrs=ptrs)
 
-    def _plan(self, abi: DriverABI, cmd: int) -> tuple[str, Callable | None, int] | None:
-        """(capability, post-hook, parameter size) of a control the lane may take in this
-        ABI, None for one it may not: its row is on the allowlist, not reserved by the
-        driver's flags, changes nothing on the way in (no pre-hook, no broker answer, no run
-        of its own, no charge) and its parameters hold nothing the broker looks at
-        (rules.plain_layout); a post-hook on the answer is allowed. The tables do not change
-        while the broker runs, so this is computed once per (ABI, control) on the
-        allowlist (a number not on it costs a lookup, and is not remembered)."""
+    def check(self, adm: Admitted, params: bytearray) -> bool:
+        """For a checked control, on the front end's private copy of its parameters, before
+        the driver call: what handlers.rm_control does between reading the parameters and
+        calling the driver — every client handle the tenant's (`Broker._check_clients`), the
+        row's pre-hook (which may rewrite `params`, in place here), every GPU id the
+        tenant's (`rewrite.require_own_gpu_ids`) — then the rate token. False: the call
+        goes the general way, which decides it again from the start and makes the refusal
+        with its audit record (the lane never refuses anything itself)."""
+        with STATE_LOCK:
+            b, s = self.broker, adm.session
+            if s.closed or s.tenant.revoked:
+                return False
+            for off in adm.null_ptrs:  # a buffer behind a pointer: the general path copies it
+                if any(params[off:off + 8]):
+                    self._declined()
+                    return False
+            spec = adm.abi.control(adm.cmd).params
+            where = f"RM_CONTROL {adm.abi.control_name(adm.cmd)}"
+            try:
+                value = spec.decode(params)
+                b._check_clients(s, value, where=where)
+                if adm.pre is not None:
+                    value = adm.pre(rewrite.ControlContext(
+                        b, s, adm.abi, adm.cmd, value, adm.gpu, adm.client, adm.h_object),
+                        value)
+                rewrite.require_own_gpu_ids(b, s, adm.abi, adm.cmd, value)
+            except (Refusal, DecodeError):
+                self._declined()
+                return False
+            if adm.pre is not None:
+                out = value.encode()
+                if len(out) != len(params):
+                    return False
+                params[:] = out
+            if not s.tenant.limiter.try_acquire():
+                return False
+            adm.params_value = value
+            return True
+
+    def _declined(self) -> None:
+        """An admitted call its check sent the general way after all (for the counters)."""
+        self.admitted -= 1
+        self.passed += 1
+
+    def _plan(self, abi: DriverABI, cmd: int) -> tuple | None:
+        """(capability, post-hook, parameter size, pre-hook, checked, pointer offsets) of a
+        control the lane may take in this ABI, None for one it may not. It may take a
+        control whose row is on the allowlist, not reserved by the driver's flags, neither
+        answered, run nor charged by the broker, and whose layout has no fd and no pointer
+        inside an array (rules.lane_pointers). It is *checked* (ControlLane.check on the
+        private copy before the driver call) when its row has a pre-hook or its layout
+        holds something the broker looks at: client handles, GPU ids, pointers (which must
+        then be NULL); else the header alone decides. A post-hook on the answer is allowed.
+        The tables do not change while the broker runs, so this is computed once per (ABI,
+        control) on the allowlist (a number not on it costs a lookup, and is not
+        remembered)."""
         row = rules.CONTROLS.get(cmd)
         if row is None:
             return None
@@ -248,11 +312,13 @@ class ControlLane:
         plan = None
         rule = rules.control_rule(cmd, abi)
         op = abi.control(cmd)
-        if (rule is not None and not rule.driver_flag and rule.pre is None
+        ptrs = (rules.lane_pointers(op.params)
+                if op is not None and op.params is not None else None)
+        if (rule is not None and not rule.driver_flag
                 and rule.relay_if is None and rule.run is None and not rule.charge
-                and op is not None and op.params is not None and op.size
-                and rules.plain_layout(op.params)):
-            plan = (rule.capability, rule.post, op.size)
+                and ptrs is not None and op.size):
+            checked = rule.pre is not None or not rules.plain_layout(op.params)
+            plan = (rule.capability, rule.post, op.size, rule.pre, checked, ptrs)
         self._plans[key] = plan
         return plan
 
@@ -298,9 +364,9 @@ class ControlLane:
             out = bytes(params_out)
             if adm.post is not None and not err and status == nvstatus.NV_OK:
                 spec = adm.abi.control(adm.cmd).params
-                ctx = rewrite.ControlContext(self.broker, s, adm.abi, adm.cmd,
-                                             spec.decode(params_in), adm.gpu, adm.client,
-                                             adm.h_object)
+                asked = adm.params_value if adm.checked else spec.decode(params_in)
+                ctx = rewrite.ControlContext(self.broker, s, adm.abi, adm.cmd, asked,
+                                             adm.gpu, adm.client, adm.h_object)
                 out = adm.post(ctx, spec.decode(out)).encode()
             recorder = self.broker.recorder
         if recorder is not None:

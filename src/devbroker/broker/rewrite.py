@@ -56,18 +56,27 @@ def _filtered_ids(ids: list[int], keep: list[int]) -> list[int]:
 
 # --------------------------------------------------------------------------- escapes
 def card_info(ctx, value):
-    """NV_ESC_CARD_INFO: entries of GPUs that are not the tenant's read as empty slots."""
-    s = ctx.session
-    entries = list(value.entries)
-    out = []
-    for e in entries:
-        if e.valid and e.minor_number not in s.tenant.gpus:
-            e = e.spec.decode(bytes(e.spec.size))
-        elif e.valid:
+    """NV_ESC_CARD_INFO: entries of GPUs that are not the tenant's read as empty slots.
+
+    On the table's bytes (32 entries of 64 bytes; decoding each into values cost ~130 µs per
+    call, NVML sends it twice per init: issue 14)."""
+    gpus = ctx.session.tenant.gpus
+    f = value.spec.by_name["entries"]
+    e = f.elem.by_name
+    es = f.elem.size
+    valid, minor = e["valid"].offset, e["minor_number"].offset
+    bars = (e["reg_address"].offset, e["fb_address"].offset)
+    table = bytearray(value.raw_field("entries"))
+    for base in range(0, f.count * es, es):
+        if not table[base + valid]:
+            continue
+        if int.from_bytes(table[base + minor:base + minor + 4], "little") not in gpus:
+            table[base:base + es] = bytes(es)
+        else:
             # Physical BAR addresses are of no use to a tenant and help an attacker.
-            e = e.replace(reg_address=0, fb_address=0)
-        out.append(e)
-    return value.replace(entries=out)
+            for off in bars:
+                table[base + off:base + off + 8] = bytes(8)
+    return value.replace(entries=bytes(table))
 
 
 # --------------------------------------------------------------------------- controls: pre

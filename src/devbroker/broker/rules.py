@@ -757,6 +757,7 @@ def _simple(abi, cmd: int) -> bool:
 
 
 _PLAIN: dict = {}  # StructSpec (by identity) -> bool
+_CHECKED: dict = {}  # StructSpec (by identity) -> pointer offsets or None
 
 
 def plain_layout(spec) -> bool:
@@ -768,6 +769,25 @@ def plain_layout(spec) -> bool:
         known = _PLAIN[spec] = not any(
             f.kind in ("ptr", "fd") or f.name in CLIENT_HANDLE_FIELDS
             or f.name in rewrite.GPU_ID_FIELD_NAMES for _path, f, _off in spec.walk())
+    return known
+
+
+def lane_pointers(spec) -> tuple[int, ...] | None:
+    """For the control lane's checked controls: the offsets of a layout's pointer fields,
+    which the lane admits only when every one is NULL in its private copy (then the driver
+    reads and writes no memory but that copy); None for a layout the lane cannot check on
+    its private copy alone: an fd, or a pointer inside an array. Client handles and GPU ids
+    are allowed (ControlLane.check tests them). Cached per layout."""
+    known = _CHECKED.get(spec, False)
+    if known is False:
+        offs: list[int] | None = []
+        for path, f, off in spec.walk():
+            if f.kind == "fd" or (f.kind == "ptr" and "[]" in path):
+                offs = None
+                break
+            if f.kind == "ptr":
+                offs.append(off)
+        known = _CHECKED[spec] = tuple(offs) if offs is not None else None
     return known
 
 

@@ -1428,6 +1428,8 @@ class FuseFrontend:
         except OSError:
             return GENERAL
         params = bytearray(params_in)
+        if adm.checked and not lane.check(adm, params):
+            return GENERAL
         try:
             ret, err, hdr_out = self.broker.backend.run_control(
                 adm.session.file, -1, hdr, params, adm.header, adm.abi)

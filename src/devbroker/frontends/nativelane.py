@@ -16,7 +16,11 @@ Who decides what (nothing new is decided here):
   as the Python lane would), ACT_CONTINUE, ACT_DECLINE (the whole notification goes to
   the Python listener, whose general steps decide it from the start, refusal and audit
   record included), or ACT_FAIL when deciding raised (a bug costs that call EIO, as in the
-  Python listener, and never sends it another way). `on_finish` runs the row's post-hook and the books
+  Python listener, and never sends it another way). For a *checked* control (its
+  parameters name client handles or GPU ids, or its row has a pre-hook) the loop reads the
+  parameters privately and calls `on_check` (`ControlLane.check` on that copy, which may
+  rewrite it) before the driver call; a decline sends the whole call the general way.
+  `on_finish` runs the row's post-hook and the books
   (`ControlLane.finish`), and the backend's `run_control` when the driver call cannot be a
   plain ioctl on the tenant's file (the emulated backend).
 * an **open** whose path's basename is none of the tenant's node names: CONTINUE in C, the
@@ -41,7 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("devbroker.seccomp.native")
 
-ABI = 4  # native/lane.c DVB_ABI
+ABI = 5  # native/lane.c DVB_ABI
 DVB_NOTIF, DVB_IDLE, DVB_WAKE, DVB_HUP, DVB_FOLD, DVB_LATE, DVB_WRITE_FAILED, DVB_ERROR = \
     range(1, 9)
 ACT_DECLINE, ACT_CONTINUE, ACT_CONTROL, ACT_FAIL = 0, 1, 2, 3
@@ -60,7 +64,7 @@ class Call(ctypes.Structure):
     """native/lane.c struct dvb_call: one ioctl being decided."""
     _fields_ = [(n, ctypes.c_int64) for n in (
         "id", "tid", "fd", "cmd", "argp", "dev", "ino", "mode", "rdev", "hdr_len",
-        "params_ptr", "params_size", "params_off", "driver", "finish", "ret", "err",
+        "params_ptr", "params_size", "params_off", "driver", "finish", "check", "ret", "err",
         "status_off", "patch_n", "patch_table_off", "patch_entry_size", "patch_index_off",
         "patch_data_off", "patch_capacity", "patch_count_off",
         "done_count", "done_err", "done_ns")] + [
@@ -113,7 +117,8 @@ def library() -> ctypes.CDLL | None:
     lib.dvb_shared_new.restype = vp
     lib.dvb_shared_new.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_size_t,
                                    ctypes.POINTER(ctypes.c_int),
-                                   ctypes.POINTER(ctypes.c_ulong), i64, _CALLBACK, _CALLBACK]
+                                   ctypes.POINTER(ctypes.c_ulong), i64, _CALLBACK, _CALLBACK,
+                                   _CALLBACK]
     lib.dvb_shared_free.argtypes = [vp]
     lib.dvb_set_names.argtypes = [vp, ctypes.c_char_p, ctypes.c_size_t]
     lib.dvb_set_lane_cmds.argtypes = [vp, ctypes.POINTER(ctypes.c_uint32), ctypes.c_int]
@@ -204,10 +209,12 @@ class NativeLane:
         self.lib, self.sup = lib, sup
         # the callbacks stay referenced for the loop's life (C holds bare pointers)
         self._cb_ioctl = _CALLBACK(self._on_ioctl)
+        self._cb_check = _CALLBACK(self._on_check)
         self._cb_finish = _CALLBACK(self._on_finish)
         self.shared = lib.dvb_shared_new(
             listener_fd, wake_fd, notif_size, (ctypes.c_int * 4)(*nrs),
-            (ctypes.c_ulong * 3)(*reqs), spin_ns, self._cb_ioctl, self._cb_finish)
+            (ctypes.c_ulong * 3)(*reqs), spin_ns, self._cb_ioctl, self._cb_check,
+            self._cb_finish)
         if not self.shared:
             raise OSError("dvb_shared_new failed")
         blob = b"".join(n.encode("utf-8", "surrogateescape") + b"\0" for n in sorted(names))
@@ -252,6 +259,14 @@ class NativeLane:
             return self.sup._native_ioctl(t, t.call)
         except Exception:  # a bug costs this call (EIO), never the listener
             log.exception("native lane: deciding an ioctl failed")
+            return ACT_FAIL
+
+    def _on_check(self, slot: int) -> int:
+        try:
+            t = self.threads[slot]
+            return self.sup._native_check(t, t.call)
+        except Exception:
+            log.exception("native lane: checking a control's parameters failed")
             return ACT_FAIL
 
     def _on_finish(self, slot: int) -> int:

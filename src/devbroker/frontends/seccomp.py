@@ -829,18 +829,35 @@ class SeccompSupervisor:
             patch = lane.table_patch(adm) if adm.post is not None else None
             patched = patch is not None and nativelane.NativeLane.set_patch(t, c, patch)
             finish = lane.needs_finish(adm, patched)
-            if not finish:
+            if not finish and not adm.checked:  # (a checked one: once its check passed)
                 lane.book(adm)
                 t.unfinished, t.done_seen = adm, c.done_count  # its row: _settle
             c.params_ptr, c.params_size = adm.params_ptr, adm.params_size
             c.params_off, c.status_off = adm.header.params_offset, adm.header.status_offset
-            c.driver, c.finish = int(driver), int(finish)
+            c.driver, c.finish, c.check = int(driver), int(finish), int(adm.checked)
             t.adm = adm
             return nativelane.ACT_CONTROL
         if self._clane is not None and sess.real and sess.node is NodeKind.UVM:
             if self._continue_decision(c.tid, c.cmd, c.argp, sess):
                 return nativelane.ACT_CONTINUE
         return nativelane.ACT_DECLINE
+
+    def _native_check(self, t: nativelane.NativeThread, c: nativelane.Call) -> int:
+        """A checked control's parameters, read privately by the native loop: the lane's
+        check on that copy (it may rewrite it: the loop then runs the rewritten one)."""
+        adm = t.adm
+        if adm is None:
+            return nativelane.ACT_DECLINE
+        params = nativelane.NativeLane.params(t)
+        if not self._lane.check(adm, params):
+            t.adm = None
+            return nativelane.ACT_DECLINE
+        if adm.pre is not None:
+            nativelane.NativeLane.set_params(t, bytes(params))
+        if not c.finish:
+            self._lane.book(adm)
+            t.unfinished, t.done_seen = adm, c.done_count  # its row: _settle
+        return nativelane.ACT_CONTROL
 
     def _native_finish(self, t: nativelane.NativeThread, c: nativelane.Call) -> int:
         """After the native loop's driver call (or instead of it, for a backend that does
@@ -1367,6 +1384,8 @@ class SeccompSupervisor:
         except OSError:
             return _GENERAL
         params = bytearray(params_in)
+        if adm.checked and not lane.check(adm, params):
+            return _GENERAL
         t3 = clock()
         dup = -1
         try:

@@ -53,7 +53,7 @@
 #endif
 #define DVB_PIDFD_THREAD O_EXCL /* Linux 6.9: a pidfd for a (non-leader) thread */
 
-#define DVB_ABI 4 /* bumped with any change of the structures below (nativelane.py checks) */
+#define DVB_ABI 5 /* bumped with any change of the structures below (nativelane.py checks) */
 
 struct dvb_notif { /* struct seccomp_notif */
     uint64_t id;
@@ -98,6 +98,8 @@ struct dvb_call {
     int64_t params_ptr, params_size, params_off;
     int64_t driver;                        /* 1: make the driver call here; 0: on_finish runs it */
     int64_t finish;                        /* 1: call on_finish after the driver call */
+    int64_t check;                         /* 1: call on_check on the private parameters
+                                              before the driver call (a checked control) */
     /* filled for on_finish */
     int64_t ret, err;
     int64_t status_off;                    /* NVOS54.status in the header */
@@ -126,7 +128,7 @@ struct dvb_shared {
     int n_lane_cmds;
     char names[DVB_NAMES_MAX]; /* NUL-separated basenames that may be ours */
     size_t names_len;
-    dvb_callback on_ioctl, on_finish;
+    dvb_callback on_ioctl, on_check, on_finish;
     pthread_mutex_t recv_lock;
 };
 
@@ -159,7 +161,8 @@ size_t dvb_params_max(void) { return DVB_PARAMS_MAX; }
 
 struct dvb_shared *dvb_shared_new(int listener, int wake_fd, size_t notif_size,
                                   const int *nrs, const unsigned long *reqs, int64_t spin_ns,
-                                  dvb_callback on_ioctl, dvb_callback on_finish)
+                                  dvb_callback on_ioctl, dvb_callback on_check,
+                                  dvb_callback on_finish)
 {
     if (notif_size < sizeof(struct dvb_notif) || notif_size > 256)
         return NULL;
@@ -178,6 +181,7 @@ struct dvb_shared *dvb_shared_new(int listener, int wake_fd, size_t notif_size,
     sh->req_id_valid = reqs[2];
     sh->spin_ns = spin_ns;
     sh->on_ioctl = on_ioctl;
+    sh->on_check = on_check;
     sh->on_finish = on_finish;
     pthread_mutex_init(&sh->recv_lock, NULL);
     return sh;
@@ -381,6 +385,18 @@ static int run_control(struct dvb_thread *t, struct dvb_notif *n, int64_t t0, in
     if (got != (ssize_t)size)
         return DVB_NOTIF; /* the general path reads again and answers with its record */
     memcpy(c->params_in, c->params, size);
+    if (c->check) {
+        /* A checked control: the broker decides on this private copy (client handles, GPU
+         * ids, the row's pre-hook, which may rewrite c->params in place) before anything
+         * runs; a decline sends the whole call the general way, which reads again. */
+        int act = sh->on_check(t->slot);
+        if (act == ACT_FAIL) {
+            send_resp(t, n->id, 0, EIO, 0);
+            return 0;
+        }
+        if (act != ACT_CONTROL)
+            return DVB_NOTIF;
+    }
     int64_t t3 = now_ns();
     if (c->driver) {
         /* The broker's own duplicate of the tenant's file, through a pidfd of the calling
@@ -484,7 +500,7 @@ static int answer_ioctl(struct dvb_thread *t, struct dvb_notif *n)
     c->hdr_len = 0;
     c->params_ptr = c->params_size = 0;
     c->params_off = -1;
-    c->driver = c->finish = 0;
+    c->driver = c->finish = c->check = 0;
     c->ret = c->err = 0;
     c->patch_n = 0;
     c->status_off = -1;
