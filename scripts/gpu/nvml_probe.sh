@@ -15,19 +15,25 @@ METRICS=http://127.0.0.1:9464/metrics
 install_wheels
 "$PY" -m devbroker.native >/dev/null || echo "native loop did not build"
 CHK="$PY scripts/gpu/cuda_checks.py"
-put native_nvml_seq "$("$PY" scripts/gpu/tenant_checks.py bench-nvml 30 2>&1 | last)"
-for i in 1 2 3; do put "native_init$i" "$($CHK init 2>&1 | last)"; done
+# systime.so (scripts/gpu/systime.c): each process's wall time in open/ioctl/mmap/close,
+# NVIDIA files apart, natively and in the tenant (what the broker's metrics cannot see).
+ST=/tmp/systime; rm -rf $ST; mkdir -p $ST; chmod 1777 $ST  # (bound into the tenant writable)
+cc -O2 -shared -fPIC -o /tmp/site/systime.so scripts/gpu/systime.c -ldl || echo "systime.so did not build"
+shim() { env LD_PRELOAD=/tmp/site/systime.so SYSTIME_OUT=$ST/$1.jsonl "${@:2}"; }
+put native_nvml_seq "$(shim native-nvml "$PY" scripts/gpu/tenant_checks.py bench-nvml 30 2>&1 | last)"
+for i in 1 2 3; do put "native_init$i" "$(shim native-init$i $CHK init 2>&1 | last)"; done
 POL="$W/policy.toml"
 { cat scripts/gpu/h200-cuda-policy.toml; printf '\n[broker.metrics]\nlisten = "127.0.0.1:9464"\n'; } > "$POL"
 probe_broker "$RUN" "$POL" "$W/audit.log" "$W/broker.log"
+BINDS+=(--bind "$ST:$ST:rw")
 grep "seccomp listeners" "$W/broker.log"
 "$PY" scripts/gpu/calls.py snap $METRICS "$W/m0.json"
 step "NVML sequence x30 (and one warm-up) through devbroker"
-put dev_nvml_seq "$(ptexec "$PY" scripts/gpu/tenant_checks.py bench-nvml 30 2>&1 | last)"
+put dev_nvml_seq "$(ptexec env LD_PRELOAD=/tmp/site/systime.so SYSTIME_OUT=$ST/dev-nvml.jsonl "$PY" scripts/gpu/tenant_checks.py bench-nvml 30 2>&1 | last)"
 "$PY" scripts/gpu/calls.py snap $METRICS "$W/m1.json"
 put dev_nvml_listener "$(grep '"tenant-detached"' "$W/audit.log" | tail -1)"
 step "CUDA init + first allocation x3 through devbroker"
-for i in 1 2 3; do put "dev_init$i" "$(ptexec $CHK init 2>&1 | last)"; done
+for i in 1 2 3; do put "dev_init$i" "$(ptexec env LD_PRELOAD=/tmp/site/systime.so SYSTIME_OUT=$ST/dev-init$i.jsonl $CHK init 2>&1 | last)"; done
 "$PY" scripts/gpu/calls.py snap $METRICS "$W/m2.json"
 put dev_init_listener "$(grep '"tenant-detached"' "$W/audit.log" | tail -1)"
 kill -TERM $BROKER; wait $BROKER
@@ -35,6 +41,22 @@ step "per-call broker time: NVML sequence"
 "$PY" scripts/gpu/calls.py diff "$W/m0.json" "$W/m1.json" 31 | tee "$OUT/nvml-calls.txt"
 step "per-call broker time: CUDA init (import included)"
 "$PY" scripts/gpu/calls.py diff "$W/m1.json" "$W/m2.json" 3 | tee "$OUT/cuda-calls.txt"
+step "wall time in system calls per process (systime.so): ms and calls, native vs devbroker"
+"$PY" - $ST <<'PYX' | tee "$OUT/systime.txt"
+import json, sys, glob, os
+rows = ("open_nvidia", "open_other", "ioctl_nvidia", "ioctl_other", "mmap_nvidia", "mmap_other", "close")
+def load(name):
+    recs = [json.loads(l) for f in glob.glob(os.path.join(sys.argv[1], name + ".jsonl")) for l in open(f)]
+    # the measured program is the process with the most calls (python3 itself)
+    return max(recs, key=lambda r: sum(r[k][0] for k in rows)) if recs else None
+for a, b in [("native-nvml", "dev-nvml")] + [(f"native-init{i}", f"dev-init{i}") for i in (1, 2, 3)]:
+    n, d = load(a), load(b)
+    if not n or not d:
+        print(a, b, "missing"); continue
+    print(f"{a} vs {b}: " + "; ".join(
+        f"{k} {n[k][1]:.1f}/{d[k][1]:.1f} ms ({n[k][0]}/{d[k][0]})" for k in rows))
+PYX
+cp $ST/*.jsonl "$W/" 2>/dev/null
 step "summary"
 "$PY" - "$RES" <<'PYX'
 import json, sys

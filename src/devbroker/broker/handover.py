@@ -50,6 +50,7 @@ EMULATED_ATTRS = frozenset({"version", "_gpus", "abi", "files", "clients", "_fil
                             "_client_ids", "_object_ids", "used", "notice", "_noticed",
                             "memblock_size", "started",
                             "_calls",  # its lock: the successor's is new
+                            "_card_entries",  # a cache of CARD_INFO's bytes: rebuilt on use
                             # indexes: rebuilt from the clients and checked against `used`
                             "_clients_of_file", "_devices_on", "_held"})
 EMU_FILE_FIELDS = frozenset({"id", "node", "minor", "mapping", "registered_ctl", "export",
