@@ -299,3 +299,33 @@ def test_native_loop_stalled_tenant_page_is_refused_at_the_deadline(start_broker
                for a in audit), audit
     detached = [a for a in audit if a.get("event") == "tenant-detached"]
     assert sum(a.get("native_answered", 0) for a in detached) > 0
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("frontend", ["seccomp", "fuse"])
+def test_checked_control_racing_thread_never_reaches_another_gpu(start_broker, frontend):
+    """A checked control (GPU ids in its parameters) with a tenant thread flipping the id
+    between its own GPU and another GPU during the calls: every answer is the own GPU's or
+    a refusal (audited), never the other GPU's — the broker decides on its private copy and
+    the driver answers that copy. Both outcomes must occur, or the race was not run."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (tenant sandbox)")
+    from devbroker.testing.policies import two_h200
+
+    b = start_broker(two_h200(tenant("t", gpus=[0], capabilities=["nvml", "compute", "uvm"])))
+    b.frontend = frontend
+    # the emulated GPUs' ids: (domain << 16) | (bus << 8) | slot, slots 6 and 7
+    r = b.exec("t", sys.executable, str(HERE / "race_ids_prog.py"), "0x6", "0x7", "1500",
+               timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = json.loads([x for x in r.stdout.splitlines() if x.startswith("{")][-1])
+    print(frontend, got)
+    assert got["other"] == 0, got
+    assert got["own"] > 0 and got["refused"] > 0, got
+    assert got["errno"] == 0, got
+    st = b.status().get("control_lane", {})
+    assert st.get("admitted", 0) > 0, st  # the lane took part
+    b.stop()
+    denies = [a for a in b.audit() if a.get("event") == "deny" and "0x7" in a.get("reason", "")]
+    assert denies, "the refusals were not audited"
+
