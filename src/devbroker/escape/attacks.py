@@ -1780,6 +1780,11 @@ ATTACKS += [
            ("ROOT_CLIENT_ONLY",), "driver (no client on the file to allocate under)", None,
            _races.a_race_root_class, frontends=("seccomp",), no_audit=_RACE_NO_AUDIT,
            na=_RACE_NA, backends=("real",)),
+    Attack("race-checked-gpu-id", "a racing thread flips GET_ID_INFO_V2's GPU id between "
+           "the attacker's GPU and the victim's while the broker decides it", "cross-tenant",
+           E, ("NOT_WON",), "broker (decides on its private copy, which the driver answers)",
+           r"GET_ID_INFO_V2.*is not one of the tenant's GPUs", _races.a_race_checked_gpu_id,
+           True, gpus=2),
     Attack("race-direct-open", "the real nvidiactl opened past the broker's path check "
            "(/proc/self/root/dev/nvidiactl), then an ioctl and an mmap of it", "front end", E,
            ("EPERM",), "front end (files the broker did not give out)", "did not give out",

@@ -21,6 +21,13 @@ the ioctl. docs/security.md has the table of why each continued call is still sa
 
 They need the real driver (the emulated backend's files are placeholders that continue
 nothing); the harness lists them N/A elsewhere.
+
+One race is not about a continued call: ``race-checked-gpu-id`` flips the GPU id in the
+parameter block of GET_ID_INFO_V2 between the attacker's GPU and the victim's while the
+broker decides it (a *checked* control of the lane, broker/fastlane.py, or the general
+steps). The broker decides on its private copy and the driver answers that copy, so an
+answer naming the victim's GPU would mean the two saw different ids. It runs with every
+backend and front end that has a victim's GPU.
 """
 from __future__ import annotations
 
@@ -255,3 +262,48 @@ def a_race_direct_open(ctx):
         return refused(_errno.errorcode.get(got, str(got)), "ioctl and mmap both refused")
     finally:
         os.close(fd)
+
+
+def a_race_checked_gpu_id(ctx, tries: int = 1000):
+    """GET_ID_INFO_V2 with its gpuId flipped between the attacker's GPU and the victim's by a
+    racing thread: every answer must be the attacker's GPU's (its device instance) or a
+    refusal."""
+    from devbroker.escape.attacks import Outcome, escaped, refused
+
+    c = ctx.client()
+    try:
+        _flip_lib()
+    except (OSError, subprocess.SubprocessError) as e:
+        return Outcome("error", "", f"cannot build the racing thread's loop (gcc): {e}")
+    own, victim = c.gpu["gpu_id"], ctx.victim["gpu_ids"][str(ctx.victim_gpu)]
+    own_inst = c.control(c.hclient, 0x205, c.params(0x205, gpuId=own)).deviceInstance
+    spec = c.abi.control(0x205).params
+    f = spec.by_name
+    buf = ctypes.create_string_buffer(spec.size)
+    base = ctypes.addressof(buf)
+    inst_at = f["deviceInstance"].offset
+    hdr = bytearray(c.new("NVOS54_PARAMETERS", hClient=c.hclient, hObject=c.hclient,
+                          cmd=0x205, params=base, paramsSize=spec.size).encode())
+    nr = c.abi.escape_cmd("NV_ESC_RM_CONTROL", len(hdr))
+    seen: dict[str, int] = {}
+    with Flipper(buf, f["gpuId"].offset, own.to_bytes(4, "little"), victim.to_bytes(4, "little")):
+        for _ in range(tries):
+            ctypes.c_uint32.from_address(base + inst_at).value = 0xFFFF
+            arg = bytearray(hdr)
+            try:
+                fcntl.ioctl(c.ctl, nr, arg, True)
+            except OSError as e:
+                seen[f"errno {e.errno}"] = seen.get(f"errno {e.errno}", 0) + 1
+                continue
+            status = int.from_bytes(arg[28:32], "little")
+            inst = ctypes.c_uint32.from_address(base + inst_at).value
+            if status == nvs.NV_OK and inst != own_inst:
+                return escaped(f"GET_ID_INFO_V2 answered for device instance {inst} (the "
+                               f"attacker's is {own_inst}) with the id flipped to the "
+                               f"victim's {victim:#x}", "WON")
+            key = "own GPU answered" if status == nvs.NV_OK else nvs.name(status)
+            seen[key] = seen.get(key, 0) + 1
+    if nvs.name(nvs.NV_ERR_INVALID_ARGUMENT) not in seen:
+        return Outcome("error", "", f"the flipped id never reached the broker's check: {seen}")
+    return refused("NOT_WON", f"{tries} tries: {seen}")
+
