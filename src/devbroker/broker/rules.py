@@ -652,6 +652,11 @@ REFUSED_CONTROLS: dict[int, str] = {
     0x20801115: "RUNLIST_SET_SCHED_POLICY changes (and locks) the scheduling policy of every "
                 "runlist of the GPU, for every tenant",
     0x20801121: "OBJSCHED_SET_STATE changes the GPU's runlist scheduler for every tenant",
+    0x2080110B: "FIFO_DISABLE_CHANNELS stops the channels it lists by client and handle, any "
+                "client's: another tenant's work (the broker sends it itself, for a tenant's own "
+                "channels only: docs/compute-shares.md)",
+    0x2080111A: "FIFO_DISABLE_CHANNELS_FOR_KEY_ROTATION lists channels by client and handle, "
+                "any client's",
     0x20810110: "unpublished BINAPI control (no header names it): layout unknown",
     0x20810111: "unpublished BINAPI control (no header names it): layout unknown",
 }
