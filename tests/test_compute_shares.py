@@ -343,3 +343,93 @@ def test_the_probe_of_the_gpu_script_sees_only_the_policys_values(start):
     assert by["get-interleave"][0]["status"] == denied  # not on the allowlist
     assert by["make-realtime"][0]["status"] == denied
     assert by["runlist-sched-policy-interleaved"][0]["status"] == denied
+
+
+# --------------------------------------------------------------------------- preemption
+def _inproc_pair():
+    """A broker (emulated, in this process) with tenants hi (priority high) and lo (low) on
+    GPU 0, each with a root client, device, subdevice; lo with a channel group and two
+    channels."""
+    import trio
+
+    from devbroker.testing.inproc import InProcTenant, make_broker
+    from devbroker.testing.policies import one_h200, tenant
+
+    caps = ["nvml", "compute", "uvm"]
+    b = make_broker(one_h200(tenant("hi", priority="high", capabilities=caps),
+                             tenant("lo", priority="low", capabilities=caps)))
+    hi, lo = InProcTenant(b, "hi", pid=5001), InProcTenant(b, "lo", pid=5002)
+
+    async def setup(t, channels):
+        ctl, client, dev, sub = await t.subdevice()
+        _, out, _ = await t.alloc(ctl, client, dev, 0xA06C,
+                                  t.new("NV_CHANNEL_GROUP_ALLOCATION_PARAMETERS", engineType=1),
+                                  new=0xC0)
+        assert out.status == nvs.NV_OK, out
+        chans = []
+        for i in range(channels):
+            _, out, _ = await t.alloc(ctl, client, 0xC0, 0xC86F,
+                                      t.new("NV_CHANNEL_ALLOC_PARAMS"), new=0xD0 + i)
+            assert out.status == nvs.NV_OK, out
+            chans.append(0xD0 + i)
+        return ctl, client, chans
+
+    lo_ctl, lo_client, lo_chans = trio.run(setup, lo, 2)
+    return b, hi, lo, setup, (lo_ctl, lo_client, lo_chans)
+
+
+def _pass(b) -> bool:
+    from devbroker.broker.effects import locked, perform_blocking, run_blocking
+
+    return run_blocking(locked(compute.preempt_all(b)), lambda e: perform_blocking(e, b.memgate))
+
+
+def test_low_tenants_channels_stop_while_a_high_tenant_holds_a_group_and_run_again_after():
+    """Issue 15 priority: the channels of a `low` tenant are stopped in the driver while a
+    `high` tenant holds a channel group on its GPU (FIFO_DISABLE_CHANNELS on the low
+    tenant's own subdevice: what made a high tenant's latency loop next to a busy low one
+    run as alone on the H200), a channel the low tenant makes meanwhile is stopped before it
+    has the handle, and all of them run again once the high tenant's group is gone; each
+    change is audited and shown by status. The tenant itself may not send the control."""
+    import trio
+
+    from devbroker.backends.emulated_sched import channel_stopped
+
+    b, hi, lo, setup, (lo_ctl, lo_client, lo_chans) = _inproc_pair()
+    stopped = lambda: [channel_stopped(b.backend, lo_client, h) for h in lo_chans]  # noqa: E731
+    assert _pass(b) is True  # a high and a low tenant in the policy: the broker watches
+    assert stopped() == [False, False]  # no high tenant holds a group: nothing stopped
+    hi_ctl, hi_client, _ = trio.run(setup, hi, 1)
+    _pass(b)
+    assert stopped() == [True, True]
+    st = b.snapshot()
+    lo_st = next(t for t in st["tenants"] if t["name"] == "lo")["compute"]
+    assert lo_st["stopped"] == {"0": 2}, lo_st
+    # a new channel of the preempted tenant: stopped at allocation, before its handle
+    _, out, _ = trio.run(lambda: lo.alloc(lo_ctl, lo_client, 0xC0, 0xC86F,
+                                          lo.new("NV_CHANNEL_ALLOC_PARAMS"), new=0xDF))
+    assert out.status == nvs.NV_OK
+    assert channel_stopped(b.backend, lo_client, 0xDF) is True
+    # the tenant's own FIFO_DISABLE_CHANNELS (any client's channels by handle): refused
+    rep, out, _ = trio.run(lambda: lo.control(lo_ctl, lo_client, 0xB0, 0x2080110B,
+                                              bDisable=0, numChannels=1,
+                                              hClientList=[lo_client] + [0] * 63,
+                                              hChannelList=[0xD0] + [0] * 63))
+    assert out.status != nvs.NV_OK
+    assert channel_stopped(b.backend, lo_client, 0xD0) is True
+    # the high tenant frees its group: the low tenant's channels run again
+    rep, out, _ = trio.run(lambda: hi.esc(hi_ctl, "NV_ESC_RM_FREE", hi.new(
+        "NVOS00_PARAMETERS", hRoot=hi_client, hObjectParent=0xA0, hObjectOld=0xC0)))
+    assert out.status == nvs.NV_OK
+    assert _pass(b) is True  # still a high and a low tenant in the policy: keep watching
+    assert stopped() == [False, False] and channel_stopped(b.backend, lo_client, 0xDF) is False
+    lo_st = next(t for t in b.snapshot()["tenants"] if t["name"] == "lo")["compute"]
+    assert "stopped" not in lo_st, lo_st
+    preempt = [a["reason"] for a in b.audit.recent if a["event"] == "preempt"]
+    assert len(preempt) == 2, preempt
+    assert "2 channel(s) stopped: high-priority tenant(s) hi" in preempt[0], preempt
+    assert "running again" in preempt[1], preempt
+    denies = [a for a in b.audit.recent if a["event"] == "deny" and a["tenant"] == "lo"]
+    assert any("FIFO_DISABLE_CHANNELS" in a.get("what", "") + a.get("reason", "")
+               for a in denies), denies
+    assert not [a for a in b.audit.recent if a["event"] == "error"]

@@ -457,6 +457,7 @@ class EmulatedBackend:
         0xDE: _alloc_on_subdevice,
         0x40: _alloc_local_memory,
         emulated_sched.CHANNEL_GROUP: emulated_sched.alloc_channel_group,
+        emulated_sched.CHANNEL: emulated_sched.alloc_channel,
     }
 
     def NV_ESC_RM_FREE(self, f, dc):

@@ -18,6 +18,13 @@ compute shares use (issue 15, broker/compute.py), answered as the 580 driver on 
   NV_ERR_NOT_SUPPORTED (the emulator's answer for any control it does not list).
 - A scheduling control on an object that is not a channel group: the control lookup fails,
   NV_ERR_NOT_SUPPORTED.
+- HOPPER_CHANNEL_GPFIFO_A (0xc86f), a channel, is allocated under a channel group (the
+  emulator models no work: a channel is a handle with a stopped flag).
+- NV2080_CTRL_CMD_FIFO_DISABLE_CHANNELS on a subdevice stops (bDisable 1) or lets run
+  (bDisable 0) the channels it lists by client and handle; measured on the H200: NV_OK, the
+  channels' work stops at once and goes on after (docs/compute-shares.md, "Stopping a
+  tenant's channels"). A listed handle that is no channel: NV_ERR_INVALID_CHANNEL (as
+  CliGetKernelChannel fails); more than 64: NV_ERR_INVALID_ARGUMENT.
 """
 from __future__ import annotations
 
@@ -29,6 +36,18 @@ DEVICE = 0x80
 DEFAULT_TIMESLICE_US = 128 << 3
 LEVELS = (0, 1, 2)  # NVA06C_CTRL_INTERLEAVE_LEVEL_LOW, MEDIUM, HIGH
 DEFAULT_LEVEL = 1
+
+
+CHANNEL = 0xC86F  # HOPPER_CHANNEL_GPFIFO_A
+SUBDEVICE = 0x2080
+MAX_DISABLE_CHANNELS = 64  # NV2080_CTRL_FIFO_DISABLE_CHANNELS_MAX_ENTRIES
+
+
+def alloc_channel(backend, c, parent, params):
+    """EmulatedBackend.CLASS_ALLOC's entry for a GPFIFO channel: in a channel group."""
+    if parent.rm_class != CHANNEL_GROUP:
+        return nvs.NV_ERR_INVALID_OBJECT_PARENT, None, 0, params
+    return nvs.NV_OK, parent.gpu, 0, params
 
 
 def alloc_channel_group(backend, c, parent, params):
@@ -98,3 +117,32 @@ def schedule_of(backend, client: int, handle: int) -> dict | None:
     if obj is None or obj.rm_class != CHANNEL_GROUP:
         return None
     return dict(_sched(obj))
+
+
+@_control(0x2080110B)  # NV2080_CTRL_CMD_FIFO_DISABLE_CHANNELS
+def disable_channels(backend, client, obj, p):
+    if obj.rm_class != SUBDEVICE:
+        return nvs.NV_ERR_NOT_SUPPORTED, p
+    n = int(p.numChannels)
+    if n > MAX_DISABLE_CHANNELS:
+        return nvs.NV_ERR_INVALID_ARGUMENT, p
+    chans = []
+    for h_client, h_chan in zip(list(p.hClientList)[:n], list(p.hChannelList)[:n]):
+        c = backend.clients.get(h_client)
+        ch = c.objects.get(h_chan) if c is not None else None
+        if ch is None or ch.rm_class != CHANNEL:
+            return nvs.NV_ERR_INVALID_CHANNEL, p
+        chans.append(ch)
+    for ch in chans:
+        ch.stopped = bool(p.bDisable)
+    return nvs.NV_OK, p
+
+
+def channel_stopped(backend, client: int, handle: int) -> bool | None:
+    """Whether the emulated driver holds a channel stopped (None: no such channel)."""
+    c = backend.clients.get(client)
+    ch = c.objects.get(handle) if c is not None else None
+    if ch is None or ch.rm_class != CHANNEL:
+        return None
+    return bool(getattr(ch, "stopped", False))
+

@@ -49,6 +49,16 @@ NVA06C_CTRL_CMD_SET_TIMESLICE = 0xA06C0103
 NVA06C_CTRL_CMD_GET_TIMESLICE = 0xA06C0104
 NVA06C_CTRL_CMD_SET_INTERLEAVE_LEVEL = 0xA06C0107
 
+# Preemption of low-priority tenants (docs/compute-shares.md, "Preemption"): their channels
+# are stopped with the driver's FIFO_DISABLE_CHANNELS, sent to their own subdevice.
+NV2080_CTRL_CMD_FIFO_DISABLE_CHANNELS = 0x2080110B
+CHANNEL_CLASSES = frozenset({0xC86F})  # HOPPER_CHANNEL_GPFIFO_A: the allowlist's channels
+SUBDEVICE_CLASS = 0x2080
+DISABLE_CHANNELS_MAX = 64  # entries of one call (NV2080_CTRL_FIFO_DISABLE_CHANNELS_MAX_ENTRIES)
+# How often the broker looks whether a high-priority tenant still holds channel groups (the
+# driver tells nothing when a process exits; the books learn it from the file's release).
+PREEMPT_TICK_S = 0.25
+
 # NVA06C_CTRL_INTERLEAVE_LEVEL_{LOW,MEDIUM,HIGH} (ctrla06c.h); a new group is MEDIUM
 # (kernel_channel_group_api.c, "Default interleave level").
 INTERLEAVE_LOW, INTERLEAVE_MEDIUM, INTERLEAVE_HIGH = 0, 1, 2
@@ -113,6 +123,15 @@ class _Books:
     # without CAP_SYS_ADMIN: the control is PRIVILEGED_IF_RS_ACCESS_DISABLED there, and the
     # relay runs without capabilities): priorities are then timeslices alone.
     levels_refused: bool = False
+    # Preemption: the channels the broker stopped, by (tenant, GPU): {(client, channel)};
+    # the (tenant, GPU) pairs now preempted (for status and the audit); whether the watching
+    # task runs; the low tenants' (tenant, GPU) pairs looked at once (the first look lets
+    # run whatever a predecessor broker may have left stopped: a live upgrade carries the
+    # objects, not these books).
+    stopped: dict[tuple[str, int], set[tuple[int, int]]] = field(default_factory=dict)
+    preempted: set[tuple[str, int]] = field(default_factory=set)
+    watching: bool = False
+    seen: set[tuple[str, int]] = field(default_factory=set)  # low (tenant, GPU)s looked at
 
 
 _BOOKS: "weakref.WeakKeyDictionary[Any, _Books]" = weakref.WeakKeyDictionary()
@@ -213,17 +232,22 @@ def _wanted(broker: Any, g: ChannelGroup) -> Schedule | None:
 
 
 # --------------------------------------------------------------------------- driver calls
-def _control(broker: Any, s: Any, req: Any, g: ChannelGroup, cmd: int, **values: int) -> Steps:
+def _control(broker: Any, s: Any, req: Any, g: ChannelGroup, cmd: int, **values: Any) -> Steps:
     """Issue one RM control on the tenant's own file and client (as the tenant's calls are
     executed: Broker._call_backend), with the broker's own parameter buffer. Returns the
     NV_STATUS (or raises OSError for an errno)."""
+    return (yield from _control_on(broker, s, req, g.client, g.handle, cmd, **values))
+
+
+def _control_on(broker: Any, s: Any, req: Any, client: int, handle: int, cmd: int,
+                **values: Any) -> Steps:
     from devbroker.abi.nodes import NodeKind
 
     abi = broker._abi(s)
     spec = abi.control(cmd)
     nested = spec.params.decode(bytes(spec.size)).replace(**values).encode()
     node = s.node if s.node in (NodeKind.CTL, NodeKind.GPU) else NodeKind.CTL
-    call = abi.own_control(node, g.client, g.handle, cmd, spec.size)
+    call = abi.own_control(node, client, handle, cmd, spec.size)
     result = yield from broker._call_backend(s, call, nested, req=req)
     if result.errno:
         raise OSError(result.errno, os.strerror(result.errno))
@@ -289,6 +313,8 @@ def after_alloc(ctx: Any, alloc: Any, handle: int, gpu: int | None) -> Steps:
     yield from _apply(broker, s, req, g, want, "allocated")
     if any(x.applied != _wanted(broker, x) for x in _siblings(broker, g) if x is not g):
         schedule_apply(broker)
+    if s.tenant.policy.priority == "high":
+        schedule_preempt(broker)  # low tenants on this GPU: stopped by the watching task
 
 
 def _group_for(broker: Any, s: Any, client: Any, handle: int) -> ChannelGroup | None:
@@ -345,6 +371,7 @@ def install(broker: Any) -> None:
     if not b.installed:
         b.installed = True
         broker.on_policy_change.append(lambda policy: schedule_apply(broker))
+        broker.on_policy_change.append(lambda policy: schedule_preempt(broker))
 
 
 def schedule_apply(broker: Any) -> None:
@@ -423,6 +450,184 @@ def _lend_tenant_file(s: Any) -> Any:
     return None
 
 
+# --------------------------------------------------------------------------- preemption
+# A `low` tenant yields its GPU to `high` ones: while a high-priority tenant holds a channel
+# group (a CUDA context) on a GPU, the channels of every low-priority tenant there are
+# stopped with the driver's FIFO_DISABLE_CHANNELS (measured on the H200: the low tenant's
+# work stops at once and goes on when they are let run again; the neighbour's latency is
+# then what it is alone, docs/compute-shares.md). Time-slicing alone left a high tenant 16.5×
+# its latency alone next to a busy low one. The broker cannot see when a high tenant is
+# busy (its work reaches the GPU through doorbells, not calls), so holding a context counts.
+#
+# The control lists channels by client and handle, any client's; tenants may not send it
+# (rules.REFUSED_CONTROLS). The broker sends it for one tenant's own channels of one client,
+# to that client's own subdevice, on the tenant's own file, from a thread without the
+# driver-checked capabilities: what any tenant could do to itself.
+
+def _high_gpus(broker: Any) -> set[int]:
+    out = set()
+    for g in live_groups(broker):
+        t = broker.tenants.get(g.tenant)
+        if t is not None and getattr(t.policy, "priority", "normal") == "high" \
+                and g.gpu is not None:
+            out.add(g.gpu)
+    return out
+
+
+def _channels_on(tenant: Any, gpu: int) -> dict[int, list[int]]:
+    """A tenant's channels on one GPU, by client handle (from the broker's object books)."""
+    out: dict[int, list[int]] = {}
+    for client in tenant.clients.values():
+        hs = [h for h, o in client.objects.items()
+              if o.rm_class in CHANNEL_CLASSES and o.gpu == gpu]
+        if hs:
+            out[client.handle] = hs
+    return out
+
+
+def _subdevice_of(client: Any, gpu: int) -> int | None:
+    for h, o in client.objects.items():
+        if o.rm_class == SUBDEVICE_CLASS and o.gpu == gpu:
+            return h
+    return None
+
+
+def _stop(broker: Any, tenant: Any, gpu: int, chans: dict[int, list[int]], stop: bool,
+          req: Any = None) -> Steps:
+    """Stop (or let run) these channels of one tenant: one FIFO_DISABLE_CHANNELS per client
+    (and per 64 channels), on that client's subdevice and file. Returns the (client,
+    channel) pairs the driver took; failures are audited (`error`), never raised."""
+    done: set[tuple[int, int]] = set()
+    for ch, handles in chans.items():
+        client = tenant.clients.get(ch)
+        sub = _subdevice_of(client, gpu) if client is not None else None
+        s = broker.sessions.get(client.session) if client is not None else None
+        if sub is None or s is None or s.closed:
+            broker.audit.write("error", tenant=tenant.name, what="preemption",
+                               reason=f"client {ch:#x}: no subdevice of GPU {gpu} or no open "
+                                      f"file to stop its {len(handles)} channel(s) with")
+            continue
+        lent = req
+        try:
+            if lent is None and getattr(s.file, "runs_in_caller", False):
+                lent = yield Blocking(_lend_tenant_file, (s,), tenant.name,
+                                      f"find the file of client {ch:#x}")
+                if lent is None:
+                    continue  # no process holds it any more: nothing of it runs
+            for i in range(0, len(handles), DISABLE_CHANNELS_MAX):
+                part = handles[i:i + DISABLE_CHANNELS_MAX]
+                pad = [0] * (DISABLE_CHANNELS_MAX - len(part))
+                try:
+                    st = yield from _control_on(
+                        broker, s, lent, ch, sub, NV2080_CTRL_CMD_FIFO_DISABLE_CHANNELS,
+                        bDisable=int(stop), numChannels=len(part),
+                        hClientList=[ch] * len(part) + pad, hChannelList=part + pad)
+                except Exception as e:  # an OSError of the driver call, a changed file, ...
+                    st, err = None, f"{type(e).__name__}: {e}"
+                else:
+                    err = "" if st == nvstatus.NV_OK else nvstatus.name(st)
+                if err:
+                    broker.audit.write("error", tenant=tenant.name, pid=s.caller.pid,
+                                       what="preemption",
+                                       reason=f"FIFO_DISABLE_CHANNELS bDisable={int(stop)} on "
+                                              f"{len(part)} channel(s) of client {ch:#x}, GPU "
+                                              f"{gpu}: {err}")
+                    continue
+                done.update((ch, h) for h in part)
+        finally:
+            if lent is not None and lent is not req:
+                lent.close()
+    return done
+
+
+def after_channel_alloc(ctx: Any, alloc: Any, handle: int, gpu: int | None) -> Steps:
+    """CLASSES[0xC86F].after (rules.py): a channel of a tenant that is stopped on this GPU
+    is stopped before the tenant has its handle (else a low tenant could make new contexts
+    to run between two looks of the watching task)."""
+    broker, s = ctx.broker, ctx.session
+    b = books(broker)
+    if gpu is None or (s.tenant.name, gpu) not in b.preempted:
+        return
+    done = yield from _stop(broker, s.tenant, gpu, {alloc.client.handle: [handle]}, True,
+                            ctx.req)
+    b.stopped.setdefault((s.tenant.name, gpu), set()).update(done)
+
+
+def preempt_all(broker: Any) -> Steps:
+    """Steps: stop the channels of low-priority tenants on every GPU where a high-priority
+    tenant holds channel groups, and let run again the ones the broker stopped elsewhere.
+    Returns whether anything is left to watch (a high tenant's groups, or stopped ones)."""
+    b = books(broker)
+    _discover(broker)
+    high = _high_gpus(broker)
+    for t in list(broker.tenants.values()):
+        low = getattr(t.policy, "priority", "normal") == "low" and not t.revoked
+        for gpu in sorted(set(t.gpus) | {k[1] for k in b.stopped if k[0] == t.name}):
+            key = (t.name, gpu)
+            chans = _channels_on(t, gpu)
+            live = {(c, h) for c, hs in chans.items() for h in hs}
+            first = low and bool(live) and key not in b.seen
+            if first:
+                b.seen.add(key)
+            held = b.stopped.get(key, set()) & live
+            if low and gpu in high:
+                todo: dict[int, list[int]] = {}
+                for c, h in sorted(live - held):
+                    todo.setdefault(c, []).append(h)
+                if todo:
+                    held |= yield from _stop(broker, t, gpu, todo, True)
+                if key not in b.preempted:
+                    b.preempted.add(key)
+                    holders = sorted({g.tenant for g in live_groups(broker) if g.gpu == gpu
+                                      and broker.tenants.get(g.tenant) is not None
+                                      and broker.tenants[g.tenant].policy.priority == "high"})
+                    broker.audit.write("preempt", tenant=t.name, what="compute priority",
+                                       reason=f"GPU {gpu}: {len(held)} channel(s) stopped: "
+                                              f"high-priority tenant(s) {', '.join(holders)} "
+                                              "hold channel groups there")
+                b.stopped[key] = held
+                continue
+            # let run what the broker stopped (the first pass: everything of low tenants,
+            # which a predecessor broker may have left stopped)
+            release = live if first else held
+            if release:
+                todo = {}
+                for c, h in sorted(release):
+                    todo.setdefault(c, []).append(h)
+                yield from _stop(broker, t, gpu, todo, False)
+            if key in b.preempted:
+                b.preempted.discard(key)
+                broker.audit.write("preempt", tenant=t.name, what="compute priority",
+                                   reason=f"GPU {gpu}: {len(held)} channel(s) running again: "
+                                          "no high-priority tenant holds channel groups there")
+            b.stopped.pop(key, None)
+    priorities = {getattr(t.policy, "priority", "normal") for t in broker.tenants.values()}
+    return bool(b.stopped) or {"high", "low"} <= priorities
+
+
+def schedule_preempt(broker: Any) -> None:
+    """Keep `preempt_all` running every PREEMPT_TICK_S while the policy has both high- and
+    low-priority tenants (or channels are stopped), in a background task: started when the
+    broker's trio run begins, by a high tenant's channel group and by policy changes."""
+    b = books(broker)
+    if b.watching or broker.spawn is None:
+        return
+    b.watching = True
+
+    async def task() -> None:
+        import trio
+
+        try:
+            while True:
+                if not await run_async(locked(preempt_all(broker)), broker.perform):
+                    return
+                await trio.sleep(PREEMPT_TICK_S)
+        finally:
+            b.watching = False
+
+    broker._start_soon(task)
+
+
 # --------------------------------------------------------------------------- status
 def tenant_status(broker: Any, t: Any) -> dict:
     """For `devbroker status`: the tenant's weight, priority, share of each GPU when every
@@ -443,4 +648,7 @@ def tenant_status(broker: Any, t: Any) -> dict:
                            if g.applied else None),
             "rewrites": g.rewrites, **({"error": g.error} if g.error else {}),
         } for g in groups],
+        **({"stopped": {str(gpu): len(chs) for (name, gpu), chs in books(broker).stopped.items()
+                        if name == t.name}}
+           if any(name == t.name for name, _gpu in books(broker).preempted) else {}),
     }}

@@ -224,6 +224,7 @@ class Broker:
         """Background tasks start in this trio run (call from inside it)."""
         self.spawn = start_soon
         self._trio_token = trio.lowlevel.current_trio_token()
+        compute.schedule_preempt(self)  # low-priority tenants yield to high ones (compute.py)
 
     def _start_soon(self, fn: Callable) -> None:
         """Start a background task from the trio thread or from a listener thread."""

@@ -336,7 +336,9 @@ CLASSES: dict[int, ClassRule] = {
     0xA06C: ClassRule("compute", "channel group (time-sliced with other tenants); its "
                       "timeslice and interleave level are set to the tenant's compute share "
                       "before the tenant has the handle", after=compute.after_alloc),
-    0xC86F: ClassRule("compute", "GPFIFO channel in the tenant's channel group"),
+    0xC86F: ClassRule("compute", "GPFIFO channel in the tenant's channel group; stopped "
+                      "before the tenant has the handle while the tenant is preempted "
+                      "(priority low next to a high tenant)", after=compute.after_channel_alloc),
     0xC8B5: ClassRule("compute", "copy engine object on the tenant's channel"),
     0xCBC0: ClassRule("compute", "compute engine object on the tenant's channel"),
     0xC661: ClassRule("compute", "usermode doorbell page (write-only)"),
