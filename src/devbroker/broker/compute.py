@@ -384,7 +384,12 @@ def schedule_apply(broker: Any) -> None:
 
     async def task() -> None:
         b.pending = False
-        await run_async(locked(apply_all(broker)), broker.perform)
+        try:
+            await run_async(locked(apply_all(broker)), broker.perform)
+        except Exception as e:  # a bug must cost this apply, never the broker
+            log.exception("compute: applying the policy's values failed")
+            broker.audit.write("error", what="compute share",
+                               reason=f"internal error: {type(e).__name__}: {e}")
 
     broker._start_soon(task)
 
@@ -619,7 +624,16 @@ def schedule_preempt(broker: Any) -> None:
 
         try:
             while True:
-                if not await run_async(locked(preempt_all(broker)), broker.perform):
+                try:
+                    more = await run_async(locked(preempt_all(broker)), broker.perform)
+                except Exception as e:  # a bug must cost the watch, never the broker
+                    log.exception("compute: preemption pass failed")
+                    broker.audit.write("error", what="preemption",
+                                       reason=f"internal error: {type(e).__name__}: {e}; "
+                                              "watching again at the next channel group or "
+                                              "policy change")
+                    more = False
+                if not more:
                     return
                 await trio.sleep(PREEMPT_TICK_S)
         finally:
