@@ -254,28 +254,24 @@ class NativeLane:
     # -- the callbacks (on the listener thread, GIL taken by ctypes) ---------------------
 
     def _on_ioctl(self, slot: int) -> int:
-        try:
-            t = self.threads[slot]
-            return self.sup._native_ioctl(t, t.call)
-        except Exception:  # a bug costs this call (EIO), never the listener
-            log.exception("native lane: deciding an ioctl failed")
-            return ACT_FAIL
+        return self._decide(slot, self.sup._native_ioctl, "deciding an ioctl", ACT_FAIL)
 
     def _on_check(self, slot: int) -> int:
-        try:
-            t = self.threads[slot]
-            return self.sup._native_check(t, t.call)
-        except Exception:
-            log.exception("native lane: checking a control's parameters failed")
-            return ACT_FAIL
+        return self._decide(slot, self.sup._native_check,
+                            "checking a control's parameters", ACT_FAIL)
 
     def _on_finish(self, slot: int) -> int:
+        return self._decide(slot, self.sup._native_finish, "finishing a control", -1)
+
+    def _decide(self, slot: int, step, what: str, failed: int) -> int:
+        """One callback's Python step for the thread in `slot`; an exception answers
+        `failed` (the loop then fails that call with EIO), never ends the listener."""
         try:
             t = self.threads[slot]
-            return self.sup._native_finish(t, t.call)
+            return step(t, t.call)
         except Exception:
-            log.exception("native lane: finishing a control failed")
-            return -1
+            log.exception("native lane: %s failed", what)
+            return failed
 
     # -- helpers for those -----------------------------------------------------------------
 
