@@ -433,3 +433,51 @@ def test_low_tenants_channels_stop_while_a_high_tenant_holds_a_group_and_run_aga
     assert any("FIFO_DISABLE_CHANNELS" in a.get("what", "") + a.get("reason", "")
                for a in denies), denies
     assert not [a for a in b.audit.recent if a["event"] == "error"]
+
+
+def _until(pred, what: str, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.1)
+
+
+def test_a_low_tenant_is_stopped_while_a_high_tenant_holds_a_context(start):
+    """The same with real tenant processes (`devbroker exec`, both front ends) and the
+    broker's watching task: a low tenant's channel is stopped within a look (0.25 s) of a
+    high tenant's channel group appearing, a channel it makes meanwhile is stopped at
+    once, its own FIFO_DISABLE_CHANNELS is refused, and everything runs again once the high
+    tenant's process is gone; `devbroker status` says so, the audit has both records."""
+    b = start(policy('priority = "high"', 'priority = "low"'))
+    plo, _ = _hold(b, "beta")
+    try:
+        assert _ask(plo, "channel")["status"] == nvs.NV_OK
+        time.sleep(0.5)
+        assert "stopped" not in b.tenant("beta")["compute"]  # no high tenant yet
+        phi, _ = _hold(b, "alpha")
+        try:
+            st = _until(lambda: b.tenant("beta")["compute"].get("stopped"),
+                        "the low tenant's channel stopped")
+            assert st == {"0": 1}, st
+            r = _ask(plo, "channel")  # made while stopped: stopped before it has the handle
+            assert r["status"] == nvs.NV_OK
+            assert b.tenant("beta")["compute"]["stopped"] == {"0": 2}
+            assert _ask(plo, "disable 0")["status"] != nvs.NV_OK  # not the tenant's to send
+            out = b.cli("status").stdout
+            assert "STOPPED for a high-priority tenant (gpu0: 2 channel(s))" in out, out
+        finally:
+            _quit(phi)
+        _until(lambda: "stopped" not in b.tenant("beta")["compute"],
+               "the low tenant running again after the high tenant left")
+    finally:
+        _quit(plo)
+    recs = [a for a in b.audit() if a["event"] == "preempt" and a["tenant"] == "beta"]
+    assert any("1 channel(s) stopped: high-priority tenant(s) alpha" in a["reason"]
+               for a in recs), recs
+    assert any("2 channel(s) running again" in a["reason"] for a in recs), recs
+    assert any(a["event"] == "deny" and "FIFO_DISABLE_CHANNELS" in a.get("reason", "")
+               + a.get("what", "") for a in b.audit()), "the tenant's own call not audited"
+    assert not [a for a in b.audit() if a["event"] == "error"]

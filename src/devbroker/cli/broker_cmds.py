@@ -240,7 +240,10 @@ def _share(t: dict) -> str:
     if not c:
         return "-"
     shares = ", ".join(f"gpu{g}: {100 * f:.0f}%" for g, f in c["share"].items()) or "-"
-    return f"{shares} (weight {c['weight']}), {c['priority']}"
+    # A low tenant preempted by a high one holding a context there (compute.preempt_all)
+    stopped = ", ".join(f"gpu{g}: {n} channel(s)" for g, n in c.get("stopped", {}).items())
+    return (f"{shares} (weight {c['weight']}), {c['priority']}"
+            + (f"; STOPPED for a high-priority tenant ({stopped})" if "stopped" in c else ""))
 
 
 def _human(n: int) -> str:

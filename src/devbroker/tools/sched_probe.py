@@ -4,7 +4,9 @@ scheduling controls on a channel group of the caller's own.
 
     python -m devbroker.tools.sched_probe probe     # one pass over the controls, JSON lines
     python -m devbroker.tools.sched_probe hold N    # N channel groups, then commands on stdin:
-        get | set US | level L | race THREADS ROUNDS | realtime | quit
+        get | set US | level L | race THREADS ROUNDS | realtime | policy
+        | channel (a GPFIFO channel in the first group: the emulated driver's)
+        | disable 0|1 (FIFO_DISABLE_CHANNELS on the tenant's own channels) | quit
 
 Used by the CI tests (tenants of the emulated driver) and by scripts/gpu/compute_shares.sh on
 the H200 (a plain process against the real driver, and tenants through devbroker). Every answer
@@ -26,6 +28,8 @@ ENGINE_GR0 = 1  # NV2080_ENGINE_TYPE_GRAPHICS (the compute runlist; CUDA's first
 SET_TIMESLICE, GET_TIMESLICE = 0xA06C0103, 0xA06C0104
 SET_LEVEL, GET_LEVEL, MAKE_REALTIME = 0xA06C0107, 0xA06C0108, 0xA06C0110
 GPFIFO_SCHEDULE = 0xA06C0101
+CHANNEL = 0xC86F  # HOPPER_CHANNEL_GPFIFO_A
+DISABLE_CHANNELS = 0x2080110B  # NV2080_CTRL_CMD_FIFO_DISABLE_CHANNELS
 RUNLIST_SET_SCHED_POLICY = 0x20801115
 SCHED_POLICY_CHANNEL_INTERLEAVED = 1
 SCHED_POLICY_RESTORE = 1
@@ -52,6 +56,7 @@ class Groups:
         self.g = self.c.open_gpu(self.c.attached_ids()[0])
         self.vaspace = 0
         self.handles: list[int] = []
+        self.channels: list[int] = []
         self.lock = threading.Lock()
 
     def alloc(self) -> int:
@@ -171,6 +176,20 @@ def hold(n: str) -> None:
             for t in ts:
                 t.join()
             out(what="race", failed=bad[:10], timeslices=[gs.get(h)[1] for h in gs.handles])
+        elif cmd == "channel":  # one GPFIFO channel in the first group (emulated driver)
+            p = gs.c.new("NV_CHANNEL_ALLOC_PARAMS")
+            st, h = status_of(gs.c.alloc, gs.handles[0], CHANNEL, p)
+            if st == nvs.NV_OK:
+                gs.channels.append(h)
+            out(what="channel", status=st, channels=gs.channels)
+        elif cmd == "disable":  # the tenant's own FIFO_DISABLE_CHANNELS on its channels
+            n = len(gs.channels)
+            st, _ = status_of(gs.c.control, gs.g["hsubdevice"], DISABLE_CHANNELS,
+                              gs.c.params(DISABLE_CHANNELS, bDisable=int(args[0]),
+                                          numChannels=n,
+                                          hClientList=[gs.c.hclient] * n + [0] * (64 - n),
+                                          hChannelList=gs.channels + [0] * (64 - n)))
+            out(what="disable", status=st)
         elif cmd == "realtime":
             out(what="realtime", status=status_of(gs.control, gs.handles[0], MAKE_REALTIME,
                                                   bRealtime=1)[0])
