@@ -149,17 +149,22 @@ def fb_get_info_v2(backend, client, obj, p):
     n = p.fbInfoListSize
     if n > p.spec.by_name["fbInfoList"].count:
         return nvs.NV_ERR_INVALID_ARGUMENT, p
-    changes = {}
+    # On the table's bytes: NVML and CUDA send this often, for 1-3 of its 128 entries.
+    f = p.spec.by_name["fbInfoList"]
+    es = f.size // f.count
+    at_index, at_data = f.elem.by_name["index"].offset, f.elem.by_name["data"].offset
+    table = bytearray(p.raw_field("fbInfoList"))
     for i in range(n):
-        e = p.element("fbInfoList", i)
-        value = _fb_value(backend, obj.gpu, e.index)
+        base = i * es
+        index = int.from_bytes(table[base + at_index:base + at_index + 4], "little")
+        value = _fb_value(backend, obj.gpu, index)
         if value is None:
             # One unmodelled index makes the whole call unsupported: never a made-up value.
-            backend._note(("fbinfo", e.index),
-                          f"emulator: FB info index {e.index:#x} is not modelled")
+            backend._note(("fbinfo", index),
+                          f"emulator: FB info index {index:#x} is not modelled")
             return nvs.NV_ERR_NOT_SUPPORTED, p
-        changes[i] = e.replace(data=min(value, 0xFFFFFFFF))
-    return nvs.NV_OK, p.replace_elements("fbInfoList", changes)
+        table[base + at_data:base + at_data + 4] = min(value, 0xFFFFFFFF).to_bytes(4, "little")
+    return nvs.NV_OK, p.replace(fbInfoList=bytes(table))
 
 
 @control(0x20800110)  # NV2080_CTRL_CMD_GPU_GET_NAME_STRING

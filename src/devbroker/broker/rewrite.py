@@ -269,6 +269,17 @@ class TablePatch:
     count_offset: int
     values: tuple[tuple[int, int], ...]  # (index, value)
 
+    def apply_block(self, params: bytearray) -> bool:
+        """Patch a whole parameter block in place (what native/lane.c's apply_patch does):
+        the count read from the block, bounded by the table's capacity."""
+        count = int.from_bytes(params[self.count_offset:self.count_offset + 4], "little")
+        end = self.table_offset + self.capacity * self.entry_size
+        table = bytearray(params[self.table_offset:end])
+        if not self.apply_table(table, count):
+            return False
+        params[self.table_offset:end] = table
+        return True
+
     def apply_table(self, table: bytearray, count: int) -> bool:
         """Patch the table's own bytes, `count` entries asked for."""
         values = dict(self.values)

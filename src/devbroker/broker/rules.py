@@ -664,6 +664,14 @@ REFUSED_CONTROLS: dict[int, str] = {
 }
 
 
+# Controls the broker sends itself and tenants never may (each is in REFUSED_CONTROLS too),
+# with what for: the emulator models them for the broker's own calls.
+BROKER_CONTROLS: dict[int, str] = {
+    0x2080110B: "FIFO_DISABLE_CHANNELS: a low-priority tenant's own channels stopped while a "
+                "high-priority tenant holds a context on the GPU (compute.preempt_all)",
+}
+
+
 # Controls a tenant's client sends that act on the whole GPU, for every tenant: the broker
 # answers NV_OK itself and the driver never sees them. (CUDA sends PERF_BOOST at context
 # creation and refuses to start when it fails: seen on the H200 through the seccomp front
