@@ -6,10 +6,8 @@
 set -u
 REPO=$(cd "$(dirname "$0")/../.." && pwd); cd "$REPO"
 . scripts/gpu/lib.sh
-gpu_run_start launch-probe
+probe_start launch-probe
 RUN=/run/devbroker-launch
-install_wheels
-"$PY" -m devbroker.native >/dev/null || echo "native loop did not build"
 CHK="$PY scripts/gpu/cuda_checks.py"
 probe_broker "$RUN" scripts/gpu/h200-cuda-policy.toml "$W/audit.log" "$W/broker.log"
 for i in 1 2 3; do

@@ -57,6 +57,14 @@ PYX
   tail -5 "$W/escape-$fe.err"
 }
 
+# probe_start NAME: what the short probes (launch, nvml, wake) begin with: gpu_run_start,
+# the carried wheels, and the native listener loop built (its absence is said, not fatal).
+probe_start() {
+  gpu_run_start "$1"
+  install_wheels
+  "$PY" -m devbroker.native >/dev/null || echo "native loop did not build"
+}
+
 # The probes' broker and tenant (lane_probe.sh, nvml_probe.sh, launch_probe.sh):
 # probe_broker RUN POLICY AUDIT LOG starts `devbroker run --backend real` in the background
 # ($BROKER; environment assignments before the call reach it) and waits for its sockets;

@@ -9,11 +9,9 @@
 set -u
 REPO=$(cd "$(dirname "$0")/../.." && pwd); cd "$REPO"
 . scripts/gpu/lib.sh
-gpu_run_start nvml-probe
+probe_start nvml-probe
 RUN=/run/devbroker-nvml
 METRICS=http://127.0.0.1:9464/metrics
-install_wheels
-"$PY" -m devbroker.native >/dev/null || echo "native loop did not build"
 CHK="$PY scripts/gpu/cuda_checks.py"
 # systime.so (scripts/gpu/systime.c): each process's wall time in open/ioctl/mmap/close,
 # NVIDIA files apart, natively and in the tenant (what the broker's metrics cannot see).

@@ -10,9 +10,7 @@
 set -u
 REPO=$(cd "$(dirname "$0")/../.." && pwd); cd "$REPO"
 . scripts/gpu/lib.sh
-gpu_run_start wake-probe
-install_wheels
-"$PY" -m devbroker.native >/dev/null || echo "native loop did not build"
+probe_start wake-probe
 CHK="$PY scripts/gpu/cuda_checks.py"
 TC="$PY scripts/gpu/tenant_checks.py"
 measure() { local tag=$1 run=$2  # run: "" natively, "ptexec" in the tenant

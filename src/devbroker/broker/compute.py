@@ -469,14 +469,15 @@ def _lend_tenant_file(s: Any) -> Any:
 # to that client's own subdevice, on the tenant's own file, from a thread without the
 # driver-checked capabilities: what any tenant could do to itself.
 
-def _high_gpus(broker: Any) -> set[int]:
-    out = set()
+def _high_holders(broker: Any) -> dict[int, list[str]]:
+    """GPU -> the high-priority tenants holding channel groups there (sorted)."""
+    out: dict[int, set[str]] = {}
     for g in live_groups(broker):
         t = broker.tenants.get(g.tenant)
         if t is not None and getattr(t.policy, "priority", "normal") == "high" \
                 and g.gpu is not None:
-            out.add(g.gpu)
-    return out
+            out.setdefault(g.gpu, set()).add(g.tenant)
+    return {gpu: sorted(names) for gpu, names in out.items()}
 
 
 def _channels_on(tenant: Any, gpu: int) -> dict[int, list[int]]:
@@ -564,7 +565,7 @@ def preempt_all(broker: Any) -> Steps:
     Returns whether anything is left to watch (a high tenant's groups, or stopped ones)."""
     b = books(broker)
     _discover(broker)
-    high = _high_gpus(broker)
+    high = _high_holders(broker)
     for t in list(broker.tenants.values()):
         low = getattr(t.policy, "priority", "normal") == "low" and not t.revoked
         for gpu in sorted(set(t.gpus) | {k[1] for k in b.stopped if k[0] == t.name}):
@@ -583,12 +584,9 @@ def preempt_all(broker: Any) -> Steps:
                     held |= yield from _stop(broker, t, gpu, todo, True)
                 if key not in b.preempted:
                     b.preempted.add(key)
-                    holders = sorted({g.tenant for g in live_groups(broker) if g.gpu == gpu
-                                      and broker.tenants.get(g.tenant) is not None
-                                      and broker.tenants[g.tenant].policy.priority == "high"})
                     broker.audit.write("preempt", tenant=t.name, what="compute priority",
                                        reason=f"GPU {gpu}: {len(held)} channel(s) stopped: "
-                                              f"high-priority tenant(s) {', '.join(holders)} "
+                                              f"high-priority tenant(s) {', '.join(high[gpu])} "
                                               "hold channel groups there")
                 b.stopped[key] = held
                 continue
