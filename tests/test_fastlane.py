@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -85,7 +87,7 @@ def test_rows_with_answers_runs_or_charges_are_never_laned_and_pre_hooks_only_ch
 SPIN = {"DEVBROKER_SECCOMP_SYNC_WAKE": "0", "DEVBROKER_SECCOMP_SPIN_US": "100"}
 
 
-def _run(start_broker, traces_dir, lane: bool, frontend: str):
+def _run(start_broker, traces_dir, lane: bool, frontend: str, prog: str = "fastlane_prog.py"):
     env = {"DEVBROKER_CONTROL_LANE": "1" if lane else "0", "DEVBROKER_NATIVE_LANE": "1"}
     if frontend == "seccomp-spin":
         frontend = "seccomp"
@@ -104,8 +106,9 @@ def _run(start_broker, traces_dir, lane: bool, frontend: str):
             else:
                 os.environ[k] = v
     b.frontend = frontend
-    traces = [str(traces_dir / f"h200-580.159.04-{n}.nvtrace") for n in ("torch", "nvml")]
-    r = b.exec("t", sys.executable, str(HERE / "fastlane_prog.py"), *traces, timeout=180)
+    args = ([str(traces_dir / f"h200-580.159.04-{n}.nvtrace") for n in ("torch", "nvml")]
+            if prog == "fastlane_prog.py" else [])
+    r = b.exec("t", sys.executable, str(HERE / prog), *args, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
     assert lines and lines[-1]["what"] == "done", r.stdout + r.stderr
@@ -115,7 +118,8 @@ def _run(start_broker, traces_dir, lane: bool, frontend: str):
         want = ("native loop (" if env["DEVBROKER_NATIVE_LANE"] == "1" and lane
                 else "Python loop (")
         assert f"seccomp listeners: {want}" in started, started
-    st_fast = b.status().get("control_lane", {}).get("admitted", 0)
+    st = b.status().get("control_lane", {})
+    st_fast = st.get("admitted", 0)
     shown = b.cli("status").stdout  # what the operator sees
     assert f"control lane: {st_fast} calls" in shown, shown
     b.stop()
@@ -130,6 +134,8 @@ def _run(start_broker, traces_dir, lane: bool, frontend: str):
     else:
         assert native == 0, native
     denies = [a for a in b.audit() if a.get("event") == "deny"]
+    if prog != "fastlane_prog.py":
+        return lines[:-1], lines[-1], st, denies
     return lines[:-1], lines[-1]["controls"], fast, denies
 
 
@@ -329,3 +335,226 @@ def test_checked_control_racing_thread_never_reaches_another_gpu(start_broker, f
     denies = [a for a in b.audit() if a.get("event") == "deny" and "0x7" in a.get("reason", "")]
     assert denies, "the refusals were not audited"
 
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("frontend", ["seccomp", "seccomp-python", "fuse"])
+def test_allocation_lane_answers_as_the_general_path(start_broker, traces_dir, frontend):
+    """The allocation lane (ControlLane._admit_alloc): the same answers, handles, parameter
+    blocks and refusals with the lane on and off, the lane's objects in the books (used as
+    parents, freed again: RM_FREE of an object the books do not hold is refused), and the
+    lane took the allocations it may take and none of the others."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (tenant sandbox)")
+    on, done_on, st_on, denies_on = _run(start_broker, traces_dir, True, frontend,
+                                         "alloclane_prog.py")
+    off, done_off, st_off, denies_off = _run(start_broker, traces_dir, False, frontend,
+                                             "alloclane_prog.py")
+    assert on == off, [(a, b) for a, b in zip(on, off) if a != b][:5]
+    assert done_on == done_off and done_on["made"] >= 8, done_on
+    by_what = {x["what"]: x for x in on}
+    ok = lambda w: by_what[w]["errno"] == 0 and by_what[w]["status"] == 0  # noqa: E731
+    for w in ("shared-data", "shared-data-sized", "shared-data-nvos21", "second-subdevice",
+              "channel-group", "channel-0", "channel-1", "channel-2"):
+        assert ok(w), by_what[w]
+    # the emulator's (the driver's) own answers through the lane
+    assert by_what["channel-under-channel"]["status"] != 0  # a channel's parent is a group
+    assert by_what["vaspace"]["status"] != 0  # allowed, not modelled: NOT_SUPPORTED
+    # refusals of the general path, audited alike with the lane on and off
+    for w in ("foreign-client", "foreign-parent", "duplicate-handle", "debugger-foreign",
+              "unlisted-class"):
+        assert by_what[w]["status"] != 0 or by_what[w]["errno"], by_what[w]
+    frees = [x for x in on if x["what"] == "free"]
+    assert len(frees) == done_on["made"] and all(x["status"] == 0 for x in frees), frees
+    what = lambda ds: sorted(d.get("what", "") for d in ds)  # noqa: E731
+    assert what(denies_on) == what(denies_off)
+    assert any("RM_ALLOC" in d.get("what", "") for d in denies_on), denies_on
+    # laned: shared data x3, the subdevice of open_gpu and the second one, the three
+    # channels and the one under a channel, the VA space, sysmem and debugger-own (both
+    # checked): 12; the rest (the device, the group, refusals, rights, NULL, wrong size, a
+    # pointer set) went the general way
+    print("allocation lane:", st_on, [(x["what"], x["status"]) for x in on][:24])
+    # device memory: the quota holds with the lane as without it (four 2 GiB blocks of the
+    # 8 GiB, not a fifth nor one byte more, again after a free)
+    for w in ("vidmem-0", "vidmem-1", "vidmem-2", "vidmem-3", "vidmem-free", "vidmem-again"):
+        assert ok(w) if w != "vidmem-free" else by_what[w]["status"] == 0, by_what[w]
+    for w in ("vidmem-over-quota", "vidmem-one-byte-over"):
+        assert by_what[w]["status"] != 0, by_what[w]
+    assert sum("quota" in d.get("reason", "") for d in denies_on) == 2, denies_on
+    assert st_off.get("allocations", 0) == 0
+    # + the five device-memory blocks the quota let through (the two over it were
+    # declined at the check, the one with an address set at admission)
+    assert st_on.get("allocations") == 17, st_on
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("frontend", ["seccomp", "fuse"])
+def test_allocation_lane_quota_holds_against_racing_threads(start_broker, frontend):
+    """Three tenant processes (each with its own seccomp listener) of eight threads each
+    allocate 1 GiB blocks at one wall-clock instant (96 asked, 8 GiB quota) and hold them:
+    with the allocation lane taking device memory, exactly eight are made — the quota test
+    and the hold of the bytes are one step under the state lock, so two listeners cannot
+    both fit in the same free space."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (tenant sandbox)")
+    b = start_broker(POLICY)
+    b.frontend = frontend
+    start_at = time.time() + 3
+    procs = [b.exec_popen("t", sys.executable, str(HERE / "alloclane_prog.py"), "race",
+                          f"{start_at:.3f}", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    got = [json.loads(o.strip().splitlines()[-1]) for o, _e in outs]
+    assert sum(g["made"] for g in got) == 8 and sum(g["refused"] for g in got) == 88, got
+    assert b.status()["control_lane"]["allocations"] >= 8  # the lane made them
+    assert sum(1 for a in b.audit() if "quota" in a.get("reason", "")) == 88
+
+
+def test_allocation_lane_holds_the_quota_between_check_and_finish():
+    """Two device-memory allocations admitted and checked before either reaches the driver
+    (two listener threads, interleaved): the first one's bytes are held in the books from
+    its check, so the second — which would fit the free space alone — is sent the general
+    way (which refuses it, audited); `release` gives the hold back when the first never
+    reaches finish, and `finish` turns it into the object's charge when it does."""
+    import ctypes
+
+    import trio
+
+    from devbroker.testing.inproc import InProcTenant, make_broker
+
+    b = make_broker(one_h200(tenant("t", memory_quota="8GiB",
+                                    capabilities=["nvml", "compute", "uvm"])))
+    t = InProcTenant(b, "t", pid=6001)
+    ctl, client, dev, _sub = trio.run(t.subdevice)
+    lane, abi = b.control_lane, t.abi
+    cmd = abi.escape_cmd("NV_ESC_RM_ALLOC", abi.struct("NVOS64_PARAMETERS").size)
+    block = abi.rm_class(0x40).params
+    keep = []
+
+    def admitted(handle: int, size: int):
+        params = block.decode(bytes(block.size)).replace(owner=client, size=size).encode()
+        buf = ctypes.create_string_buffer(params, len(params))
+        keep.append(buf)
+        hdr = t.new("NVOS64_PARAMETERS", hRoot=client, hObjectParent=dev, hObjectNew=handle,
+                    hClass=0x40, pAllocParms=ctypes.addressof(buf)).encode()
+        adm = lane.admit(t.fds[ctl], t.caller, cmd, hdr)
+        assert adm is not None and adm.alloc is not None and adm.checked
+        return adm, hdr, bytearray(params)
+
+    used = lambda: b.tenants["t"].used()[0]  # noqa: E731
+    a1, h1, p1 = admitted(0xE1, 6 << 30)
+    a2, _h2, p2 = admitted(0xE2, 6 << 30)
+    assert lane.check(a1, p1) and used() == 6 << 30  # held from the check
+    assert not lane.check(a2, p2)  # 6 + 6 > 8 GiB: the general way (which refuses)
+    lane.release(a1)  # the first never reached the driver (e.g. its caller went away)
+    lane.release(a1)  # (twice is harmless)
+    assert used() == 0
+    a3, h3, p3 = admitted(0xE3, 6 << 30)
+    assert lane.check(a3, p3)
+    ret, err, hdr_out = b.backend.run_control(b.sessions[t.fds[ctl]].file, -1, h3, p3,
+                                              a3.header, abi)
+    out = lane.finish(a3, h3, bytes(p3), ret, err, hdr_out, p3)
+    assert int.from_bytes(hdr_out[40:44], "little") == 0 and len(out) == block.size
+    obj = b.tenants["t"].clients[client].objects[0xE3]
+    assert obj.charged == 6 << 30 and used() == 6 << 30  # the hold became the charge
+    assert not [h for h in b.tenants["t"].clients[client].objects if h < 0]  # no holds left
+
+
+def test_continue_lane_takes_the_rm_escapes_bound_to_the_caller_as_the_general_steps():
+    """The RM escapes the driver binds to the calling process (RM_MAP_MEMORY, the OS events,
+    UNMAP, UPDATE_DEVICE_MAPPING_INFO) on files that live in the tenant: the continue lane
+    admits each exactly when the general steps answer "run in the caller" — own client,
+    objects and files; another tenant's client, object or file; an object that is no
+    device or memory of the client; fd -1 (none), a file that is not NVIDIA's; a GPU taken
+    away by a policy change."""
+    import ctypes
+
+    from devbroker.abi.nodes import NodeKind
+    from devbroker.backends.tenantfile import TenantFile
+    from devbroker.broker.effects import perform_blocking, run_blocking
+    from devbroker.broker.interface import Caller, IoctlRequest, OpenRequest
+    from devbroker.testing.inproc import OwnMemory, make_broker
+    from devbroker.testing.policies import two_h200
+
+    abi = registry.get("580.159.04")
+    caps = ["nvml", "compute", "uvm"]
+    b = make_broker(two_h200(tenant("alice", gpus=[0, 1], capabilities=caps),
+                             tenant("bob", gpus=[1], capabilities=caps)))
+    caller = Caller(4242, 4242, 0, 0, "pid:[1]")
+    sids = {}
+    for who, node, minor, key in (("alice", NodeKind.CTL, 0, 1), ("alice", NodeKind.GPU, 0, 2),
+                                  ("alice", NodeKind.GPU, 1, 3), ("bob", NodeKind.CTL, 0, 4),
+                                  ("bob", NodeKind.GPU, 1, 5)):
+        sid = b.open_now(OpenRequest(caller, who, node, minor)).session
+        b.sessions[sid].file = TenantFile(node, minor, f"/dev/x{key}", (9, key))
+        sids[(who, node, minor)] = sid
+    fds = {10: sids[("alice", NodeKind.CTL, 0)], 11: sids[("alice", NodeKind.GPU, 0)],
+           12: sids[("alice", NodeKind.GPU, 1)], 20: sids[("bob", NodeKind.GPU, 1)]}
+    mine = b.clients.new(b.sessions[fds[10]], 0xC1D00001)
+    theirs = b.clients.new(b.sessions[sids[("bob", NodeKind.CTL, 0)]], 0xC1D00002)
+    for c, gpu in ((mine, 0), (theirs, 1)):
+        c.add(0xA0, 0x80, c.handle, gpu=gpu)
+        c.add(0xA1, 0x80, c.handle, gpu=1)
+        c.add(0xB0, 0x40, 0xA0, gpu=gpu)
+        c.add(0xB1, 0x40, 0xA1, gpu=1)
+    M, U, E, F = ("NV_ESC_RM_MAP_MEMORY", "NV_ESC_RM_UNMAP_MEMORY", "NV_ESC_ALLOC_OS_EVENT",
+                  "NV_ESC_FREE_OS_EVENT")
+
+    def arg(name, **kw):
+        spec = abi.escape(name).params
+        v = spec.decode(bytes(spec.size))
+        inner = {k[2:]: kw.pop(k) for k in list(kw) if k.startswith("p_")}
+        if inner:
+            v = v.replace(params=v.params.replace(**inner))
+        return v.replace(**kw).encode()
+
+    own = dict(p_hClient=mine.handle, p_hDevice=0xA0, p_hMemory=0xB0)
+    cases = [
+        ("map-own", 11, M, arg(M, fd=11, **own)),
+        ("map-own-ctl-fd", 10, M, arg(M, fd=10, **own)),
+        ("map-no-fd", 11, M, arg(M, fd=-1, **own)),
+        ("map-foreign-fd", 11, M, arg(M, fd=20, **own)),
+        ("map-not-nvidia-fd", 11, M, arg(M, fd=7, **own)),
+        ("map-negative-fd", 11, M, arg(M, fd=-5, **own)),
+        ("map-foreign-client", 11, M, arg(M, fd=11, p_hClient=theirs.handle, p_hDevice=0xA0,
+                                          p_hMemory=0xB0)),
+        ("map-no-such-memory", 11, M, arg(M, fd=11, **{**own, "p_hMemory": 0xBEEF})),
+        ("map-zero-client", 11, M, arg(M, fd=11, **{**own, "p_hClient": 0})),
+        ("map-gpu1", 12, M, arg(M, fd=12, p_hClient=mine.handle, p_hDevice=0xA1,
+                                p_hMemory=0xB1)),
+        ("unmap-own", 11, U, arg(U, hClient=mine.handle, hDevice=0xA0, hMemory=0xB0)),
+        ("unmap-foreign", 11, U, arg(U, hClient=theirs.handle, hDevice=0xA0, hMemory=0xB0)),
+        ("event-own", 10, E, arg(E, hClient=mine.handle, hDevice=0xA0, fd=10)),
+        ("event-foreign-client", 10, E, arg(E, hClient=theirs.handle, hDevice=0xA0, fd=10)),
+        ("event-foreign-fd", 10, E, arg(E, hClient=mine.handle, hDevice=0xA0, fd=20)),
+        ("free-event-own", 10, F, arg(F, hClient=mine.handle, hDevice=0xA0, fd=10)),
+    ]
+    lane = b.continue_lane
+
+    def decide(fd, name, data):
+        sid = fds[fd]
+        cmd = abi.escape_cmd(name, len(data))
+        size = lane.arg_size(sid, cmd)
+        ok = size is not None and lane.admit(sid, caller, cmd, data[:size],
+                                             resolve_fd=fds.get)
+        buf = ctypes.create_string_buffer(data, len(data))
+        req = IoctlRequest(caller, sid, cmd, ctypes.addressof(buf), data, OwnMemory(),
+                           lambda n: fds.get(n))
+        rep = run_blocking(b.ioctl_steps(req), lambda e: perform_blocking(e, b.memgate))
+        return ok, rep.run_in_caller
+
+    got = {what: decide(fd, name, data) for what, fd, name, data in cases}
+    assert all(lane_ok == general for lane_ok, general in got.values()), got
+    continued = {w for w, (ok, _g) in got.items() if ok}
+    assert continued == {"map-own", "map-own-ctl-fd", "map-no-fd", "map-gpu1", "unmap-own",
+                         "event-own", "free-event-own"}, continued
+    # GPU 1 taken from alice by a policy change: her objects there are refused the same way
+    from devbroker.broker.policy import load_policy_text
+
+    b.apply_policy(load_policy_text(two_h200(tenant("alice", gpus=[0], capabilities=caps),
+                                             tenant("bob", gpus=[1], capabilities=caps)),
+                                    "test"))
+    ok, general = decide(11, M, arg(M, fd=11, p_hClient=mine.handle, p_hDevice=0xA1,
+                                    p_hMemory=0xB1))
+    assert ok is False and general is False

@@ -17,7 +17,7 @@ CHK="$PY scripts/gpu/cuda_checks.py"
 # NVIDIA files apart, natively and in the tenant (what the broker's metrics cannot see).
 ST=/tmp/systime; rm -rf $ST; mkdir -p $ST; chmod 1777 $ST  # (bound into the tenant writable)
 cc -O2 -shared -fPIC -o /tmp/site/systime.so scripts/gpu/systime.c -ldl || echo "systime.so did not build"
-shim() { env LD_PRELOAD=/tmp/site/systime.so SYSTIME_OUT=$ST/$1.jsonl "${@:2}"; }
+shim() { env LD_PRELOAD=/tmp/site/systime.so SYSTIME_KINDS=1 SYSTIME_OUT=$ST/$1.jsonl "${@:2}"; }
 put native_nvml_seq "$(shim native-nvml "$PY" scripts/gpu/tenant_checks.py bench-nvml 30 2>&1 | last)"
 for i in 1 2 3; do put "native_init$i" "$(shim native-init$i $CHK init 2>&1 | last)"; done
 POL="$W/policy.toml"
@@ -31,10 +31,23 @@ put dev_nvml_seq "$(ptexec env LD_PRELOAD=/tmp/site/systime.so SYSTIME_OUT=$ST/d
 "$PY" scripts/gpu/calls.py snap $METRICS "$W/m1.json"
 put dev_nvml_listener "$(grep '"tenant-detached"' "$W/audit.log" | tail -1)"
 step "CUDA init + first allocation x3 through devbroker"
-for i in 1 2 3; do put "dev_init$i" "$(ptexec env LD_PRELOAD=/tmp/site/systime.so SYSTIME_OUT=$ST/dev-init$i.jsonl $CHK init 2>&1 | last)"; done
+for i in 1 2 3; do put "dev_init$i" "$(ptexec env LD_PRELOAD=/tmp/site/systime.so SYSTIME_KINDS=1 SYSTIME_OUT=$ST/dev-init$i.jsonl $CHK init 2>&1 | last)"; done
 "$PY" scripts/gpu/calls.py snap $METRICS "$W/m2.json"
 put dev_init_listener "$(grep '"tenant-detached"' "$W/audit.log" | tail -1)"
+SPY=/tmp/site/bin/py-spy
+if [ -x $SPY ]; then
+  step "a fourth CUDA init through devbroker under py-spy (not timed)"
+  $SPY record --nonblocking -p $BROKER -d 8 -r 2000 -f raw --threads -o "$W/prof_init.txt" > /dev/null 2>&1 &
+  SPYP=$!; sleep 0.5
+  ptexec $CHK init 2>&1 | last
+  wait $SPYP
+  "$PY" scripts/gpu/spysum.py "$W/prof_init.txt" | tee "$OUT/prof_init.summary" | head -45
+fi
 kill -TERM $BROKER; wait $BROKER
+# what went wrong, if anything: the broker's last lines and its non-refusal audit records
+step "the broker's last lines, and its audit records other than refusals"
+tail -40 "$W/broker.log"
+grep -v '"event": "deny"' "$W/audit.log" | grep -v tenant-detached | tail -30
 step "per-call broker time: NVML sequence"
 "$PY" scripts/gpu/calls.py diff "$W/m0.json" "$W/m1.json" 31 | tee "$OUT/nvml-calls.txt"
 step "per-call broker time: CUDA init (import included)"
@@ -54,6 +67,8 @@ for a, b in [("native-nvml", "dev-nvml")] + [(f"native-init{i}", f"dev-init{i}")
     print(f"{a} vs {b}: " + "; ".join(
         f"{k} {n[k][1]:.1f}/{d[k][1]:.1f} ms ({n[k][0]}/{d[k][0]})" for k in rows))
 PYX
+step "CUDA init per call kind (systime.so): what the broker adds to each kind, per run"
+"$PY" scripts/gpu/calls.py kinds $ST native-init dev-init "$(cat /sys/module/nvidia/version 2>/dev/null)" | tee "$OUT/kinds.txt"
 cp $ST/*.jsonl "$W/" 2>/dev/null
 step "summary"
 "$PY" - "$RES" <<'PYX'

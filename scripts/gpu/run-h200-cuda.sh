@@ -140,28 +140,16 @@ for i in $(seq 1 150); do [ -S "$RUN/seccomp.sock" ] && [ -S "$RUN/control.sock"
 sleep 0.5
 SPY=/tmp/site/bin/py-spy
 if [ -x $SPY ]; then
-  $SPY record -p $BROKER -d 6 -r 2000 -f raw --threads -o "$W/prof_control.txt" > /dev/null 2>&1 &
+  $SPY record --nonblocking -p $BROKER -d 6 -r 2000 -f raw --threads -o "$W/prof_control.txt" > /dev/null 2>&1 &
   SPYP=$!; sleep 0.5
   texec c16 "$PY" scripts/gpu/tenant_checks.py bench-control 3000 2>&1 | last
   wait $SPYP
-  $SPY record -p $BROKER -d 10 -r 2000 -f raw --threads -o "$W/prof_init.txt" > /dev/null 2>&1 &
+  $SPY record --nonblocking -p $BROKER -d 10 -r 2000 -f raw --threads -o "$W/prof_init.txt" > /dev/null 2>&1 &
   SPYP=$!; sleep 0.5
   texec c16 $CHK init 2>&1 | last
   wait $SPYP
   put dev_init_listener "$(grep '"tenant-detached"' "$W/audit2.log" | tail -1)"
-  for f in prof_control prof_init; do "$PY" - "$W/$f.txt" > "$W/$f.summary" <<'PYS'
-import collections, sys
-selfc = collections.Counter(); incl = collections.Counter(); tot = 0
-for line in open(sys.argv[1]):
-    stack, _, n = line.rstrip().rpartition(' ')
-    n = int(n); tot += n
-    fr = stack.split(';')
-    selfc[fr[-1]] += n
-    for f in set(fr): incl[f] += n
-print("samples", tot)
-for f, n in selfc.most_common(30): print(f"{n*100/tot:5.1f}% self {f[:160]}")
-for f, n in incl.most_common(60): print(f"{n*100/tot:5.1f}% incl {f[:160]}")
-PYS
+  for f in prof_control prof_init; do "$PY" scripts/gpu/spysum.py "$W/$f.txt" > "$W/$f.summary"
   head -40 "$W/$f.summary"; done
 fi
 put dev_bench "$(texec c16 $CHK bench 2>&1 | tail -5)"

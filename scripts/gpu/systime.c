@@ -5,11 +5,16 @@
  * same program natively and in a devbroker tenant: the difference per row is what the
  * broker's interception costs there, including what its own per-call metrics cannot see
  * (waiting for a listener to pick the notification up, the answer's wake-up).
+ * With $SYSTIME_KINDS set, the NVIDIA ioctls are also counted per kind — the escape, the
+ * class of an RM_ALLOC, the control of an RM_CONTROL, the command of a UVM call — and the
+ * line gains "kinds": [[key, count, ms], ...] (key: "F<nr>", "F<nr>/<class or control>",
+ * or "U<command>", hex), so native and devbroker can be compared call kind by call kind.
  *   cc -O2 -shared -fPIC -o systime.so systime.c -ldl
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -36,6 +41,39 @@ static void add(int row, int64_t t0)
 {
     __atomic_add_fetch(&ns[row], now() - t0, __ATOMIC_RELAXED);
     __atomic_add_fetch(&count[row], 1, __ATOMIC_RELAXED);
+}
+
+/* per-kind table (SYSTIME_KINDS): open addressing, a mutex (a diagnostic; the mutex costs
+ * far less than the ioctl it is taken around) */
+#define KINDS 1024
+static struct { uint64_t key; int64_t n, ns; } kinds[KINDS];
+static pthread_mutex_t kinds_lock = PTHREAD_MUTEX_INITIALIZER;
+static int kinds_on = -1;
+
+static uint64_t kind_of(unsigned long req, const void *arg)
+{
+    unsigned type = (req >> 8) & 0xff, nr = req & 0xff;
+    if (type != 'F')
+        return (1ull << 63) | (uint32_t)req; /* UVM: the command number */
+    uint64_t key = (uint64_t)nr << 32;
+    if (arg && (nr == 0x2a || nr == 0x2b)) /* RM_CONTROL: cmd at 8; RM_ALLOC: hClass at 12 */
+        key |= (1ull << 62) | *(const uint32_t *)((const char *)arg + (nr == 0x2a ? 8 : 12));
+    return key;
+}
+
+static void add_kind(uint64_t key, int64_t dt)
+{
+    pthread_mutex_lock(&kinds_lock);
+    for (unsigned i = (unsigned)(key * 0x9E3779B97F4A7C15ull >> 54), j = 0; j < KINDS;
+         i = (i + 1) % KINDS, j++) {
+        if (kinds[i].n == 0 || kinds[i].key == key) {
+            kinds[i].key = key;
+            kinds[i].n++;
+            kinds[i].ns += dt;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&kinds_lock);
 }
 
 static int is_nv(const char *p) { return p && strncmp(p, "/dev/nvidia", 11) == 0; }
@@ -92,9 +130,16 @@ int ioctl(int fd, unsigned long req, ...)
     void *arg = va_arg(a, void *);
     va_end(a);
     REAL(ioctl, int, int, unsigned long, ...);
+    if (kinds_on < 0)
+        kinds_on = getenv("SYSTIME_KINDS") != NULL;
+    int nv = nv_fd(fd);
+    /* (read before the call: the driver may change the argument) */
+    uint64_t key = nv && kinds_on ? kind_of(req, arg) : 0;
     int64_t t0 = now();
     int r = real_ioctl(fd, req, arg);
-    add(nv_fd(fd) ? IOCTL_NV : IOCTL_OTHER, t0);
+    if (key)
+        add_kind(key, now() - t0);
+    add(nv ? IOCTL_NV : IOCTL_OTHER, t0);
     return r;
 }
 
@@ -122,6 +167,17 @@ int close(int fd)
     return r;
 }
 
+/* Called by the measured program where its window starts (scripts/gpu/cuda_checks.py init:
+ * after `import torch`): everything counted so far is dropped. */
+void systime_reset(void)
+{
+    for (int i = 0; i < NROWS; i++)
+        ns[i] = count[i] = 0;
+    pthread_mutex_lock(&kinds_lock);
+    memset(kinds, 0, sizeof kinds);
+    pthread_mutex_unlock(&kinds_lock);
+}
+
 __attribute__((destructor)) static void report(void)
 {
     const char *out = getenv("SYSTIME_OUT");
@@ -133,6 +189,25 @@ __attribute__((destructor)) static void report(void)
     fprintf(f, "{\"pid\": %d", (int)getpid());
     for (int i = 0; i < NROWS; i++)
         fprintf(f, ", \"%s\": [%lld, %.3f]", names[i], (long long)count[i], ns[i] / 1e6);
+    if (kinds_on > 0) {
+        fprintf(f, ", \"kinds\": [");
+        const char *sep = "";
+        for (int i = 0; i < KINDS; i++) {
+            if (!kinds[i].n)
+                continue;
+            uint64_t k = kinds[i].key;
+            char name[48];
+            if (k >> 63)
+                snprintf(name, sizeof name, "U%x", (unsigned)k);
+            else if ((k >> 62) & 1)
+                snprintf(name, sizeof name, "F%x/%x", (unsigned)(k >> 32) & 0xff, (unsigned)k);
+            else
+                snprintf(name, sizeof name, "F%x", (unsigned)(k >> 32) & 0xff);
+            fprintf(f, "%s[\"%s\", %lld, %.3f]", sep, name, (long long)kinds[i].n, kinds[i].ns / 1e6);
+            sep = ", ";
+        }
+        fprintf(f, "]");
+    }
     fprintf(f, "}\n");
     fclose(f);
 }

@@ -589,8 +589,17 @@ class EmulatedBackend:
 
     def run_control(self, file: EmuFile, fd: int, hdr: bytes, params: bytearray, header,
                     abi) -> tuple[int, int, bytes]:
-        """A control the broker admitted unchanged (broker/fastlane.py): the same answer as
-        through NV_ESC_RM_CONTROL, from the header's fields and the parameter block."""
+        """A control (or an allocation) the broker admitted unchanged (broker/fastlane.py):
+        the same answer as through NV_ESC_RM_CONTROL (NV_ESC_RM_ALLOC), from the header's
+        fields and the parameter block."""
+        if header.kind == "alloc":
+            call = abi.decode_ioctl(file.node, header.ioctl_cmd, hdr)
+            with self._calls:
+                res = self.NV_ESC_RM_ALLOC(file, DriverCall(call, bytes(params), abi=abi,
+                                                            tgid=0))  # (no root clients here)
+            if res.nested is not None and len(res.nested) == len(params):
+                params[:] = res.nested
+            return res.result, res.errno, res.arg
         h_client, h_object, cmd, _ptr, _size = header.unpack(hdr)
         with self._calls:
             status, out = self._control(h_client, h_object, cmd, abi, bytes(params))

@@ -378,6 +378,9 @@ class _CountedLane:
     def check(self, adm, params: bytearray) -> bool:
         return self._lane.check(adm, params)
 
+    def release(self, adm) -> None:
+        self._lane.release(adm)
+
     def table_patch(self, adm):
         return self._lane.table_patch(adm)
 

@@ -144,6 +144,12 @@ def books(broker: Any) -> _Books:
     return b
 
 
+def preempted_on(broker: Any, tenant: str, gpu: int) -> bool:
+    """Whether the tenant's channels on `gpu` are stopped for a high-priority tenant now
+    (a new channel of its there is stopped by after_channel_alloc)."""
+    return (tenant, gpu) in books(broker).preempted
+
+
 # --------------------------------------------------------------------------- values
 def _policy_tenants_on(policy: Any, gpu: int | None) -> list[Any]:
     if policy is None:

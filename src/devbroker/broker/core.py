@@ -845,7 +845,8 @@ class Broker:
                 # the control lane (fastlane.py): controls it ran, and those it sent the
                 # general way (refusals, rows with hooks, unknown clients, ...)
                 "control_lane": {"admitted": self.control_lane.admitted,
-                                 "declined": self.control_lane.passed},
+                                 "declined": self.control_lane.passed,
+                                 "allocations": self.control_lane.allocations},
                 "continue_lane": {"admitted": self.continue_lane.admitted,
                                   "declined": self.continue_lane.passed}}
 

@@ -1,5 +1,6 @@
-"""The control lane: the broker's decision for the most common CUDA/NVML call, made in a
-few dictionary lookups instead of the general steps (issues 12 and 14).
+"""The control lane: the broker's decision for the most common CUDA/NVML calls — RM
+controls, and RM allocations of the classes that need no more — made in a few dictionary
+lookups instead of the general steps (issues 12 and 14).
 
 Most of what CUDA and NVML send is NV_ESC_RM_CONTROL with a control whose row changes
 nothing and whose parameter block holds nothing the broker looks at (`rules.simple_control`:
@@ -30,6 +31,30 @@ which may rewrite the copy, every GPU id the tenant's), every pointer NULL (so t
 touches no memory but the copy; a buffer behind one goes the general way, which copies
 it), and the rate token last. A failed check is `False`: the general way again.
 
+*Allocations* (the allocation lane, issue 12: a CUDA init's RM_ALLOCs cost ~330–520 µs
+each over the driver down the general path on the H200, ~60 ms of its ~140 ms extra): an
+NV_ESC_RM_ALLOC (NVOS64 or NVOS21 header) is admitted on its header the same way —
+`ControlLane._admit_alloc` checks what handlers.rm_alloc checks before the driver call: the
+escape row, the client (the tenant's), the parent (one of its objects, on a GPU it still
+has), the new handle (not one it holds), the class row (allowed, granted), the object limit,
+no access rights asked for (NVOS64's pRightsRequested NULL), a parameter block of the
+class's size (paramsSize 0, as CUDA sends it, makes the driver read its class's own size)
+— for the classes `_alloc_plan` lets through: not a root client or a device (their checks
+read the driver's numbering), not bound to the caller through RM_ALLOC, whose class check reads only the call (LANE_CLASS_CHECKS) and whose
+after-hook can be told from the header to have nothing to do (LANE_AFTER_HOOKS: a channel
+of a tenant stopped for a high-priority one goes the general way). A class whose layout
+names client handles or pointers, or with a class check, is checked on the private copy
+(`_check_alloc`: client handles, the class check, pointers NULL). Device memory (charged
+classes: NV01_MEMORY_LOCAL_USER, cudaMalloc's) is always checked: its size as the driver
+takes it from the card must fit the tenant's quota on the parent's GPU, and a placeholder
+object holds those bytes in the books from the check to `finish` (or `release`, when the
+front end sends the call the general way after all), as handlers.rm_alloc's `_reserved`
+holds them while the driver runs. `finish` puts the new
+object into the tenant's books (the handle from the driver's answer, the parent's GPU)
+before the tenant has the answer, as handlers.rm_alloc does; the front end's private copies
+are the same as a control's (the header the driver reads names the broker's copy of the
+parameters).
+
 What the lane leaves to the front end: the private copies (header and parameters read once
 into broker memory, the driver sees only those, the tenant's memory is written after), the
 check that the caller is still the thread that made the call, and the driver call itself
@@ -50,7 +75,7 @@ from devbroker.abi.errors import DecodeError
 from devbroker.abi.nodes import NodeKind
 from devbroker.backends.base import DriverResult
 
-from . import handlers, rewrite, rules
+from . import compute, handlers, limits, rewrite, rules
 from .effects import STATE_LOCK
 from .refusal import Refusal
 
@@ -62,45 +87,80 @@ if TYPE_CHECKING:
     from .objects import RmClient
 
 RM_CONTROL = "NV_ESC_RM_CONTROL"
+RM_ALLOC = "NV_ESC_RM_ALLOC"
 
 
 @dataclass(frozen=True)
 class Header:
-    """Where NVOS54's fields are in one driver version's layout (read from its table)."""
-    ioctl_cmd: int  # the ioctl number: _IOWR('F', nr, sizeof(NVOS54_PARAMETERS))
+    """Where one lane escape's header fields are in one driver version's layout (read from
+    its table): NVOS54 for RM_CONTROL, NVOS64 or NVOS21 for RM_ALLOC."""
+    ioctl_cmd: int  # the ioctl number: _IOWR('F', nr, sizeof(the layout))
     size: int
-    unpack: Callable[[bytes], tuple]  # -> (hClient, hObject, cmd, params, paramsSize)
+    # control: (hClient, hObject, cmd, params, paramsSize);
+    # alloc: (hRoot, hObjectParent, hObjectNew, hClass, pAllocParms, paramsSize)
+    unpack: Callable[[bytes], tuple]
     params_offset: int  # the params pointer (replaced by the broker's copy's address)
     status_offset: int
+    kind: str = "control"  # "control" or "alloc"
+    new_offset: int = -1  # alloc: hObjectNew (where the driver names the new handle)
+    rights_offset: int = -1  # alloc, NVOS64: pRightsRequested (the lane needs it NULL)
 
 
-_HEADERS: dict[Any, Header | None] = {}
+_HEADERS: dict[Any, dict[int, Header]] = {}
 _HEADERS_LOCK = threading.Lock()
+
+_CONTROL_FIELDS = (("hClient", "I"), ("hObject", "I"), ("cmd", "I"), ("params", "Q"),
+                   ("paramsSize", "I"))
+_ALLOC_FIELDS = (("hRoot", "I"), ("hObjectParent", "I"), ("hObjectNew", "I"), ("hClass", "I"),
+                 ("pAllocParms", "Q"), ("paramsSize", "I"))
+
+
+def _header(nr: int, spec, kind: str) -> Header | None:
+    fields = _CONTROL_FIELDS if kind == "control" else _ALLOC_FIELDS
+    f = spec.by_name
+    if not all(n in f for n, _k in fields) or "status" not in f:
+        return None
+    unpack = _fixed_unpacker([f[n].offset for n, _k in fields], [k for _n, k in fields])
+    if unpack is None:
+        return None
+    cmd = ioc.ioc(ioc.IOC_READ | ioc.IOC_WRITE, NV_IOCTL_MAGIC, nr, spec.size)
+    if kind == "control":
+        return Header(cmd, spec.size, unpack, f["params"].offset, f["status"].offset)
+    rights = f["pRightsRequested"].offset if "pRightsRequested" in f else -1
+    return Header(cmd, spec.size, unpack, f["pAllocParms"].offset, f["status"].offset,
+                  kind="alloc", new_offset=f["hObjectNew"].offset, rights_offset=rights)
+
+
+def headers_of(abi: DriverABI) -> dict[int, Header]:
+    """The lane's headers in `abi`, by ioctl number: RM_CONTROL's NVOS54 and RM_ALLOC's
+    NVOS64 and NVOS21 (the escape's layouts the table knows; one the fields are not found
+    in is left out, and the lane is then off for it)."""
+    known = _HEADERS.get(abi)
+    if known is not None:
+        return known
+    with _HEADERS_LOCK:
+        out: dict[int, Header] = {}
+        for nr, spec in abi.escapes.items():
+            if spec.params is None or spec.name not in (RM_CONTROL, RM_ALLOC):
+                continue
+            kind = "control" if spec.name == RM_CONTROL else "alloc"
+            layouts = [spec.params]
+            if kind == "alloc":
+                layouts += list((getattr(spec, "variants", None) or {}).values())
+            for layout in layouts:
+                h = _header(nr, layout, kind)
+                if h is not None:
+                    out[h.ioctl_cmd] = h
+        _HEADERS[abi] = out
+        return out
 
 
 def header_of(abi: DriverABI) -> Header | None:
-    """NVOS54's layout in `abi`, or None when its table has no RM_CONTROL (the lane is
-    then off for that version)."""
-    known = _HEADERS.get(abi, False)
-    if known is not False:
-        return known
-    with _HEADERS_LOCK:
-        hdr = None
-        for nr, spec in abi.escapes.items():
-            if spec.name != RM_CONTROL or spec.params is None:
-                continue
-            f = spec.params.by_name
-            need = ("hClient", "hObject", "cmd", "params", "paramsSize", "status")
-            if all(n in f for n in need):
-                unpack = _fixed_unpacker([f[n].offset for n in need[:5]],
-                                         ["I", "I", "I", "Q", "I"])
-                size = spec.params.size
-                if unpack is not None:
-                    hdr = Header(ioc.ioc(ioc.IOC_READ | ioc.IOC_WRITE, NV_IOCTL_MAGIC, nr, size), size, unpack,
-                                 f["params"].offset, f["status"].offset)
-            break
-        _HEADERS[abi] = hdr
-        return hdr
+    """NVOS54's layout in `abi` (RM_CONTROL's header), or None when its table has none."""
+    for h in headers_of(abi).values():
+        if h.kind == "control":
+            return h
+    return None
 
 
 def _fixed_unpacker(offsets: list[int], kinds: list[str]) -> Callable[[bytes], tuple] | None:
@@ -162,6 +222,23 @@ class Admitted:
     pre: Callable | None = None
     params_value: Any = None
     null_ptrs: tuple = ()  # offsets of pointer fields that must be NULL (checked controls)
+    # An allocation (RM_ALLOC): its class row (rules.CLASSES); h_object is then the parent,
+    # cmd the class, gpu the parent's GPU (the new object's)
+    alloc: Any = None
+    # device memory: the bytes checked against the quota, and the placeholder object that
+    # holds them in the books while the driver runs (released by finish or release)
+    charge: int = 0
+    reserved: int = 0
+
+
+# Class checks (rules.ClassRule.check) the allocation lane may run on its private copy: they
+# read only the call (its parameters, the allocating client), never the context.
+LANE_CLASS_CHECKS = frozenset({handlers.debugger_on_own_context, handlers.os_event_notifier})
+# After-hooks the lane can tell from the header to have nothing to do: a channel's
+# (compute.after_channel_alloc) stops it only for a tenant stopped on that GPU, which the
+# lane sends the general way (a tenant stopped between the admission and the driver's
+# answer has the channel stopped by the watching task's next look, PREEMPT_TICK_S).
+LANE_AFTER_HOOKS = frozenset({compute.after_channel_alloc})
 
 
 class ControlLane:
@@ -175,18 +252,24 @@ class ControlLane:
         # a rewrite of its own or an in-caller reason, the lane is off rather than wrong.
         self.escape = (escape if escape is not None and escape.handler is handlers.rm_control
                        and escape.rewrite is None and not escape.in_caller else None)
+        # The same for RM_ALLOC and handlers.rm_alloc (the allocation lane, below).
+        alloc = rules.ESCAPES.get(RM_ALLOC)
+        self.alloc_escape = (alloc if alloc is not None and alloc.handler is handlers.rm_alloc
+                             and alloc.rewrite is None and not alloc.in_caller else None)
         self.admitted = 0
         self.passed = 0  # declined: sent down the general path
+        self.allocations = 0  # of the admitted: RM_ALLOCs (the allocation lane)
         self._plans: dict[tuple, tuple | None] = {}  # (abi, cmd) -> _plan's answer
+        self._alloc_plans: dict[tuple, tuple | None] = {}  # (abi, class) -> _alloc_plan's
 
     def ioctl_cmds(self, versions) -> frozenset[int]:
         """The ioctl numbers the lane may take, over the given ABIs (front ends test the
         number before reading anything)."""
         out = set()
         for abi in versions:
-            h = header_of(abi)
-            if h is not None:
-                out.add(h.ioctl_cmd)
+            for h in headers_of(abi).values():
+                if (self.escape if h.kind == "control" else self.alloc_escape) is not None:
+                    out.add(h.ioctl_cmd)
         return frozenset(out)
 
     def admit(self, session_id: int, caller: Caller, ioctl_cmd: int,
@@ -201,14 +284,12 @@ class ControlLane:
                 self.passed += 1
             else:
                 self.admitted += 1
+                self.allocations += got.alloc is not None
         return got
 
     def _admit(self, session_id: int, caller: Caller, ioctl_cmd: int,
                hdr: bytes, max_params: int | None = None) -> Admitted | None:
         b = self.broker
-        escape = self.escape
-        if escape is None:
-            return None
         s = _usable_session(b, session_id, caller)
         if s is None:
             return None
@@ -218,8 +299,13 @@ class ControlLane:
         if not b.backend.can_run_control(s.file):  # a relayed file: the general way
             return None
         abi = b._abi(s)
-        h = header_of(abi)
-        if h is None or ioctl_cmd != h.ioctl_cmd or len(hdr) != h.size:
+        h = headers_of(abi).get(ioctl_cmd)
+        if h is None or len(hdr) != h.size:
+            return None
+        if h.kind == "alloc":
+            return self._admit_alloc(s, abi, h, hdr, max_params)
+        escape = self.escape
+        if escape is None:
             return None
         caps = tenant.policy.capabilities
         if not escape.granted(caps) or s.node not in escape.nodes:
@@ -245,6 +331,80 @@ class ControlLane:
         return Admitted(s, abi, h, client, h_object, cmd, params_ptr, params_size, obj.gpu,
                         post, checked=checked, pre=pre, null_ptrs=ptrs)
 
+    def _admit_alloc(self, s: Session, abi: DriverABI, h: Header, hdr: bytes,
+                     max_params: int | None) -> Admitted | None:
+        """The allocation lane: an RM_ALLOC the general path (handlers.rm_alloc) would run
+        on the driver as sent, decided on its header as the control lane decides a control
+        (module docstring, "Allocations"). None: the general way."""
+        b, tenant = self.broker, s.tenant
+        escape = self.alloc_escape
+        caps = tenant.policy.capabilities
+        if escape is None or not escape.granted(caps) or s.node not in escape.nodes:
+            return None
+        h_root, h_parent, h_new, cls, params_ptr, params_size = h.unpack(hdr)
+        if h.rights_offset >= 0 and any(hdr[h.rights_offset:h.rights_offset + 8]):
+            return None  # access rights asked for: the general way reads them
+        client = tenant.clients.get(h_root)
+        if client is None:
+            return None
+        parent = client.objects.get(h_parent)
+        if parent is None or (parent.gpu is not None and parent.gpu not in tenant.gpus):
+            return None
+        if h_new and h_new in client.objects:
+            return None  # (a duplicate handle: refused there)
+        plan = self._alloc_plan(abi, cls)
+        if plan is None or plan[0] not in caps:
+            return None
+        _cap, size, checked, ptrs, rule = plan
+        # paramsSize 0 (what CUDA sends) makes the driver read its class's own parameter
+        # size, which is the table's for this driver version (abi.nested does the same)
+        if params_size not in (0, size) or params_ptr == 0 or (
+                max_params is not None and size > max_params):
+            return None
+        if (rule.after is not None and parent.gpu is not None
+                and compute.preempted_on(b, tenant.name, parent.gpu)):
+            return None  # a channel of a stopped tenant: its after-hook stops it, there
+        if limits.alloc_refusal(tenant, root_client=False) is not None:
+            return None
+        if not checked and not tenant.limiter.try_acquire():
+            return None
+        return Admitted(s, abi, h, client, h_parent, cls, params_ptr, size, parent.gpu, None,
+                        checked=checked, null_ptrs=ptrs, alloc=rule)
+
+    def _alloc_plan(self, abi: DriverABI, cls: int) -> tuple | None:
+        """(capability, parameter size, checked, pointer offsets, class row) of a class the
+        allocation lane may take in this ABI, None for one it may not. It may take a class
+        on the allowlist that is not a root client or a device (their checks read the
+        driver's numbering), not bound to the caller through RM_ALLOC, whose class check (if any) reads nothing but the call
+        (LANE_CLASS_CHECKS) and whose after-hook (if any) can be told from the header to
+        have nothing to do (LANE_AFTER_HOOKS), and whose layout has no fd and no pointer
+        inside an array. It is *checked* (its parameters decoded on the private copy and
+        tested as handlers.rm_alloc tests them) when it has a class check or its layout
+        names client handles, GPU ids or pointers, and always when it is charged against
+        the quota (the size is in the parameters)."""
+        rule = rules.CLASSES.get(cls)
+        if rule is None:
+            return None
+        key = (abi, cls)
+        try:
+            return self._alloc_plans[key]
+        except KeyError:
+            pass
+        plan = None
+        op = abi.rm_class(cls)
+        if (cls not in handlers.ROOT_CLIENT_CLASSES and cls != handlers.DEVICE_CLASS
+                and RM_ALLOC not in rule.in_caller_via
+                and (rule.check is None or rule.check in LANE_CLASS_CHECKS)
+                and (rule.after is None or rule.after in LANE_AFTER_HOOKS)
+                and op is not None and op.params is not None and op.size):
+            ptrs = rules.lane_pointers(op.params)
+            if ptrs is not None:
+                checked = (rule.check is not None or rule.charge
+                           or not rules.plain_layout(op.params))
+                plan = (rule.capability, op.size, checked, ptrs, rule)
+        self._alloc_plans[key] = plan
+        return plan
+
     def check(self, adm: Admitted, params: bytearray) -> bool:
         """For a checked control, on the front end's private copy of its parameters, before
         the driver call: what handlers.rm_control does between reading the parameters and
@@ -253,6 +413,8 @@ class ControlLane:
         tenant's (`rewrite.require_own_gpu_ids`) — then the rate token. False: the call
         goes the general way, which decides it again from the start and makes the refusal
         with its audit record (the lane never refuses anything itself)."""
+        if adm.alloc is not None:
+            return self._check_alloc(adm, params)
         with STATE_LOCK:
             b, s = self.broker, adm.session
             if s.closed or s.tenant.revoked:
@@ -284,10 +446,67 @@ class ControlLane:
             adm.params_value = value
             return True
 
-    def _declined(self) -> None:
+    def _check_alloc(self, adm: Admitted, params: bytearray) -> bool:
+        """A checked allocation, on the private copy of its parameters: what
+        handlers.rm_alloc does between reading them and calling the driver — every client
+        handle the tenant's, then the class's own check — and the rate token last. False:
+        the general way (which refuses, with the audit record)."""
+        with STATE_LOCK:
+            b, s = self.broker, adm.session
+            if s.closed or s.tenant.revoked:
+                return False
+            for off in adm.null_ptrs:
+                if any(params[off:off + 8]):
+                    self._declined(adm)
+                    return False
+            where = f"RM_ALLOC {adm.abi.class_name(adm.cmd)}"
+            try:
+                value = adm.abi.rm_class(adm.cmd).params.decode(params)
+                b._check_clients(s, value, where=where)
+                if adm.alloc.check is not None:
+                    adm.alloc.check(None, handlers.AllocCall(adm.cmd, adm.client,
+                                                             adm.client.handle, value, where))
+                charge = handlers._alloc_charge(value) if adm.alloc.charge else 0
+            except (Refusal, DecodeError):
+                self._declined(adm)
+                return False
+            if adm.alloc.charge:
+                # handlers.rm_alloc's quota test (b._reserved): the size as the driver takes
+                # it from the card, against what the tenant holds on the parent's GPU
+                # including the other allocations in flight; a refusal is the general way's
+                gpu, tenant = adm.gpu, s.tenant
+                if (gpu is None or adm.h_object not in adm.client.objects
+                        or (int(value.size) > 0 and not charge)
+                        or tenant.used().get(gpu, 0) + charge > tenant.quota(gpu)):
+                    self._declined(adm)
+                    return False
+            if not s.tenant.limiter.try_acquire():
+                return False
+            if adm.alloc.charge and charge:
+                adm.charge = charge
+                adm.reserved = -next(b._ids)
+                adm.client.add(adm.reserved, adm.cmd, adm.h_object, gpu=adm.gpu,
+                               charged=charge)
+            adm.params_value = value
+            return True
+
+    def release(self, adm: Admitted | None) -> None:
+        """An admitted allocation that will not reach `finish` (the front end sent it the
+        general way after its check, or its caller went away): the quota it held is given
+        back. Safe to call more than once, and for any admitted call."""
+        if adm is None or not adm.reserved:
+            return
+        with STATE_LOCK:
+            if adm.reserved:
+                adm.client.remove(adm.reserved)
+                adm.reserved = 0
+
+    def _declined(self, adm: Admitted | None = None) -> None:
         """An admitted call its check sent the general way after all (for the counters)."""
         self.admitted -= 1
         self.passed += 1
+        if adm is not None and adm.alloc is not None:
+            self.allocations -= 1
 
     def _plan(self, abi: DriverABI, cmd: int) -> tuple | None:
         """(capability, post-hook, parameter size, pre-hook, checked, pointer offsets) of a
@@ -335,7 +554,8 @@ class ControlLane:
     def needs_finish(self, adm: Admitted, patched: bool = False) -> bool:
         """Whether `finish` has anything to do besides counting the request: a post-hook
         (unless the front end applies it as a TablePatch), or a recording."""
-        return (adm.post is not None and not patched) or self.broker.recorder is not None
+        return (adm.alloc is not None or (adm.post is not None and not patched)
+                or self.broker.recorder is not None)
 
     def answered(self, adm: Admitted, err: int, end_ns: int) -> None:
         """A call the front end answered without `finish` was answered at end_ns
@@ -357,6 +577,9 @@ class ControlLane:
         does. (Nothing is written to the tenant when err is set.)"""
         h = adm.header
         status = int.from_bytes(hdr_out[h.status_offset:h.status_offset + 4], "little")
+        if adm.alloc is not None:
+            return self._finish_alloc(adm, hdr, params_in, ret, err, hdr_out, params_out,
+                                      status)
         with STATE_LOCK:
             s = adm.session
             if not adm.booked:
@@ -370,45 +593,144 @@ class ControlLane:
                 out = adm.post(ctx, spec.decode(out)).encode()
             recorder = self.broker.recorder
         if recorder is not None:
-            call = adm.abi.decode_ioctl(s.node, h.ioctl_cmd, hdr)
-            recorder.ioctl(s, call, params_in,
-                           DriverResult(arg=hdr_out, nested=out, result=ret, errno=err))
+            self._record(recorder, adm, hdr, params_in, ret, err, hdr_out, out)
         return out
+
+    def _finish_alloc(self, adm: Admitted, hdr: bytes, params_in: bytes, ret: int, err: int,
+                      hdr_out: bytes, params_out: bytearray, status: int) -> bytes:
+        """After the driver answered an allocation: the new object into the tenant's books
+        (before the tenant has its answer, as handlers.rm_alloc), the request counted."""
+        h = adm.header
+        out = bytes(params_out)
+        with STATE_LOCK:
+            s = adm.session
+            if not adm.booked:
+                s.tenant.requests += 1
+            if adm.reserved:  # the quota held while the driver ran (the object takes it)
+                adm.client.remove(adm.reserved)
+                adm.reserved = 0
+            if not err and status == nvstatus.NV_OK:
+                handle = int.from_bytes(hdr_out[h.new_offset:h.new_offset + 4], "little")
+                charge = adm.charge
+                if adm.alloc.charge:
+                    # the books follow the driver if it says it took more (handlers.rm_alloc)
+                    granted = handlers._alloc_charge(
+                        adm.abi.rm_class(adm.cmd).params.decode(out))
+                    if granted > charge:
+                        self.broker._once(("charge", adm.cmd), f"RM_ALLOC {adm.abi.class_name(adm.cmd)}: "
+                                          f"the driver granted {granted} bytes where {charge} "
+                                          "were checked against the quota")
+                        charge = granted
+                # (a racing free of the parent took the new object with it in the driver:
+                # nothing to book then)
+                if adm.h_object in adm.client.objects:
+                    adm.client.add(handle, adm.cmd, adm.h_object, gpu=adm.gpu,
+                                   charged=charge)
+            recorder = self.broker.recorder
+        if recorder is not None:
+            self._record(recorder, adm, hdr, params_in, ret, err, hdr_out, out)
+        return out
+
+    @staticmethod
+    def _record(recorder, adm: Admitted, hdr: bytes, params_in: bytes, ret: int, err: int,
+                hdr_out: bytes, out: bytes) -> None:
+        s = adm.session
+        call = adm.abi.decode_ioctl(s.node, adm.header.ioctl_cmd, hdr)
+        recorder.ioctl(s, call, params_in,
+                       DriverResult(arg=hdr_out, nested=out, result=ret, errno=err))
+
+
+def _client_offsets(spec, base: int = 0) -> tuple[tuple[int, bool], ...] | None:
+    """(offset, 0 allowed) of a layout's top-level client-handle fields (the ones
+    Broker._check_clients reads; 0 allowed for the names in rules.CLIENT_FIELDS_ZERO_OK), or
+    None when one of them is not a 4-byte handle (then the lane decodes)."""
+    out = []
+    for name in rules.CLIENT_HANDLE_FIELDS:
+        f = spec.by_name.get(name)
+        if f is None:
+            continue
+        if f.size != 4:
+            return None
+        out.append((base + f.offset, name in rules.CLIENT_FIELDS_ZERO_OK))
+    return tuple(out)
+
+
+# The RM escapes the continue lane may take, by their rows' handlers: those whose general
+# steps are "the client handles, the fds, then the driver" (which a file that lives in the
+# tenant turns into CONTINUE for an in-caller row), and RM_MAP_MEMORY's, which also needs
+# hDevice and hMemory to be objects of the client on GPUs the tenant still has.
+_CONTINUE_HANDLERS = (handlers.fd, handlers.rm_objects, handlers.rm_map)
+
+
+@dataclass(frozen=True)
+class _ContinuePlan:
+    spec: Any  # the argument's layout (OpSpec)
+    row: rules.EscapeRule
+    clients: tuple | None  # _client_offsets of the argument (and of its `params`)
+    fds: tuple  # offsets of its fd fields (4-byte ints)
+    zero_ok: bool  # every client handle may be 0 (UVM: no RM client of the caller's)
+    objects: tuple = ()  # rm_map: offsets of (hClient, hDevice, hMemory)
 
 
 class ContinueLane:
-    """The same idea for the UVM commands the driver binds to the caller (issue 12): ~120
-    of a CUDA init's ioctls are UVM commands whose row lets the kernel continue them in the
-    tenant once the broker has checked the RM clients they name (handlers.uvm). `admit`
-    answers whether the general steps would continue this one: the session is a real
-    driver file of the tenant's (UVM node), the command's row is `handlers.uvm` with an
-    in-caller reason and no fd fields (UVM_MM_INITIALIZE names a file: general way), granted
-    to the tenant, and every client handle in the argument is 0 or the tenant's
-    (`Broker._check_clients`, the same function); the rate token is taken last. A refusal
-    is never made here: the general steps make it, with the audit record. The front end
-    refuses to continue for a caller that could hold CAP_SYS_ADMIN (the general rule) and
-    answers CONTINUE; what a racing thread can do with the re-read argument is the row's
-    `race` (docs/security.md), as for the general path."""
+    """The same idea for the calls the driver binds to the caller (issue 12): ~120 of a CUDA
+    init's ioctls are UVM commands, and ~40 RM escapes (RM_MAP_MEMORY, the OS events,
+    UNMAP, UPDATE_DEVICE_MAPPING_INFO), whose row lets the kernel continue them in the
+    tenant once the broker has checked what they name. `admit` answers whether the general
+    steps would continue this one: the session is a real driver file of the tenant's, the
+    call's row has an in-caller reason and one of the handlers whose checks the lane repeats
+    (handlers.uvm for UVM; handlers.fd, rm_objects and rm_map for RM escapes), granted to
+    the tenant on this node, every client handle in the argument (and in its `params`) the
+    tenant's (or 0 where the general steps allow 0), every fd one of the tenant's NVIDIA
+    files (`Broker._translate_fds`'s test, through the front end's resolver) and, for
+    RM_MAP_MEMORY, hDevice and hMemory objects of the client on GPUs the tenant still has;
+    the rate token is taken last. A refusal is never made here: the general steps make it,
+    with the audit record. The front end refuses to continue for a caller that could hold
+    CAP_SYS_ADMIN (the general rule) and answers CONTINUE; what a racing thread can do with
+    the re-read argument is the row's `race` (docs/security.md), as for the general path."""
 
     def __init__(self, broker: Broker):
         self.broker = broker
         self.admitted = 0
         self.passed = 0
-        self._plans: dict[tuple, tuple | None] = {}  # (abi, cmd) -> (layout, row) or None
+        self._plans: dict[tuple, _ContinuePlan | None] = {}  # (abi, node kind, cmd) -> plan
 
-    def _plan(self, abi: DriverABI, cmd: int) -> tuple | None:
-        key = (abi, cmd)
+    def _plan(self, abi: DriverABI, node: NodeKind, cmd: int) -> _ContinuePlan | None:
+        key = (abi, node, cmd)
         try:
             return self._plans[key]
         except KeyError:
             pass
-        spec = abi.uvm(cmd)
         plan = None
-        if spec is not None and spec.params is not None and spec.size:
-            row = rules.UVM_COMMANDS.get(spec.name)
-            if (row is not None and row.handler is handlers.uvm and row.in_caller
-                    and row.rewrite is None and not row.fd_fields(spec.params)):
-                plan = (spec, row)
+        if node is NodeKind.UVM:
+            spec = abi.uvm(cmd)
+            if spec is not None and spec.params is not None and spec.size:
+                row = rules.UVM_COMMANDS.get(spec.name)
+                if (row is not None and row.handler is handlers.uvm and row.in_caller
+                        and row.rewrite is None and not row.fd_fields(spec.params)):
+                    plan = _ContinuePlan(spec, row, _client_offsets(spec.params), (), True)
+        elif (cmd >> 8) & 0xFF == NV_IOCTL_MAGIC:
+            spec = abi.escapes.get(cmd & 0xFF)
+            row = rules.ESCAPES.get(spec.name) if spec is not None else None
+            if (row is not None and spec.params is not None and spec.size
+                    and ioc.ioc_size(cmd) == spec.size and row.in_caller
+                    and row.handler in _CONTINUE_HANDLERS and row.rewrite is None):
+                layout = spec.params
+                fds = row.fd_fields(layout)
+                clients = _client_offsets(layout)
+                inner = layout.by_name.get("params")
+                if inner is not None and inner.kind == "struct" and clients is not None \
+                        and row.handler is not handlers.fd:
+                    more = _client_offsets(inner.spec, inner.offset)
+                    clients = clients + more if more is not None else None
+                where = {path: off for path, _f, off in layout.walk()}
+                fd_offs = tuple(where.get(f) for f in fds)
+                objects = ()
+                if row.handler is handlers.rm_map:
+                    objects = tuple(inner.offset + inner.spec.by_name[n].offset
+                                    for n in ("hClient", "hDevice", "hMemory"))
+                if clients is not None and all(o is not None for o in fd_offs):
+                    plan = _ContinuePlan(spec, row, clients, fd_offs, False, objects)
         if len(self._plans) < 4096:  # command numbers come from the tenant
             self._plans[key] = plan
         return plan
@@ -418,39 +740,77 @@ class ContinueLane:
         cannot take it at all (the front end then reads nothing)."""
         with STATE_LOCK:
             s = self.broker.sessions.get(session_id)
-            if (s is None or s.closed or s.node is not NodeKind.UVM
-                    or not getattr(s.file, "runs_in_caller", False)):
+            if s is None or s.closed or not getattr(s.file, "runs_in_caller", False):
                 return None
-            plan = self._plan(self.broker._abi(s), cmd)
-            return plan[0].size if plan is not None else None
+            plan = self._plan(self.broker._abi(s), s.node, cmd)
+            return plan.spec.size if plan is not None else None
 
-    def admit(self, session_id: int, caller: Caller, cmd: int, arg: bytes) -> bool:
+    def admit(self, session_id: int, caller: Caller, cmd: int, arg: bytes,
+              resolve_fd: Callable[[int], int | None] | None = None) -> bool:
+        """resolve_fd: the fd number (in the caller's table) -> the session of the file
+        behind it, or None (the front end's `session_for_fd`); needed for calls with fds."""
         with STATE_LOCK:
-            ok = self._admit(session_id, caller, cmd, arg)
+            s = self.broker.sessions.get(session_id)
+            plan = (self._plan(self.broker._abi(s), s.node, cmd)
+                    if s is not None and not s.closed else None)
+        sids: list = []
+        if plan is not None and plan.fds:
+            # (outside the lock: a statx of the caller's fd, which never waits on a server)
+            for off in plan.fds:
+                fd = int.from_bytes(arg[off:off + 4], "little", signed=True)
+                if fd == -1:
+                    continue  # no file (the driver sees -1), as the general steps allow
+                sids.append(resolve_fd(fd) if fd >= 0 and resolve_fd is not None else None)
+        with STATE_LOCK:
+            ok = plan is not None and self._admit(session_id, caller, plan, arg, sids)
             if ok:
                 self.admitted += 1
             else:
                 self.passed += 1
             return ok
 
-    def _admit(self, session_id: int, caller: Caller, cmd: int, arg: bytes) -> bool:
+    def _admit(self, session_id: int, caller: Caller, plan: _ContinuePlan, arg: bytes,
+               sids: list) -> bool:
         b = self.broker
         s = _usable_session(b, session_id, caller)
-        if (s is None or s.node is not NodeKind.UVM
-                or not getattr(s.file, "runs_in_caller", False)):
+        if s is None or not getattr(s.file, "runs_in_caller", False):
             return False
         tenant = s.tenant
-        plan = self._plan(b._abi(s), cmd)
-        if plan is None:
-            return False
-        spec, row = plan
+        row, spec = plan.row, plan.spec
         if not row.granted(tenant.policy.capabilities) or s.node not in row.nodes \
                 or len(arg) != spec.size:
             return False
-        try:
-            b._check_clients(s, spec.params.decode(arg), where=spec.name, zero_ok=True)
-        except Refusal:
+        if s.node is NodeKind.GPU and s.minor not in tenant.gpus:
             return False
+        owner = b.clients.owner
+        if plan.clients is not None:
+            # Broker._check_clients on the handles' bytes (no decode of the whole argument)
+            for off, zero_ok in plan.clients:
+                h = int.from_bytes(arg[off:off + 4], "little")
+                if h == 0 and (plan.zero_ok or zero_ok):
+                    continue
+                if owner(h) != tenant.name:
+                    return False
+        else:
+            try:
+                b._check_clients(s, spec.params.decode(arg), where=spec.name,
+                                 zero_ok=plan.zero_ok)
+            except Refusal:
+                return False
+        if plan.objects:  # rm_map: the device and the memory are the client's, GPUs kept
+            h_client, h_device, h_memory = (int.from_bytes(arg[o:o + 4], "little")
+                                            for o in plan.objects)
+            client = tenant.clients.get(h_client)
+            if client is None:
+                return False  # (not adopted yet: the general steps may adopt it)
+            for h in (h_device, h_memory):
+                obj = client.objects.get(h)
+                if obj is None or (obj.gpu is not None and obj.gpu not in tenant.gpus):
+                    return False
+        for sid in sids:  # Broker._translate_fds: each one of this tenant's NVIDIA files
+            target = b.sessions.get(sid) if sid else None
+            if target is None or target.tenant is not tenant:
+                return False
         if not tenant.limiter.try_acquire():
             return False
         tenant.requests += 1

@@ -1430,6 +1430,16 @@ class FuseFrontend:
         params = bytearray(params_in)
         if adm.checked and not lane.check(adm, params):
             return GENERAL
+        try:
+            return (yield from self._control_lane_run(req, adm, hdr, params_in, params, memory,
+                                                      tenant))
+        finally:
+            lane.release(adm)  # (a no-op once finish ran: the quota hold of an allocation)
+
+    def _control_lane_run(self, req: w.Ioctl, adm, hdr: bytes, params_in: bytes,
+                          params: bytearray, memory: ProcessMemory, tenant: str) -> Steps:
+        """`_control_lane_steps`'s driver call, books and write-back, for an admitted call."""
+        lane = self._lane
         # The row's post-hook as data when it has that form (FB info: the quota), applied to
         # the block's bytes as the native loop does: no decode, no second lock for it.
         patch = lane.table_patch(adm) if adm.post is not None else None

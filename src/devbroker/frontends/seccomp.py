@@ -251,7 +251,7 @@ class SupervisorStats:
     handed_to_trio: int = 0  # notifications a listener thread handed to the trio thread
     controls_fast: int = 0  # RM controls the broker's control lane admitted (fastlane.py)
     native_answered: int = 0  # notifications answered by the native loop (nativelane.py)
-    uvm_fast: int = 0  # UVM commands its continue lane admitted (CONTINUEd)
+    uvm_fast: int = 0  # calls its continue lane admitted (CONTINUEd): UVM, RM escapes bound to the caller
     # Time the listener threads spent deciding, by system call (ns; the answer excluded):
     # what a tenant's init pays for the broker, per kind of call.
     ns_open: int = 0
@@ -749,6 +749,9 @@ class SeccompSupervisor:
         try:
             while not self._stopping:
                 rc = t.serve()
+                if t.adm is not None:  # admitted, never finished: its quota hold goes back
+                    self._lane.release(t.adm)
+                    t.adm = None
                 t.fold(self.stats)
                 if t.unfinished is not None:
                     self._settle(t)
@@ -809,6 +812,9 @@ class SeccompSupervisor:
         same choices as `_answer_here`, on the header the loop read privately."""
         if t.unfinished is not None:
             self._settle(t)
+        if t.adm is not None:  # the last call never reached on_finish (a stale caller)
+            self._lane.release(t.adm)
+            t.adm = None
         sess = self.sessions.get((c.dev, c.ino))
         if sess is None or sess.released:
             return nativelane.ACT_DECLINE
@@ -837,7 +843,7 @@ class SeccompSupervisor:
             c.driver, c.finish, c.check = int(driver), int(finish), int(adm.checked)
             t.adm = adm
             return nativelane.ACT_CONTROL
-        if self._clane is not None and sess.real and sess.node is NodeKind.UVM:
+        if self._clane is not None and sess.real:
             if self._continue_decision(c.tid, c.cmd, c.argp, sess):
                 return nativelane.ACT_CONTINUE
         return nativelane.ACT_DECLINE
@@ -979,7 +985,7 @@ class SeccompSupervisor:
             if sess is not None:
                 if cmd in self._lane_cmds:
                     resp = self._control_lane(n, sess)
-                elif self._clane is not None and sess.real and sess.node is NodeKind.UVM:
+                elif self._clane is not None and sess.real:
                     resp = self._continue_lane(n, sess)
             if resp is not _GENERAL:
                 self.stats.ns_ioctl += time.perf_counter_ns() - t0
@@ -1386,6 +1392,17 @@ class SeccompSupervisor:
         params = bytearray(params_in)
         if adm.checked and not lane.check(adm, params):
             return _GENERAL
+        try:
+            return self._control_lane_run(n, sess, adm, hdr, params_in, params, t0, t1, t2)
+        finally:
+            lane.release(adm)  # (a no-op once finish ran: the quota hold of an allocation)
+
+    def _control_lane_run(self, n: w.Notif, sess: Session, adm, hdr: bytes, params_in: bytes,
+                          params: bytearray, t0: int, t1: int, t2: int):
+        """`_control_lane`'s driver call, books and write-back, for an admitted call."""
+        d, tid = n.data, n.pid
+        fd, cmd, argp = d.arg_int(0), d.arg_u32(1), d.args[2]
+        gate, clock, stats, lane = self._gate, time.perf_counter_ns, self.stats, self._lane
         t3 = clock()
         dup = -1
         try:
@@ -1433,8 +1450,8 @@ class SeccompSupervisor:
         return w.NotifResp.ok(n.id, ret)
 
     def _continue_lane(self, n: w.Notif, sess: Session) -> w.NotifResp | object:
-        """A UVM command the broker's continue lane admits: CONTINUE; `_GENERAL` for
-        everything else (the general steps decide it from the start, refusals and audit
+        """A call the broker's continue lane admits (a UVM command, an RM escape the driver
+        binds to the caller): CONTINUE; `_GENERAL` for everything else (the general steps decide it from the start, refusals and audit
         records included)."""
         d = n.data
         if self._continue_decision(n.pid, d.arg_u32(1), d.args[2], sess):
@@ -1442,10 +1459,12 @@ class SeccompSupervisor:
         return _GENERAL
 
     def _continue_decision(self, tid: int, cmd: int, argp: int, sess: Session) -> bool:
-        """Whether the continue lane (broker/fastlane.py ContinueLane) admits this UVM
-        command: its argument read once into the broker, its client handles checked, the
-        caller without CAP_SYS_ADMIN (else the general steps refuse it: privileged in the
-        driver). Both listeners (Python and native) ask here."""
+        """Whether the continue lane (broker/fastlane.py ContinueLane) admits this call (a
+        UVM command, an RM escape the driver binds to the caller): its argument read once
+        into the broker, its client handles, objects and fds checked (an fd number is
+        resolved in the calling thread's table, as the general steps do), the caller
+        without CAP_SYS_ADMIN (else the general steps refuse it: privileged in the driver).
+        Both listeners (Python and native) ask here."""
         lane = self._clane
         size = lane.arg_size(sess.id, cmd)
         if size is None:
@@ -1455,10 +1474,11 @@ class SeccompSupervisor:
             if caps & (1 << CAP_SYS_ADMIN) or caps < 0:
                 return False
             arg = self._gate.direct(self.tenant, _vm_read, tid, argp, size,
-                                    what=f"read of UVM command {cmd}'s argument")
+                                    what=f"read of ioctl {cmd:#x}'s argument (continue lane)")
         except OSError:
             return False
-        if not lane.admit(sess.id, caller, cmd, arg):
+        if not lane.admit(sess.id, caller, cmd, arg,
+                          resolve_fd=lambda fd, _tid=tid: self.session_for_fd(_tid, fd)):
             return False
         self.stats.ioctls += 1
         self.stats.continued_decided += 1
