@@ -558,3 +558,22 @@ def test_continue_lane_takes_the_rm_escapes_bound_to_the_caller_as_the_general_s
     ok, general = decide(11, M, arg(M, fd=11, p_hClient=mine.handle, p_hDevice=0xA1,
                                     p_hMemory=0xB1))
     assert ok is False and general is False
+
+
+def test_the_call_counters_wrap_every_lane_method_with_its_signature():
+    """With metrics on, front ends talk to the lanes through callstats' counting wrappers:
+    every public method a lane has must be there with the same parameters (a missing
+    keyword made every UVM and in-caller call of a CUDA init fail with EIO on the H200)."""
+    import inspect
+
+    from devbroker.broker import callstats
+
+    for lane_cls, wrapper in ((fastlane.ControlLane, callstats._CountedLane),
+                              (fastlane.ContinueLane, callstats._CountedContinue)):
+        for name, fn in inspect.getmembers(lane_cls, inspect.isfunction):
+            if name.startswith("_"):
+                continue
+            assert hasattr(wrapper, name), (wrapper.__name__, name)
+            want = list(inspect.signature(fn).parameters)
+            got = list(inspect.signature(getattr(wrapper, name)).parameters)
+            assert got == want, (wrapper.__name__, name, got, want)

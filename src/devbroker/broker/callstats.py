@@ -422,9 +422,10 @@ class _CountedContinue:
     def arg_size(self, session_id: int, cmd: int) -> int | None:
         return self._lane.arg_size(session_id, cmd)
 
-    def admit(self, session_id: int, caller: Any, cmd: int, arg: bytes) -> bool:
+    def admit(self, session_id: int, caller: Any, cmd: int, arg: bytes,
+              resolve_fd: Any = None) -> bool:
         t0 = self._stats.clock()
-        ok = self._lane.admit(session_id, caller, cmd, arg)
+        ok = self._lane.admit(session_id, caller, cmd, arg, resolve_fd)
         if ok:
             s = self._lane.broker.sessions.get(session_id)
             if s is not None:
