@@ -481,3 +481,113 @@ def test_a_low_tenant_is_stopped_while_a_high_tenant_holds_a_context(start):
     assert any(a["event"] == "deny" and "FIFO_DISABLE_CHANNELS" in a.get("reason", "")
                + a.get("what", "") for a in b.audit()), "the tenant's own call not audited"
     assert not [a for a in b.audit() if a["event"] == "error"]
+
+
+# --------------------------------------------------------------------------- turns
+def _turns_policy(ms: int, wa: int = 3, wb: int = 1) -> str:
+    from devbroker.testing.policies import one_h200, tenant
+
+    caps = ["nvml", "compute", "uvm"]
+    text = one_h200(tenant("a", compute_weight=wa, capabilities=caps),
+                    tenant("b", compute_weight=wb, capabilities=caps))
+    return text.replace("[broker]", f"[broker]\ncompute_turns_ms = {ms}", 1)
+
+
+def test_turns_stop_every_other_tenant_for_its_weights_part_of_a_round():
+    """`[broker] compute_turns_ms`: the tenants holding channel groups on a GPU take turns
+    (turns.py): in a's turn b's channels are stopped in the (emulated) driver and a's run,
+    for a's weight's part of the round (3:1 of 400 ms: 300 and 100 ms), then the other way
+    round; a channel a tenant makes while it waits is stopped before it has the handle;
+    status says whose turn it is; turns off by a policy change let everything run."""
+    import trio
+
+    from devbroker.backends.emulated_sched import channel_stopped
+    from devbroker.broker import turns
+    from devbroker.broker.effects import locked, perform_blocking, run_blocking
+    from devbroker.broker.policy import load_policy_text
+    from devbroker.testing.inproc import InProcTenant, make_broker
+
+    b = make_broker(_turns_policy(400))
+    ta, tb = InProcTenant(b, "a", pid=5101), InProcTenant(b, "b", pid=5102)
+
+    async def setup(t):
+        ctl, client, dev, sub = await t.subdevice()
+        _, out, _ = await t.alloc(ctl, client, dev, 0xA06C,
+                                  t.new("NV_CHANNEL_GROUP_ALLOCATION_PARAMETERS", engineType=1),
+                                  new=0xC0)
+        assert out.status == nvs.NV_OK, out
+        for i in range(2):
+            _, out, _ = await t.alloc(ctl, client, 0xC0, 0xC86F,
+                                      t.new("NV_CHANNEL_ALLOC_PARAMS"), new=0xD0 + i)
+            assert out.status == nvs.NV_OK, out
+        return ctl, client
+
+    (ca, cla), (cb, clb) = trio.run(setup, ta), trio.run(setup, tb)
+    step = lambda: run_blocking(locked(turns.step(b, 0)),  # noqa: E731
+                                lambda e: perform_blocking(e, b.memgate))
+    stopped = lambda cl, hs=(0xD0, 0xD1): [channel_stopped(b.backend, cl, h) for h in hs]  # noqa: E731
+    turn_of = lambda name: next(t for t in b.snapshot()["tenants"]  # noqa: E731
+                                if t["name"] == name)["compute"].get("turns")
+    assert step() == pytest.approx(0.3)  # a's turn: 3/4 of 400 ms
+    assert stopped(cla) == [False, False] and stopped(clb) == [True, True]
+    assert turn_of("a") == {"0": "running"} and turn_of("b") == {"0": "waiting"}
+    assert step() == pytest.approx(0.1)  # b's turn
+    assert stopped(cla) == [True, True] and stopped(clb) == [False, False]
+    # a channel of a's while it waits: stopped at allocation, and runs in a's next turn
+    _, out, _ = trio.run(lambda: ta.alloc(ca, cla, 0xC0, 0xC86F,
+                                          ta.new("NV_CHANNEL_ALLOC_PARAMS"), new=0xD7))
+    assert out.status == nvs.NV_OK and channel_stopped(b.backend, cla, 0xD7) is True
+    assert step() == pytest.approx(0.3)
+    assert stopped(cla, (0xD0, 0xD1, 0xD7)) == [False] * 3 and stopped(clb) == [True, True]
+    # a's process gone (its channel group freed): no turns with one tenant; b runs
+    _, out, _ = trio.run(lambda: ta.esc(ca, "NV_ESC_RM_FREE", ta.new(
+        "NVOS00_PARAMETERS", hRoot=cla, hObjectParent=0xA0, hObjectOld=0xC0)))
+    assert out.status == nvs.NV_OK
+    assert step() is None and stopped(clb) == [False, False]
+    assert turn_of("b") is None
+    # back with a group; then turns off by a policy change: everything runs
+    trio.run(lambda: ta.alloc(ca, cla, 0xA0, 0xA06C, ta.new(
+        "NV_CHANNEL_GROUP_ALLOCATION_PARAMETERS", engineType=1), new=0xC1))
+    assert step() is not None
+    b.apply_policy(load_policy_text(_turns_policy(0), "off"))
+    assert step() is None
+    assert stopped(clb) == [False, False]
+    recs = [a["reason"] for a in b.audit.recent if a.get("event") == "turns"]
+    assert any("turns of 400 ms among a (3), b (1)" in r for r in recs), recs
+    assert any("no turns" in r for r in recs), recs
+    assert not [a for a in b.audit.recent if a.get("event") == "error"]
+
+
+def test_tenants_take_turns_through_devbroker(start):
+    """Turns with real tenant processes (`devbroker exec`, both front ends) and the broker's
+    turns task: two tenants holding channel groups on one GPU are each seen running and
+    waiting within a second (200 ms rounds, 3:1), `devbroker status` says whose turn it is,
+    and when one leaves the other no longer waits."""
+    text = policy("compute_weight = 3", "").replace(
+        "[broker]", "[broker]\ncompute_turns_ms = 200", 1)
+    b = start(text)
+    pa, _ = _hold(b, "alpha")
+    pb, _ = _hold(b, "beta")
+    try:
+        assert _ask(pa, "channel")["status"] == nvs.NV_OK
+        assert _ask(pb, "channel")["status"] == nvs.NV_OK
+        seen: dict[str, set] = {"alpha": set(), "beta": set()}
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(len(v) == 2 for v in seen.values()):
+            st = b.status()
+            for t in st["tenants"]:
+                turn = t.get("compute", {}).get("turns", {}).get("0")
+                if turn:
+                    seen[t["name"]].add(turn)
+            time.sleep(0.02)
+        assert seen == {"alpha": {"running", "waiting"}, "beta": {"running", "waiting"}}, seen
+        out = b.cli("status").stdout
+        assert "turn" in out, out
+    finally:
+        _quit(pb)
+    _until(lambda: "turns" not in b.tenant("alpha")["compute"], "turns over with one tenant")
+    _quit(pa)
+    recs = [a["reason"] for a in b.audit() if a["event"] == "turns"]
+    assert any("turns of 200 ms among alpha (3), beta (1)" in r for r in recs), recs
+    assert any("no turns" in r for r in recs), recs
+    assert not [a for a in b.audit() if a["event"] == "error"]

@@ -15,7 +15,8 @@
 #      racing thread, plus SET_INTERLEAVE_LEVEL HIGH) next to a plain one: natively and
 #      through devbroker; racing threads on the controls themselves
 # Writes into $OUT: run.log, results.json (short: one entry per measurement), bundle.tgz
-# (audit log, broker log, every workload's output). PARTS="a b e c d" selects parts.
+# (audit log, broker log, every workload's output). PARTS="a b e c d" selects parts;
+# TURNS_MS=N runs them with the broker's weighted turns of N ms (broker/turns.py).
 set -u
 REPO=$(cd "$(dirname "$0")/../.." && pwd); cd "$REPO"
 . scripts/gpu/lib.sh
@@ -38,9 +39,11 @@ part() { local name=$1; shift
   [ $rc -eq 0 ] || { echo "part $name FAILED (exit $rc)"; put "part_${name}_failed" "$rc"; }
 }
 # policy FILE WA PA WB PB: tenants sa and sb on GPU 0 with these weights and priorities
+# (TURNS_MS=N: the broker's weighted turns, [broker] compute_turns_ms, broker/turns.py)
 policy() { cat > "$1" <<EOF
 [broker]
 backend = "real"
+compute_turns_ms = ${TURNS_MS:-0}
 
 [tenant.sa]
 gpus = [0]

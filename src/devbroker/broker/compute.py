@@ -132,6 +132,14 @@ class _Books:
     preempted: set[tuple[str, int]] = field(default_factory=set)
     watching: bool = False
     seen: set[tuple[str, int]] = field(default_factory=set)  # low (tenant, GPU)s looked at
+    # Turns (turns.py): GPU -> the tenant whose turn it is, GPU -> the tenants taking turns,
+    # the channels stopped for turns by (tenant, GPU), the (tenant, GPU)s looked at once,
+    # whether the turns task runs
+    turn: dict[int, str] = field(default_factory=dict)
+    turn_members: dict[int, set[str]] = field(default_factory=dict)
+    turn_stopped: dict[tuple[str, int], set[tuple[int, int]]] = field(default_factory=dict)
+    turn_seen: set[tuple[str, int]] = field(default_factory=set)
+    turning: bool = False
 
 
 _BOOKS: "weakref.WeakKeyDictionary[Any, _Books]" = weakref.WeakKeyDictionary()
@@ -144,10 +152,13 @@ def books(broker: Any) -> _Books:
     return b
 
 
-def preempted_on(broker: Any, tenant: str, gpu: int) -> bool:
-    """Whether the tenant's channels on `gpu` are stopped for a high-priority tenant now
-    (a new channel of its there is stopped by after_channel_alloc)."""
-    return (tenant, gpu) in books(broker).preempted
+def stops_new_channels(broker: Any, tenant: str, gpu: int) -> bool:
+    """Whether a channel the tenant allocates on `gpu` now is stopped before it has the
+    handle (after_channel_alloc): the tenant is stopped there for a high-priority tenant,
+    or it is another tenant's turn (turns.py)."""
+    from devbroker.broker import turns
+
+    return (tenant, gpu) in books(broker).preempted or turns.out_of_turn(broker, tenant, gpu)
 
 
 # --------------------------------------------------------------------------- values
@@ -321,6 +332,9 @@ def after_alloc(ctx: Any, alloc: Any, handle: int, gpu: int | None) -> Steps:
         schedule_apply(broker)
     if s.tenant.policy.priority == "high":
         schedule_preempt(broker)  # low tenants on this GPU: stopped by the watching task
+    from devbroker.broker import turns
+
+    turns.schedule(broker)  # a second tenant on this GPU: turns start (when on)
 
 
 def _group_for(broker: Any, s: Any, client: Any, handle: int) -> ChannelGroup | None:
@@ -378,6 +392,9 @@ def install(broker: Any) -> None:
         b.installed = True
         broker.on_policy_change.append(lambda policy: schedule_apply(broker))
         broker.on_policy_change.append(lambda policy: schedule_preempt(broker))
+        from devbroker.broker import turns
+
+        broker.on_policy_change.append(lambda policy: turns.schedule(broker))
 
 
 def schedule_apply(broker: Any) -> None:
@@ -556,13 +573,20 @@ def after_channel_alloc(ctx: Any, alloc: Any, handle: int, gpu: int | None) -> S
     """CLASSES[0xC86F].after (rules.py): a channel of a tenant that is stopped on this GPU
     is stopped before the tenant has its handle (else a low tenant could make new contexts
     to run between two looks of the watching task)."""
+    from devbroker.broker import turns
+
     broker, s = ctx.broker, ctx.session
     b = books(broker)
-    if gpu is None or (s.tenant.name, gpu) not in b.preempted:
+    key = (s.tenant.name, gpu)
+    if gpu is None or not stops_new_channels(broker, s.tenant.name, gpu):
         return
     done = yield from _stop(broker, s.tenant, gpu, {alloc.client.handle: [handle]}, True,
                             ctx.req)
-    b.stopped.setdefault((s.tenant.name, gpu), set()).update(done)
+    # held by each mechanism that wants it stopped (it runs again when neither does)
+    if key in b.preempted:
+        b.stopped.setdefault(key, set()).update(done)
+    if turns.out_of_turn(broker, s.tenant.name, gpu):
+        b.turn_stopped.setdefault(key, set()).update(done)
 
 
 def preempt_all(broker: Any) -> Steps:
@@ -598,7 +622,7 @@ def preempt_all(broker: Any) -> Steps:
                 continue
             # let run what the broker stopped (the first pass: everything of low tenants,
             # which a predecessor broker may have left stopped)
-            release = live if first else held
+            release = (live if first else held) - b.turn_stopped.get(key, set())
             if release:
                 todo = {}
                 for c, h in sorted(release):
@@ -669,4 +693,11 @@ def tenant_status(broker: Any, t: Any) -> dict:
         **({"stopped": {str(gpu): len(chs) for (name, gpu), chs in books(broker).stopped.items()
                         if name == t.name}}
            if any(name == t.name for name, _gpu in books(broker).preempted) else {}),
+        **({"turns": turns_now} if (turns_now := _turns_status(broker, t.name)) else {}),
     }}
+
+
+def _turns_status(broker: Any, tenant: str) -> dict:
+    from devbroker.broker import turns
+
+    return turns.status(broker, tenant)

@@ -29,7 +29,7 @@ from devbroker.abi import status as nvstatus
 from devbroker.abi.nodes import NodeKind
 from devbroker.abi.driver import DriverABI
 from devbroker.backends.base import Backend, DriverCall, DriverFile, DriverResult
-from devbroker.broker import compute, limits, rules
+from devbroker.broker import compute, limits, rules, turns
 from devbroker.broker.audit import AuditLog
 from devbroker.broker.fastlane import ContinueLane, ControlLane
 from devbroker.broker.effects import (
@@ -225,6 +225,7 @@ class Broker:
         self.spawn = start_soon
         self._trio_token = trio.lowlevel.current_trio_token()
         compute.schedule_preempt(self)  # low-priority tenants yield to high ones (compute.py)
+        turns.schedule(self, startup=True)  # weighted turns, when the policy asks (turns.py)
 
     def _start_soon(self, fn: Callable) -> None:
         """Start a background task from the trio thread or from a listener thread."""

@@ -235,9 +235,11 @@ class Admitted:
 # read only the call (its parameters, the allocating client), never the context.
 LANE_CLASS_CHECKS = frozenset({handlers.debugger_on_own_context, handlers.os_event_notifier})
 # After-hooks the lane can tell from the header to have nothing to do: a channel's
-# (compute.after_channel_alloc) stops it only for a tenant stopped on that GPU, which the
-# lane sends the general way (a tenant stopped between the admission and the driver's
-# answer has the channel stopped by the watching task's next look, PREEMPT_TICK_S).
+# (compute.after_channel_alloc) stops it only for a tenant stopped on that GPU (for a
+# high-priority tenant, or out of its turn: compute.stops_new_channels), which the lane
+# sends the general way (a tenant stopped between the admission and the driver's
+# answer has the channel stopped by the watching task's next look, PREEMPT_TICK_S, or
+# by the next turn's switch).
 LANE_AFTER_HOOKS = frozenset({compute.after_channel_alloc})
 
 
@@ -362,7 +364,7 @@ class ControlLane:
                 max_params is not None and size > max_params):
             return None
         if (rule.after is not None and parent.gpu is not None
-                and compute.preempted_on(b, tenant.name, parent.gpu)):
+                and compute.stops_new_channels(b, tenant.name, parent.gpu)):
             return None  # a channel of a stopped tenant: its after-hook stops it, there
         if limits.alloc_refusal(tenant, root_client=False) is not None:
             return None

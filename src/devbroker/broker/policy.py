@@ -139,6 +139,9 @@ class BrokerConfig:
     gpus: tuple[GpuSpec, ...]  # for "real", may be empty: the host's GPUs are used
     metrics: MetricsConfig | None = None
     alerts: AlertConfig = AlertConfig()
+    # Weighted turns on shared GPUs (broker/turns.py, docs/policy.md): the length of a round
+    # of turns in ms; 0: off (shares by the driver's timeslices alone)
+    compute_turns_ms: int = 0
 
 
 @dataclass(frozen=True, eq=True)
@@ -154,6 +157,8 @@ class Policy:
         out = ["[broker]", f"backend = {_q(b.backend)}", f"driver_version = {_q(b.driver_version)}"]
         if b.audit_log is not None:
             out.append(f"audit_log = {_q(b.audit_log)}")
+        if b.compute_turns_ms:
+            out.append(f"compute_turns_ms = {b.compute_turns_ms}")
         if b.metrics is not None:
             out += ["", "[broker.metrics]", f"listen = {_q(b.metrics.listen)}",
                     f"allow_remote = {'true' if b.metrics.allow_remote else 'false'}"]
@@ -440,8 +445,14 @@ class _Loader:
             self.fail(path, "the emulated backend needs at least one [[broker.gpu]]")
         metrics = self.metrics(b["metrics"]) if "metrics" in b else None
         alerts = self.alerts(b["alerts"]) if "alerts" in b else AlertConfig()
+        turns = self.integer(b.get("compute_turns_ms", 0), path + ("compute_turns_ms",),
+                             "compute_turns_ms")
+        if turns and not _TURNS_MIN_MS <= turns <= _TURNS_MAX_MS:
+            self.fail(path + ("compute_turns_ms",),
+                      f"compute_turns_ms must be 0 (off) or {_TURNS_MIN_MS}..{_TURNS_MAX_MS} "
+                      f"ms (a round of turns; each switch costs ~1 ms), not {turns}")
         return BrokerConfig(backend=backend, driver_version=version, audit_log=audit, gpus=gpus,
-                            metrics=metrics, alerts=alerts)
+                            metrics=metrics, alerts=alerts, compute_turns_ms=turns)
 
     def metrics(self, m: Any) -> MetricsConfig:
         path = ("broker", "metrics")
@@ -607,7 +618,10 @@ class _Loader:
 
 
 _BROKER_KEYS = {"backend": "", "driver_version": "", "audit_log": "", "gpu": "", "metrics": "",
-                "alerts": ""}
+                "alerts": "", "compute_turns_ms": ""}
+# a round of turns (broker/turns.py): below 20 ms it would be mostly switches (each ~1 ms of
+# the driver's time per 20 channels)
+_TURNS_MIN_MS, _TURNS_MAX_MS = 20, 10_000
 _METRICS_KEYS = {"listen": "", "allow_remote": ""}
 _ALERT_KEYS = {"quota_percent": "", "refusals_per_minute": "", "escape_attempts": "",
                "escape_window": ""}

@@ -243,8 +243,11 @@ def _share(t: dict) -> str:
     shares = ", ".join(f"gpu{g}: {100 * f:.0f}%" for g, f in c["share"].items()) or "-"
     # A low tenant preempted by a high one holding a context there (compute.preempt_all)
     stopped = ", ".join(f"gpu{g}: {n} channel(s)" for g, n in c.get("stopped", {}).items())
+    # Weighted turns (turns.py): on each GPU where the tenant takes turns, whose turn it is
+    turns = ", ".join(f"gpu{g}: {state}" for g, state in c.get("turns", {}).items())
     return (f"{shares} (weight {c['weight']}), {c['priority']}"
-            + (f"; STOPPED for a high-priority tenant ({stopped})" if "stopped" in c else ""))
+            + (f"; STOPPED for a high-priority tenant ({stopped})" if "stopped" in c else "")
+            + (f"; turns ({turns})" if turns else ""))
 
 
 def _human(n: int) -> str:
