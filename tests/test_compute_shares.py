@@ -81,6 +81,24 @@ def test_bad_values_are_refused_with_their_line(line, reason):
     assert reason in e.value.reason
 
 
+@pytest.mark.parametrize("line,reason", [
+    ("compute_turns_ms = 5", "compute_turns_ms must be 0 (off) or 20..10000"),
+    ("compute_turns_ms = 20000", "compute_turns_ms must be 0 (off) or 20..10000"),
+    ("compute_turns_ms = -1", "compute_turns_ms must be at least 0"),
+    ('compute_turns_ms = "100"', "compute_turns_ms must be an integer"),
+])
+def test_bad_turns_are_refused_with_their_line(line, reason):
+    text = policy().replace("[broker]", "[broker]\n" + line, 1)
+    with pytest.raises(PolicyError) as e:
+        load_policy_text(text, "bad.toml")
+    assert e.value.line == text.splitlines().index(line) + 1, str(e.value)
+    assert reason in e.value.reason
+    good = load_policy_text(policy().replace("[broker]", "[broker]\ncompute_turns_ms = 100", 1),
+                            "good.toml")
+    assert good.broker.compute_turns_ms == 100
+    assert load_policy_text(good.to_toml(), "again.toml") == good
+
+
 # --------------------------------------------------------------------------- values
 def _tenants(*specs):
     p = load_policy_text(GPUS + "".join(

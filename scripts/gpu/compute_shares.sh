@@ -100,7 +100,7 @@ pair() { local name=$1 secs=$2 delay=$3; shift 3
   texec sb "${b[@]//@T/$t}" > "$W/${name}_b.json" 2> "$W/${name}_b.err" & local pb=$!
   echo "$t" > "$W/${name}.start"
   wait $pa; wait $pb
-  tail -2 "$W/${name}_a.err" "$W/${name}_b.err" | cut -c1-300
+  tail -n 2 "$W/${name}_a.err" "$W/${name}_b.err" | cut -c1-300
 }
 
 part_a_broker() {
@@ -177,7 +177,8 @@ part_c() {
     pair ci 12 10 $WL latency 12 @T high -- $WL matmul 12 @T low
     put c_high_vs_low_interleaved "$($WL pct "$W/ci_a.json" "$W/c_alone.json")"
   fi
-  echo quit >&"${HOLD[1]}"; wait "$HOLD_PID" 2>/dev/null
+  [ -n "${HOLD[1]:-}" ] && echo quit >&"${HOLD[1]}"  # (gone when the probe has exited)
+  wait "${HOLD_PID:-}" 2>/dev/null || true
 }
 part c part_c
 

@@ -44,4 +44,7 @@ def rate(a, b):
     return round(sum(sel) / max(len(sel) * bs, 1e-9), 1)
 print("low matmuls/s: before pause", rate(start + 1, p), "paused", rate(p + 0.5, r),
       "after", rate(r + 0.5, start + 26), "ok", low.get("ok"), "tflops", low.get("tflops"))
+# PAUSE_MODE=escape: the process's own GPFIFO_SCHEDULE bEnable=1 two seconds into the pause
+print("low matmuls/s: paused, before its own GPFIFO_SCHEDULE(1)", rate(p + 0.5, p + 2),
+      "after it", rate(p + 2.5, r))
 PYX

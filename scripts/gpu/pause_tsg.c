@@ -8,6 +8,9 @@
  * (epoch seconds, environment). Every step is logged to stderr with its time.
  * PAUSE_MODE=channels instead disables the channels CUDA allocated (HOPPER_CHANNEL_GPFIFO_A,
  * noted from its RM_ALLOCs) with NV2080_CTRL_CMD_FIFO_DISABLE_CHANNELS on its subdevice.
+ * PAUSE_MODE=escape disables the channels so, and 2 s later sends the process's own
+ * GPFIFO_SCHEDULE {bEnable = 1} on each of its groups — what a tenant the broker stopped
+ * (preemption, turns) may send — to see whether that lets its work run again.
  *
  *   gcc -O2 -shared -fPIC -o pause_tsg.so pause_tsg.c -lpthread
  */
@@ -98,10 +101,17 @@ static void *pauser(void *unused) {
   if (!pa || !ra) return NULL;
   fprintf(stderr, "pause: thread capabilities dropped: capset %ld\n", cr);
   const char *mode = getenv("PAUSE_MODE");
-  int channels = mode && !strcmp(mode, "channels");
+  int escape = mode && !strcmp(mode, "escape");
+  int channels = escape || (mode && !strcmp(mode, "channels"));
   sleep_until(atof(pa));
   if (channels) channels_all(1); else schedule_all(0);
   fprintf(stderr, "pause: %.3f paused %d group(s) / %d channel(s)\n", now(), ngroups, nchan);
+  if (escape) {
+    sleep_until(atof(pa) + 2);
+    schedule_all(1);
+    fprintf(stderr, "pause: %.3f the process's own GPFIFO_SCHEDULE bEnable=1 on %d group(s)\n",
+            now(), ngroups);
+  }
   sleep_until(atof(ra));
   if (channels) channels_all(0); else schedule_all(1);
   fprintf(stderr, "pause: %.3f resumed\n", now());

@@ -668,7 +668,9 @@ REFUSED_CONTROLS: dict[int, str] = {
 # with what for: the emulator models them for the broker's own calls.
 BROKER_CONTROLS: dict[int, str] = {
     0x2080110B: "FIFO_DISABLE_CHANNELS: a low-priority tenant's own channels stopped while a "
-                "high-priority tenant holds a context on the GPU (compute.preempt_all)",
+                "high-priority tenant holds a context on the GPU (compute.preempt_all), and a "
+                "tenant's own channels stopped while another tenant has its turn "
+                "([broker] compute_turns_ms, turns.step)",
 }
 
 
