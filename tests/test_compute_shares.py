@@ -609,3 +609,40 @@ def test_tenants_take_turns_through_devbroker(start):
     assert any("turns of 200 ms among alpha (3), beta (1)" in r for r in recs), recs
     assert any("no turns" in r for r in recs), recs
     assert not [a for a in b.audit() if a["event"] == "error"]
+
+
+def test_a_tenant_stopped_for_a_high_priority_one_takes_no_turns():
+    """Turns and priority together: a `low` tenant stopped while a `high` one holds a
+    channel group is no member of the turns (the high tenant is alone: no turns), and a
+    turn never lets run what preemption holds."""
+    import trio
+
+    from devbroker.backends.emulated_sched import channel_stopped
+    from devbroker.broker import turns
+    from devbroker.broker.effects import locked, perform_blocking, run_blocking
+    from devbroker.testing.inproc import InProcTenant, make_broker
+    from devbroker.testing.policies import one_h200, tenant
+
+    caps = ["nvml", "compute", "uvm"]
+    text = one_h200(tenant("hi", priority="high", capabilities=caps),
+                    tenant("lo", priority="low", capabilities=caps))
+    b = make_broker(text.replace("[broker]", "[broker]\ncompute_turns_ms = 100", 1))
+    hi, lo = InProcTenant(b, "hi", pid=5201), InProcTenant(b, "lo", pid=5202)
+
+    async def setup(t):
+        ctl, client, dev, _sub = await t.subdevice()
+        await t.alloc(ctl, client, dev, 0xA06C,
+                      t.new("NV_CHANNEL_GROUP_ALLOCATION_PARAMETERS", engineType=1), new=0xC0)
+        _, out, _ = await t.alloc(ctl, client, 0xC0, 0xC86F, t.new("NV_CHANNEL_ALLOC_PARAMS"),
+                                  new=0xD0)
+        assert out.status == nvs.NV_OK, out
+        return client
+
+    clo, chi = trio.run(setup, lo), trio.run(setup, hi)
+    perform = lambda e: perform_blocking(e, b.memgate)  # noqa: E731
+    run_blocking(locked(compute.preempt_all(b)), perform)
+    assert channel_stopped(b.backend, clo, 0xD0) is True  # preempted
+    assert [t.name for t in turns.members(b, 0)] == ["hi"]
+    assert run_blocking(locked(turns.step(b, 0)), perform) is None  # alone: no turns
+    assert channel_stopped(b.backend, clo, 0xD0) is True  # (turns let run nothing held)
+    assert channel_stopped(b.backend, chi, 0xD0) is False

@@ -173,9 +173,9 @@ class Backend(Protocol):
 
     def run_control(self, file: DriverFile, fd: int, hdr: bytes, params: bytearray,
                     header: Any, abi: Any) -> tuple[int, int, bytes]:
-        """One RM_CONTROL the broker admitted unchanged (broker/fastlane.py), from private
-        copies: `hdr` the NVOS54 header as the tenant sent it, `params` its parameter block
-        (answered in place). `fd` is the broker's duplicate of the tenant's file where the
+        """One RM_CONTROL (or RM_ALLOC: the allocation lane) the broker admitted unchanged
+        (broker/fastlane.py), from private copies: `hdr` the NVOS54 (NVOS64/NVOS21) header as
+        the tenant sent it, `params` its parameter block (answered in place). `fd` is the broker's duplicate of the tenant's file where the
         file lives in the tenant (-1 else); `header` the layout (fastlane.Header), `abi` the caller's. Returns
         (ioctl return value, errno, the header as the driver left it, with the tenant's
         params pointer); on the calling thread, like ioctl_blocking (NotHere where it

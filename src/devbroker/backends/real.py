@@ -658,7 +658,10 @@ class RealBackend:
         return self._finish_tenant_call(dc, prep, rep)
 
     def can_run_control(self, file) -> bool:
-        return getattr(file, "runs_in_caller", False)  # a tenant file; relayed ones: no
+        # a tenant file (on the broker's duplicate), or a relayed one when the relay has a
+        # channel for front-end threads (run_control below; NotHere when it is busy)
+        return getattr(file, "runs_in_caller", False) or (
+            self.relay is not None and getattr(self.relay, "thread_chan", None) is not None)
 
     def control_is_plain_ioctl(self, file) -> bool:
         return getattr(file, "runs_in_caller", False)  # run_control below, on such a file
@@ -669,8 +672,10 @@ class RealBackend:
         duplicate of a tenant file: the driver reads the private header, whose params
         pointer names the private parameter block (answered in place), never the tenant's
         memory. On this thread, without the capabilities the driver checks (as
-        ioctl_blocking). Relayed files go the general way (NotHere)."""
-        if not getattr(file, "runs_in_caller", False) or fd < 0:
+        ioctl_blocking). A relayed file: through the relay (`_run_control_relayed`)."""
+        if not getattr(file, "runs_in_caller", False):
+            return self._run_control_relayed(file, hdr, params, header)
+        if fd < 0:
             raise NotHere
         block = (ctypes.c_char * len(params)).from_buffer(params)
         priv = bytearray(hdr)
@@ -686,6 +691,29 @@ class RealBackend:
             del block  # (releases params for resizing)
         priv[off:off + 8] = hdr[off:off + 8]  # the tenant's pointer, as the driver leaves it
         return ret, err, bytes(priv)
+
+    def _run_control_relayed(self, file, hdr: bytes, params: bytearray,
+                             header) -> tuple[int, int, bytes]:
+        """A lane call (control or allocation) on a relayed file, through the relay's channel
+        for front-end threads: the header with its parameter pointer cleared and the
+        private parameter block as the buffer that pointer names (the relay points it at
+        its own copy), so the driver reads the broker's copies only, from the relay's
+        capability-less process. What the general path's prepare_ioctl builds for the same
+        call: the lane's calls hold no fd and no other pointer (a checked call's pointers
+        are NULL). NotHere when the channel is taken (the general way then)."""
+        if getattr(file, "closed", False):
+            raise NotHere
+        off = header.params_offset
+        arg = bytearray(hdr)
+        arg[off:off + 8] = bytes(8)
+        rep = self.relay.ioctl_here(w.IoctlRequest(
+            file.rfd, header.ioctl_cmd, [w.Buffer(bytes(arg)), w.Buffer(bytes(params), 0, off)]))
+        out = bytearray(rep.buffers[0])
+        out[off:off + 8] = hdr[off:off + 8]  # the tenant's pointer, as the driver leaves it
+        if rep.ret >= 0 and len(rep.buffers) > 1 and len(rep.buffers[1]) == len(params):
+            params[:] = rep.buffers[1]
+        self.last_ns = rep.ns
+        return rep.ret, rep.errno, bytes(out)
 
     async def ioctl(self, file: RealFile, dc: DriverCall) -> DriverResult:
         import trio

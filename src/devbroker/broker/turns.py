@@ -47,6 +47,7 @@ def members(broker: Any, gpu: int) -> list[Any]:
     """The tenants taking turns on `gpu`: those holding live channel groups there, in the
     policy, not revoked from it, not stopped for a high-priority tenant; by name."""
     b = compute.books(broker)
+    compute._discover(broker)  # (groups a predecessor broker's tenants allocated)
     names = {g.tenant for g in compute.live_groups(broker) if g.gpu == gpu}
     out = []
     for name in sorted(names):
