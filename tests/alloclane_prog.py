@@ -157,6 +157,27 @@ def main() -> int:
     for parent, handle in reversed(made):
         status = c.free(parent, handle)
         print(json.dumps({"what": "free", "handle": handle, "status": status}), flush=True)
+    # frees the lane must send the general way: freed already (the books no longer hold it:
+    # refused), a handle never made, another client's, the root client itself (last)
+    for what, root, handle in (("free-twice", None, made[0][1] if made else 0x1234),
+                               ("free-unknown", None, 0xBADBAD),
+                               ("free-foreign-client", 0xC1D00000, hsub)):
+        v = c.new("NVOS00_PARAMETERS", hRoot=c.hclient if root is None else root,
+                  hObjectParent=hdev, hObjectOld=handle)
+        try:
+            st = c.escape(c.ctl, "NV_ESC_RM_FREE", v).status
+            err = 0
+        except OSError as e:
+            st, err = -1, e.errno
+        print(json.dumps({"what": what, "status": st, "errno": err}), flush=True)
+    # plain escapes (the whole argument is the call): NUMA_INFO on the GPU file
+    numa = c.new("nv_ioctl_numa_info_t")
+    try:
+        got = c.escape(c.gpu_fds[g["minor"]], "NV_ESC_NUMA_INFO", numa)
+        print(json.dumps({"what": "numa-info", "errno": 0,
+                          "digest": hashlib.sha256(got.encode()).hexdigest()[:16]}), flush=True)
+    except OSError as e:
+        print(json.dumps({"what": "numa-info", "errno": e.errno}), flush=True)
     print(json.dumps({"what": "done", "made": len(made)}), flush=True)
     return 0
 

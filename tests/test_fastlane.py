@@ -373,7 +373,12 @@ def test_allocation_lane_answers_as_the_general_path(start_broker, traces_dir, f
     # channels and the one under a channel, the VA space, sysmem and debugger-own (both
     # checked): 12; the rest (the device, the group, refusals, rights, NULL, wrong size, a
     # pointer set) went the general way
-    print("allocation lane:", st_on, [(x["what"], x["status"]) for x in on][:24])
+    print("allocation lane:", st_on, [(x["what"], x.get("status")) for x in on][:24])
+    # header-only calls: frees the books no longer hold (or never held), another client's
+    # — refused on the general path, audited alike (compared above); NUMA_INFO answered
+    for w in ("free-twice", "free-unknown", "free-foreign-client"):
+        assert by_what[w]["status"] != 0 or by_what[w]["errno"], by_what[w]
+    assert "numa-info" in by_what
     # device memory: the quota holds with the lane as without it (four 2 GiB blocks of the
     # 8 GiB, not a fifth nor one byte more, again after a free)
     for w in ("vidmem-0", "vidmem-1", "vidmem-2", "vidmem-3", "vidmem-free", "vidmem-again"):

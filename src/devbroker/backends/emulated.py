@@ -592,11 +592,10 @@ class EmulatedBackend:
         """A control (or an allocation) the broker admitted unchanged (broker/fastlane.py):
         the same answer as through NV_ESC_RM_CONTROL (NV_ESC_RM_ALLOC), from the header's
         fields and the parameter block."""
-        if header.kind == "alloc":
+        if header.kind != "control":  # an allocation, a free, a plain escape
             call = abi.decode_ioctl(file.node, header.ioctl_cmd, hdr)
-            with self._calls:
-                res = self.NV_ESC_RM_ALLOC(file, DriverCall(call, bytes(params), abi=abi,
-                                                            tgid=0))  # (no root clients here)
+            res = self.ioctl_blocking(file, DriverCall(call, bytes(params) if params else None,
+                                                       abi=abi, tgid=0))  # (no root clients)
             if res.nested is not None and len(res.nested) == len(params):
                 params[:] = res.nested
             return res.result, res.errno, res.arg

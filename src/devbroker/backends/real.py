@@ -677,9 +677,17 @@ class RealBackend:
             return self._run_control_relayed(file, hdr, params, header)
         if fd < 0:
             raise NotHere
+        off = header.params_offset
+        if off < 0:  # the header alone (RM_FREE, a plain escape)
+            priv = bytearray(hdr)
+            if thread_is_driver_safe():
+                ret, err = _ioctl_in_place(fd, header.ioctl_cmd, priv)
+            else:
+                with effective_caps_lowered():
+                    ret, err = _ioctl_in_place(fd, header.ioctl_cmd, priv)
+            return ret, err, bytes(priv)
         block = (ctypes.c_char * len(params)).from_buffer(params)
         priv = bytearray(hdr)
-        off = header.params_offset
         struct.pack_into("<Q", priv, off, ctypes.addressof(block))
         try:
             if thread_is_driver_safe():
@@ -704,6 +712,11 @@ class RealBackend:
         if getattr(file, "closed", False):
             raise NotHere
         off = header.params_offset
+        if off < 0:  # the header alone (RM_FREE, a plain escape)
+            rep = self.relay.ioctl_here(w.IoctlRequest(file.rfd, header.ioctl_cmd,
+                                                       [w.Buffer(bytes(hdr))]))
+            self.last_ns = rep.ns
+            return rep.ret, rep.errno, bytes(rep.buffers[0])
         arg = bytearray(hdr)
         arg[off:off + 8] = bytes(8)
         rep = self.relay.ioctl_here(w.IoctlRequest(

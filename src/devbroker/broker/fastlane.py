@@ -55,6 +55,14 @@ before the tenant has the answer, as handlers.rm_alloc does; the front end's pri
 are the same as a control's (the header the driver reads names the broker's copy of the
 parameters).
 
+*Header-only calls*: an RM_FREE (NVOS00) of one of the tenant's objects — not its root
+client — is admitted on its header (client and object the tenant's, as handlers.rm_free
+requires for a file the broker holds; an object the books do not know goes the general
+way) and `finish` drops the object and its children from the books after the driver's
+NV_OK; a *plain escape* (`plain_escape`: NV_ESC_NUMA_INFO, NV_ESC_WAIT_OPEN_COMPLETE) is
+admitted on its row alone, its argument being the whole call. Neither has a parameter
+block (Header.params_offset -1): the front end reads and writes the header only.
+
 What the lane leaves to the front end: the private copies (header and parameters read once
 into broker memory, the driver sees only those, the tenant's memory is written after), the
 check that the caller is still the thread that made the call, and the driver call itself
@@ -77,6 +85,7 @@ from devbroker.backends.base import DriverResult
 
 from . import compute, handlers, limits, rewrite, rules
 from .effects import STATE_LOCK
+from .objects import drop_objects
 from .refusal import Refusal
 
 if TYPE_CHECKING:
@@ -88,6 +97,7 @@ if TYPE_CHECKING:
 
 RM_CONTROL = "NV_ESC_RM_CONTROL"
 RM_ALLOC = "NV_ESC_RM_ALLOC"
+RM_FREE = "NV_ESC_RM_FREE"
 
 
 @dataclass(frozen=True)
@@ -99,11 +109,14 @@ class Header:
     # control: (hClient, hObject, cmd, params, paramsSize);
     # alloc: (hRoot, hObjectParent, hObjectNew, hClass, pAllocParms, paramsSize)
     unpack: Callable[[bytes], tuple]
-    params_offset: int  # the params pointer (replaced by the broker's copy's address)
-    status_offset: int
-    kind: str = "control"  # "control" or "alloc"
+    params_offset: int  # the params pointer (replaced by the broker's copy's address); -1: none
+    status_offset: int  # -1: the layout has no status field
+    # "control", "alloc", "free" (NVOS00: the header alone) or "escape" (a plain escape whose
+    # argument is the whole call: `escape` names its row)
+    kind: str = "control"
     new_offset: int = -1  # alloc: hObjectNew (where the driver names the new handle)
     rights_offset: int = -1  # alloc, NVOS64: pRightsRequested (the lane needs it NULL)
+    escape: str = ""  # escape: its name (rules.ESCAPES)
 
 
 _HEADERS: dict[Any, dict[int, Header]] = {}
@@ -113,17 +126,39 @@ _CONTROL_FIELDS = (("hClient", "I"), ("hObject", "I"), ("cmd", "I"), ("params", 
                    ("paramsSize", "I"))
 _ALLOC_FIELDS = (("hRoot", "I"), ("hObjectParent", "I"), ("hObjectNew", "I"), ("hClass", "I"),
                  ("pAllocParms", "Q"), ("paramsSize", "I"))
+_FREE_FIELDS = (("hRoot", "I"), ("hObjectParent", "I"), ("hObjectOld", "I"))
 
 
-def _header(nr: int, spec, kind: str) -> Header | None:
-    fields = _CONTROL_FIELDS if kind == "control" else _ALLOC_FIELDS
+def plain_escape(name: str, spec) -> bool:
+    """An escape the lane may run as its whole argument (kind "escape"): its row passes it
+    to the driver as sent (handlers.relay without a rewrite), it is not bound to the caller
+    and names no fd, and its layout holds nothing the broker looks at (no client handle,
+    GPU id, pointer or fd: rules.plain_layout), so the general path's only checks are the
+    row's: allowed, granted, on this node (NV_ESC_NUMA_INFO, NV_ESC_WAIT_OPEN_COMPLETE)."""
+    row = rules.ESCAPES.get(name)
+    return (row is not None and row.handler is handlers.relay and row.rewrite is None
+            and not row.in_caller and not row.carries_fds and spec is not None
+            and spec.size > 0 and rules.plain_layout(spec))
+
+
+def _header(nr: int, spec, kind: str, name: str = "") -> Header | None:
+    cmd = ioc.ioc(ioc.IOC_READ | ioc.IOC_WRITE, NV_IOCTL_MAGIC, nr, spec.size)
     f = spec.by_name
+    if kind == "escape":
+        status = f["status"].offset if "status" in f else -1
+        return Header(cmd, spec.size, lambda b: (), -1, status, kind="escape", escape=name)
+    if kind == "free":
+        if not all(n in f for n, _k in _FREE_FIELDS) or "status" not in f:
+            return None
+        unpack = _fixed_unpacker([f[n].offset for n, _k in _FREE_FIELDS], ["I", "I", "I"])
+        return (Header(cmd, spec.size, unpack, -1, f["status"].offset, kind="free")
+                if unpack is not None else None)
+    fields = _CONTROL_FIELDS if kind == "control" else _ALLOC_FIELDS
     if not all(n in f for n, _k in fields) or "status" not in f:
         return None
     unpack = _fixed_unpacker([f[n].offset for n, _k in fields], [k for _n, k in fields])
     if unpack is None:
         return None
-    cmd = ioc.ioc(ioc.IOC_READ | ioc.IOC_WRITE, NV_IOCTL_MAGIC, nr, spec.size)
     if kind == "control":
         return Header(cmd, spec.size, unpack, f["params"].offset, f["status"].offset)
     rights = f["pRightsRequested"].offset if "pRightsRequested" in f else -1
@@ -132,23 +167,29 @@ def _header(nr: int, spec, kind: str) -> Header | None:
 
 
 def headers_of(abi: DriverABI) -> dict[int, Header]:
-    """The lane's headers in `abi`, by ioctl number: RM_CONTROL's NVOS54 and RM_ALLOC's
-    NVOS64 and NVOS21 (the escape's layouts the table knows; one the fields are not found
-    in is left out, and the lane is then off for it)."""
+    """The lane's headers in `abi`, by ioctl number: RM_CONTROL's NVOS54, RM_ALLOC's NVOS64
+    and NVOS21, RM_FREE's NVOS00 and the plain escapes' arguments (`plain_escape`) (the
+    layouts the table knows; one whose fields are not found is left out, and the lane is
+    then off for it)."""
     known = _HEADERS.get(abi)
     if known is not None:
         return known
     with _HEADERS_LOCK:
         out: dict[int, Header] = {}
         for nr, spec in abi.escapes.items():
-            if spec.params is None or spec.name not in (RM_CONTROL, RM_ALLOC):
+            if spec.params is None:
                 continue
-            kind = "control" if spec.name == RM_CONTROL else "alloc"
+            if spec.name in (RM_CONTROL, RM_ALLOC, RM_FREE):
+                kind = {RM_CONTROL: "control", RM_ALLOC: "alloc", RM_FREE: "free"}[spec.name]
+            elif plain_escape(spec.name, spec.params):
+                kind = "escape"
+            else:
+                continue
             layouts = [spec.params]
             if kind == "alloc":
                 layouts += list((getattr(spec, "variants", None) or {}).values())
             for layout in layouts:
-                h = _header(nr, layout, kind)
+                h = _header(nr, layout, kind, spec.name)
                 if h is not None:
                     out[h.ioctl_cmd] = h
         _HEADERS[abi] = out
@@ -258,6 +299,9 @@ class ControlLane:
         alloc = rules.ESCAPES.get(RM_ALLOC)
         self.alloc_escape = (alloc if alloc is not None and alloc.handler is handlers.rm_alloc
                              and alloc.rewrite is None and not alloc.in_caller else None)
+        free = rules.ESCAPES.get(RM_FREE)
+        self.free_escape = (free if free is not None and free.handler is handlers.rm_free
+                            and free.rewrite is None and not free.in_caller else None)
         self.admitted = 0
         self.passed = 0  # declined: sent down the general path
         self.allocations = 0  # of the admitted: RM_ALLOCs (the allocation lane)
@@ -270,7 +314,9 @@ class ControlLane:
         out = set()
         for abi in versions:
             for h in headers_of(abi).values():
-                if (self.escape if h.kind == "control" else self.alloc_escape) is not None:
+                row = {"control": self.escape, "alloc": self.alloc_escape,
+                       "free": self.free_escape}.get(h.kind, True)
+                if row is not None:
                     out.add(h.ioctl_cmd)
         return frozenset(out)
 
@@ -306,6 +352,10 @@ class ControlLane:
             return None
         if h.kind == "alloc":
             return self._admit_alloc(s, abi, h, hdr, max_params)
+        if h.kind == "free":
+            return self._admit_free(s, abi, h, hdr)
+        if h.kind == "escape":
+            return self._admit_escape(s, abi, h)
         escape = self.escape
         if escape is None:
             return None
@@ -372,6 +422,34 @@ class ControlLane:
             return None
         return Admitted(s, abi, h, client, h_parent, cls, params_ptr, size, parent.gpu, None,
                         checked=checked, null_ptrs=ptrs, alloc=rule)
+
+    def _admit_free(self, s: Session, abi: DriverABI, h: Header, hdr: bytes) -> Admitted | None:
+        """An RM_FREE the general path (handlers.rm_free) would run as sent: the client is
+        the tenant's and the object one of its objects, not the client itself (freeing a
+        root client changes the client books: the general way). A GPU taken from the tenant
+        does not stop it: freeing stays allowed there, as on the general path."""
+        tenant, escape = s.tenant, self.free_escape
+        if escape is None or not escape.granted(tenant.policy.capabilities) \
+                or s.node not in escape.nodes:
+            return None
+        h_root, _h_parent, h_old = h.unpack(hdr)
+        client = tenant.clients.get(h_root)
+        if client is None or h_old == h_root or h_old not in client.objects:
+            return None
+        if not tenant.limiter.try_acquire():
+            return None
+        return Admitted(s, abi, h, client, h_old, 0, 0, 0, client.objects[h_old].gpu, None)
+
+    def _admit_escape(self, s: Session, abi: DriverABI, h: Header) -> Admitted | None:
+        """A plain escape (`plain_escape`): the general path checks only its row — allowed,
+        granted, on this node — and passes the argument to the driver as sent."""
+        row = rules.ESCAPES.get(h.escape)
+        tenant = s.tenant
+        if row is None or not row.granted(tenant.policy.capabilities) or s.node not in row.nodes:
+            return None
+        if not tenant.limiter.try_acquire():
+            return None
+        return Admitted(s, abi, h, None, 0, 0, 0, 0, None, None)
 
     def _alloc_plan(self, abi: DriverABI, cls: int) -> tuple | None:
         """(capability, parameter size, checked, pointer offsets, class row) of a class the
@@ -556,8 +634,8 @@ class ControlLane:
     def needs_finish(self, adm: Admitted, patched: bool = False) -> bool:
         """Whether `finish` has anything to do besides counting the request: a post-hook
         (unless the front end applies it as a TablePatch), or a recording."""
-        return (adm.alloc is not None or (adm.post is not None and not patched)
-                or self.broker.recorder is not None)
+        return (adm.alloc is not None or adm.header.kind == "free"
+                or (adm.post is not None and not patched) or self.broker.recorder is not None)
 
     def answered(self, adm: Admitted, err: int, end_ns: int) -> None:
         """A call the front end answered without `finish` was answered at end_ns
@@ -578,7 +656,10 @@ class ControlLane:
         row's post-hook when there is one and the driver said NV_OK, as handlers.rm_control
         does. (Nothing is written to the tenant when err is set.)"""
         h = adm.header
-        status = int.from_bytes(hdr_out[h.status_offset:h.status_offset + 4], "little")
+        status = (int.from_bytes(hdr_out[h.status_offset:h.status_offset + 4], "little")
+                  if h.status_offset >= 0 else nvstatus.NV_OK)
+        if h.kind == "free":
+            return self._finish_free(adm, hdr, params_in, ret, err, hdr_out, status)
         if adm.alloc is not None:
             return self._finish_alloc(adm, hdr, params_in, ret, err, hdr_out, params_out,
                                       status)
@@ -633,13 +714,30 @@ class ControlLane:
             self._record(recorder, adm, hdr, params_in, ret, err, hdr_out, out)
         return out
 
+    def _finish_free(self, adm: Admitted, hdr: bytes, params_in: bytes, ret: int, err: int,
+                     hdr_out: bytes, status: int) -> bytes:
+        """After the driver freed an object: it and its children leave the books (a charge
+        held by one of its duplicates moves there), as handlers.rm_free."""
+        with STATE_LOCK:
+            s = adm.session
+            if not adm.booked:
+                s.tenant.requests += 1
+            if not err and status == nvstatus.NV_OK:
+                drop_objects(adm.client.remove(adm.h_object))
+            recorder = self.broker.recorder
+        if recorder is not None:
+            self._record(recorder, adm, hdr, params_in, ret, err, hdr_out, b"")
+        return b""  # (no parameter block: the header is the answer)
+
     @staticmethod
     def _record(recorder, adm: Admitted, hdr: bytes, params_in: bytes, ret: int, err: int,
                 hdr_out: bytes, out: bytes) -> None:
         s = adm.session
         call = adm.abi.decode_ioctl(s.node, adm.header.ioctl_cmd, hdr)
-        recorder.ioctl(s, call, params_in,
-                       DriverResult(arg=hdr_out, nested=out, result=ret, errno=err))
+        block = adm.header.params_offset >= 0  # (a header-only call has no nested buffer)
+        recorder.ioctl(s, call, params_in if block else None,
+                       DriverResult(arg=hdr_out, nested=out if block else None, result=ret,
+                                    errno=err))
 
 
 def _client_offsets(spec, base: int = 0) -> tuple[tuple[int, bool], ...] | None:

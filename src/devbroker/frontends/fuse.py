@@ -1422,9 +1422,9 @@ class FuseFrontend:
         if adm is None:
             return GENERAL
         try:
-            params_in = yield ReadMemory(memory, adm.params_ptr, adm.params_size, tenant,
-                                         f"read of {adm.params_size} bytes at "
-                                         f"{adm.params_ptr:#x}")
+            params_in = (yield ReadMemory(memory, adm.params_ptr, adm.params_size, tenant,
+                                          f"read of {adm.params_size} bytes at "
+                                          f"{adm.params_ptr:#x}")) if adm.params_size else b""
         except OSError:
             return GENERAL
         params = bytearray(params_in)
@@ -1459,11 +1459,12 @@ class FuseFrontend:
             out = bytes(params)
         if err:  # the driver's failure: the tenant's buffers stay as they were
             return w.encode_error(req.unique, sanitize_errno(err))
-        try:
-            yield WriteMemory(memory, adm.params_ptr, out, tenant,
-                              f"write of ioctl {req.cmd:#x}'s results")
-        except OSError:
-            return w.encode_error(req.unique, errno.EFAULT)
+        if adm.params_size:  # (none for a call whose header is the whole argument)
+            try:
+                yield WriteMemory(memory, adm.params_ptr, out, tenant,
+                                  f"write of ioctl {req.cmd:#x}'s results")
+            except OSError:
+                return w.encode_error(req.unique, errno.EFAULT)
         return w.encode_ioctl(req.unique, ret, hdr_out[:req.out_size])
 
     @staticmethod

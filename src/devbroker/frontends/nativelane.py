@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("devbroker.seccomp.native")
 
-ABI = 5  # native/lane.c DVB_ABI
+ABI = 6  # native/lane.c DVB_ABI
 DVB_NOTIF, DVB_IDLE, DVB_WAKE, DVB_HUP, DVB_FOLD, DVB_LATE, DVB_WRITE_FAILED, DVB_ERROR = \
     range(1, 9)
 ACT_DECLINE, ACT_CONTINUE, ACT_CONTROL, ACT_FAIL = 0, 1, 2, 3
@@ -53,7 +53,7 @@ ACT_DECLINE, ACT_CONTINUE, ACT_CONTROL, ACT_FAIL = 0, 1, 2, 3
 COUNTERS = ("notifications", "opens_continued", "ioctls", "controls_fast", "stale",
             "lane_ns_read", "lane_ns_admit", "lane_ns_dup", "lane_ns_driver", "lane_ns_finish",
             "lane_ns_write", "ns_recv", "ns_send", "ns_ioctl", "ns_open", "native_answered")
-HDR_MAX = 64
+HDR_MAX = 1024
 PARAMS_MAX = 16384
 PATCH_MAX = 16
 

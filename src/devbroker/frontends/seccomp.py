@@ -1386,7 +1386,8 @@ class SeccompSupervisor:
         try:
             params_in = gate.direct(self.tenant, _vm_read, tid, adm.params_ptr,
                                     adm.params_size,
-                                    what=f"read of {adm.params_size} bytes at {adm.params_ptr:#x}")
+                                    what=f"read of {adm.params_size} bytes at {adm.params_ptr:#x}"
+                                    ) if adm.params_size else b""  # (b"": the header alone)
         except OSError:
             return _GENERAL
         params = bytearray(params_in)
@@ -1441,7 +1442,8 @@ class SeccompSupervisor:
             stats.stale += 1
             return None
         try:
-            gate.direct(self.tenant, vm_write_many, tid, [(adm.params_ptr, out), (argp, hdr_out)],
+            gate.direct(self.tenant, vm_write_many, tid,
+                        ([(adm.params_ptr, out)] if adm.params_size else []) + [(argp, hdr_out)],
                         what=f"write of ioctl {cmd:#x}'s results")
         except OSError as e:
             self._audit_memory(tid, f"ioctl {cmd:#x}", e)

@@ -53,7 +53,7 @@
 #endif
 #define DVB_PIDFD_THREAD O_EXCL /* Linux 6.9: a pidfd for a (non-leader) thread */
 
-#define DVB_ABI 5 /* bumped with any change of the structures below (nativelane.py checks) */
+#define DVB_ABI 6 /* bumped with any change of the structures below (nativelane.py checks) */
 
 struct dvb_notif { /* struct seccomp_notif */
     uint64_t id;
@@ -83,10 +83,10 @@ enum { C_NOTIFICATIONS, C_OPENS_CONTINUED, C_IOCTLS, C_CONTROLS_FAST, C_STALE,
        C_LANE_NS_WRITE, C_NS_RECV, C_NS_SEND, C_NS_IOCTL, C_NS_OPEN, C_ANSWERED,
        C_COUNT };
 
-#define DVB_HDR_MAX 64
+#define DVB_HDR_MAX 1024 /* the largest lane argument (NV_ESC_NUMA_INFO: 560) */
 #define DVB_PARAMS_MAX 16384
 #define DVB_NAMES_MAX 4096
-#define DVB_LANE_CMDS 8
+#define DVB_LANE_CMDS 16
 #define DVB_PATCH_MAX 16
 
 /* One call being decided: what the Python callbacks read and fill (nativelane.Call). */
@@ -94,7 +94,8 @@ struct dvb_call {
     int64_t id, tid, fd, cmd, argp;        /* the notification */
     int64_t dev, ino, mode, rdev;          /* the file behind fd (statx of /proc/tid/fd/fd) */
     int64_t hdr_len;                       /* bytes of hdr read (0: none) */
-    /* filled by on_ioctl for ACT_CONTROL */
+    /* filled by on_ioctl for ACT_CONTROL (params_size 0 and params_off -1: a call with no
+     * parameter block, the header alone: RM_FREE, a plain escape) */
     int64_t params_ptr, params_size, params_off;
     int64_t driver;                        /* 1: make the driver call here; 0: on_finish runs it */
     int64_t finish;                        /* 1: call on_finish after the driver call */
@@ -376,15 +377,17 @@ static int run_control(struct dvb_thread *t, struct dvb_notif *n, int64_t t0, in
     struct dvb_call *c = &t->call;
     size_t size = (size_t)c->params_size, hlen = (size_t)c->hdr_len;
     int dup = -1;
-    if (size > DVB_PARAMS_MAX || c->params_off < 0 || (size_t)c->params_off + 8 > hlen
-        || sh->mem_off)
+    if (size > DVB_PARAMS_MAX || sh->mem_off
+        || (size && (c->params_off < 0 || (size_t)c->params_off + 8 > hlen)))
         return DVB_NOTIF;
-    ssize_t got = tenant_read(t, n->pid, (uint64_t)c->params_ptr, c->params, size);
-    if (t->abandoned)
-        return DVB_LATE;
-    if (got != (ssize_t)size)
-        return DVB_NOTIF; /* the general path reads again and answers with its record */
-    memcpy(c->params_in, c->params, size);
+    if (size) { /* (none: the header alone) */
+        ssize_t got = tenant_read(t, n->pid, (uint64_t)c->params_ptr, c->params, size);
+        if (t->abandoned)
+            return DVB_LATE;
+        if (got != (ssize_t)size)
+            return DVB_NOTIF; /* the general path reads again and answers with its record */
+        memcpy(c->params_in, c->params, size);
+    }
     if (c->check) {
         /* A checked control: the broker decides on this private copy (client handles, GPU
          * ids, the row's pre-hook, which may rewrite c->params in place) before anything
@@ -426,12 +429,14 @@ static int run_control(struct dvb_thread *t, struct dvb_notif *n, int64_t t0, in
         uint8_t priv[DVB_HDR_MAX];
         uint64_t block = (uint64_t)(uintptr_t)c->params;
         memcpy(priv, c->hdr, hlen);
-        memcpy(priv + c->params_off, &block, 8);
+        if (size)
+            memcpy(priv + c->params_off, &block, 8);
         int r = ioctl(dup, (unsigned long)(uint32_t)c->cmd, priv);
         c->err = r < 0 ? errno : 0;
         c->ret = r < 0 ? -1 : r;
         close(dup);
-        memcpy(priv + c->params_off, c->hdr + c->params_off, 8); /* the tenant's pointer */
+        if (size) /* the tenant's pointer */
+            memcpy(priv + c->params_off, c->hdr + c->params_off, 8);
         memcpy(c->hdr_out, priv, hlen);
     }
     int64_t t5 = now_ns();
@@ -471,8 +476,9 @@ static int run_control(struct dvb_thread *t, struct dvb_notif *n, int64_t t0, in
         t->counters[C_STALE]++;
         return 0;
     }
-    ssize_t put = tenant_write2(t, n->pid, (uint64_t)c->params_ptr, c->params, size,
-                                (uint64_t)c->argp, c->hdr_out, hlen);
+    ssize_t put = size ? tenant_write2(t, n->pid, (uint64_t)c->params_ptr, c->params, size,
+                                       (uint64_t)c->argp, c->hdr_out, hlen)
+                       : tenant_write2(t, n->pid, (uint64_t)c->argp, c->hdr_out, hlen, 0, NULL, 0);
     if (t->abandoned)
         return DVB_LATE;
     if (put != (ssize_t)(size + hlen)) {
