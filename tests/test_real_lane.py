@@ -66,3 +66,63 @@ def test_a_lane_call_on_a_relayed_file_answers_as_the_general_path(backend, kind
     with backend.relay.thread_chan.lock:
         with pytest.raises(NotHere):
             backend.run_control(f, -1, bytes(hdr), params, header, abi)
+
+
+@pytest.mark.parametrize("frontend", ["seccomp", "fuse"])
+def test_header_only_lane_calls_on_stand_in_driver_files(tmp_path, frontend):
+    """A broker on the real backend with stand-in driver nodes (test_upgrade.STAND_IN_NS:
+    /dev/null's and /dev/zero's devices as nvidiactl and nvidia0): a tenant's plain escapes
+    (NUMA_INFO, WAIT_OPEN_COMPLETE) go through the lane — the native loop's driver call on
+    the broker's duplicate of the tenant's own file (seccomp), or the relay (FUSE) — and
+    get the stand-in's answer (ENOTTY), exactly as with the lane off; an RM_FREE without a
+    client of the tenant's goes the general way (refused there)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import DEVBROKER, RunningBroker
+    from test_upgrade import STAND_IN_NS
+
+    here = Path(__file__).resolve().parent
+    (tmp_path / "policy.toml").write_text(
+        '[broker]\nbackend = "real"\n\n[tenant.t0]\ngpus = [0]\nmemory_quota = "2GiB"\n')
+
+    def run(lane: bool) -> tuple[dict, dict]:
+        run_dir, stage = tmp_path / f"run{int(lane)}", tmp_path / f"stage{int(lane)}"
+        run_dir.mkdir()
+        stage.mkdir()
+        subprocess.run(["mount", "--bind", str(run_dir), str(run_dir)], check=True)
+        subprocess.run(["mount", "--make-shared", str(run_dir)], check=True)
+
+        class StandInBroker(RunningBroker):
+            def __init__(self):
+                self.run_dir, self.policy = run_dir, tmp_path / "policy.toml"
+                self.log = open(tmp_path / f"broker{int(lane)}.log", "w+")
+                env = {**os.environ, "DEVBROKER_CONTROL_LANE": "1" if lane else "0"}
+                self.proc = subprocess.Popen(
+                    ["unshare", "-m", "--propagation", "unchanged", "sh", "-c", STAND_IN_NS,
+                     "ns", str(stage), *DEVBROKER, "--run-dir", str(run_dir), "run",
+                     "--policy", str(self.policy)],
+                    stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    start_new_session=True, env=env)
+                self._wait_ready()
+
+        b = StandInBroker()
+        try:
+            b.frontend = frontend
+            r = b.exec("t0", sys.executable, str(here / "real_lane_prog.py"), timeout=120)
+            assert r.returncode == 0, r.stdout + r.stderr + b.output()
+            return json.loads(r.stdout.strip().splitlines()[-1]), b.status()["control_lane"]
+        finally:
+            b.stop()
+            subprocess.run(["umount", "-l", str(run_dir)], capture_output=True)
+
+    on, lane_on = run(True)
+    off, lane_off = run(False)
+    # (RM_FREE of client 0: refused by the broker's general path, with the driver's status
+    # for an unknown client in the argument: the ioctl itself returns 0)
+    assert on == off == {"NV_ESC_NUMA_INFO": errno.ENOTTY,
+                         "NV_ESC_WAIT_OPEN_COMPLETE": errno.ENOTTY,
+                         "NV_ESC_RM_FREE": 0}, (on, off)
+    assert lane_on["admitted"] >= 2 and lane_off["admitted"] == 0, (lane_on, lane_off)
