@@ -540,7 +540,7 @@ def test_turns_stop_every_other_tenant_for_its_weights_part_of_a_round():
             assert out.status == nvs.NV_OK, out
         return ctl, client
 
-    (ca, cla), (cb, clb) = trio.run(setup, ta), trio.run(setup, tb)
+    (ca, cla), (_cb, clb) = trio.run(setup, ta), trio.run(setup, tb)
     step = lambda: run_blocking(locked(turns.step(b, 0)),  # noqa: E731
                                 lambda e: perform_blocking(e, b.memgate))
     stopped = lambda cl, hs=(0xD0, 0xD1): [channel_stopped(b.backend, cl, h) for h in hs]  # noqa: E731

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from devbroker.abi import registry
-from devbroker.broker import fastlane, rules
+from devbroker.broker import continuelane, fastlane, rules
 from devbroker.testing.policies import one_h200, tenant
 
 HERE = Path(__file__).resolve().parent
@@ -574,7 +574,7 @@ def test_the_call_counters_wrap_every_lane_method_with_its_signature():
     from devbroker.broker import callstats
 
     for lane_cls, wrapper in ((fastlane.ControlLane, callstats._CountedLane),
-                              (fastlane.ContinueLane, callstats._CountedContinue)):
+                              (continuelane.ContinueLane, callstats._CountedContinue)):
         for name, fn in inspect.getmembers(lane_cls, inspect.isfunction):
             if name.startswith("_"):
                 continue

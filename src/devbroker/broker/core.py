@@ -31,7 +31,8 @@ from devbroker.abi.driver import DriverABI
 from devbroker.backends.base import Backend, DriverCall, DriverFile, DriverResult
 from devbroker.broker import compute, limits, rules, turns
 from devbroker.broker.audit import AuditLog
-from devbroker.broker.fastlane import ContinueLane, ControlLane
+from devbroker.broker.continuelane import ContinueLane
+from devbroker.broker.fastlane import ControlLane
 from devbroker.broker.effects import (
     STATE_LOCK, DriverIoctl, Effect, RateLimit, ReadMemory, ResolveFd, Steps, WriteMemory,
     locked, perform_async, run_async,

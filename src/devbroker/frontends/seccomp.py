@@ -364,7 +364,7 @@ class SeccompSupervisor:
         # The broker's control lane (broker/fastlane.py) and the ioctl numbers it takes;
         # DEVBROKER_CONTROL_LANE=0 sends every control the general way (benchmarks).
         self._lane, self._lane_cmds = control_lane_of(broker)
-        # UVM commands the driver binds to the caller (broker/fastlane.py ContinueLane)
+        # UVM commands the driver binds to the caller (broker/continuelane.py ContinueLane)
         self._clane = getattr(broker, "continue_lane", None) if self._lane is not None else None
         # The native loop (frontends/nativelane.py): with the lanes, unless turned off or
         # unbuildable; created with the first thread, freed by the last one out.
@@ -1461,7 +1461,7 @@ class SeccompSupervisor:
         return _GENERAL
 
     def _continue_decision(self, tid: int, cmd: int, argp: int, sess: Session) -> bool:
-        """Whether the continue lane (broker/fastlane.py ContinueLane) admits this call (a
+        """Whether the continue lane (broker/continuelane.py ContinueLane) admits this call (a
         UVM command, an RM escape the driver binds to the caller): its argument read once
         into the broker, its client handles, objects and fds checked (an fd number is
         resolved in the calling thread's table, as the general steps do), the caller

@@ -1,0 +1,204 @@
+"""The continue lane: the broker's decision to let the kernel continue a call the driver binds
+to the calling process (UVM commands; the RM escapes RM_MAP_MEMORY, ALLOC/FREE_OS_EVENT,
+UNMAP_MEMORY, UPDATE_DEVICE_MAPPING_INFO), made in a few lookups on the argument's bytes
+instead of the general steps (issues 12 and 14). The sibling of the control lane
+(fastlane.py), whose module docstring says what a lane may and may not do; `ContinueLane`
+says what this one checks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from devbroker.abi import ioc
+from devbroker.abi.driver import NV_IOCTL_MAGIC
+from devbroker.abi.nodes import NodeKind
+
+from . import handlers, rules
+from .effects import STATE_LOCK
+from .fastlane import _usable_session
+from .refusal import Refusal
+
+if TYPE_CHECKING:
+    from devbroker.abi.driver import DriverABI
+
+    from .core import Broker
+    from .interface import Caller
+
+
+def _client_offsets(spec, base: int = 0) -> tuple[tuple[int, bool], ...] | None:
+    """(offset, 0 allowed) of a layout's top-level client-handle fields (the ones
+    Broker._check_clients reads; 0 allowed for the names in rules.CLIENT_FIELDS_ZERO_OK), or
+    None when one of them is not a 4-byte handle (then the lane decodes)."""
+    out = []
+    for name in rules.CLIENT_HANDLE_FIELDS:
+        f = spec.by_name.get(name)
+        if f is None:
+            continue
+        if f.size != 4:
+            return None
+        out.append((base + f.offset, name in rules.CLIENT_FIELDS_ZERO_OK))
+    return tuple(out)
+
+
+# The RM escapes the continue lane may take, by their rows' handlers: those whose general
+# steps are "the client handles, the fds, then the driver" (which a file that lives in the
+# tenant turns into CONTINUE for an in-caller row), and RM_MAP_MEMORY's, which also needs
+# hDevice and hMemory to be objects of the client on GPUs the tenant still has.
+_CONTINUE_HANDLERS = (handlers.fd, handlers.rm_objects, handlers.rm_map)
+
+
+@dataclass(frozen=True)
+class _ContinuePlan:
+    spec: Any  # the argument's layout (OpSpec)
+    row: rules.EscapeRule
+    clients: tuple | None  # _client_offsets of the argument (and of its `params`)
+    fds: tuple  # offsets of its fd fields (4-byte ints)
+    zero_ok: bool  # every client handle may be 0 (UVM: no RM client of the caller's)
+    objects: tuple = ()  # rm_map: offsets of (hClient, hDevice, hMemory)
+
+
+class ContinueLane:
+    """The same idea for the calls the driver binds to the caller (issue 12): ~120 of a CUDA
+    init's ioctls are UVM commands, and ~40 RM escapes (RM_MAP_MEMORY, the OS events,
+    UNMAP, UPDATE_DEVICE_MAPPING_INFO), whose row lets the kernel continue them in the
+    tenant once the broker has checked what they name. `admit` answers whether the general
+    steps would continue this one: the session is a real driver file of the tenant's, the
+    call's row has an in-caller reason and one of the handlers whose checks the lane repeats
+    (handlers.uvm for UVM; handlers.fd, rm_objects and rm_map for RM escapes), granted to
+    the tenant on this node, every client handle in the argument (and in its `params`) the
+    tenant's (or 0 where the general steps allow 0), every fd one of the tenant's NVIDIA
+    files (`Broker._translate_fds`'s test, through the front end's resolver) and, for
+    RM_MAP_MEMORY, hDevice and hMemory objects of the client on GPUs the tenant still has;
+    the rate token is taken last. A refusal is never made here: the general steps make it,
+    with the audit record. The front end refuses to continue for a caller that could hold
+    CAP_SYS_ADMIN (the general rule) and answers CONTINUE; what a racing thread can do with
+    the re-read argument is the row's `race` (docs/security.md), as for the general path."""
+
+    def __init__(self, broker: Broker):
+        self.broker = broker
+        self.admitted = 0
+        self.passed = 0
+        self._plans: dict[tuple, _ContinuePlan | None] = {}  # (abi, node kind, cmd) -> plan
+
+    def _plan(self, abi: DriverABI, node: NodeKind, cmd: int) -> _ContinuePlan | None:
+        key = (abi, node, cmd)
+        try:
+            return self._plans[key]
+        except KeyError:
+            pass
+        plan = None
+        if node is NodeKind.UVM:
+            spec = abi.uvm(cmd)
+            if spec is not None and spec.params is not None and spec.size:
+                row = rules.UVM_COMMANDS.get(spec.name)
+                if (row is not None and row.handler is handlers.uvm and row.in_caller
+                        and row.rewrite is None and not row.fd_fields(spec.params)):
+                    plan = _ContinuePlan(spec, row, _client_offsets(spec.params), (), True)
+        elif (cmd >> 8) & 0xFF == NV_IOCTL_MAGIC:
+            spec = abi.escapes.get(cmd & 0xFF)
+            row = rules.ESCAPES.get(spec.name) if spec is not None else None
+            if (row is not None and spec.params is not None and spec.size
+                    and ioc.ioc_size(cmd) == spec.size and row.in_caller
+                    and row.handler in _CONTINUE_HANDLERS and row.rewrite is None):
+                layout = spec.params
+                fds = row.fd_fields(layout)
+                clients = _client_offsets(layout)
+                inner = layout.by_name.get("params")
+                if inner is not None and inner.kind == "struct" and clients is not None \
+                        and row.handler is not handlers.fd:
+                    more = _client_offsets(inner.spec, inner.offset)
+                    clients = clients + more if more is not None else None
+                where = {path: off for path, _f, off in layout.walk()}
+                fd_offs = tuple(where.get(f) for f in fds)
+                objects = ()
+                if row.handler is handlers.rm_map:
+                    objects = tuple(inner.offset + inner.spec.by_name[n].offset
+                                    for n in ("hClient", "hDevice", "hMemory"))
+                if clients is not None and all(o is not None for o in fd_offs):
+                    plan = _ContinuePlan(spec, row, clients, fd_offs, False, objects)
+        if len(self._plans) < 4096:  # command numbers come from the tenant
+            self._plans[key] = plan
+        return plan
+
+    def arg_size(self, session_id: int, cmd: int) -> int | None:
+        """The argument size to read for this command on this session, None when the lane
+        cannot take it at all (the front end then reads nothing)."""
+        with STATE_LOCK:
+            s = self.broker.sessions.get(session_id)
+            if s is None or s.closed or not getattr(s.file, "runs_in_caller", False):
+                return None
+            plan = self._plan(self.broker._abi(s), s.node, cmd)
+            return plan.spec.size if plan is not None else None
+
+    def admit(self, session_id: int, caller: Caller, cmd: int, arg: bytes,
+              resolve_fd: Callable[[int], int | None] | None = None) -> bool:
+        """resolve_fd: the fd number (in the caller's table) -> the session of the file
+        behind it, or None (the front end's `session_for_fd`); needed for calls with fds."""
+        with STATE_LOCK:
+            s = self.broker.sessions.get(session_id)
+            plan = (self._plan(self.broker._abi(s), s.node, cmd)
+                    if s is not None and not s.closed else None)
+        sids: list = []
+        if plan is not None and plan.fds:
+            # (outside the lock: a statx of the caller's fd, which never waits on a server)
+            for off in plan.fds:
+                fd = int.from_bytes(arg[off:off + 4], "little", signed=True)
+                if fd == -1:
+                    continue  # no file (the driver sees -1), as the general steps allow
+                sids.append(resolve_fd(fd) if fd >= 0 and resolve_fd is not None else None)
+        with STATE_LOCK:
+            ok = plan is not None and self._admit(session_id, caller, plan, arg, sids)
+            if ok:
+                self.admitted += 1
+            else:
+                self.passed += 1
+            return ok
+
+    def _admit(self, session_id: int, caller: Caller, plan: _ContinuePlan, arg: bytes,
+               sids: list) -> bool:
+        b = self.broker
+        s = _usable_session(b, session_id, caller)
+        if s is None or not getattr(s.file, "runs_in_caller", False):
+            return False
+        tenant = s.tenant
+        row, spec = plan.row, plan.spec
+        if not row.granted(tenant.policy.capabilities) or s.node not in row.nodes \
+                or len(arg) != spec.size:
+            return False
+        if s.node is NodeKind.GPU and s.minor not in tenant.gpus:
+            return False
+        owner = b.clients.owner
+        if plan.clients is not None:
+            # Broker._check_clients on the handles' bytes (no decode of the whole argument)
+            for off, zero_ok in plan.clients:
+                h = int.from_bytes(arg[off:off + 4], "little")
+                if h == 0 and (plan.zero_ok or zero_ok):
+                    continue
+                if owner(h) != tenant.name:
+                    return False
+        else:
+            try:
+                b._check_clients(s, spec.params.decode(arg), where=spec.name,
+                                 zero_ok=plan.zero_ok)
+            except Refusal:
+                return False
+        if plan.objects:  # rm_map: the device and the memory are the client's, GPUs kept
+            h_client, h_device, h_memory = (int.from_bytes(arg[o:o + 4], "little")
+                                            for o in plan.objects)
+            client = tenant.clients.get(h_client)
+            if client is None:
+                return False  # (not adopted yet: the general steps may adopt it)
+            for h in (h_device, h_memory):
+                obj = client.objects.get(h)
+                if obj is None or (obj.gpu is not None and obj.gpu not in tenant.gpus):
+                    return False
+        for sid in sids:  # Broker._translate_fds: each one of this tenant's NVIDIA files
+            target = b.sessions.get(sid) if sid else None
+            if target is None or target.tenant is not tenant:
+                return False
+        if not tenant.limiter.try_acquire():
+            return False
+        tenant.requests += 1
+        tenant.continued += 1
+        return True
