@@ -1366,10 +1366,9 @@ class SeccompSupervisor:
         notification is confirmed current (the thread that called is the one whose memory
         and fd table were read). Nothing is continued: the kernel re-reads nothing."""
         d, tid = n.data, n.pid
-        fd, cmd, argp = d.arg_int(0), d.arg_u32(1), d.args[2]
+        cmd, argp = d.arg_u32(1), d.args[2]
         gate = self._gate
         clock = time.perf_counter_ns
-        stats = self.stats
         t0 = clock()
         try:
             caller, _caps = self._caller_caps(tid)
