@@ -27,7 +27,7 @@ BINDS+=(--bind "$ST:$ST:rw")
 grep "seccomp listeners" "$W/broker.log"
 "$PY" scripts/gpu/calls.py snap $METRICS "$W/m0.json"
 step "NVML sequence x30 (and one warm-up) through devbroker"
-put dev_nvml_seq "$(ptexec env LD_PRELOAD=/tmp/site/systime.so SYSTIME_OUT=$ST/dev-nvml.jsonl "$PY" scripts/gpu/tenant_checks.py bench-nvml 30 2>&1 | last)"
+put dev_nvml_seq "$(ptexec env LD_PRELOAD=/tmp/site/systime.so SYSTIME_KINDS=1 SYSTIME_OUT=$ST/dev-nvml.jsonl "$PY" scripts/gpu/tenant_checks.py bench-nvml 30 2>&1 | last)"
 "$PY" scripts/gpu/calls.py snap $METRICS "$W/m1.json"
 put dev_nvml_listener "$(grep '"tenant-detached"' "$W/audit.log" | tail -1)"
 step "CUDA init + first allocation x3 through devbroker"
@@ -69,6 +69,8 @@ for a, b in [("native-nvml", "dev-nvml")] + [(f"native-init{i}", f"dev-init{i}")
 PYX
 step "CUDA init per call kind (systime.so): what the broker adds to each kind, per run"
 "$PY" scripts/gpu/calls.py kinds $ST native-init dev-init "$(cat /sys/module/nvidia/version 2>/dev/null)" | tee "$OUT/kinds.txt"
+step "NVML's sequence per call kind (systime.so), per run of 31 sequences"
+"$PY" scripts/gpu/calls.py kinds $ST native-nvml dev-nvml "$(cat /sys/module/nvidia/version 2>/dev/null)" | tee "$OUT/kinds-nvml.txt" | head -40
 cp $ST/*.jsonl "$W/" 2>/dev/null
 step "summary"
 "$PY" - "$RES" <<'PYX'
