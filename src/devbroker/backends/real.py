@@ -447,6 +447,16 @@ def _ioctl_in_place(fd: int, cmd: int, arg: bytearray) -> tuple[int, int]:
         return -1, e.errno or errno.EIO
 
 
+def _uncapable_ioctl_in_place(fd: int, cmd: int, arg: bytearray) -> tuple[int, int]:
+    """_ioctl_in_place on this thread without the capabilities the driver checks: the
+    thread dropped them for its life (a seccomp listener), or they are lowered for the
+    call."""
+    if thread_is_driver_safe():
+        return _ioctl_in_place(fd, cmd, arg)
+    with effective_caps_lowered():
+        return _ioctl_in_place(fd, cmd, arg)
+
+
 class RealBackend:
     name = "real"
     # Capabilities (backends/base.py Backend says what each means): the host's driver files
@@ -680,21 +690,13 @@ class RealBackend:
         off = header.params_offset
         if off < 0:  # the header alone (RM_FREE, a plain escape)
             priv = bytearray(hdr)
-            if thread_is_driver_safe():
-                ret, err = _ioctl_in_place(fd, header.ioctl_cmd, priv)
-            else:
-                with effective_caps_lowered():
-                    ret, err = _ioctl_in_place(fd, header.ioctl_cmd, priv)
+            ret, err = _uncapable_ioctl_in_place(fd, header.ioctl_cmd, priv)
             return ret, err, bytes(priv)
         block = (ctypes.c_char * len(params)).from_buffer(params)
         priv = bytearray(hdr)
         struct.pack_into("<Q", priv, off, ctypes.addressof(block))
         try:
-            if thread_is_driver_safe():
-                ret, err = _ioctl_in_place(fd, header.ioctl_cmd, priv)
-            else:
-                with effective_caps_lowered():
-                    ret, err = _ioctl_in_place(fd, header.ioctl_cmd, priv)
+            ret, err = _uncapable_ioctl_in_place(fd, header.ioctl_cmd, priv)
         finally:
             del block  # (releases params for resizing)
         priv[off:off + 8] = hdr[off:off + 8]  # the tenant's pointer, as the driver leaves it

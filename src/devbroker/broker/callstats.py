@@ -419,6 +419,9 @@ class _CountedContinue:
     def __init__(self, lane: Any, stats: CallStats):
         self._lane, self._stats = lane, stats
 
+    def candidate(self, node: Any, cmd: int) -> bool:
+        return self._lane.candidate(node, cmd)
+
     def arg_size(self, session_id: int, cmd: int) -> int | None:
         return self._lane.arg_size(session_id, cmd)
 

@@ -156,9 +156,15 @@ def stops_new_channels(broker: Any, tenant: str, gpu: int) -> bool:
     """Whether a channel the tenant allocates on `gpu` now is stopped before it has the
     handle (after_channel_alloc): the tenant is stopped there for a high-priority tenant,
     or it is another tenant's turn (turns.py)."""
-    from devbroker.broker import turns
+    return (tenant, gpu) in books(broker).preempted or out_of_turn(broker, tenant, gpu)
 
-    return (tenant, gpu) in books(broker).preempted or turns.out_of_turn(broker, tenant, gpu)
+
+def out_of_turn(broker: Any, tenant: str, gpu: int) -> bool:
+    """Whether a channel of `tenant` on `gpu` must be stopped now for turns (turns.py):
+    another member's turn there."""
+    b = books(broker)
+    cur = b.turn.get(gpu)
+    return cur is not None and cur != tenant and tenant in b.turn_members.get(gpu, ())
 
 
 # --------------------------------------------------------------------------- values
@@ -573,8 +579,6 @@ def after_channel_alloc(ctx: Any, alloc: Any, handle: int, gpu: int | None) -> S
     """CLASSES[0xC86F].after (rules.py): a channel of a tenant that is stopped on this GPU
     is stopped before the tenant has its handle (else a low tenant could make new contexts
     to run between two looks of the watching task)."""
-    from devbroker.broker import turns
-
     broker, s = ctx.broker, ctx.session
     b = books(broker)
     key = (s.tenant.name, gpu)
@@ -585,7 +589,7 @@ def after_channel_alloc(ctx: Any, alloc: Any, handle: int, gpu: int | None) -> S
     # held by each mechanism that wants it stopped (it runs again when neither does)
     if key in b.preempted:
         b.stopped.setdefault(key, set()).update(done)
-    if turns.out_of_turn(broker, s.tenant.name, gpu):
+    if out_of_turn(broker, s.tenant.name, gpu):
         b.turn_stopped.setdefault(key, set()).update(done)
 
 
@@ -698,6 +702,7 @@ def tenant_status(broker: Any, t: Any) -> dict:
 
 
 def _turns_status(broker: Any, tenant: str) -> dict:
-    from devbroker.broker import turns
-
-    return turns.status(broker, tenant)
+    """Per GPU where the tenant takes turns (turns.py), whether it is its turn."""
+    b = books(broker)
+    return {str(gpu): ("running" if b.turn.get(gpu) == tenant else "waiting")
+            for gpu, names in sorted(b.turn_members.items()) if tenant in names}

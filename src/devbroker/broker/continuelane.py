@@ -77,9 +77,19 @@ class ContinueLane:
 
     def __init__(self, broker: Broker):
         self.broker = broker
+        self._plans: dict[tuple, _ContinuePlan | None] = {}  # (abi, node kind, cmd) -> plan
+        # The RM escape numbers the lane may take on a ctl or GPU file, over every ABI the
+        # broker knows (any UVM command is a candidate): a front end asks `candidate`
+        # before reading anything, so the general path's other calls pay no lock here.
+        from devbroker.abi import registry
+
+        self._rm_cmds = frozenset(
+            abi.escape_cmd(spec.name) for abi in map(registry.get, registry.versions())
+            for spec in abi.escapes.values()
+            if spec.params is not None and spec.size
+            and self._plan(abi, NodeKind.CTL, abi.escape_cmd(spec.name)) is not None)
         self.admitted = 0
         self.passed = 0
-        self._plans: dict[tuple, _ContinuePlan | None] = {}  # (abi, node kind, cmd) -> plan
 
     def _plan(self, abi: DriverABI, node: NodeKind, cmd: int) -> _ContinuePlan | None:
         key = (abi, node, cmd)
@@ -120,6 +130,11 @@ class ContinueLane:
         if len(self._plans) < 4096:  # command numbers come from the tenant
             self._plans[key] = plan
         return plan
+
+    def candidate(self, node: NodeKind, cmd: int) -> bool:
+        """Whether the lane could take ioctl `cmd` on a file of this kind at all (no lock:
+        the tables do not change while the broker runs)."""
+        return node is NodeKind.UVM or cmd in self._rm_cmds
 
     def arg_size(self, session_id: int, cmd: int) -> int | None:
         """The argument size to read for this command on this session, None when the lane

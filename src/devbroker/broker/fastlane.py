@@ -284,24 +284,26 @@ LANE_CLASS_CHECKS = frozenset({handlers.debugger_on_own_context, handlers.os_eve
 LANE_AFTER_HOOKS = frozenset({compute.after_channel_alloc})
 
 
+def _mirrored(name: str, handler: Callable) -> rules.EscapeRule | None:
+    """The escape row `name` when the lane can stand for it: its handler is `handler` (whose
+    checks the lane repeats), with no rewrite and no in-caller reason; None else."""
+    row = rules.ESCAPES.get(name)
+    return (row if row is not None and row.handler is handler and row.rewrite is None
+            and not row.in_caller else None)
+
+
 class ControlLane:
     """The broker's side of the control lane (module docstring). One per broker; its methods
     run on seccomp listener threads and take the state lock themselves."""
 
     def __init__(self, broker: Broker):
         self.broker = broker
-        escape = rules.ESCAPES.get(RM_CONTROL)
-        # The lane mirrors handlers.rm_control: if the escape row ever gets another handler,
-        # a rewrite of its own or an in-caller reason, the lane is off rather than wrong.
-        self.escape = (escape if escape is not None and escape.handler is handlers.rm_control
-                       and escape.rewrite is None and not escape.in_caller else None)
-        # The same for RM_ALLOC and handlers.rm_alloc (the allocation lane, below).
-        alloc = rules.ESCAPES.get(RM_ALLOC)
-        self.alloc_escape = (alloc if alloc is not None and alloc.handler is handlers.rm_alloc
-                             and alloc.rewrite is None and not alloc.in_caller else None)
-        free = rules.ESCAPES.get(RM_FREE)
-        self.free_escape = (free if free is not None and free.handler is handlers.rm_free
-                            and free.rewrite is None and not free.in_caller else None)
+        # The lane mirrors handlers.rm_control (rm_alloc, rm_free): if an escape row ever gets
+        # another handler, a rewrite of its own or an in-caller reason, that part of the lane
+        # is off rather than wrong.
+        self.escape = _mirrored(RM_CONTROL, handlers.rm_control)
+        self.alloc_escape = _mirrored(RM_ALLOC, handlers.rm_alloc)
+        self.free_escape = _mirrored(RM_FREE, handlers.rm_free)
         self.admitted = 0
         self.passed = 0  # declined: sent down the general path
         self.allocations = 0  # of the admitted: RM_ALLOCs (the allocation lane)
@@ -344,7 +346,7 @@ class ControlLane:
         tenant = s.tenant
         if s.node is NodeKind.GPU and s.minor not in tenant.gpus:
             return None
-        if not b.backend.can_run_control(s.file):  # a relayed file: the general way
+        if not b.backend.can_run_control(s.file):  # (a relayed file without a thread channel)
             return None
         abi = b._abi(s)
         h = headers_of(abi).get(ioctl_cmd)
@@ -497,12 +499,8 @@ class ControlLane:
             return self._check_alloc(adm, params)
         with STATE_LOCK:
             b, s = self.broker, adm.session
-            if s.closed or s.tenant.revoked:
+            if not self._copy_usable(adm, params):
                 return False
-            for off in adm.null_ptrs:  # a buffer behind a pointer: the general path copies it
-                if any(params[off:off + 8]):
-                    self._declined()
-                    return False
             spec = adm.abi.control(adm.cmd).params
             where = f"RM_CONTROL {adm.abi.control_name(adm.cmd)}"
             try:
@@ -533,12 +531,8 @@ class ControlLane:
         the general way (which refuses, with the audit record)."""
         with STATE_LOCK:
             b, s = self.broker, adm.session
-            if s.closed or s.tenant.revoked:
+            if not self._copy_usable(adm, params):
                 return False
-            for off in adm.null_ptrs:
-                if any(params[off:off + 8]):
-                    self._declined(adm)
-                    return False
             where = f"RM_ALLOC {adm.abi.class_name(adm.cmd)}"
             try:
                 value = adm.abi.rm_class(adm.cmd).params.decode(params)
@@ -580,6 +574,19 @@ class ControlLane:
             if adm.reserved:
                 adm.client.remove(adm.reserved)
                 adm.reserved = 0
+
+    def _copy_usable(self, adm: Admitted, params: bytearray) -> bool:
+        """What `check` and `_check_alloc` test first (under the state lock): the session
+        still open, the tenant still in the policy, and every pointer field of the private
+        copy NULL (a buffer behind one goes the general way, which copies it)."""
+        s = adm.session
+        if s.closed or s.tenant.revoked:
+            return False
+        for off in adm.null_ptrs:
+            if any(params[off:off + 8]):
+                self._declined(adm)
+                return False
+        return True
 
     def _declined(self, adm: Admitted | None = None) -> None:
         """An admitted call its check sent the general way after all (for the counters)."""

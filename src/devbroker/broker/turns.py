@@ -47,7 +47,6 @@ def members(broker: Any, gpu: int) -> list[Any]:
     """The tenants taking turns on `gpu`: those holding live channel groups there, in the
     policy, not revoked from it, not stopped for a high-priority tenant; by name."""
     b = compute.books(broker)
-    compute._discover(broker)  # (groups a predecessor broker's tenants allocated)
     names = {g.tenant for g in compute.live_groups(broker) if g.gpu == gpu}
     out = []
     for name in sorted(names):
@@ -141,20 +140,13 @@ def step(broker: Any, gpu: int) -> Steps:
     return ms * weights[nxt] / sum(weights.values()) / 1000.0
 
 
-def out_of_turn(broker: Any, tenant: str, gpu: int) -> bool:
-    """Whether a channel of `tenant` on `gpu` must be stopped now for turns (another
-    member's turn)."""
-    b = compute.books(broker)
-    cur = b.turn.get(gpu)
-    return cur is not None and cur != tenant and tenant in b.turn_members.get(gpu, ())
-
-
 def first_look(broker: Any) -> Steps:
     """At broker start: let run every channel of the tenants the broker holds (a live
     upgrade's successor) that no mechanism of this broker holds — a predecessor may have
     stopped them for turns, and these books are not carried over. Nothing for a fresh
     broker (no tenant holds objects yet)."""
     b = compute.books(broker)
+    compute._discover(broker)  # the channel groups a predecessor's tenants allocated
     for t in list(broker.tenants.values()):
         for gpu in t.gpus:
             key = (t.name, gpu)
@@ -214,10 +206,3 @@ def schedule(broker: Any, startup: bool = False) -> None:
             b.turning = False
 
     broker._start_soon(task)
-
-
-def status(broker: Any, tenant: str) -> dict:
-    """For `devbroker status`: per GPU where the tenant takes turns, whether it is its turn."""
-    b = compute.books(broker)
-    return {str(gpu): ("running" if b.turn.get(gpu) == tenant else "waiting")
-            for gpu, names in sorted(b.turn_members.items()) if tenant in names}

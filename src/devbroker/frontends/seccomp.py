@@ -843,7 +843,7 @@ class SeccompSupervisor:
             c.driver, c.finish, c.check = int(driver), int(finish), int(adm.checked)
             t.adm = adm
             return nativelane.ACT_CONTROL
-        if self._clane is not None and sess.real:
+        if self._clane is not None and sess.real and self._clane.candidate(sess.node, c.cmd):
             if self._continue_decision(c.tid, c.cmd, c.argp, sess):
                 return nativelane.ACT_CONTINUE
         return nativelane.ACT_DECLINE
@@ -985,7 +985,8 @@ class SeccompSupervisor:
             if sess is not None:
                 if cmd in self._lane_cmds:
                     resp = self._control_lane(n, sess)
-                elif self._clane is not None and sess.real:
+                elif (self._clane is not None and sess.real
+                      and self._clane.candidate(sess.node, cmd)):
                     resp = self._continue_lane(n, sess)
             if resp is not _GENERAL:
                 self.stats.ns_ioctl += time.perf_counter_ns() - t0
@@ -1452,8 +1453,8 @@ class SeccompSupervisor:
 
     def _continue_lane(self, n: w.Notif, sess: Session) -> w.NotifResp | object:
         """A call the broker's continue lane admits (a UVM command, an RM escape the driver
-        binds to the caller): CONTINUE; `_GENERAL` for everything else (the general steps decide it from the start, refusals and audit
-        records included)."""
+        binds to the caller): CONTINUE; `_GENERAL` for everything else (the general steps
+        decide it from the start, refusals and audit records included)."""
         d = n.data
         if self._continue_decision(n.pid, d.arg_u32(1), d.args[2], sess):
             return w.NotifResp.cont(n.id)
