@@ -17,12 +17,15 @@
 # Writes into $OUT: run.log, results.json (short: one entry per measurement), bundle.tgz
 # (audit log, broker log, every workload's output). PARTS="a b e c d" selects parts;
 # TURNS_MS=N runs them with the broker's weighted turns of N ms (broker/turns.py).
+# EXTRAS=0 leaves out what the done-when items do not need (the 16-matmul batches of part b,
+# the interleaved-runlist pair of part c), so that every part fits one 10-minute device call.
 set -u
 REPO=$(cd "$(dirname "$0")/../.." && pwd); cd "$REPO"
 . scripts/gpu/lib.sh
 gpu_run_start compute-shares
 RUN=/run/devbroker-shares
 PARTS=${PARTS:-a b e c d}
+EXTRAS=${EXTRAS:-1}
 install_wheels
 WL="$PY $REPO/scripts/gpu/compute_workload.py"
 "$PY" -c 'import trio, torch, sys; print("python", sys.version.split()[0], "trio", trio.__version__, "torch", torch.__version__)'
@@ -100,7 +103,7 @@ pair() { local name=$1 secs=$2 delay=$3; shift 3
   texec sb "${b[@]//@T/$t}" > "$W/${name}_b.json" 2> "$W/${name}_b.err" & local pb=$!
   echo "$t" > "$W/${name}.start"
   wait $pa; wait $pb
-  tail -n 2 "$W/${name}_a.err" "$W/${name}_b.err" | cut -c1-300
+  local f; for f in "$W/${name}_a.err" "$W/${name}_b.err"; do echo "== $f"; tail -n 2 "$f" | cut -c1-300; done
 }
 
 part_a_broker() {
@@ -117,13 +120,17 @@ part_b() {
   pair b31 20 10 $WL matmul 20 @T sa -- $WL matmul 20 @T sb
   shares; put b_shares_31 "$(shares)"
   put b_ratio_31 "$($WL ratio "$W/b31_a.json" "$W/b31_b.json")"
+  if [ "$EXTRAS" = 1 ]; then
   pair b31x16 20 10 env MATMUL_BATCH=16 $WL matmul 20 @T sa -- env MATMUL_BATCH=16 $WL matmul 20 @T sb
   put b_ratio_31_batch16 "$($WL ratio "$W/b31x16_a.json" "$W/b31x16_b.json")"
+  fi
   apply "$W/p11.toml"
   pair b11 20 10 $WL matmul 20 @T sa -- $WL matmul 20 @T sb
   put b_ratio_11 "$($WL ratio "$W/b11_a.json" "$W/b11_b.json")"
+  if [ "$EXTRAS" = 1 ]; then
   pair b11x16 20 10 env MATMUL_BATCH=16 $WL matmul 20 @T sa -- env MATMUL_BATCH=16 $WL matmul 20 @T sb
   put b_ratio_11_batch16 "$($WL ratio "$W/b11x16_a.json" "$W/b11x16_b.json")"
+  fi
   "$PY" - "$RES" <<'PYEOF'
 import json, sys
 d = json.load(open(sys.argv[1]))
@@ -166,6 +173,7 @@ part_c() {
   timeout 60 $WL matmul 12 "$t" native-low > "$W/c_native_b.json" 2>&1 & local pb=$!
   wait $pa; wait $pb
   put c_native_pair "$($WL pct "$W/c_native_a.json" "$W/c_native_alone.json")"
+  [ "$EXTRAS" = 1 ] || return 0
   # with the GPU's runlists in CHANNEL_INTERLEAVED scheduling (held by a plain process for
   # the pair; restored when it exits), if the driver lets an unprivileged client set it
   coproc HOLD { timeout 90 "$PY" -m devbroker.tools.sched_probe hold 0 2>&1; }
