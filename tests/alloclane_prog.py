@@ -19,7 +19,7 @@ import hashlib
 import json
 import sys
 
-from devbroker.tools.probe import Client
+from devbroker.tools.probe import Client, NvError
 
 CHANNEL_GROUP, CHANNEL, SHARED_DATA, VASPACE, VIDMEM = 0xA06C, 0xC86F, 0xDE, 0x90F1, 0x40
 GiB = 1 << 30
@@ -125,6 +125,11 @@ def main() -> int:
                                                     hClass3dObject=chans[1]))
     alloc("debugger-foreign", hdev, DEBUGGER, params_of(DEBUGGER, hAppClient=0xC1D0BEEF,
                                                         hClass3dObject=chans[1]))
+    # a device (laned, checked: its deviceId must name one of the tenant's GPUs): instance
+    # 1 and 7 name none (the tenant has GPU 0 of a one-GPU host), refused the general way
+    DEVICE = 0x80
+    alloc("device-instance-1", c.hclient, DEVICE, params_of(DEVICE, deviceId=1))
+    alloc("device-instance-7", c.hclient, DEVICE, params_of(DEVICE, deviceId=7))
     # sent the general way, refused or answered by the driver there
     alloc("foreign-client", hsub, SHARED_DATA, params_of(SHARED_DATA), root=0xC1D00000)
     alloc("foreign-parent", 0xBAD0BAD0, SHARED_DATA, params_of(SHARED_DATA))
@@ -178,6 +183,49 @@ def main() -> int:
                           "digest": hashlib.sha256(got.encode()).hexdigest()[:16]}), flush=True)
     except OSError as e:
         print(json.dumps({"what": "numa-info", "errno": e.errno}), flush=True)
+    # a root client freed (the lane takes it: NVML frees its clients so): a second client
+    # holds 6 GiB of the 8 GiB quota; after its RM_FREE the first client's 6 GiB fit (the
+    # books gave the charge back with the client), and the freed client is no longer the
+    # tenant's (a free under it is refused)
+    c2 = Client()
+    c2.open_root()
+    g2 = c2.open_gpu(c2.attached_ids()[0])
+    try:
+        held = c2.alloc_device_memory(g2["hdevice"], 6 * GiB)
+    except NvError as e:
+        held = 0
+        print(json.dumps({"what": "root2-vidmem-error", "error": str(e)}), flush=True)
+    print(json.dumps({"what": "root2-vidmem", "ok": bool(held)}), flush=True)
+    alloc("vidmem-while-root2", hdev, VIDMEM,
+          params_of(VIDMEM, owner=c.hclient, type=0, size=6 * GiB, attr2=attr2))
+    v = c2.new("NVOS00_PARAMETERS", hRoot=c2.hclient, hObjectParent=c2.hclient,
+               hObjectOld=c2.hclient)
+    print(json.dumps({"what": "free-root2", "status": c2.escape(c2.ctl, "NV_ESC_RM_FREE",
+                                                              v).status}), flush=True)
+    big = alloc("vidmem-after-root2", hdev, VIDMEM,
+                params_of(VIDMEM, owner=c.hclient, type=0, size=6 * GiB, attr2=attr2))
+    v = c2.new("NVOS00_PARAMETERS", hRoot=c2.hclient, hObjectParent=g2["hdevice"],
+               hObjectOld=g2["hsubdevice"])
+    try:
+        st, err = c2.escape(c2.ctl, "NV_ESC_RM_FREE", v).status, 0
+    except OSError as e:
+        st, err = -1, e.errno
+    print(json.dumps({"what": "free-under-root2", "status": st, "errno": err}), flush=True)
+    if big:
+        made.remove((hdev, big))
+        c.free(hdev, big)
+    # the version check (laned unless it asks for another version the registry has, which
+    # switches the process's ABI: the general way, last here for that reason)
+    for what, asked in (("version-own", c.abi.version), ("version-unknown", "1.2.3"),
+                        ("version-other-known", "535.309.01")):
+        v = c.new("nv_ioctl_rm_api_version_t", versionString=asked.encode().ljust(64, b"\0"))
+        try:
+            got = c.escape(c.ctl, "NV_ESC_CHECK_VERSION_STR", v)
+            print(json.dumps({"what": what, "errno": 0, "reply": got.reply,
+                              "version": bytes(got.versionString).split(b"\0")[0].decode()}),
+                  flush=True)
+        except OSError as e:
+            print(json.dumps({"what": what, "errno": e.errno}), flush=True)
     print(json.dumps({"what": "done", "made": len(made)}), flush=True)
     return 0
 

@@ -362,34 +362,52 @@ def test_allocation_lane_answers_as_the_general_path(start_broker, traces_dir, f
     assert by_what["vaspace"]["status"] != 0  # allowed, not modelled: NOT_SUPPORTED
     # refusals of the general path, audited alike with the lane on and off
     for w in ("foreign-client", "foreign-parent", "duplicate-handle", "debugger-foreign",
-              "unlisted-class"):
+              "unlisted-class", "device-instance-1", "device-instance-7"):
         assert by_what[w]["status"] != 0 or by_what[w]["errno"], by_what[w]
     frees = [x for x in on if x["what"] == "free"]
     assert len(frees) == done_on["made"] and all(x["status"] == 0 for x in frees), frees
     what = lambda ds: sorted(d.get("what", "") for d in ds)  # noqa: E731
     assert what(denies_on) == what(denies_off)
     assert any("RM_ALLOC" in d.get("what", "") for d in denies_on), denies_on
-    # laned: shared data x3, the subdevice of open_gpu and the second one, the three
-    # channels and the one under a channel, the VA space, sysmem and debugger-own (both
-    # checked): 12; the rest (the device, the group, refusals, rights, NULL, wrong size, a
-    # pointer set) went the general way
+    # laned: shared data x3, the device and subdevice of open_gpu and the second
+    # subdevice, the three channels and the one under a channel, the VA space, sysmem and
+    # debugger-own (both checked): 13; the rest (the group, refusals, devices of other
+    # instances, rights, NULL, wrong size, a pointer set) went the general way
     print("allocation lane:", st_on, [(x["what"], x.get("status")) for x in on][:24])
     # header-only calls: frees the books no longer hold (or never held), another client's
     # — refused on the general path, audited alike (compared above); NUMA_INFO answered
     for w in ("free-twice", "free-unknown", "free-foreign-client"):
         assert by_what[w]["status"] != 0 or by_what[w]["errno"], by_what[w]
     assert "numa-info" in by_what
+    # the version check (laned but for another known version: compared above on and off)
+    own, unknown = by_what["version-own"], by_what["version-unknown"]
+    assert own["errno"] == 0 and (unknown["errno"] or unknown["reply"] != own["reply"]), on
+    # a root client freed (laned): its 6 GiB held the quota until then, and came back with it
+    assert by_what["root2-vidmem"]["ok"], on
+    assert by_what["vidmem-while-root2"]["status"] != 0, by_what["vidmem-while-root2"]
+    assert by_what["free-root2"]["status"] == 0, by_what["free-root2"]
+    assert ok("vidmem-after-root2"), by_what["vidmem-after-root2"]
+    assert by_what["free-under-root2"]["status"] != 0 or by_what["free-under-root2"]["errno"]
     # device memory: the quota holds with the lane as without it (four 2 GiB blocks of the
     # 8 GiB, not a fifth nor one byte more, again after a free)
     for w in ("vidmem-0", "vidmem-1", "vidmem-2", "vidmem-3", "vidmem-free", "vidmem-again"):
         assert ok(w) if w != "vidmem-free" else by_what[w]["status"] == 0, by_what[w]
     for w in ("vidmem-over-quota", "vidmem-one-byte-over"):
         assert by_what[w]["status"] != 0, by_what[w]
-    assert sum("quota" in d.get("reason", "") for d in denies_on) == 2, denies_on
+    # (and the first client's 6 GiB while the second held its 6)
+    assert sum("quota" in d.get("reason", "") for d in denies_on) == 3, denies_on
     assert st_off.get("allocations", 0) == 0
     # + the five device-memory blocks the quota let through (the two over it were
-    # declined at the check, the one with an address set at admission)
-    assert st_on.get("allocations") == 17, st_on
+    # declined at the check, the one with an address set at admission), + the second
+    # client's subdevice and 6 GiB and the first client's 6 GiB after the root free, + the
+    # two clients' devices (open_gpu; the devices of instances 1 and 7 declined at the check)
+    assert st_on.get("allocations") == 22, st_on
+    assert sum("device instance" in d.get("reason", "") for d in denies_on) == 2, denies_on
+    # every free of an object the books hold, the second client's root among them: the
+    # objects made (each freed once), vidmem-0, vidmem-1, the 6 GiB after the root free,
+    # and the root (frees the books do not hold went the general way)
+    assert st_on.get("frees") == done_on["made"] + 4, st_on
+    assert st_off.get("frees", 0) == 0
 
 
 @pytest.mark.root

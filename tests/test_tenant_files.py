@@ -85,10 +85,47 @@ def test_private_nodes_give_each_open_an_inode_of_its_own(tmp_path):
         real = os.stat(STAND_IN)
         assert all(stat.S_ISCHR(st.st_mode) and st.st_rdev == real.st_rdev for st in sts)
         assert len({(st.st_dev, st.st_ino) for st in sts}) == 3  # one identity per open
-        assert os.listdir(tmp_path / "nodes") == []  # unlinked right after the open
         assert os.read(fds[0], 4) == b"\0" * 4  # it is the device itself
-        for fd in fds:
+        # the opened nodes are unlinked by tidy (after the tenant has its answer), which
+        # leaves SPARE new nodes of the host path; the next open takes one of them
+        opened = set(os.listdir(tmp_path / "nodes"))
+        assert len(opened) == 3
+        nodes.tidy()
+        spares = set(os.listdir(tmp_path / "nodes"))
+        assert len(spares) == PrivateNodes.SPARE and not spares & opened
+        fd = nodes.open(STAND_IN, os.O_RDWR)
+        assert os.fstat(fd).st_rdev == os.stat(STAND_IN).st_rdev
+        assert set(os.listdir(tmp_path / "nodes")) == spares  # a spare, opened
+        nodes.tidy()
+        assert len(set(os.listdir(tmp_path / "nodes")) - spares) == 1  # replaced
+        for fd in [*fds, fd]:
             os.close(fd)
+    finally:
+        nodes.close()
+    assert not (tmp_path / "nodes").exists() or os.listdir(tmp_path / "nodes") == []
+
+
+def test_private_nodes_drop_spares_of_a_host_node_that_changed(tmp_path):
+    """A spare made for a host node that has since become another device (a driver
+    reloaded with other numbers) is never opened: tidy drops it and makes new ones."""
+    host = tmp_path / "nvidia-standin"
+    os.mknod(host, stat.S_IFCHR | 0o600, os.stat("/dev/zero").st_rdev)
+    nodes = PrivateNodes(tmp_path / "nodes")
+    try:
+        os.close(nodes.open(str(host), os.O_RDWR))
+        nodes.tidy()
+        old = set(os.listdir(tmp_path / "nodes"))
+        assert len(old) == PrivateNodes.SPARE
+        os.unlink(host)
+        os.mknod(host, stat.S_IFCHR | 0o600, os.stat("/dev/null").st_rdev)
+        fd = nodes.open(str(host), os.O_RDWR)  # a spare of the old device (taken before
+        os.close(fd)                           # tidy looked again: the window is one open)
+        nodes.tidy()
+        now = set(os.listdir(tmp_path / "nodes"))
+        assert len(now) == PrivateNodes.SPARE and not now & old
+        fd = nodes.open(str(host), os.O_RDWR)
+        assert os.fstat(fd).st_rdev == os.stat("/dev/null").st_rdev
+        os.close(fd)
     finally:
         nodes.close()
 
@@ -105,6 +142,7 @@ def test_the_last_reference_of_a_private_node_is_reported_by_inotify(tmp_path):
         fd = nodes.open(STAND_IN, os.O_RDWR)
         wd = libc.inotify_add_watch(ifd, f"/proc/self/fd/{fd}".encode(), 0x400)  # DELETE_SELF
         assert wd >= 0
+        nodes.tidy()  # (the node unlinked, as after the seccomp front end's answer)
         dup = os.dup(fd)
         m = mmap.mmap(fd, 4096)
         os.close(fd)

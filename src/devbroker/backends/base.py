@@ -149,6 +149,11 @@ class Backend(Protocol):
 
     def open(self, node: NodeKind, minor: int) -> DriverFile: ...
 
+    def after_open_answered(self) -> None:
+        """Work an open of a tenant file leaves for after the tenant has its answer (the
+        real backend's spare device nodes, tenantfile.PrivateNodes.tidy); nothing by
+        default."""
+
     def close(self, file: DriverFile) -> None: ...
 
     async def ioctl(self, file: DriverFile, call: DriverCall) -> DriverResult: ...

@@ -594,6 +594,10 @@ class RealBackend:
             return TenantFile(node, minor, path, (st.st_dev, st.st_ino), install_fd=fd)
         return RealFile(node, minor, self.relay.open(path), path)
 
+    def after_open_answered(self) -> None:
+        if self._private is not None:
+            self._private.tidy()
+
     def close(self, file: RealFile) -> None:
         if getattr(file, "runs_in_caller", False):
             # A tenant file: the tenant holds it; the driver closes it with its last fd.

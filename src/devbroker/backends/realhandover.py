@@ -129,6 +129,8 @@ def export_real(backend, files: list) -> tuple[dict[str, Any], list[int]]:
                               "continued_root_allocs": f.continued_root_allocs,
                               "adopted": sorted(f.adopted)})
     gpu_fds = list(backend._broker_gpu_fds)
+    if backend._private is not None:
+        backend._private.drop_nodes()  # (the successor makes spares of its own)
     monitor = None
     rm = getattr(backend._monitor, "rm", None)
     if rm is not None:
@@ -250,6 +252,7 @@ def import_real(state: dict[str, Any], fds: list[int],
         p = PrivateNodes.__new__(PrivateNodes)  # the mount is there already: adopted
         p.dir, p.dev, p.mounted = (Path(state["private"]["dir"]), state["private"]["dev"],
                                    state["private"]["mounted"])
+        p._init_pool()  # (spare nodes of the predecessor's are not carried over)
         b._private = p
         b._executor = NoCapsExecutor()
     b._monitor = None

@@ -317,7 +317,7 @@ class Broker:
             return OpenReply(errno=e.errno or errno.EIO)
         sid = next(self._ids)
         s = Session(sid, tenant, req.node, req.minor, req.caller, file,
-                    pidns=pid_namespace(req.caller.pid))
+                    pidns=req.caller.pidns or pid_namespace(req.caller.pid))
         self.sessions[sid] = s
         tenant.sessions[sid] = s
         if self.recorder is not None:
@@ -326,6 +326,12 @@ class Broker:
         if install >= 0:
             file.install_fd = -1  # the front end owns (installs, then closes) it now
         return OpenReply(session=sid, install_fd=install)
+
+    def after_open_answered(self) -> None:
+        """A front end has installed a tenant file (open_now's install_fd) and answered the
+        open: the backend's deferred work for it, off the tenant's path (no state lock:
+        the backend's own)."""
+        self.backend.after_open_answered()
 
     # ------------------------------------------------------------------ release
     async def release(self, req: ReleaseRequest) -> None:
@@ -848,7 +854,8 @@ class Broker:
                 # general way (refusals, rows with hooks, unknown clients, ...)
                 "control_lane": {"admitted": self.control_lane.admitted,
                                  "declined": self.control_lane.passed,
-                                 "allocations": self.control_lane.allocations},
+                                 "allocations": self.control_lane.allocations,
+                                 "frees": self.control_lane.frees},
                 "continue_lane": {"admitted": self.continue_lane.admitted,
                                   "declined": self.continue_lane.passed}}
 

@@ -39,12 +39,13 @@ escape row, the client (the tenant's), the parent (one of its objects, on a GPU 
 has), the new handle (not one it holds), the class row (allowed, granted), the object limit,
 no access rights asked for (NVOS64's pRightsRequested NULL), a parameter block of the
 class's size (paramsSize 0, as CUDA sends it, makes the driver read its class's own size)
-— for the classes `_alloc_plan` lets through: not a root client or a device (their checks
-read the driver's numbering), not bound to the caller through RM_ALLOC, whose class check reads only the call (LANE_CLASS_CHECKS) and whose
+— for the classes `_alloc_plan` lets through: not a root client, not bound to the caller
+through RM_ALLOC, whose class check reads only the call (LANE_CLASS_CHECKS) and whose
 after-hook can be told from the header to have nothing to do (LANE_AFTER_HOOKS: a channel
 of a tenant stopped for a high-priority one goes the general way). A class whose layout
 names client handles or pointers, or with a class check, is checked on the private copy
-(`_check_alloc`: client handles, the class check, pointers NULL). Device memory (charged
+(`_check_alloc`: client handles, the class check, pointers NULL; a device's deviceId
+one of the tenant's GPUs, which the new object then belongs to). Device memory (charged
 classes: NV01_MEMORY_LOCAL_USER, cudaMalloc's) is always checked: its size as the driver
 takes it from the card must fit the tenant's quota on the parent's GPU, and a placeholder
 object holds those bytes in the books from the check to `finish` (or `release`, when the
@@ -55,8 +56,8 @@ before the tenant has the answer, as handlers.rm_alloc does; the front end's pri
 are the same as a control's (the header the driver reads names the broker's copy of the
 parameters).
 
-*Header-only calls*: an RM_FREE (NVOS00) of one of the tenant's objects — not its root
-client — is admitted on its header (client and object the tenant's, as handlers.rm_free
+*Header-only calls*: an RM_FREE (NVOS00) of one of the tenant's objects — its root
+client included — is admitted on its header (client and object the tenant's, as handlers.rm_free
 requires for a file the broker holds; an object the books do not know goes the general
 way) and `finish` drops the object and its children from the books after the driver's
 NV_OK; a *plain escape* (`plain_escape`: NV_ESC_NUMA_INFO, NV_ESC_WAIT_OPEN_COMPLETE) is
@@ -76,7 +77,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from devbroker.abi import ioc
+from devbroker.abi import ioc, registry
 from devbroker.abi import status as nvstatus
 from devbroker.abi.driver import NV_IOCTL_MAGIC
 from devbroker.abi.errors import DecodeError
@@ -134,11 +135,14 @@ def plain_escape(name: str, spec) -> bool:
     to the driver as sent (handlers.relay without a rewrite), it is not bound to the caller
     and names no fd, and its layout holds nothing the broker looks at (no client handle,
     GPU id, pointer or fd: rules.plain_layout), so the general path's only checks are the
-    row's: allowed, granted, on this node (NV_ESC_NUMA_INFO, NV_ESC_WAIT_OPEN_COMPLETE)."""
+    row's: allowed, granted, on this node (NV_ESC_NUMA_INFO, NV_ESC_WAIT_OPEN_COMPLETE).
+    Also NV_ESC_CHECK_VERSION_STR (handlers.version: relayed as sent, and afterwards the
+    process's ABI switched when it asked for another version the registry has — that
+    case `ControlLane._admit_escape` sends the general way, from the argument's bytes)."""
     row = rules.ESCAPES.get(name)
-    return (row is not None and row.handler is handlers.relay and row.rewrite is None
-            and not row.in_caller and not row.carries_fds and spec is not None
-            and spec.size > 0 and rules.plain_layout(spec))
+    return (row is not None and row.handler in (handlers.relay, handlers.version)
+            and row.rewrite is None and not row.in_caller and not row.carries_fds
+            and spec is not None and spec.size > 0 and rules.plain_layout(spec))
 
 
 def _header(nr: int, spec, kind: str, name: str = "") -> Header | None:
@@ -264,7 +268,7 @@ class Admitted:
     params_value: Any = None
     null_ptrs: tuple = ()  # offsets of pointer fields that must be NULL (checked controls)
     # An allocation (RM_ALLOC): its class row (rules.CLASSES); h_object is then the parent,
-    # cmd the class, gpu the parent's GPU (the new object's)
+    # cmd the class, gpu the parent's GPU (the new object's; a device's own, from its check)
     alloc: Any = None
     # device memory: the bytes checked against the quota, and the placeholder object that
     # holds them in the books while the driver runs (released by finish or release)
@@ -307,6 +311,7 @@ class ControlLane:
         self.admitted = 0
         self.passed = 0  # declined: sent down the general path
         self.allocations = 0  # of the admitted: RM_ALLOCs (the allocation lane)
+        self.frees = 0  # of the admitted: RM_FREEs
         self._plans: dict[tuple, tuple | None] = {}  # (abi, cmd) -> _plan's answer
         self._alloc_plans: dict[tuple, tuple | None] = {}  # (abi, class) -> _alloc_plan's
 
@@ -335,6 +340,7 @@ class ControlLane:
             else:
                 self.admitted += 1
                 self.allocations += got.alloc is not None
+                self.frees += got.header.kind == "free"
         return got
 
     def _admit(self, session_id: int, caller: Caller, ioctl_cmd: int,
@@ -357,7 +363,7 @@ class ControlLane:
         if h.kind == "free":
             return self._admit_free(s, abi, h, hdr)
         if h.kind == "escape":
-            return self._admit_escape(s, abi, h)
+            return self._admit_escape(s, abi, h, hdr)
         escape = self.escape
         if escape is None:
             return None
@@ -427,28 +433,36 @@ class ControlLane:
 
     def _admit_free(self, s: Session, abi: DriverABI, h: Header, hdr: bytes) -> Admitted | None:
         """An RM_FREE the general path (handlers.rm_free) would run as sent: the client is
-        the tenant's and the object one of its objects, not the client itself (freeing a
-        root client changes the client books: the general way). A GPU taken from the tenant
-        does not stop it: freeing stays allowed there, as on the general path."""
+        the tenant's and the object one of its objects or the client itself (NVML frees
+        its root clients three times per init: ~420 µs each over the driver the general
+        way on the H200). A GPU taken from the tenant does not stop it: freeing stays
+        allowed there, as on the general path."""
         tenant, escape = s.tenant, self.free_escape
         if escape is None or not escape.granted(tenant.policy.capabilities) \
                 or s.node not in escape.nodes:
             return None
         h_root, _h_parent, h_old = h.unpack(hdr)
         client = tenant.clients.get(h_root)
-        if client is None or h_old == h_root or h_old not in client.objects:
+        if client is None or h_old not in client.objects:  # (the root is one of them)
             return None
         if not tenant.limiter.try_acquire():
             return None
         return Admitted(s, abi, h, client, h_old, 0, 0, 0, client.objects[h_old].gpu, None)
 
-    def _admit_escape(self, s: Session, abi: DriverABI, h: Header) -> Admitted | None:
+    def _admit_escape(self, s: Session, abi: DriverABI, h: Header,
+                      hdr: bytes) -> Admitted | None:
         """A plain escape (`plain_escape`): the general path checks only its row — allowed,
-        granted, on this node — and passes the argument to the driver as sent."""
+        granted, on this node — and passes the argument to the driver as sent. For the
+        version check, the asked version too: another version the registry has switches
+        the process's ABI afterwards (handlers.version), which is the general way's."""
         row = rules.ESCAPES.get(h.escape)
         tenant = s.tenant
         if row is None or not row.granted(tenant.policy.capabilities) or s.node not in row.nodes:
             return None
+        if row.handler is handlers.version:
+            asked = handlers._cstr(abi.escape(h.escape).params.decode(hdr).versionString)
+            if asked != abi.version and asked in registry.versions():
+                return None
         if not tenant.limiter.try_acquire():
             return None
         return Admitted(s, abi, h, None, 0, 0, 0, 0, None, None)
@@ -456,14 +470,16 @@ class ControlLane:
     def _alloc_plan(self, abi: DriverABI, cls: int) -> tuple | None:
         """(capability, parameter size, checked, pointer offsets, class row) of a class the
         allocation lane may take in this ABI, None for one it may not. It may take a class
-        on the allowlist that is not a root client or a device (their checks read the
-        driver's numbering), not bound to the caller through RM_ALLOC, whose class check (if any) reads nothing but the call
+        on the allowlist that is not a root client (its books are the client books, and the
+        first one of a tenant file is the tenant's own call), not bound to the caller
+        through RM_ALLOC, whose class check (if any) reads nothing but the call
         (LANE_CLASS_CHECKS) and whose after-hook (if any) can be told from the header to
         have nothing to do (LANE_AFTER_HOOKS), and whose layout has no fd and no pointer
         inside an array. It is *checked* (its parameters decoded on the private copy and
         tested as handlers.rm_alloc tests them) when it has a class check or its layout
-        names client handles, GPU ids or pointers, and always when it is charged against
-        the quota (the size is in the parameters)."""
+        names client handles, GPU ids or pointers, always when it is charged against the
+        quota (the size is in the parameters), and for a device (its deviceId names the
+        GPU: the backend's numbering of device instances, a lookup in its table)."""
         rule = rules.CLASSES.get(cls)
         if rule is None:
             return None
@@ -474,7 +490,7 @@ class ControlLane:
             pass
         plan = None
         op = abi.rm_class(cls)
-        if (cls not in handlers.ROOT_CLIENT_CLASSES and cls != handlers.DEVICE_CLASS
+        if (cls not in handlers.ROOT_CLIENT_CLASSES
                 and RM_ALLOC not in rule.in_caller_via
                 and (rule.check is None or rule.check in LANE_CLASS_CHECKS)
                 and (rule.after is None or rule.after in LANE_AFTER_HOOKS)
@@ -482,6 +498,7 @@ class ControlLane:
             ptrs = rules.lane_pointers(op.params)
             if ptrs is not None:
                 checked = (rule.check is not None or rule.charge
+                           or cls == handlers.DEVICE_CLASS
                            or not rules.plain_layout(op.params))
                 plan = (rule.capability, op.size, checked, ptrs, rule)
         self._alloc_plans[key] = plan
@@ -544,6 +561,15 @@ class ControlLane:
             except (Refusal, DecodeError):
                 self._declined(adm)
                 return False
+            if adm.cmd == handlers.DEVICE_CLASS:
+                # handlers.rm_alloc's device test: the driver's device instance names one of
+                # the tenant's GPUs, which the new object belongs to (NVML allocates a
+                # device per init: ~570 µs over the driver the general way on the H200)
+                gpu = b.backend.gpu_index_of_instance(int(value.deviceId))
+                if gpu is None or gpu not in s.tenant.gpus:
+                    self._declined(adm)
+                    return False
+                adm.gpu = gpu
             if adm.alloc.charge:
                 # handlers.rm_alloc's quota test (b._reserved): the size as the driver takes
                 # it from the card, against what the tenant holds on the parent's GPU
@@ -724,13 +750,17 @@ class ControlLane:
     def _finish_free(self, adm: Admitted, hdr: bytes, params_in: bytes, ret: int, err: int,
                      hdr_out: bytes, status: int) -> bytes:
         """After the driver freed an object: it and its children leave the books (a charge
-        held by one of its duplicates moves there), as handlers.rm_free."""
+        held by one of its duplicates moves there); a root client leaves the client books
+        with everything under it — as handlers.rm_free."""
         with STATE_LOCK:
             s = adm.session
             if not adm.booked:
                 s.tenant.requests += 1
             if not err and status == nvstatus.NV_OK:
-                drop_objects(adm.client.remove(adm.h_object))
+                if adm.h_object == adm.client.handle:
+                    self.broker.clients.remove(adm.h_object)
+                else:
+                    drop_objects(adm.client.remove(adm.h_object))
             recorder = self.broker.recorder
         if recorder is not None:
             self._record(recorder, adm, hdr, params_in, ret, err, hdr_out, b"")

@@ -145,5 +145,9 @@ class BrokerInterface(Protocol):
 
     async def release(self, req: ReleaseRequest) -> None: ...
 
+    # A front end that installs the backend's tenant files (seccomp) calls this after it has
+    # answered such an open: the backend's work for it that the tenant need not wait for.
+    def after_open_answered(self) -> None: ...
+
 
 DENIED = IoctlReply(errno=_errno.EPERM)

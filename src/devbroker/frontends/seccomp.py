@@ -1207,6 +1207,11 @@ class SeccompSupervisor:
             sess.opener = (caller.pid, newfd)
         finally:
             os.close(memfd)  # the tenant's reference is now the only one
+        if real:  # the tenant has its file: the backend's deferred work for the open
+            try:
+                self.broker.after_open_answered()
+            except Exception:
+                log.exception("seccomp: the backend's work after an open failed")
 
     def _forget(self, sess: Session) -> None:
         self.sessions.pop(sess.key, None)
