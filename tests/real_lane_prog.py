@@ -16,7 +16,7 @@ out = {}
 ctl = os.open("/dev/nvidiactl", os.O_RDWR)
 gpu = os.open("/dev/nvidia0", os.O_RDWR)
 for name, fd in (("NV_ESC_NUMA_INFO", gpu), ("NV_ESC_WAIT_OPEN_COMPLETE", gpu),
-                 ("NV_ESC_RM_FREE", ctl)):
+                 ("NV_ESC_CHECK_VERSION_STR", ctl), ("NV_ESC_RM_FREE", ctl)):
     spec = abi.escape(name)
     buf = bytearray(spec.size)
     try:

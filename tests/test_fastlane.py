@@ -67,18 +67,25 @@ def test_rows_with_answers_runs_or_charges_are_never_laned_and_pre_hooks_only_ch
             continue
         if plan is None:
             continue
-        _cap, post, size, pre, is_checked, ptrs = plan
+        _cap, post, size, pre, is_checked, ptrs, embedded = plan
         assert pre is row.pre and post is row.post and size == op.size
         assert is_checked == (row.pre is not None or not rules.plain_layout(op.params)), hex(cmd)
-        # every pointer field is one the check requires NULL; none in a plain layout
+        # every pointer field is one the check requires NULL; none in a plain layout; those
+        # that name embedded buffers (which the native loop may carry) are top-level ones
+        # with a count field
         assert ptrs == tuple(o for p, f, o in op.params.walk() if f.kind == "ptr"), hex(cmd)
         assert is_checked or not ptrs
+        assert {o for o, _n in embedded} <= set(ptrs), hex(cmd)
+        assert all(op.params.by_name[n].size_field for _o, n in embedded), hex(cmd)
         checked += is_checked
         plain += not is_checked
     # the NVML id controls are among the checked ones
     for cmd in (0x201, 0x202, 0x205, 0x214, 0x215, 0x216):
         assert lane._plan(abi, cmd)[4] is True, hex(cmd)
     assert lane._plan(abi, 0x202)[5]  # GET_ID_INFO's szName: laned only when NULL
+    assert not lane._plan(abi, 0x202)[6]  # (a string with no count field: not embedded)
+    assert [n for _o, n in lane._plan(abi, 0x80170D)[6]] == ["pChannelHandleList",
+                                                            "pChannelList"]
     assert checked > 10 and plain > 50, (checked, plain)
 
 
@@ -482,6 +489,52 @@ def test_allocation_lane_holds_the_quota_between_check_and_finish():
     obj = b.tenants["t"].clients[client].objects[0xE3]
     assert obj.charged == 6 << 30 and used() == 6 << 30  # the hold became the charge
     assert not [h for h in b.tenants["t"].clients[client].objects if h < 0]  # no holds left
+
+
+def test_embedded_buffers_are_listed_only_for_a_front_end_that_carries_them():
+    """A checked control with embedded buffers (FIFO_GET_CHANNELLIST: the handle and channel
+    lists behind two pointers): a front end that does not carry them (the Python lanes,
+    FUSE) sends it the general way when a pointer is set; the native loop, which does,
+    gets each set buffer listed as the general path sizes it (numChannels x 4 bytes of the
+    private copy), and none when they are larger than it carries."""
+    import ctypes
+
+    import trio
+
+    from devbroker.testing.inproc import InProcTenant, make_broker
+
+    b = make_broker(one_h200(tenant("t", memory_quota="8GiB",
+                                    capabilities=["nvml", "compute", "uvm"])))
+    t = InProcTenant(b, "t", pid=6002)
+    ctl, client, dev, _sub = trio.run(t.subdevice)
+    lane, abi = b.control_lane, t.abi
+    CHANNELLIST = 0x80170D
+    spec = abi.control(CHANNELLIST).params
+    cmd = abi.escape_cmd("NV_ESC_RM_CONTROL", abi.struct("NVOS54_PARAMETERS").size)
+    keep = []
+
+    def admitted(n: int, handles: int, channels: int):
+        params = spec.decode(bytes(spec.size)).replace(
+            numChannels=n, pChannelHandleList=handles, pChannelList=channels).encode()
+        buf = ctypes.create_string_buffer(params, len(params))
+        keep.append(buf)
+        hdr = t.new("NVOS54_PARAMETERS", hClient=client, hObject=dev, cmd=CHANNELLIST,
+                    params=ctypes.addressof(buf), paramsSize=spec.size).encode()
+        adm = lane.admit(t.fds[ctl], t.caller, cmd, hdr)
+        assert adm is not None and adm.checked and adm.embedded_fields
+        return adm, bytearray(params)
+
+    a, p = admitted(3, 0x7F0000001000, 0x7F0000002000)
+    assert not lane.check(a, p)  # pointers set, not carried: the general way
+    a, p = admitted(3, 0x7F0000001000, 0x7F0000002000)
+    assert lane.check(a, p, embedded_ok=True)
+    assert a.embedded == ((8, 0x7F0000001000, 12), (16, 0x7F0000002000, 12))
+    a, p = admitted(2, 0, 0x7F0000002000)  # only the buffers whose pointer is set
+    assert lane.check(a, p, embedded_ok=True) and a.embedded == ((16, 0x7F0000002000, 8),)
+    a, p = admitted(1 << 20, 0x7F0000001000, 0x7F0000002000)  # 2 x 4 MiB: too large
+    assert not lane.check(a, p, embedded_ok=True)
+    a, p = admitted(0, 0, 0)  # no buffer at all: laned by any front end
+    assert lane.check(a, p) and a.embedded == ()
 
 
 def test_continue_lane_takes_the_rm_escapes_bound_to_the_caller_as_the_general_steps():

@@ -375,8 +375,8 @@ class _CountedLane:
                              *self._stats.names.ioctl(s.node, ioctl_cmd, hdr)))
         return adm
 
-    def check(self, adm, params: bytearray) -> bool:
-        return self._lane.check(adm, params)
+    def check(self, adm, params: bytearray, embedded_ok: bool = False) -> bool:
+        return self._lane.check(adm, params, embedded_ok)
 
     def release(self, adm) -> None:
         self._lane.release(adm)

@@ -267,6 +267,11 @@ class Admitted:
     pre: Callable | None = None
     params_value: Any = None
     null_ptrs: tuple = ()  # offsets of pointer fields that must be NULL (checked controls)
+    # (offset, name) of the pointer fields that name embedded buffers (rules.lane_embedded),
+    # which a front end that carries them may leave set; `check` then lists the buffers
+    # (offset, the tenant's pointer, bytes) in `embedded` for it to copy in and back
+    embedded_fields: tuple = ()
+    embedded: tuple = ()
     # An allocation (RM_ALLOC): its class row (rules.CLASSES); h_object is then the parent,
     # cmd the class, gpu the parent's GPU (the new object's; a device's own, from its check)
     alloc: Any = None
@@ -380,7 +385,7 @@ class ControlLane:
         plan = self._plan(abi, cmd)
         if plan is None or plan[0] not in caps:
             return None
-        _cap, post, size, pre, checked, ptrs = plan
+        _cap, post, size, pre, checked, ptrs, embedded = plan
         if params_size != size or params_ptr == 0 or (
                 max_params is not None and size > max_params):
             return None
@@ -389,7 +394,8 @@ class ControlLane:
         if not checked and not tenant.limiter.try_acquire():
             return None
         return Admitted(s, abi, h, client, h_object, cmd, params_ptr, params_size, obj.gpu,
-                        post, checked=checked, pre=pre, null_ptrs=ptrs)
+                        post, checked=checked, pre=pre, null_ptrs=ptrs,
+                        embedded_fields=embedded)
 
     def _admit_alloc(self, s: Session, abi: DriverABI, h: Header, hdr: bytes,
                      max_params: int | None) -> Admitted | None:
@@ -504,19 +510,29 @@ class ControlLane:
         self._alloc_plans[key] = plan
         return plan
 
-    def check(self, adm: Admitted, params: bytearray) -> bool:
+    def check(self, adm: Admitted, params: bytearray, embedded_ok: bool = False) -> bool:
         """For a checked control, on the front end's private copy of its parameters, before
         the driver call: what handlers.rm_control does between reading the parameters and
         calling the driver — every client handle the tenant's (`Broker._check_clients`), the
         row's pre-hook (which may rewrite `params`, in place here), every GPU id the
         tenant's (`rewrite.require_own_gpu_ids`) — then the rate token. False: the call
         goes the general way, which decides it again from the start and makes the refusal
-        with its audit record (the lane never refuses anything itself)."""
+        with its audit record (the lane never refuses anything itself).
+
+        embedded_ok: the front end copies *embedded buffers* in and back itself (the native
+        loop, which makes the driver call: FIFO_GET_CHANNELLIST's handle and channel lists,
+        CUDA's 20 per init, ~435 µs each over the driver the general way on the H200). Their
+        pointers may then be set: `adm.embedded` lists each buffer as the general path sizes
+        it (handlers.embedded_buffers: the count field of this private copy), at most
+        EMBEDDED_MAX buffers of EMBEDDED_BYTES in all; the front end reads them into copies
+        of its own, gives the driver those, and writes them back after an NV_OK, as the
+        general path does (`_read_embedded`, rm_control's write-back)."""
         if adm.alloc is not None:
             return self._check_alloc(adm, params)
         with STATE_LOCK:
             b, s = self.broker, adm.session
-            if not self._copy_usable(adm, params):
+            if not self._copy_usable(adm, params,
+                                     embedded_ok and bool(adm.embedded_fields)):
                 return False
             spec = adm.abi.control(adm.cmd).params
             where = f"RM_CONTROL {adm.abi.control_name(adm.cmd)}"
@@ -528,7 +544,11 @@ class ControlLane:
                         b, s, adm.abi, adm.cmd, value, adm.gpu, adm.client, adm.h_object),
                         value)
                 rewrite.require_own_gpu_ids(b, s, adm.abi, adm.cmd, value)
+                embedded = self._embedded(adm, value) if embedded_ok else ()
             except (Refusal, DecodeError):
+                self._declined()
+                return False
+            if embedded is None:
                 self._declined()
                 return False
             if adm.pre is not None:
@@ -539,7 +559,24 @@ class ControlLane:
             if not s.tenant.limiter.try_acquire():
                 return False
             adm.params_value = value
+            adm.embedded = embedded
             return True
+
+    EMBEDDED_MAX = 4  # buffers per control (native/lane.c DVB_EMBED_MAX)
+    EMBEDDED_BYTES = 64 << 10  # in all (CUDA's channel lists: 2 x 4 bytes per channel)
+
+    def _embedded(self, adm: Admitted, value) -> tuple | None:
+        """The embedded buffers the check's copy names: ((offset, pointer, bytes), ...) for
+        each set pointer field of rules.lane_embedded, sized as the general path sizes them;
+        None when they are more or larger than a front end carries (the general way)."""
+        if not adm.embedded_fields:
+            return ()
+        sizes = dict(handlers.embedded_buffers(adm.abi, value))
+        out = tuple((off, int(getattr(value, name)), sizes[name])
+                    for off, name in adm.embedded_fields if name in sizes)
+        if len(out) > self.EMBEDDED_MAX or sum(n for _o, _p, n in out) > self.EMBEDDED_BYTES:
+            return None
+        return out
 
     def _check_alloc(self, adm: Admitted, params: bytearray) -> bool:
         """A checked allocation, on the private copy of its parameters: what
@@ -601,15 +638,17 @@ class ControlLane:
                 adm.client.remove(adm.reserved)
                 adm.reserved = 0
 
-    def _copy_usable(self, adm: Admitted, params: bytearray) -> bool:
+    def _copy_usable(self, adm: Admitted, params: bytearray, embedded_ok: bool = False) -> bool:
         """What `check` and `_check_alloc` test first (under the state lock): the session
         still open, the tenant still in the policy, and every pointer field of the private
-        copy NULL (a buffer behind one goes the general way, which copies it)."""
+        copy NULL (a buffer behind one goes the general way, which copies it) — but those
+        of embedded buffers when the front end carries them (embedded_ok)."""
         s = adm.session
         if s.closed or s.tenant.revoked:
             return False
+        carried = {off for off, _name in adm.embedded_fields} if embedded_ok else ()
         for off in adm.null_ptrs:
-            if any(params[off:off + 8]):
+            if off not in carried and any(params[off:off + 8]):
                 self._declined(adm)
                 return False
         return True
@@ -650,7 +689,8 @@ class ControlLane:
                 and rule.relay_if is None and rule.run is None and not rule.charge
                 and ptrs is not None and op.size):
             checked = rule.pre is not None or not rules.plain_layout(op.params)
-            plan = (rule.capability, rule.post, op.size, rule.pre, checked, ptrs)
+            plan = (rule.capability, rule.post, op.size, rule.pre, checked, ptrs,
+                    rules.lane_embedded(op.params))
         self._plans[key] = plan
         return plan
 

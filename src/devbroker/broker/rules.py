@@ -808,6 +808,24 @@ def lane_pointers(spec) -> tuple[int, ...] | None:
     return known
 
 
+def lane_embedded(spec) -> tuple[tuple[int, str], ...]:
+    """(offset, name) of a layout's top-level pointer fields that name *embedded buffers*
+    (`ptr->bytes@sizeField`, `ptr->STRUCT@countField`: handlers.embedded_buffers, which the
+    general path copies in and back): a front end that can carry them lets the lane take
+    such a control with the pointer set (ControlLane.check, embedded_ok). Cached per
+    layout."""
+    known = _EMBEDDED.get(spec)
+    if known is None:
+        known = _EMBEDDED[spec] = tuple(
+            (off, f.name) for path, f, off in spec.walk()
+            if path == f.name and f.kind == "ptr" and f.size_field
+            and isinstance(f.points_to, str) and f.points_to not in ("control", "class", "xfer"))
+    return known
+
+
+_EMBEDDED: dict = {}
+
+
 def reads_params(rule: ControlRule, spec) -> bool:
     """Whether the full path (handlers.rm_control) must decode a control's parameters: its
     row changes something (hooks, answer, run, charge) or its layout holds something the

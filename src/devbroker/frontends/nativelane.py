@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("devbroker.seccomp.native")
 
-ABI = 6  # native/lane.c DVB_ABI
+ABI = 7  # native/lane.c DVB_ABI
 DVB_NOTIF, DVB_IDLE, DVB_WAKE, DVB_HUP, DVB_FOLD, DVB_LATE, DVB_WRITE_FAILED, DVB_ERROR = \
     range(1, 9)
 ACT_DECLINE, ACT_CONTINUE, ACT_CONTROL, ACT_FAIL = 0, 1, 2, 3
@@ -56,6 +56,7 @@ COUNTERS = ("notifications", "opens_continued", "ioctls", "controls_fast", "stal
 HDR_MAX = 1024
 PARAMS_MAX = 16384
 PATCH_MAX = 16
+EMBED_MAX = 4
 
 _CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)
 
@@ -67,7 +68,11 @@ class Call(ctypes.Structure):
         "params_ptr", "params_size", "params_off", "driver", "finish", "check", "ret", "err",
         "status_off", "patch_n", "patch_table_off", "patch_entry_size", "patch_index_off",
         "patch_data_off", "patch_capacity", "patch_count_off",
-        "done_count", "done_err", "done_ns")] + [
+        "done_count", "done_err", "done_ns", "embed_n")] + [
+        ("embed_off", ctypes.c_int64 * EMBED_MAX),
+        ("embed_ptr", ctypes.c_int64 * EMBED_MAX),
+        ("embed_addr", ctypes.c_int64 * EMBED_MAX),
+        ("embed_len", ctypes.c_int64 * EMBED_MAX),
         ("patch_index", ctypes.c_uint32 * PATCH_MAX),
         ("patch_value", ctypes.c_uint32 * PATCH_MAX),
         ("hdr", ctypes.c_uint8 * HDR_MAX),
@@ -164,6 +169,9 @@ class NativeThread:
         self.reported = False  # its current access was answered by the watchdog
         self.driver_safe = False
         self.last_patch = None  # the TablePatch now in the call buffer (set_patch)
+        # the private copies of the control in flight's embedded buffers (the loop holds
+        # their addresses until its next call: kept alive here until then)
+        self.embedded: list = []
 
     def serve(self) -> int:
         return self.lane.lib.dvb_serve(self.ptr)

@@ -855,15 +855,42 @@ class SeccompSupervisor:
         if adm is None:
             return nativelane.ACT_DECLINE
         params = nativelane.NativeLane.params(t)
-        if not self._lane.check(adm, params):
+        if not self._lane.check(adm, params, embedded_ok=bool(c.driver)):
             t.adm = None
             return nativelane.ACT_DECLINE
-        if adm.pre is not None:
+        if adm.embedded and not self._native_embedded(t, c, adm, params):
+            t.adm = None
+            return nativelane.ACT_DECLINE
+        if adm.pre is not None or adm.embedded:
             nativelane.NativeLane.set_params(t, bytes(params))
         if not c.finish:
             self._lane.book(adm)
             t.unfinished, t.done_seen = adm, c.done_count  # its row: _settle
         return nativelane.ACT_CONTROL
+
+    def _native_embedded(self, t: nativelane.NativeThread, c: nativelane.Call, adm,
+                         params: bytearray) -> bool:
+        """A checked control's embedded buffers (ControlLane.check listed them): each read
+        once from the tenant into a copy of the broker's, whose address replaces the
+        tenant's pointer in the private parameters (`params`); the loop puts the tenant's
+        pointers back after the driver call and writes the copies back on NV_OK. False
+        when a read fails (the general way reads again and answers)."""
+        t.embedded = []
+        for k, (off, ptr, size) in enumerate(adm.embedded):
+            try:
+                data = self._gate.direct(self.tenant, _vm_read, c.tid, ptr, size,
+                                         what=f"read of {size} embedded bytes at {ptr:#x}"
+                                         ) if size else b""
+            except OSError:
+                t.embedded = []
+                return False
+            buf = ctypes.create_string_buffer(data, max(size, 1))
+            t.embedded.append(buf)
+            addr = ctypes.addressof(buf)
+            c.embed_off[k], c.embed_ptr[k], c.embed_addr[k], c.embed_len[k] = off, ptr, addr, size
+            params[off:off + 8] = addr.to_bytes(8, "little")
+        c.embed_n = len(adm.embedded)
+        return True
 
     def _native_finish(self, t: nativelane.NativeThread, c: nativelane.Call) -> int:
         """After the native loop's driver call (or instead of it, for a backend that does

@@ -53,7 +53,7 @@
 #endif
 #define DVB_PIDFD_THREAD O_EXCL /* Linux 6.9: a pidfd for a (non-leader) thread */
 
-#define DVB_ABI 6 /* bumped with any change of the structures below (nativelane.py checks) */
+#define DVB_ABI 7 /* bumped with any change of the structures below (nativelane.py checks) */
 
 struct dvb_notif { /* struct seccomp_notif */
     uint64_t id;
@@ -88,6 +88,7 @@ enum { C_NOTIFICATIONS, C_OPENS_CONTINUED, C_IOCTLS, C_CONTROLS_FAST, C_STALE,
 #define DVB_NAMES_MAX 4096
 #define DVB_LANE_CMDS 16
 #define DVB_PATCH_MAX 16
+#define DVB_EMBED_MAX 4 /* embedded buffers of one control (FIFO_GET_CHANNELLIST: 2) */
 
 /* One call being decided: what the Python callbacks read and fill (nativelane.Call). */
 struct dvb_call {
@@ -109,6 +110,14 @@ struct dvb_call {
             patch_capacity, patch_count_off;
     /* the last control answered without on_finish: for its row in the call counters */
     int64_t done_count, done_err, done_ns;
+    /* Embedded buffers of a checked control (filled by on_check): the pointer field at
+     * params + embed_off[k] names the broker's private copy (embed_addr, embed_len bytes,
+     * read from the tenant by the check); after the driver call the tenant's pointer
+     * (embed_ptr) is put back in the block, and on an NV_OK answer the copy is written to
+     * it, as the general path writes embedded buffers back. */
+    int64_t embed_n;
+    int64_t embed_off[DVB_EMBED_MAX], embed_ptr[DVB_EMBED_MAX], embed_addr[DVB_EMBED_MAX],
+            embed_len[DVB_EMBED_MAX];
     uint32_t patch_index[DVB_PATCH_MAX], patch_value[DVB_PATCH_MAX];
     uint8_t hdr[DVB_HDR_MAX];
     uint8_t hdr_out[DVB_HDR_MAX];
@@ -399,6 +408,11 @@ static int run_control(struct dvb_thread *t, struct dvb_notif *n, int64_t t0, in
         }
         if (act != ACT_CONTROL)
             return DVB_NOTIF;
+        if (c->embed_n > DVB_EMBED_MAX)
+            return DVB_NOTIF;
+        for (int k = 0; k < c->embed_n; k++)
+            if (c->embed_off[k] < 0 || (size_t)c->embed_off[k] + 8 > size || !c->driver)
+                return DVB_NOTIF; /* (the check's promise, held here too) */
     }
     int64_t t3 = now_ns();
     if (c->driver) {
@@ -439,6 +453,8 @@ static int run_control(struct dvb_thread *t, struct dvb_notif *n, int64_t t0, in
             memcpy(priv + c->params_off, c->hdr + c->params_off, 8);
         memcpy(c->hdr_out, priv, hlen);
     }
+    for (int k = 0; k < c->embed_n && k < DVB_EMBED_MAX; k++) /* the tenant's pointers */
+        memcpy(c->params + c->embed_off[k], &c->embed_ptr[k], 8);
     int64_t t5 = now_ns();
     if (!c->driver || c->finish) {
         int fin = sh->on_finish(t->slot); /* run (emulated) and/or books and post-hook */
@@ -476,6 +492,22 @@ static int run_control(struct dvb_thread *t, struct dvb_notif *n, int64_t t0, in
         t->counters[C_STALE]++;
         return 0;
     }
+    if (c->embed_n) {
+        uint32_t status = 1;
+        if (c->status_off >= 0 && (size_t)c->status_off + 4 <= hlen)
+            memcpy(&status, c->hdr_out + c->status_off, 4);
+        for (int k = 0; status == 0 && k < c->embed_n && k < DVB_EMBED_MAX; k++) {
+            struct iovec l = {(void *)(uintptr_t)c->embed_addr[k], (size_t)c->embed_len[k]};
+            struct iovec r = {(void *)(uintptr_t)c->embed_ptr[k], (size_t)c->embed_len[k]};
+            ssize_t w = tenant_rw(t, n->pid, 1, &l, &r, 1);
+            if (t->abandoned)
+                return DVB_LATE;
+            if (w != (ssize_t)c->embed_len[k]) {
+                t->err = errno ? errno : EFAULT;
+                return DVB_WRITE_FAILED;
+            }
+        }
+    }
     ssize_t put = size ? tenant_write2(t, n->pid, (uint64_t)c->params_ptr, c->params, size,
                                        (uint64_t)c->argp, c->hdr_out, hlen)
                        : tenant_write2(t, n->pid, (uint64_t)c->argp, c->hdr_out, hlen, 0, NULL, 0);
@@ -509,6 +541,7 @@ static int answer_ioctl(struct dvb_thread *t, struct dvb_notif *n)
     c->driver = c->finish = c->check = 0;
     c->ret = c->err = 0;
     c->patch_n = 0;
+    c->embed_n = 0;
     c->status_off = -1;
     if (c->fd < 0)
         return DVB_NOTIF;
