@@ -24,4 +24,19 @@ for name, fd in (("NV_ESC_NUMA_INFO", gpu), ("NV_ESC_WAIT_OPEN_COMPLETE", gpu),
         out[name] = 0
     except OSError as e:
         out[name] = e.errno or errno.EIO
+# an fd escape (the native loop carries its fd: the broker's duplicate of the tenant's own
+# ctl file goes to the driver): the tenant's ctl file, a pipe (not an NVIDIA file: refused
+# on the general path), -1 and a number with no file (both the general path's to answer)
+r, w = os.pipe()
+spec = abi.escape("NV_ESC_REGISTER_FD")
+for what, fd in (("own-ctl", ctl), ("pipe", r), ("minus-one", -1), ("no-file", 987)):
+    v = spec.params.decode(bytes(spec.size)).replace(ctl_fd=fd)
+    buf = bytearray(v.encode())
+    try:
+        fcntl.ioctl(gpu, abi.escape_cmd("NV_ESC_REGISTER_FD"), buf, True)
+        out["NV_ESC_REGISTER_FD " + what] = 0
+    except OSError as e:
+        out["NV_ESC_REGISTER_FD " + what] = e.errno or errno.EIO
+    # the tenant's own number back in its argument, whatever the driver saw
+    out["NV_ESC_REGISTER_FD " + what + " arg"] = spec.params.decode(bytes(buf)).ctl_fd == fd
 print(json.dumps(out), flush=True)

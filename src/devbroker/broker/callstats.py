@@ -378,6 +378,9 @@ class _CountedLane:
     def check(self, adm, params: bytearray, embedded_ok: bool = False) -> bool:
         return self._lane.check(adm, params, embedded_ok)
 
+    def fd_target(self, adm, session_id: int | None) -> bool:
+        return self._lane.fd_target(adm, session_id)
+
     def release(self, adm) -> None:
         self._lane.release(adm)
 

@@ -118,6 +118,9 @@ class Header:
     new_offset: int = -1  # alloc: hObjectNew (where the driver names the new handle)
     rights_offset: int = -1  # alloc, NVOS64: pRightsRequested (the lane needs it NULL)
     escape: str = ""  # escape: its name (rules.ESCAPES)
+    # escape: the offsets of its fd fields (int32, `fd_escape`: REGISTER_FD's ctl_fd), which
+    # a front end that carries fds replaces with the broker's duplicates of those files
+    fd_offsets: tuple = ()
 
 
 _HEADERS: dict[Any, dict[int, Header]] = {}
@@ -145,12 +148,35 @@ def plain_escape(name: str, spec) -> bool:
             and spec is not None and spec.size > 0 and rules.plain_layout(spec))
 
 
+def fd_escape(name: str, spec) -> bool:
+    """An escape the lane may run with its fd fields carried (kind "escape" with
+    fd_offsets; only a front end that carries fds takes it, `ControlLane.fd_target`): its
+    row is handlers.fd's, which checks client handles (none here) and that every fd is one
+    of the tenant's NVIDIA files, then runs it on the broker's duplicates of those files;
+    not bound to the caller; its layout is top-level int32 fds and nothing else the broker
+    looks at (NV_ESC_REGISTER_FD: NVML twice per init, CUDA 13 times, ~400 µs each over the
+    driver the general way on the H200)."""
+    row = rules.ESCAPES.get(name)
+    if (row is None or row.handler is not handlers.fd or row.rewrite is not None
+            or row.in_caller or not row.carries_fds or spec is None or not spec.size):
+        return False
+    fields = list(spec.walk())
+    return (all("." not in path and "[" not in path for path, _f, _o in fields)
+            and any(f.kind == "fd" and f.size == 4 for _p, f, _o in fields)
+            and all(f.kind != "fd" or f.size == 4 for _p, f, _o in fields)
+            # (else plain: rules.plain_layout's tests but the fds)
+            and not any(f.kind == "ptr" or f.name in rules.CLIENT_HANDLE_FIELDS
+                        or f.name in rewrite.GPU_ID_FIELD_NAMES for _p, f, _o in fields))
+
+
 def _header(nr: int, spec, kind: str, name: str = "") -> Header | None:
     cmd = ioc.ioc(ioc.IOC_READ | ioc.IOC_WRITE, NV_IOCTL_MAGIC, nr, spec.size)
     f = spec.by_name
     if kind == "escape":
         status = f["status"].offset if "status" in f else -1
-        return Header(cmd, spec.size, lambda b: (), -1, status, kind="escape", escape=name)
+        fds = tuple(o for _p, fl, o in spec.walk() if fl.kind == "fd")
+        return Header(cmd, spec.size, lambda b: (), -1, status, kind="escape", escape=name,
+                      fd_offsets=fds)
     if kind == "free":
         if not all(n in f for n, _k in _FREE_FIELDS) or "status" not in f:
             return None
@@ -185,7 +211,7 @@ def headers_of(abi: DriverABI) -> dict[int, Header]:
                 continue
             if spec.name in (RM_CONTROL, RM_ALLOC, RM_FREE):
                 kind = {RM_CONTROL: "control", RM_ALLOC: "alloc", RM_FREE: "free"}[spec.name]
-            elif plain_escape(spec.name, spec.params):
+            elif plain_escape(spec.name, spec.params) or fd_escape(spec.name, spec.params):
                 kind = "escape"
             else:
                 continue
@@ -471,7 +497,8 @@ class ControlLane:
                 return None
         if not tenant.limiter.try_acquire():
             return None
-        return Admitted(s, abi, h, None, 0, 0, 0, 0, None, None)
+        # an fd escape: the front end's check carries its fds (`fd_target`), or declines
+        return Admitted(s, abi, h, None, 0, 0, 0, 0, None, None, checked=bool(h.fd_offsets))
 
     def _alloc_plan(self, abi: DriverABI, cls: int) -> tuple | None:
         """(capability, parameter size, checked, pointer offsets, class row) of a class the
@@ -529,6 +556,10 @@ class ControlLane:
         general path does (`_read_embedded`, rm_control's write-back)."""
         if adm.alloc is not None:
             return self._check_alloc(adm, params)
+        if adm.header.kind == "escape":  # an fd escape: only a front end that carries fds
+            with STATE_LOCK:              # (it asks `fd_target` for each file instead)
+                self._declined()
+            return False
         with STATE_LOCK:
             b, s = self.broker, adm.session
             if not self._copy_usable(adm, params,
@@ -561,6 +592,20 @@ class ControlLane:
             adm.params_value = value
             adm.embedded = embedded
             return True
+
+    def fd_target(self, adm: Admitted, session_id: int | None) -> bool:
+        """For an fd escape (`fd_escape`) in a front end that carries fds: whether the file
+        an fd field names — found by the front end from its own duplicate of that very file
+        — is one of the tenant's NVIDIA files (`Broker._translate_fds`'s test); the front
+        end then gives the driver that duplicate. False: the general way (which refuses
+        with its record)."""
+        with STATE_LOCK:
+            t = self.broker.sessions.get(session_id) if session_id is not None else None
+            ok = (t is not None and not t.closed and t.tenant is adm.session.tenant
+                  and not adm.session.closed and not adm.session.tenant.revoked)
+            if not ok:
+                self._declined()
+            return ok
 
     EMBEDDED_MAX = 4  # buffers per control (native/lane.c DVB_EMBED_MAX)
     EMBEDDED_BYTES = 64 << 10  # in all (CUDA's channel lists: 2 x 4 bytes per channel)

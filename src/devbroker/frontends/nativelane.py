@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("devbroker.seccomp.native")
 
-ABI = 7  # native/lane.c DVB_ABI
+ABI = 8  # native/lane.c DVB_ABI
 DVB_NOTIF, DVB_IDLE, DVB_WAKE, DVB_HUP, DVB_FOLD, DVB_LATE, DVB_WRITE_FAILED, DVB_ERROR = \
     range(1, 9)
 ACT_DECLINE, ACT_CONTINUE, ACT_CONTROL, ACT_FAIL = 0, 1, 2, 3
@@ -57,6 +57,7 @@ HDR_MAX = 1024
 PARAMS_MAX = 16384
 PATCH_MAX = 16
 EMBED_MAX = 4
+FD_MAX = 2
 
 _CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)
 
@@ -73,6 +74,10 @@ class Call(ctypes.Structure):
         ("embed_ptr", ctypes.c_int64 * EMBED_MAX),
         ("embed_addr", ctypes.c_int64 * EMBED_MAX),
         ("embed_len", ctypes.c_int64 * EMBED_MAX),
+        ("fd_n", ctypes.c_int64),
+        ("fd_off", ctypes.c_int64 * FD_MAX),
+        ("fd_orig", ctypes.c_int64 * FD_MAX),
+        ("fd_dup", ctypes.c_int64 * FD_MAX),
         ("patch_index", ctypes.c_uint32 * PATCH_MAX),
         ("patch_value", ctypes.c_uint32 * PATCH_MAX),
         ("hdr", ctypes.c_uint8 * HDR_MAX),
@@ -286,6 +291,11 @@ class NativeLane:
     @staticmethod
     def hdr(t: NativeThread) -> bytes:
         return ctypes.string_at(t.base + _OFF_HDR, t.call.hdr_len)
+
+    @staticmethod
+    def set_hdr(t: NativeThread, data: bytes) -> None:
+        """The private header the loop gives the driver (an fd escape's duplicates)."""
+        ctypes.memmove(t.base + _OFF_HDR, data, min(len(data), HDR_MAX))
 
     @staticmethod
     def hdr_out(t: NativeThread) -> bytes:

@@ -854,6 +854,16 @@ class SeccompSupervisor:
         adm = t.adm
         if adm is None:
             return nativelane.ACT_DECLINE
+        if adm.header.kind == "escape":  # an fd escape (fastlane.fd_escape)
+            # (a backend that does not run it as a plain ioctl here: the general way)
+            if not (self._native_fds(t, c, adm) if c.driver
+                    else self._lane.fd_target(adm, None)):
+                t.adm = None
+                return nativelane.ACT_DECLINE
+            if not c.finish:
+                self._lane.book(adm)
+                t.unfinished, t.done_seen = adm, c.done_count  # its row: _settle
+            return nativelane.ACT_CONTROL
         params = nativelane.NativeLane.params(t)
         if not self._lane.check(adm, params, embedded_ok=bool(c.driver)):
             t.adm = None
@@ -890,6 +900,44 @@ class SeccompSupervisor:
             c.embed_off[k], c.embed_ptr[k], c.embed_addr[k], c.embed_len[k] = off, ptr, addr, size
             params[off:off + 8] = addr.to_bytes(8, "little")
         c.embed_n = len(adm.embedded)
+        return True
+
+    def _native_fds(self, t: nativelane.NativeThread, c: nativelane.Call, adm) -> bool:
+        """An fd escape's fds (REGISTER_FD's ctl_fd): each duplicated from the calling
+        thread's table, the session found from the *duplicate's* identity (no second
+        lookup a racing thread could redirect), `ControlLane.fd_target` asked, and the
+        duplicate's number put in the private header the driver gets (the loop puts the
+        tenant's number back in the answer and closes the duplicates). False: the general
+        way, which decides it from the start (the duplicates made here closed first)."""
+        offsets = adm.header.fd_offsets
+        if len(offsets) > nativelane.FD_MAX:
+            return False
+        hdr = bytearray(nativelane.NativeLane.hdr(t))
+        dups: list[int] = []
+        done = False
+        try:
+            for k, off in enumerate(offsets):
+                fd = int.from_bytes(hdr[off:off + 4], "little", signed=True)
+                if fd < 0:  # (-1: "no file", which the general path passes on as sent)
+                    return self._lane.fd_target(adm, None)
+                dup = self._getfd(c.tid, fd)
+                dups.append(dup)
+                st = os.fstat(dup)
+                sess = self.sessions.get((st.st_dev, st.st_ino))
+                if not self._lane.fd_target(adm, None if sess is None or sess.released
+                                            else sess.id):
+                    return False
+                hdr[off:off + 4] = dup.to_bytes(4, "little", signed=True)
+                c.fd_off[k], c.fd_orig[k], c.fd_dup[k] = off, fd, dup
+            done = True
+        except OSError:  # (no such fd in the caller's table: the general way says so)
+            return self._lane.fd_target(adm, None)
+        finally:
+            if not done:
+                for d in dups:
+                    os.close(d)
+        nativelane.NativeLane.set_hdr(t, bytes(hdr))
+        c.fd_n = len(dups)  # (the loop closes them now, whatever happens to the call)
         return True
 
     def _native_finish(self, t: nativelane.NativeThread, c: nativelane.Call) -> int:

@@ -53,7 +53,7 @@
 #endif
 #define DVB_PIDFD_THREAD O_EXCL /* Linux 6.9: a pidfd for a (non-leader) thread */
 
-#define DVB_ABI 7 /* bumped with any change of the structures below (nativelane.py checks) */
+#define DVB_ABI 8 /* bumped with any change of the structures below (nativelane.py checks) */
 
 struct dvb_notif { /* struct seccomp_notif */
     uint64_t id;
@@ -89,6 +89,7 @@ enum { C_NOTIFICATIONS, C_OPENS_CONTINUED, C_IOCTLS, C_CONTROLS_FAST, C_STALE,
 #define DVB_LANE_CMDS 16
 #define DVB_PATCH_MAX 16
 #define DVB_EMBED_MAX 4 /* embedded buffers of one control (FIFO_GET_CHANNELLIST: 2) */
+#define DVB_FD_MAX 2 /* fd fields of one escape (REGISTER_FD: 1) */
 
 /* One call being decided: what the Python callbacks read and fill (nativelane.Call). */
 struct dvb_call {
@@ -118,6 +119,12 @@ struct dvb_call {
     int64_t embed_n;
     int64_t embed_off[DVB_EMBED_MAX], embed_ptr[DVB_EMBED_MAX], embed_addr[DVB_EMBED_MAX],
             embed_len[DVB_EMBED_MAX];
+    /* fd fields of an escape (filled by on_check): the int32 at hdr + fd_off[k] is the
+     * broker's duplicate fd_dup[k] of the tenant's file fd_orig[k]; the tenant's number is
+     * put back in the answer, and the loop closes the duplicates when the call is done
+     * (whatever way it goes). */
+    int64_t fd_n;
+    int64_t fd_off[DVB_FD_MAX], fd_orig[DVB_FD_MAX], fd_dup[DVB_FD_MAX];
     uint32_t patch_index[DVB_PATCH_MAX], patch_value[DVB_PATCH_MAX];
     uint8_t hdr[DVB_HDR_MAX];
     uint8_t hdr_out[DVB_HDR_MAX];
@@ -379,8 +386,25 @@ static void apply_patch(struct dvb_call *c, size_t size)
     }
 }
 
+static int run_control_once(struct dvb_thread *t, struct dvb_notif *n, int64_t t0,
+                            int64_t t1, int64_t t2);
+
+/* An admitted call (run_control_once), then the fd duplicates its check gave the loop
+ * closed, on every way out. */
 static int run_control(struct dvb_thread *t, struct dvb_notif *n, int64_t t0, int64_t t1,
                        int64_t t2)
+{
+    int rc = run_control_once(t, n, t0, t1, t2);
+    struct dvb_call *c = &t->call;
+    for (int k = 0; k < c->fd_n && k < DVB_FD_MAX; k++)
+        if (c->fd_dup[k] >= 0)
+            close((int)c->fd_dup[k]);
+    c->fd_n = 0;
+    return rc;
+}
+
+static int run_control_once(struct dvb_thread *t, struct dvb_notif *n, int64_t t0,
+                            int64_t t1, int64_t t2)
 {
     struct dvb_shared *sh = t->sh;
     struct dvb_call *c = &t->call;
@@ -413,6 +437,11 @@ static int run_control(struct dvb_thread *t, struct dvb_notif *n, int64_t t0, in
         for (int k = 0; k < c->embed_n; k++)
             if (c->embed_off[k] < 0 || (size_t)c->embed_off[k] + 8 > size || !c->driver)
                 return DVB_NOTIF; /* (the check's promise, held here too) */
+        if (c->fd_n > DVB_FD_MAX)
+            return DVB_NOTIF;
+        for (int k = 0; k < c->fd_n; k++)
+            if (c->fd_off[k] < 0 || (size_t)c->fd_off[k] + 4 > hlen || !c->driver)
+                return DVB_NOTIF;
     }
     int64_t t3 = now_ns();
     if (c->driver) {
@@ -455,6 +484,10 @@ static int run_control(struct dvb_thread *t, struct dvb_notif *n, int64_t t0, in
     }
     for (int k = 0; k < c->embed_n && k < DVB_EMBED_MAX; k++) /* the tenant's pointers */
         memcpy(c->params + c->embed_off[k], &c->embed_ptr[k], 8);
+    for (int k = 0; c->driver && k < c->fd_n && k < DVB_FD_MAX; k++) { /* its fd numbers */
+        int32_t orig = (int32_t)c->fd_orig[k];
+        memcpy(c->hdr_out + c->fd_off[k], &orig, 4);
+    }
     int64_t t5 = now_ns();
     if (!c->driver || c->finish) {
         int fin = sh->on_finish(t->slot); /* run (emulated) and/or books and post-hook */
@@ -542,6 +575,7 @@ static int answer_ioctl(struct dvb_thread *t, struct dvb_notif *n)
     c->ret = c->err = 0;
     c->patch_n = 0;
     c->embed_n = 0;
+    c->fd_n = 0;
     c->status_off = -1;
     if (c->fd < 0)
         return DVB_NOTIF;
