@@ -39,4 +39,25 @@ for what, fd in (("own-ctl", ctl), ("pipe", r), ("minus-one", -1), ("no-file", 9
         out["NV_ESC_REGISTER_FD " + what] = e.errno or errno.EIO
     # the tenant's own number back in its argument, whatever the driver saw
     out["NV_ESC_REGISTER_FD " + what + " arg"] = spec.params.decode(bytes(buf)).ctl_fd == fd
+# a root client the tenant allocates itself (the broker lets the kernel run it: the
+# stand-in answers ENOTTY, so there is no client), then a control naming a client it may
+# have made: the native loop asks the broker to adopt it (the driver's probe fails here) and
+# the general way then answers, as with the lane off
+root = abi.escape("NV_ESC_RM_ALLOC").params
+v = root.decode(bytes(root.size)).replace(hClass=0x41)
+buf = bytearray(v.encode())
+try:
+    fcntl.ioctl(ctl, abi.escape_cmd("NV_ESC_RM_ALLOC", len(buf)), buf, True)
+    out["root-alloc"] = 0
+except OSError as e:
+    out["root-alloc"] = e.errno or errno.EIO
+ctl_hdr = abi.struct("NVOS54_PARAMETERS")
+v = ctl_hdr.decode(bytes(ctl_hdr.size)).replace(hClient=0xC1D0BEEF, hObject=0xC1D0BEEF,
+                                                cmd=0x201, params=0, paramsSize=0)
+buf = bytearray(v.encode())
+try:
+    fcntl.ioctl(ctl, abi.escape_cmd("NV_ESC_RM_CONTROL", len(buf)), buf, True)
+    out["control-unknown-client"] = ctl_hdr.decode(bytes(buf)).status
+except OSError as e:
+    out["control-unknown-client"] = -(e.errno or errno.EIO)
 print(json.dumps(out), flush=True)

@@ -136,9 +136,15 @@ def test_header_only_lane_calls_on_stand_in_driver_files(tmp_path, frontend):
                          "NV_ESC_REGISTER_FD minus-one": errno.ENOTTY,
                          "NV_ESC_REGISTER_FD minus-one arg": True,
                          "NV_ESC_REGISTER_FD no-file": errno.EBADF,
-                         "NV_ESC_REGISTER_FD no-file arg": True}, (on, off)
+                         "NV_ESC_REGISTER_FD no-file arg": True,
+                         # the tenant's own root allocation (continued: the stand-in's
+                         # ENOTTY), then a client it never got: refused, the driver's status
+                         # for an unknown client (NV_ERR_INVALID_CLIENT), lane on and off
+                         "root-alloc": errno.ENOTTY,
+                         "control-unknown-client": 0x23}, (on, off)
     # the three plain escapes, and on seccomp (the native loop carries fds) REGISTER_FD of
     # the tenant's own ctl file; the pipe, -1 and the missing file declined to the general way
     assert lane_on["admitted"] == (4 if frontend == "seccomp" else 3), (lane_on, lane_off)
-    assert lane_on["declined"] == (4 if frontend == "seccomp" else 5), (lane_on, lane_off)
+    # (+ the root allocation and the control of the unknown client: declined at admission)
+    assert lane_on["declined"] == (6 if frontend == "seccomp" else 7), (lane_on, lane_off)
     assert lane_off["admitted"] == 0, lane_off

@@ -593,6 +593,29 @@ class ControlLane:
             adm.embedded = embedded
             return True
 
+    def unknown_client(self, session_id: int, ioctl_cmd: int, hdr: bytes) -> int | None:
+        """The root client a control, allocation or free header names on a ctl file when the
+        tenant does not hold it yet but may have allocated it itself (a continued call the
+        broker did not see answered: Broker._may_adopt); None else. A front end that holds
+        a duplicate of the file may then have the broker adopt it
+        (`Broker.adopt_client_here`) before `admit`, which sends a call of an unknown
+        client the general way (where the same adoption is made)."""
+        with STATE_LOCK:
+            b = self.broker
+            s = b.sessions.get(session_id)
+            if s is None or s.closed or s.node is not NodeKind.CTL:
+                return None
+            h = headers_of(b._abi(s)).get(ioctl_cmd)
+            if h is None or len(hdr) != h.size or h.kind not in ("control", "alloc", "free"):
+                return None
+            fields = h.unpack(hdr)
+            if h.kind == "alloc" and fields[3] in handlers.ROOT_CLIENT_CLASSES:
+                return None  # (a new root client: nothing to adopt yet)
+            client = fields[0]
+            if not client or client in s.tenant.clients or not b._may_adopt(s, client):
+                return None
+            return client
+
     def fd_target(self, adm: Admitted, session_id: int | None) -> bool:
         """For an fd escape (`fd_escape`) in a front end that carries fds: whether the file
         an fd field names — found by the front end from its own duplicate of that very file

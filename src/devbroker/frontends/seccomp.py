@@ -826,8 +826,12 @@ class SeccompSupervisor:
             except OSError:
                 return nativelane.ACT_DECLINE
             lane = self._lane
-            adm = lane.admit(sess.id, caller, c.cmd, nativelane.NativeLane.hdr(t),
-                             max_params=nativelane.PARAMS_MAX)
+            hdr = nativelane.NativeLane.hdr(t)
+            if sess.real and sess.node is NodeKind.CTL:
+                unknown = lane.unknown_client(sess.id, c.cmd, hdr)
+                if unknown is not None:
+                    self._native_adopt(c, sess, unknown)
+            adm = lane.admit(sess.id, caller, c.cmd, hdr, max_params=nativelane.PARAMS_MAX)
             if adm is None:
                 return nativelane.ACT_DECLINE
             driver = bool(sess.real and t.driver_safe
@@ -901,6 +905,23 @@ class SeccompSupervisor:
             params[off:off + 8] = addr.to_bytes(8, "little")
         c.embed_n = len(adm.embedded)
         return True
+
+    def _native_adopt(self, c: nativelane.Call, sess: Session, client: int) -> None:
+        """The broker adopts a root client the tenant allocated itself on this file, on a
+        duplicate of the very file the loop identified (Broker.adopt_client_here); a
+        failure leaves the call to the general way, which tries again and answers."""
+        try:
+            dup = self._getfd(c.tid, c.fd)
+        except OSError:
+            return
+        try:
+            st = os.fstat(dup)
+            if (st.st_dev, st.st_ino) == sess.key:
+                self.broker.adopt_client_here(sess.id, client, dup)
+        except OSError:
+            pass
+        finally:
+            os.close(dup)
 
     def _native_fds(self, t: nativelane.NativeThread, c: nativelane.Call, adm) -> bool:
         """An fd escape's fds (REGISTER_FD's ctl_fd): each duplicated from the calling
