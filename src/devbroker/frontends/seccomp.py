@@ -827,11 +827,14 @@ class SeccompSupervisor:
                 return nativelane.ACT_DECLINE
             lane = self._lane
             hdr = nativelane.NativeLane.hdr(t)
-            if sess.real and sess.node is NodeKind.CTL:
-                unknown = lane.unknown_client(sess.id, c.cmd, hdr)
-                if unknown is not None:
-                    self._native_adopt(c, sess, unknown)
             adm = lane.admit(sess.id, caller, c.cmd, hdr, max_params=nativelane.PARAMS_MAX)
+            if adm is None and sess.real and sess.node is NodeKind.CTL:
+                # perhaps a client the tenant allocated itself, named for the first time:
+                # adopted here, then admitted again (counted once as declined)
+                unknown = lane.unknown_client(sess.id, c.cmd, hdr)
+                if unknown is not None and self._native_adopt(c, sess, unknown):
+                    adm = lane.admit(sess.id, caller, c.cmd, hdr,
+                                     max_params=nativelane.PARAMS_MAX)
             if adm is None:
                 return nativelane.ACT_DECLINE
             driver = bool(sess.real and t.driver_safe
@@ -906,20 +909,20 @@ class SeccompSupervisor:
         c.embed_n = len(adm.embedded)
         return True
 
-    def _native_adopt(self, c: nativelane.Call, sess: Session, client: int) -> None:
+    def _native_adopt(self, c: nativelane.Call, sess: Session, client: int) -> bool:
         """The broker adopts a root client the tenant allocated itself on this file, on a
-        duplicate of the very file the loop identified (Broker.adopt_client_here); a
-        failure leaves the call to the general way, which tries again and answers."""
+        duplicate of the very file the loop identified (Broker.adopt_client_here); False
+        leaves the call to the general way, which tries again and answers."""
         try:
             dup = self._getfd(c.tid, c.fd)
         except OSError:
-            return
+            return False
         try:
             st = os.fstat(dup)
-            if (st.st_dev, st.st_ino) == sess.key:
-                self.broker.adopt_client_here(sess.id, client, dup)
+            return ((st.st_dev, st.st_ino) == sess.key
+                    and self.broker.adopt_client_here(sess.id, client, dup))
         except OSError:
-            pass
+            return False
         finally:
             os.close(dup)
 
