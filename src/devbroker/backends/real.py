@@ -596,7 +596,7 @@ class RealBackend:
 
     def after_open_answered(self) -> None:
         if self._private is not None:
-            self._private.tidy_soon()
+            self._private.tidy()
 
     def close(self, file: RealFile) -> None:
         if getattr(file, "runs_in_caller", False):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import itertools
 import logging
 import os
 import queue
@@ -234,8 +235,7 @@ class PrivateNodes:
     mode 0700. Each node is opened once: `open` takes a node made ahead of time for that
     host path (or makes one), opens it and hands it to `tidy`, which the front end calls
     after it has answered the tenant (issue 12: mknod, unlink and the host node's stat cost
-    ~40 µs of a tenant's ~200 µs open on the development machine; `tidy_soon` runs it on a
-    thread of its own, off the listener's too). `tidy` unlinks the
+    ~40 µs of a tenant's ~200 µs open on the development machine). `tidy` unlinks the
     opened nodes and makes `SPARE` new ones for each host path opened since, from a fresh
     stat of the host node (a node whose device number no longer matches is dropped unused).
     Only the broker reaches the directory; a node is taken out of the spare list under the
@@ -244,7 +244,12 @@ class PrivateNodes:
     driver cannot be unloaded; were they to, the opens before the next tidy would reach the
     old numbers.)"""
 
-    SPARE = 4  # nodes kept ready per host path (a CUDA init opens ~50 in bursts of a few)
+    # Nodes kept ready per host path (a CUDA init opens ~50, NVML 6 per init). The tidy runs
+    # on the listener thread after the answer: on the H200 that measured best (NVIDIA opens
+    # ~180 µs over native in NVML's sequence) against a thread of its own, woken per open
+    # or after a quiet 2 ms (~225 and ~245 µs: its Python competes with the listeners for
+    # the interpreter), although the tenant's next call may wait for it (docs/benchmarks.md).
+    SPARE = 4
 
     def __init__(self, directory: str | Path, dev: str = "/dev"):
         self.dir = Path(directory)
@@ -269,9 +274,9 @@ class PrivateNodes:
         self._spare: dict[str, list[tuple[str, int]]] = {}  # host path -> [(node, rdev)]
         self._opened: list[str] = []  # opened nodes, to unlink
         self._wanted: set[str] = set()  # host paths opened since the last tidy
-        self._tidier: threading.Thread | None = None
-        self._wake = threading.Event()
-        self._stopping = False
+        self._prefix = f"{self.dir}/{secrets.token_hex(3)}."
+        self._names = itertools.count()
+
 
     def rdev(self, path: str) -> int:
         st = os.stat(path)
@@ -280,7 +285,9 @@ class PrivateNodes:
         return st.st_rdev
 
     def _make(self, host_path: str, rdev: int) -> str:
-        node = str(self.dir / f"{Path(host_path).name}.{secrets.token_hex(6)}")
+        # (only the broker reaches the directory: a counter names nodes apart; the random
+        # part keeps a successor's names apart from nodes a predecessor may have left)
+        node = f"{self._prefix}{os.path.basename(host_path)}.{next(self._names)}"
         os.mknod(node, stat.S_IFCHR | 0o600, rdev)
         return node
 
@@ -326,40 +333,9 @@ class PrivateNodes:
             except OSError as e:
                 log.warning("private nodes: spare nodes for %s: %s", host_path, e)
 
-    def tidy_soon(self) -> None:
-        """`tidy` on a thread of its own, soon: what the front end calls after answering an
-        open. Not on the listener thread itself, whose next notification is most often the
-        same tenant's next call (NVML's version check right after its open: measured on the
-        H200, that call waited ~240 µs for the listener's tidy)."""
-        with self._lock:
-            if self._tidier is None or not self._tidier.is_alive():
-                self._stopping = False
-                self._tidier = threading.Thread(target=self._tidy_loop, daemon=True,
-                                                name="devbroker-private-nodes")
-                self._tidier.start()
-        self._wake.set()
-
-    def _tidy_loop(self) -> None:
-        while True:
-            self._wake.wait()
-            self._wake.clear()
-            if self._stopping:
-                return
-            self.tidy()
-
-    def _stop_tidier(self) -> None:
-        with self._lock:
-            t, self._tidier = self._tidier, None
-            self._stopping = True
-        self._wake.set()
-        if t is not None and t is not threading.current_thread():
-            t.join(timeout=2.0)
-
     def drop_nodes(self) -> None:
         """Unlink every node not yet unlinked (spares and opened ones): at close, and before
-        a live upgrade hands the directory to a successor (which starts with none). The
-        tidying thread is stopped first (a later `tidy_soon` starts another)."""
-        self._stop_tidier()
+        a live upgrade hands the directory to a successor (which starts with none)."""
         with self._lock:
             nodes = self._opened + [n for have in self._spare.values() for n, _ in have]
             self._opened, self._spare, self._wanted = [], {}, set()
