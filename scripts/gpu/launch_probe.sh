@@ -36,6 +36,16 @@ allp = {k: sorted(p for r in rs for p in r.get("tiny_2000_passes", [])) for k, r
 med = {k: statistics.median(v) if v else 0 for k, v in allp.items()}
 print("per-round ratio (devbroker / native, the native run just before):",
       [round(r, 3) for r in ratios])
+# each process runs in one of two modes (~13 / ~19 ms) for all its passes: the median of
+# the per-process medians compares the two sides process for process
+mm = {k: statistics.median(r["tiny_2000_s"] for r in rs if r.get("tiny_2000_s"))
+      for k, rs in rows.items() if any(r.get("tiny_2000_s") for r in rs)}
+if len(mm) == 2:
+    print(f"median of the {rounds} per-process medians: native {1e3 * mm['native']:.2f} ms, "
+          f"devbroker {1e3 * mm['dev']:.2f} ms: {mm['dev'] / mm['native']:.3f}x; slow-mode "
+          "processes (> 16 ms): native "
+          f"{sum(r.get('tiny_2000_s', 0) > 0.016 for r in rows['native'])}, devbroker "
+          f"{sum(r.get('tiny_2000_s', 0) > 0.016 for r in rows['dev'])}")
 if med["native"]:
     print(f"median of every pass: native {1e3 * med['native']:.2f} ms, devbroker "
           f"{1e3 * med['dev']:.2f} ms: {med['dev'] / med['native']:.3f}x "
