@@ -6,6 +6,7 @@
 # 3): the loop is CPU-bound, and unpinned it ran in two modes (~12.5 / ~18 ms) natively
 # and through devbroker alike, by where the process happened to run.
 #   run(command="bash scripts/gpu/launch_probe.sh", carry=[".whl"], timeout_s=300)
+# ROUNDS=N rounds (4), BENCH_PASSES=N passes per process (21), SYSTIME=1 (below).
 set -u
 REPO=$(cd "$(dirname "$0")/../.." && pwd); cd "$REPO"
 . scripts/gpu/lib.sh
@@ -15,11 +16,25 @@ CHK="$PY scripts/gpu/cuda_checks.py"
 ROUNDS=${ROUNDS:-4}
 export BENCH_CPU=${BENCH_CPU:-3} BENCH_PASSES=${BENCH_PASSES:-21}
 probe_broker "$RUN" scripts/gpu/h200-cuda-policy.toml "$W/audit.log" "$W/broker.log"
+# SYSTIME=1: every process under scripts/gpu/systime.c, which writes the NVIDIA ioctls (by
+# kind), opens and mmaps of the timed tiny-kernel passes alone (cuda_checks.py's "tiny"
+# window): does the loop reach the driver, or the broker, at all?
+pre() { :; }
+if [ "${SYSTIME:-0}" = 1 ]; then
+  ST=/tmp/systime; rm -rf $ST; mkdir -p $ST; chmod 1777 $ST
+  cc -O2 -shared -fPIC -o /tmp/site/systime.so scripts/gpu/systime.c -ldl || echo "systime.so did not build"
+  BINDS+=(--bind "$ST:$ST:rw")
+  pre() { echo env LD_PRELOAD=/tmp/site/systime.so SYSTIME_KINDS=1 SYSTIME_OUT=$ST/$1.jsonl; }
+fi
 for i in $(seq 1 "$ROUNDS"); do
   step "round $i (CPU $BENCH_CPU)"
-  put "native_bench$i" "$($CHK bench 2>&1 | last)"
-  put "dev_bench$i" "$(ptexec env BENCH_CPU=$BENCH_CPU BENCH_PASSES=$BENCH_PASSES $CHK bench 2>&1 | last)"
+  put "native_bench$i" "$($(pre native$i) $CHK bench 2>&1 | last)"
+  put "dev_bench$i" "$(ptexec $(pre dev$i) env BENCH_CPU=$BENCH_CPU BENCH_PASSES=$BENCH_PASSES $CHK bench 2>&1 | last)"
 done
+if [ "${SYSTIME:-0}" = 1 ]; then
+  step "system calls of the timed tiny-kernel passes (systime.so, window \"tiny\")"
+  grep -h '"window": "tiny"' $ST/*.jsonl | cut -c1-600 | tee "$OUT/tiny-systime.txt"
+fi
 kill -TERM $BROKER; wait $BROKER
 step "summary"
 "$PY" - "$RES" "$ROUNDS" <<'PYX' | tee "$OUT/launch.txt"

@@ -1,7 +1,8 @@
 /*
  * A diagnostic LD_PRELOAD library for the GPU probes (scripts/gpu/nvml_probe.sh): the wall
  * time a process spends in open/openat, ioctl, mmap and close, split into NVIDIA device
- * files and the rest, written as one JSON line to $SYSTIME_OUT (appended) at exit. Run the
+ * files and the rest, written as one JSON line to $SYSTIME_OUT (appended) at exit (and at
+ * systime_write(tag) calls: a window the program marks after systime_reset()). Run the
  * same program natively and in a devbroker tenant: the difference per row is what the
  * broker's interception costs there, including what its own per-call metrics cannot see
  * (waiting for a listener to pick the notification up, the answer's wake-up).
@@ -178,7 +179,7 @@ void systime_reset(void)
     pthread_mutex_unlock(&kinds_lock);
 }
 
-__attribute__((destructor)) static void report(void)
+static void report_tagged(const char *tag)
 {
     const char *out = getenv("SYSTIME_OUT");
     if (!out)
@@ -186,7 +187,7 @@ __attribute__((destructor)) static void report(void)
     FILE *f = fopen(out, "a");
     if (!f)
         return;
-    fprintf(f, "{\"pid\": %d", (int)getpid());
+    fprintf(f, "{\"pid\": %d, \"window\": \"%s\"", (int)getpid(), tag);
     for (int i = 0; i < NROWS; i++)
         fprintf(f, ", \"%s\": [%lld, %.3f]", names[i], (long long)count[i], ns[i] / 1e6);
     if (kinds_on > 0) {
@@ -211,3 +212,9 @@ __attribute__((destructor)) static void report(void)
     fprintf(f, "}\n");
     fclose(f);
 }
+
+__attribute__((destructor)) static void report(void) { report_tagged("exit"); }
+
+/* The counts since the last systime_reset, as a line of their own, now (a program marks a
+ * window of interest: cuda_checks.py bench around its tiny-kernel loop). */
+void systime_write(const char *tag) { report_tagged(tag ? tag : "mark"); }
