@@ -18,7 +18,6 @@ a tenant sends: an unknown command is ``UNKNOWN``, never its number.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import contextvars
 import threading
 import time
