@@ -39,6 +39,21 @@ for what, fd in (("own-ctl", ctl), ("pipe", r), ("minus-one", -1), ("no-file", 9
         out["NV_ESC_REGISTER_FD " + what] = e.errno or errno.EIO
     # the tenant's own number back in its argument, whatever the driver saw
     out["NV_ESC_REGISTER_FD " + what + " arg"] = spec.params.decode(bytes(buf)).ctl_fd == fd
+# SYS_PARAMS: the host's own memory block size (answered by the broker, the driver never
+# sees it: the native loop answers it itself) and another value (refused: EPERM)
+sysp = abi.escape("NV_ESC_SYS_PARAMS")
+try:
+    host_block = int(open("/sys/devices/system/memory/block_size_bytes").read().strip(), 16)
+except OSError:
+    host_block = 0x8000000
+for what, size in (("host", host_block), ("other", host_block * 2)):
+    buf = bytearray(sysp.params.decode(bytes(sysp.size)).replace(memblock_size=size).encode())
+    try:
+        fcntl.ioctl(ctl, abi.escape_cmd("NV_ESC_SYS_PARAMS"), buf, True)
+        out["NV_ESC_SYS_PARAMS " + what] = 0
+    except OSError as e:
+        out["NV_ESC_SYS_PARAMS " + what] = e.errno or errno.EIO
+    out["NV_ESC_SYS_PARAMS " + what + " arg"] = sysp.params.decode(bytes(buf)).memblock_size == size
 # a root client the tenant allocates itself (the broker lets the kernel run it: the
 # stand-in answers ENOTTY, so there is no client), then a control naming a client it may
 # have made: the native loop asks the broker to adopt it (the driver's probe fails here) and

@@ -140,11 +140,18 @@ def test_header_only_lane_calls_on_stand_in_driver_files(tmp_path, frontend):
                          # the tenant's own root allocation (continued: the stand-in's
                          # ENOTTY), then a client it never got: refused, the driver's status
                          # for an unknown client (NV_ERR_INVALID_CLIENT), lane on and off
+                         # SYS_PARAMS: the host's value answered by the broker (the
+                         # native loop itself, lane on), another refused (EPERM)
+                         "NV_ESC_SYS_PARAMS host": 0, "NV_ESC_SYS_PARAMS host arg": True,
+                         "NV_ESC_SYS_PARAMS other": errno.EPERM,
+                         "NV_ESC_SYS_PARAMS other arg": True,
                          "root-alloc": errno.ENOTTY,
                          "control-unknown-client": 0x23}, (on, off)
     # the three plain escapes, and on seccomp (the native loop carries fds) REGISTER_FD of
     # the tenant's own ctl file; the pipe, -1 and the missing file declined to the general way
-    assert lane_on["admitted"] == (4 if frontend == "seccomp" else 3), (lane_on, lane_off)
+    # (+ SYS_PARAMS of the host's value: answered by the native loop; declined by FUSE's
+    # lane, which does not answer without the driver; another value declined by both)
+    assert lane_on["admitted"] == (5 if frontend == "seccomp" else 3), (lane_on, lane_off)
     # (+ the root allocation and the control of the unknown client: declined at admission)
-    assert lane_on["declined"] == (6 if frontend == "seccomp" else 7), (lane_on, lane_off)
+    assert lane_on["declined"] == (7 if frontend == "seccomp" else 9), (lane_on, lane_off)
     assert lane_off["admitted"] == 0, lane_off

@@ -141,9 +141,14 @@ def plain_escape(name: str, spec) -> bool:
     row's: allowed, granted, on this node (NV_ESC_NUMA_INFO, NV_ESC_WAIT_OPEN_COMPLETE).
     Also NV_ESC_CHECK_VERSION_STR (handlers.version: relayed as sent, and afterwards the
     process's ABI switched when it asked for another version the registry has — that
-    case `ControlLane._admit_escape` sends the general way, from the argument's bytes)."""
+    case `ControlLane._admit_escape` sends the general way, from the argument's bytes),
+    and NV_ESC_SYS_PARAMS (handlers.sys_params: never relayed — a host-global, set-once
+    value — but *answered* with the argument as sent when it asks for the host's own value;
+    `Admitted.answered`: only a front end that answers without the driver takes it, the
+    native loop; another value goes the general way, which refuses it)."""
     row = rules.ESCAPES.get(name)
-    return (row is not None and row.handler in (handlers.relay, handlers.version)
+    return (row is not None
+            and row.handler in (handlers.relay, handlers.version, handlers.sys_params)
             and row.rewrite is None and not row.in_caller and not row.carries_fds
             and spec is not None and spec.size > 0 and rules.plain_layout(spec))
 
@@ -298,6 +303,9 @@ class Admitted:
     # (offset, the tenant's pointer, bytes) in `embedded` for it to copy in and back
     embedded_fields: tuple = ()
     embedded: tuple = ()
+    # an escape the broker answers itself (SYS_PARAMS): no driver call, the argument back
+    # as sent and 0 (`plain_escape`); only the native loop takes it (its check)
+    answered: bool = False
     # An allocation (RM_ALLOC): its class row (rules.CLASSES); h_object is then the parent,
     # cmd the class, gpu the parent's GPU (the new object's; a device's own, from its check)
     alloc: Any = None
@@ -495,10 +503,19 @@ class ControlLane:
             asked = handlers._cstr(abi.escape(h.escape).params.decode(hdr).versionString)
             if asked != abi.version and asked in registry.versions():
                 return None
+        answered = row.handler is handlers.sys_params
+        if answered:
+            host = self.broker.backend.memblock_size
+            asked = abi.escape(h.escape).params.decode(hdr).memblock_size
+            if host is not None and asked != host:
+                return None  # the general way refuses it, with its record
         if not tenant.limiter.try_acquire():
             return None
-        # an fd escape: the front end's check carries its fds (`fd_target`), or declines
-        return Admitted(s, abi, h, None, 0, 0, 0, 0, None, None, checked=bool(h.fd_offsets))
+        # an fd escape: the front end's check carries its fds (`fd_target`), or declines;
+        # an answered one: the front end's check takes it only if it answers without the
+        # driver (the native loop), or declines
+        return Admitted(s, abi, h, None, 0, 0, 0, 0, None, None,
+                        checked=bool(h.fd_offsets) or answered, answered=answered)
 
     def _alloc_plan(self, abi: DriverABI, cls: int) -> tuple | None:
         """(capability, parameter size, checked, pointer offsets, class row) of a class the
@@ -775,7 +792,7 @@ class ControlLane:
     def needs_finish(self, adm: Admitted, patched: bool = False) -> bool:
         """Whether `finish` has anything to do besides counting the request: a post-hook
         (unless the front end applies it as a TablePatch), or a recording."""
-        return (adm.alloc is not None or adm.header.kind == "free"
+        return (adm.alloc is not None or adm.header.kind == "free" or adm.answered
                 or (adm.post is not None and not patched) or self.broker.recorder is not None)
 
     def answered(self, adm: Admitted, err: int, end_ns: int) -> None:
