@@ -539,7 +539,8 @@ def test_embedded_buffers_are_listed_only_for_a_front_end_that_carries_them():
 
 def test_continue_lane_takes_the_rm_escapes_bound_to_the_caller_as_the_general_steps():
     """The RM escapes the driver binds to the calling process (RM_MAP_MEMORY, the OS events,
-    UNMAP, UPDATE_DEVICE_MAPPING_INFO) on files that live in the tenant: the continue lane
+    UNMAP, UPDATE_DEVICE_MAPPING_INFO) and UVM commands (UVM_MM_INITIALIZE's uvmFd) on files
+    that live in the tenant: the continue lane
     admits each exactly when the general steps answer "run in the caller" — own client,
     objects and files; another tenant's client, object or file; an object that is no
     device or memory of the client; fd -1 (none), a file that is not NVIDIA's; a GPU taken
@@ -561,12 +562,14 @@ def test_continue_lane_takes_the_rm_escapes_bound_to_the_caller_as_the_general_s
     sids = {}
     for who, node, minor, key in (("alice", NodeKind.CTL, 0, 1), ("alice", NodeKind.GPU, 0, 2),
                                   ("alice", NodeKind.GPU, 1, 3), ("bob", NodeKind.CTL, 0, 4),
-                                  ("bob", NodeKind.GPU, 1, 5)):
+                                  ("bob", NodeKind.GPU, 1, 5), ("alice", NodeKind.UVM, 0, 6),
+                                  ("bob", NodeKind.UVM, 0, 7)):
         sid = b.open_now(OpenRequest(caller, who, node, minor)).session
         b.sessions[sid].file = TenantFile(node, minor, f"/dev/x{key}", (9, key))
         sids[(who, node, minor)] = sid
     fds = {10: sids[("alice", NodeKind.CTL, 0)], 11: sids[("alice", NodeKind.GPU, 0)],
-           12: sids[("alice", NodeKind.GPU, 1)], 20: sids[("bob", NodeKind.GPU, 1)]}
+           12: sids[("alice", NodeKind.GPU, 1)], 20: sids[("bob", NodeKind.GPU, 1)],
+           13: sids[("alice", NodeKind.UVM, 0)], 21: sids[("bob", NodeKind.UVM, 0)]}
     mine = b.clients.new(b.sessions[fds[10]], 0xC1D00001)
     theirs = b.clients.new(b.sessions[sids[("bob", NodeKind.CTL, 0)]], 0xC1D00002)
     for c, gpu in ((mine, 0), (theirs, 1)):
@@ -577,8 +580,10 @@ def test_continue_lane_takes_the_rm_escapes_bound_to_the_caller_as_the_general_s
     M, U, E, F = ("NV_ESC_RM_MAP_MEMORY", "NV_ESC_RM_UNMAP_MEMORY", "NV_ESC_ALLOC_OS_EVENT",
                   "NV_ESC_FREE_OS_EVENT")
 
+    uvm_cmd = {op.name: n for n, op in abi.uvm_cmds.items()}
+
     def arg(name, **kw):
-        spec = abi.escape(name).params
+        spec = (abi.escape(name) or abi.uvm(uvm_cmd[name])).params
         v = spec.decode(bytes(spec.size))
         inner = {k[2:]: kw.pop(k) for k in list(kw) if k.startswith("p_")}
         if inner:
@@ -605,12 +610,18 @@ def test_continue_lane_takes_the_rm_escapes_bound_to_the_caller_as_the_general_s
         ("event-foreign-client", 10, E, arg(E, hClient=theirs.handle, hDevice=0xA0, fd=10)),
         ("event-foreign-fd", 10, E, arg(E, hClient=mine.handle, hDevice=0xA0, fd=20)),
         ("free-event-own", 10, F, arg(F, hClient=mine.handle, hDevice=0xA0, fd=10)),
+        # UVM (the caller's own va space): a UVM file of the tenant's, another tenant's, a
+        # file that is not NVIDIA's
+        ("uvm-init", 13, "UVM_INITIALIZE", arg("UVM_INITIALIZE")),
+        ("uvm-mm-own", 13, "UVM_MM_INITIALIZE", arg("UVM_MM_INITIALIZE", uvmFd=13)),
+        ("uvm-mm-foreign", 13, "UVM_MM_INITIALIZE", arg("UVM_MM_INITIALIZE", uvmFd=21)),
+        ("uvm-mm-not-nvidia", 13, "UVM_MM_INITIALIZE", arg("UVM_MM_INITIALIZE", uvmFd=7)),
     ]
     lane = b.continue_lane
 
     def decide(fd, name, data):
         sid = fds[fd]
-        cmd = abi.escape_cmd(name, len(data))
+        cmd = uvm_cmd[name] if name in uvm_cmd else abi.escape_cmd(name, len(data))
         size = lane.arg_size(sid, cmd)
         ok = size is not None and lane.admit(sid, caller, cmd, data[:size],
                                              resolve_fd=fds.get)
@@ -624,7 +635,7 @@ def test_continue_lane_takes_the_rm_escapes_bound_to_the_caller_as_the_general_s
     assert all(lane_ok == general for lane_ok, general in got.values()), got
     continued = {w for w, (ok, _g) in got.items() if ok}
     assert continued == {"map-own", "map-own-ctl-fd", "map-no-fd", "map-gpu1", "unmap-own",
-                         "event-own", "free-event-own"}, continued
+                         "event-own", "free-event-own", "uvm-init", "uvm-mm-own"}, continued
     # GPU 1 taken from alice by a policy change: her objects there are refused the same way
     from devbroker.broker.policy import load_policy_text
 
