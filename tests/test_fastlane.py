@@ -537,6 +537,54 @@ def test_embedded_buffers_are_listed_only_for_a_front_end_that_carries_them():
     assert lane.check(a, p) and a.embedded == ()
 
 
+def test_a_client_the_tenant_allocated_itself_is_named_for_adoption_only_while_it_may_be():
+    """`ControlLane.unknown_client` (the native loop then has the broker adopt the client on
+    a duplicate of the file, `Broker.adopt_client_here`): the root client a header names on
+    a ctl file that lives in the tenant, while that file has continued root allocations not
+    yet adopted — never a client the books hold, another tenant's, 0, a new root client's
+    allocation, or on a file without such allocations."""
+    import struct
+
+    from devbroker.abi.nodes import NodeKind
+    from devbroker.backends.tenantfile import TenantFile
+    from devbroker.broker.interface import Caller, OpenRequest
+    from devbroker.testing.inproc import make_broker
+    from devbroker.testing.policies import two_h200
+
+    abi = registry.get("580.159.04")
+    caps = ["nvml", "compute", "uvm"]
+    b = make_broker(two_h200(tenant("alice", gpus=[0], capabilities=caps),
+                             tenant("bob", gpus=[1], capabilities=caps)))
+    caller = Caller(4343, 4343, 0, 0, "pid:[1]")
+    sid = b.open_now(OpenRequest(caller, "alice", NodeKind.CTL, 0)).session
+    f = b.sessions[sid].file = TenantFile(NodeKind.CTL, 0, "/dev/x", (9, 1))
+    bob = b.open_now(OpenRequest(caller, "bob", NodeKind.CTL, 0)).session
+    b.clients.new(b.sessions[bob], 0xC1D0B0B0)
+    lane = b.control_lane
+    ctl = abi.escape_cmd("NV_ESC_RM_CONTROL", 32)
+    alloc = abi.escape_cmd("NV_ESC_RM_ALLOC", abi.struct("NVOS64_PARAMETERS").size)
+
+    def control(h):
+        return struct.pack("<IIIIQII", h, h, 0x201, 0, 0, 0, 0)
+
+    def allocation(root, cls):
+        return abi.struct("NVOS64_PARAMETERS").decode(
+            bytes(abi.struct("NVOS64_PARAMETERS").size)).replace(
+            hRoot=root, hObjectParent=root, hObjectNew=0x5C000001, hClass=cls).encode()
+
+    assert lane.unknown_client(sid, ctl, control(0xC1D0A11C)) is None  # nothing continued
+    f.continued_root_allocs = 1  # the tenant allocated a root client itself
+    assert lane.unknown_client(sid, ctl, control(0xC1D0A11C)) == 0xC1D0A11C
+    assert lane.unknown_client(sid, alloc, allocation(0xC1D0A11C, 0x2080)) == 0xC1D0A11C
+    assert lane.unknown_client(sid, alloc, allocation(0, 0x41)) is None  # a new root client
+    assert lane.unknown_client(sid, ctl, control(0)) is None
+    assert lane.unknown_client(sid, ctl, control(0xC1D0B0B0)) is None  # bob's
+    b.clients.new(b.sessions[sid], 0xC1D0A11C)
+    f.adopted.add(0xC1D0A11C)
+    assert lane.unknown_client(sid, ctl, control(0xC1D0A11C)) is None  # held now
+    assert lane.unknown_client(sid, ctl, control(0xC1D0A22C)) is None  # none left to adopt
+
+
 def test_continue_lane_takes_the_rm_escapes_bound_to_the_caller_as_the_general_steps():
     """The RM escapes the driver binds to the calling process (RM_MAP_MEMORY, the OS events,
     UNMAP, UPDATE_DEVICE_MAPPING_INFO) and UVM commands (UVM_MM_INITIALIZE's uvmFd) on files
