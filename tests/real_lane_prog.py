@@ -13,17 +13,22 @@ from devbroker.abi import registry
 
 abi = registry.get("580.159.04")
 out = {}
+
+
+def errno_of(fd: int, cmd: int, buf: bytearray) -> int:
+    """The ioctl's errno (0: it returned), the argument answered in place."""
+    try:
+        fcntl.ioctl(fd, cmd, buf, True)
+        return 0
+    except OSError as e:
+        return e.errno or errno.EIO
+
+
 ctl = os.open("/dev/nvidiactl", os.O_RDWR)
 gpu = os.open("/dev/nvidia0", os.O_RDWR)
 for name, fd in (("NV_ESC_NUMA_INFO", gpu), ("NV_ESC_WAIT_OPEN_COMPLETE", gpu),
                  ("NV_ESC_CHECK_VERSION_STR", ctl), ("NV_ESC_RM_FREE", ctl)):
-    spec = abi.escape(name)
-    buf = bytearray(spec.size)
-    try:
-        fcntl.ioctl(fd, abi.escape_cmd(name), buf, True)
-        out[name] = 0
-    except OSError as e:
-        out[name] = e.errno or errno.EIO
+    out[name] = errno_of(fd, abi.escape_cmd(name), bytearray(abi.escape(name).size))
 # an fd escape (the native loop carries its fd: the broker's duplicate of the tenant's own
 # ctl file goes to the driver): the tenant's ctl file, a pipe (not an NVIDIA file: refused
 # on the general path), -1 and a number with no file (both the general path's to answer)
@@ -32,11 +37,7 @@ spec = abi.escape("NV_ESC_REGISTER_FD")
 for what, fd in (("own-ctl", ctl), ("pipe", r), ("minus-one", -1), ("no-file", 987)):
     v = spec.params.decode(bytes(spec.size)).replace(ctl_fd=fd)
     buf = bytearray(v.encode())
-    try:
-        fcntl.ioctl(gpu, abi.escape_cmd("NV_ESC_REGISTER_FD"), buf, True)
-        out["NV_ESC_REGISTER_FD " + what] = 0
-    except OSError as e:
-        out["NV_ESC_REGISTER_FD " + what] = e.errno or errno.EIO
+    out["NV_ESC_REGISTER_FD " + what] = errno_of(gpu, abi.escape_cmd("NV_ESC_REGISTER_FD"), buf)
     # the tenant's own number back in its argument, whatever the driver saw
     out["NV_ESC_REGISTER_FD " + what + " arg"] = spec.params.decode(bytes(buf)).ctl_fd == fd
 # SYS_PARAMS: the host's own memory block size (answered by the broker, the driver never
@@ -48,11 +49,7 @@ except OSError:
     host_block = 0x8000000
 for what, size in (("host", host_block), ("other", host_block * 2)):
     buf = bytearray(sysp.params.decode(bytes(sysp.size)).replace(memblock_size=size).encode())
-    try:
-        fcntl.ioctl(ctl, abi.escape_cmd("NV_ESC_SYS_PARAMS"), buf, True)
-        out["NV_ESC_SYS_PARAMS " + what] = 0
-    except OSError as e:
-        out["NV_ESC_SYS_PARAMS " + what] = e.errno or errno.EIO
+    out["NV_ESC_SYS_PARAMS " + what] = errno_of(ctl, abi.escape_cmd("NV_ESC_SYS_PARAMS"), buf)
     out["NV_ESC_SYS_PARAMS " + what + " arg"] = sysp.params.decode(bytes(buf)).memblock_size == size
 # a root client the tenant allocates itself (the broker lets the kernel run it: the
 # stand-in answers ENOTTY, so there is no client), then a control naming a client it may
@@ -61,11 +58,7 @@ for what, size in (("host", host_block), ("other", host_block * 2)):
 root = abi.escape("NV_ESC_RM_ALLOC").params
 v = root.decode(bytes(root.size)).replace(hClass=0x41)
 buf = bytearray(v.encode())
-try:
-    fcntl.ioctl(ctl, abi.escape_cmd("NV_ESC_RM_ALLOC", len(buf)), buf, True)
-    out["root-alloc"] = 0
-except OSError as e:
-    out["root-alloc"] = e.errno or errno.EIO
+out["root-alloc"] = errno_of(ctl, abi.escape_cmd("NV_ESC_RM_ALLOC", len(buf)), buf)
 ctl_hdr = abi.struct("NVOS54_PARAMETERS")
 v = ctl_hdr.decode(bytes(ctl_hdr.size)).replace(hClient=0xC1D0BEEF, hObject=0xC1D0BEEF,
                                                 cmd=0x201, params=0, paramsSize=0)
