@@ -216,8 +216,7 @@ class ContinueLane:
                 if obj is None or (obj.gpu is not None and obj.gpu not in tenant.gpus):
                     return False
         for sid in sids:  # Broker._translate_fds: each one of this tenant's NVIDIA files
-            target = b.sessions.get(sid) if sid else None
-            if target is None or target.tenant is not tenant:
+            if b.tenant_file(tenant, sid) is None:
                 return False
         if not tenant.limiter.try_acquire():
             return False

@@ -628,11 +628,16 @@ class Broker:
         tenant's)."""
         if not self._may_adopt(s, h):
             return False
+        abi, probe, dc = self._adoption_probe(s, h)
+        result = yield from self._execute_on_tenant_file(s, dc, req)
+        return self._adopted(s, h, abi, probe, result)
+
+    def _adoption_probe(self, s: Session, h: int) -> tuple:
+        """(abi, the probe control, its DriverCall): a harmless control on client h of this
+        file, which the driver answers NV_OK only for a client of this very file."""
         abi = self._abi(s)
         probe = abi.own_control(NodeKind.CTL, h, h, PROBE_CONTROL, 4)
-        result = yield from self._execute_on_tenant_file(
-            s, DriverCall(probe, bytes(4), {}, abi=abi, tgid=s.caller.pid), req)
-        return self._adopted(s, h, abi, probe, result)
+        return abi, probe, DriverCall(probe, bytes(4), {}, abi=abi, tgid=s.caller.pid)
 
     def _may_adopt(self, s: Session, h: int) -> bool:
         f = s.file
@@ -663,9 +668,7 @@ class Broker:
             s = self.sessions.get(session_id)
             if s is None or self.recorder is not None or not self._may_adopt(s, h):
                 return False
-            abi = self._abi(s)
-        probe = abi.own_control(NodeKind.CTL, h, h, PROBE_CONTROL, 4)
-        dc = DriverCall(probe, bytes(4), {}, abi=abi, tgid=s.caller.pid)
+            abi, probe, dc = self._adoption_probe(s, h)
         dc.file_fd = file_fd
         result = self.backend.ioctl_blocking(s.file, dc)
         with STATE_LOCK:
@@ -796,14 +799,21 @@ class Broker:
                 raise Refusal(f"{where}: {path}={fd} is not a file descriptor",
                               errno_=errno.EBADF, status=nvstatus.NV_ERR_INVALID_ARGUMENT)
             sid = (yield ResolveFd(req.resolve_fd, fd)) if req.resolve_fd else None
-            target = self.sessions.get(sid) if sid else None
-            if target is None or target.tenant is not s.tenant:
+            target = self.tenant_file(s.tenant, sid)
+            if target is None:
                 raise Refusal(f"{where}: fd {fd} in {path} is not one of this tenant's "
                               "NVIDIA files", errno_=errno.EBADF,
                               status=nvstatus.NV_ERR_INVALID_ARGUMENT)
             out[path] = target.file
         return out
 
+
+    def tenant_file(self, tenant, session_id: int | None) -> "Session | None":
+        """The session behind a tenant's fd (as its front end resolved it) when it is one of
+        that tenant's NVIDIA files, else None: `_translate_fds`'s test, and the lanes'
+        (ContinueLane, ControlLane.fd_target) for the same fds."""
+        target = self.sessions.get(session_id) if session_id else None
+        return target if target is not None and target.tenant is tenant else None
 
     def _read_embedded(self, s: Session, req: IoctlRequest, abi, params,
                              where: str) -> dict[str, bytearray]:

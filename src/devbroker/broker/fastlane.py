@@ -640,9 +640,9 @@ class ControlLane:
         end then gives the driver that duplicate. False: the general way (which refuses
         with its record)."""
         with STATE_LOCK:
-            t = self.broker.sessions.get(session_id) if session_id is not None else None
-            ok = (t is not None and not t.closed and t.tenant is adm.session.tenant
-                  and not adm.session.closed and not adm.session.tenant.revoked)
+            s = adm.session
+            ok = (not s.closed and not s.tenant.revoked
+                  and self.broker.tenant_file(s.tenant, session_id) is not None)
             if not ok:
                 self._declined()
             return ok
