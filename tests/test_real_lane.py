@@ -155,3 +155,75 @@ def test_header_only_lane_calls_on_stand_in_driver_files(tmp_path, frontend):
     # (+ the root allocation and the control of the unknown client: declined at admission)
     assert lane_on["declined"] == (7 if frontend == "seccomp" else 9), (lane_on, lane_off)
     assert lane_off["admitted"] == 0, lane_off
+
+
+def test_settled_controls_answer_as_the_broker_and_follow_the_books(tmp_path):
+    """The native loop's settled controls (nativelane.NativeLane.settle), end to end: a
+    broker on the real backend whose driver calls meet a stand-in that answers NV_OK to
+    everything (nvok_standin.py), a seccomp tenant (tests/settled_prog.py) sending the same
+    controls 20 times each. With settled controls on, the loop admits all but the first of
+    each run by itself — 4 × 19 calls — and the tenant sees exactly what it sees with them
+    off (DEVBROKER_SETTLED=0): every call NV_OK, FB_GET_INFO_V2 patched with the quota as
+    total and free memory; after a 64 MiB allocation the settled answer shows 64 MiB less
+    free (a change of charged memory makes the patch values stale), after its free the
+    whole quota again (a removal from the books makes every settled decision stale)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import DEVBROKER, RunningBroker
+    from test_upgrade import STAND_IN_NS
+
+    here = Path(__file__).resolve().parent
+    (tmp_path / "policy.toml").write_text(
+        '[broker]\nbackend = "real"\n\n[tenant.t0]\ngpus = [0]\nmemory_quota = "2GiB"\n')
+
+    def run(settled: bool) -> tuple[dict, dict]:
+        run_dir, stage = tmp_path / f"run{int(settled)}", tmp_path / f"stage{int(settled)}"
+        run_dir.mkdir()
+        stage.mkdir()
+        subprocess.run(["mount", "--bind", str(run_dir), str(run_dir)], check=True)
+        subprocess.run(["mount", "--make-shared", str(run_dir)], check=True)
+
+        class NvOkBroker(RunningBroker):
+            def __init__(self):
+                self.run_dir, self.policy = run_dir, tmp_path / "policy.toml"
+                self.log = open(tmp_path / f"broker{int(settled)}.log", "w+")
+                env = {**os.environ, "DEVBROKER_SETTLED": "1" if settled else "0"}
+                self.proc = subprocess.Popen(
+                    ["unshare", "-m", "--propagation", "unchanged", "sh", "-c", STAND_IN_NS,
+                     "ns", str(stage), sys.executable, str(here / "nvok_standin.py"),
+                     *DEVBROKER, "--run-dir", str(run_dir), "run",
+                     "--policy", str(self.policy)],
+                    stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    start_new_session=True, env=env)
+                self._wait_ready()
+
+        b = NvOkBroker()
+        try:
+            b.frontend = "seccomp"
+            r = b.exec("t0", sys.executable, str(here / "settled_prog.py"), "20",
+                       timeout=120)
+            assert r.returncode == 0, r.stdout + r.stderr + b.output()
+            return json.loads(r.stdout.strip().splitlines()[-1]), b.status()["control_lane"]
+        finally:
+            b.stop()
+            subprocess.run(["umount", "-l", str(run_dir)], capture_output=True)
+
+    on, lane_on = run(True)
+    off, lane_off = run(False)
+    quota_kib = 2 << 20
+    assert on == off == {
+        "errors": [],
+        "root": errno.ENOTTY,  # (the tenant's own call, on the stand-in node)
+        "device": [0, 0], "subdevice": [0, 0], "memory": [0, 0], "free": 0,
+        "fb_before": [[quota_kib, quota_kib]],
+        "fb_holding": [[quota_kib, quota_kib - (64 << 10)]],
+        "fb_after": [[quota_kib, quota_kib]],
+        "last": 0x23,  # (NV_ERR_INVALID_CLIENT: the general path's refusal)
+    }, (on, off)
+    assert lane_on["settled"] == 4 * 19, lane_on
+    assert lane_off["settled"] == 0, lane_off
+    # every call counted as admitted either way (a settled call is an admitted one)
+    assert lane_on["admitted"] == lane_off["admitted"], (lane_on, lane_off)

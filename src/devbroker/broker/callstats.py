@@ -135,6 +135,23 @@ class CallStats:
             row[bucket] += 1
             row[_SUM] += ns
 
+    def record_rows(self, key: tuple[str, str, str, str], ok: int, err: int, sum_ns: int,
+                    buckets) -> None:
+        """Many calls of one kind at once: ok and err of them by verdict, their latency
+        already counted per bucket (`buckets`: one count per bucket, in BUCKETS' order and
+        then the one above them all) and summed."""
+        if len(buckets) != _NB:
+            raise ValueError(f"{len(buckets)} latency buckets, expected {_NB}")
+        with self._lock:
+            row = self.rows.get(key)
+            if row is None:
+                row = self.rows[key] = [0] * (_SUM + 1)
+            row[_OK] += ok
+            row[_ERROR] += err
+            for i, n in enumerate(buckets):
+                row[_HIST + i] += n
+            row[_SUM] += sum_ns
+
     @property
     def calls(self) -> dict[tuple[str, str, str, str, str], int]:
         """(tenant, op, call, command, verdict) -> calls, for the verdicts seen."""
@@ -394,6 +411,15 @@ class _CountedLane:
 
     def book(self, adm) -> None:
         self._lane.book(adm)
+
+    def settleable(self, adm) -> bool:
+        return self._lane.settleable(adm)
+
+    def settled_calls(self, tenant, key, ok: int, err: int, sum_ns: int, buckets) -> None:
+        """Settled calls' rows (a front end counted them by latency bucket itself)."""
+        self._lane.settled_calls(tenant, key, ok, err, sum_ns, buckets)
+        if key is not None:
+            self._stats.record_rows(key, ok, err, sum_ns, buckets)
 
     def answered(self, adm, err: int, end_ns: int) -> None:
         """The row of a call answered without finish (the verdict and the end time the

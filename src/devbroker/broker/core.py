@@ -51,7 +51,7 @@ from devbroker.broker.interface import (
     RunInCaller,
 )
 from devbroker.broker.handlers import CallContext, embedded_buffers
-from devbroker.broker.objects import ClientRegistry, RmClient
+from devbroker.broker.objects import BOOKS, ClientRegistry, RmClient
 from devbroker.broker.policy import Policy, TenantPolicy
 from devbroker.broker.procinfo import pid_namespace, stat_nosync
 from devbroker.broker.record import Recorder
@@ -214,6 +214,7 @@ class Broker:
                 new[f"{name} (revoked)"] = old
         self.tenants = new
         self.policy = policy
+        BOOKS.removed()  # (every settled decision read the policy: decided again)
         for cb in self.on_policy_change:
             cb(policy)
 
@@ -343,6 +344,7 @@ class Broker:
         if s is None or s.closed:
             return
         s.closed = True
+        BOOKS.removed()
         s.tenant.sessions.pop(s.id, None)
         if self.recorder is not None:
             self.recorder.close(s)
@@ -893,7 +895,10 @@ class Broker:
                 "control_lane": {"admitted": self.control_lane.admitted,
                                  "declined": self.control_lane.passed,
                                  "allocations": self.control_lane.allocations,
-                                 "frees": self.control_lane.frees},
+                                 "frees": self.control_lane.frees,
+                                 # of the admitted: by a decision the native loop had
+                                 # settled (no question to the broker)
+                                 "settled": self.control_lane.settled},
                 "continue_lane": {"admitted": self.continue_lane.admitted,
                                   "declined": self.continue_lane.passed}}
 

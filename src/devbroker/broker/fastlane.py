@@ -121,6 +121,9 @@ class Header:
     # escape: the offsets of its fd fields (int32, `fd_escape`: REGISTER_FD's ctl_fd), which
     # a front end that carries fds replaces with the broker's duplicates of those files
     fd_offsets: tuple = ()
+    # control: the offsets of (hClient, hObject, cmd, params, paramsSize), for a front end
+    # that reads them itself (the native loop's settled controls)
+    offsets: tuple = ()
 
 
 _HEADERS: dict[Any, dict[int, Header]] = {}
@@ -195,7 +198,8 @@ def _header(nr: int, spec, kind: str, name: str = "") -> Header | None:
     if unpack is None:
         return None
     if kind == "control":
-        return Header(cmd, spec.size, unpack, f["params"].offset, f["status"].offset)
+        return Header(cmd, spec.size, unpack, f["params"].offset, f["status"].offset,
+                      offsets=tuple(f[n].offset for n, _k in fields))
     rights = f["pRightsRequested"].offset if "pRightsRequested" in f else -1
     return Header(cmd, spec.size, unpack, f["pAllocParms"].offset, f["status"].offset,
                   kind="alloc", new_offset=f["hObjectNew"].offset, rights_offset=rights)
@@ -351,6 +355,7 @@ class ControlLane:
         self.passed = 0  # declined: sent down the general path
         self.allocations = 0  # of the admitted: RM_ALLOCs (the allocation lane)
         self.frees = 0  # of the admitted: RM_FREEs
+        self.settled = 0  # of the admitted: by a front end's settled decision (settleable)
         self._plans: dict[tuple, tuple | None] = {}  # (abi, cmd) -> _plan's answer
         self._alloc_plans: dict[tuple, tuple | None] = {}  # (abi, class) -> _alloc_plan's
 
@@ -799,6 +804,31 @@ class ControlLane:
         """A call the front end answered without `finish` was answered at end_ns
         (time.perf_counter_ns's clock) with errno err: nothing to do here (the call
         counters' wrapper records its row)."""
+
+    def settleable(self, adm: Admitted) -> bool:
+        """Whether this admitted control's decision may be *settled*: repeated by a front
+        end, without asking again, for the same control on the same object while the books
+        epoch it was decided at holds (objects.BOOKS; native/lane.c, struct dvb_settled).
+        So: a control (not an allocation, free or escape) decided on its header alone —
+        its row, the tenant's capabilities, the client and object in the books and on one
+        of the tenant's GPUs, all of which the epoch covers — with no check of its
+        parameters, no pre-hook and a post-hook only as a TablePatch, and nothing for
+        `finish` to do (no recording)."""
+        return (adm.header.kind == "control" and adm.alloc is None and not adm.checked
+                and adm.pre is None and not adm.answered and not adm.embedded_fields
+                and (adm.post is None or adm.post in rewrite.AS_TABLE_PATCH)
+                and self.broker.recorder is None)
+
+    def settled_calls(self, tenant, key, ok: int, err: int, sum_ns: int,
+                      buckets) -> None:
+        """Calls a front end admitted as settled (ok: the driver answered, err: with an
+        errno): the tenant's requests and the lane's admissions, as `book` would have
+        counted them one by one. (`key`, `sum_ns`, `buckets`: the call counters' row, for
+        callstats._CountedLane.)"""
+        with STATE_LOCK:
+            tenant.requests += ok + err
+            self.admitted += ok + err
+            self.settled += ok + err
 
     def book(self, adm: Admitted) -> None:
         """Count the request now, for a front end that will not call `finish` (nothing

@@ -6,10 +6,56 @@ quota when a subtree is freed or the owning file is closed — without asking th
 """
 from __future__ import annotations
 
+import ctypes
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
+
+
+class BooksEpoch:
+    """Two counters of change in the books, which the seccomp native loop's *settled
+    controls* are checked against (native/lane.c, struct dvb_settled): a decision the broker
+    made stands while the counters it was made at still hold.
+
+    `removed` (word 0, and word 1 with it): something a decision read may now answer
+    otherwise — an object or client left the books (freed, its file closed), a handle was
+    replaced, a session closed, the policy changed. Adding an object changes no decision
+    already made, so it bumps nothing. `charged` (word 1): the memory a tenant holds
+    changed, which only the answers patched with its use read (rewrite.fb_info_patch) —
+    also what the removal of a quota placeholder (a negative handle no call can name,
+    Broker._reserved) changes, so that a CUDA init's allocations leave settled decisions
+    standing.
+
+    The words live in C-readable memory (its address goes to the loop); they are only
+    ever increased, under a lock, so that no two bumps become one."""
+
+    def __init__(self) -> None:
+        self.words = (ctypes.c_uint64 * 2)(1, 1)  # (0 is the loop's "empty slot")
+        self._lock = threading.Lock()
+
+    @property
+    def address(self) -> int:
+        return ctypes.addressof(self.words)
+
+    def now(self) -> tuple[int, int]:
+        """(books, charges) as of now: read *before* deciding, so that a change during the
+        decision makes it stale rather than lost."""
+        w = self.words
+        return w[0], w[1]
+
+    def removed(self) -> None:
+        with self._lock:
+            self.words[0] += 1
+            self.words[1] += 1
+
+    def charged(self) -> None:
+        with self._lock:
+            self.words[1] += 1
+
+
+BOOKS = BooksEpoch()
 
 
 @dataclass
@@ -78,10 +124,13 @@ class RmClient:
         old = self.objects.get(handle)
         if old is not None:  # replaced (the driver refuses a duplicate; the books follow)
             self._count(old, -1)
+            BOOKS.removed()
         obj = RmObject(handle, rm_class, parent, gpu=gpu, charged=charged, owner=self)
         self.objects[handle] = obj
         parent_obj.children.add(handle)
         self._count(obj, 1)
+        if charged:
+            BOOKS.charged()
         return obj
 
     def subtree(self, handle: int) -> list[RmObject]:
@@ -98,6 +147,10 @@ class RmClient:
 
     def remove(self, handle: int) -> list[RmObject]:
         gone = self.subtree(handle)
+        if gone and handle < 0:  # a placeholder (Broker._reserved): no call can name it
+            BOOKS.charged()
+        elif gone:
+            BOOKS.removed()
         for obj in gone:
             if self.objects.pop(obj.handle, None) is not None:
                 self._count(obj, -1)
@@ -131,6 +184,7 @@ def drop_objects(objects) -> None:
         members[:] = [m for m in members if m is not obj]  # by identity
         obj.share = None
         if obj.charged and members:
+            BOOKS.charged()
             heir = members[0]
             owner = heir.owner
             if owner is not None and owner.objects.get(heir.handle) is heir:
@@ -180,6 +234,7 @@ class ClientRegistry:
         tenant = self._tenant.pop(handle, None)
         if tenant is None:
             return None
+        BOOKS.removed()
         client = tenant.clients.pop(handle)
         held = self._of_session.get(client.session)
         if held is not None:

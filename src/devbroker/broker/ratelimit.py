@@ -42,6 +42,20 @@ class TokenBucket:
                 return True
             return False
 
+    def take_up_to(self, n: int) -> int:
+        """Take up to n tokens there now, for calls admitted later without asking (the
+        native loop's settled controls, which spend them one per call): how many were
+        taken. Never one a waiter is queued for."""
+        if self.rate <= 0:
+            return n
+        with self._math:
+            self._refill()
+            if self.lock.locked():
+                return 0
+            got = min(n, int(self.tokens))
+            self.tokens -= got
+            return got
+
     async def acquire(self) -> None:
         if self.rate <= 0:
             return

@@ -33,31 +33,39 @@ off), or when the library cannot be built (devbroker.native logs why).
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import os
 import threading
 from typing import TYPE_CHECKING
 
 from devbroker import native
+from devbroker.broker import callstats
+from devbroker.broker.objects import BOOKS
 
 if TYPE_CHECKING:
     from .seccomp import SeccompSupervisor
 
 log = logging.getLogger("devbroker.seccomp.native")
 
-ABI = 8  # native/lane.c DVB_ABI
+ABI = 9  # native/lane.c DVB_ABI
 DVB_NOTIF, DVB_IDLE, DVB_WAKE, DVB_HUP, DVB_FOLD, DVB_LATE, DVB_WRITE_FAILED, DVB_ERROR = \
     range(1, 9)
 ACT_DECLINE, ACT_CONTINUE, ACT_CONTROL, ACT_FAIL = 0, 1, 2, 3
 # native/lane.c's counters, in its order: SupervisorStats field names ("" = not folded)
 COUNTERS = ("notifications", "opens_continued", "ioctls", "controls_fast", "stale",
             "lane_ns_read", "lane_ns_admit", "lane_ns_dup", "lane_ns_driver", "lane_ns_finish",
-            "lane_ns_write", "ns_recv", "ns_send", "ns_ioctl", "ns_open", "native_answered")
+            "lane_ns_write", "ns_recv", "ns_send", "ns_ioctl", "ns_open", "native_answered",
+            "settled")
 HDR_MAX = 1024
 PARAMS_MAX = 16384
 PATCH_MAX = 16
 EMBED_MAX = 4
 FD_MAX = 2
+SETTLED_BUCKETS = 32  # native/lane.c DVB_SETTLED_BUCKETS
+_SETTLED_ROW = 4 + SETTLED_BUCKETS + 1  # (slot, ok, err, sum_ns, buckets...)
+# Tokens of the tenant's pace the loop may spend on settled calls before it asks again
+SETTLED_CREDIT = 64
 
 _CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)
 
@@ -78,6 +86,7 @@ class Call(ctypes.Structure):
         ("fd_off", ctypes.c_int64 * FD_MAX),
         ("fd_orig", ctypes.c_int64 * FD_MAX),
         ("fd_dup", ctypes.c_int64 * FD_MAX),
+        ("settled", ctypes.c_int64),
         ("patch_index", ctypes.c_uint32 * PATCH_MAX),
         ("patch_value", ctypes.c_uint32 * PATCH_MAX),
         ("hdr", ctypes.c_uint8 * HDR_MAX),
@@ -95,6 +104,12 @@ _OFF_PARAMS = Call.params.offset
 
 def enabled() -> bool:
     return os.environ.get("DEVBROKER_NATIVE_LANE", "1") != "0"
+
+
+def settled_enabled() -> bool:
+    """Settled controls (NativeLane.settle); off with DEVBROKER_SETTLED=0 (every control
+    then asks the broker, as before)."""
+    return os.environ.get("DEVBROKER_SETTLED", "1") != "0"
 
 
 def describe() -> str:
@@ -148,6 +163,18 @@ def library() -> ctypes.CDLL | None:
     lib.dvb_abandon.argtypes = [vp]
     lib.dvb_serve.argtypes = [vp]
     lib.dvb_serve.restype = ctypes.c_int
+    lib.dvb_thread_driver_safe.argtypes = [vp, ctypes.c_int]
+    lib.dvb_settled_start.argtypes = [vp, vp, ctypes.POINTER(i64), ctypes.c_int]
+    lib.dvb_settled_layout.argtypes = [vp, ctypes.POINTER(ctypes.c_int32)]
+    lib.dvb_settled_put.argtypes = [vp, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(i64),
+                                    ctypes.POINTER(i64), ctypes.c_int,
+                                    ctypes.POINTER(ctypes.c_uint32),
+                                    ctypes.POINTER(ctypes.c_uint32), i64, ctypes.c_int,
+                                    ctypes.POINTER(i64)]
+    lib.dvb_settled_credit.argtypes = [vp, i64, ctypes.c_int]
+    lib.dvb_settled_credit_left.argtypes = [vp]
+    lib.dvb_settled_credit_left.restype = i64
+    lib.dvb_settled_fold.argtypes = [vp, ctypes.POINTER(i64), ctypes.c_int]
     lib._devbroker_checked = True
     return lib
 
@@ -241,6 +268,21 @@ class NativeLane:
         self._slots = 0
         self._lock = threading.Lock()
         self.mem_off = False
+        # Settled controls: the loop's slot of each settled control -> (its tenant, its
+        # row's key in the call counters), the header layouts given, the ABIs' tags
+        self._settled_rows: dict[int, tuple] = {}
+        self._layouts: set[int] = set()
+        self._abi_tags: dict[object, int] = {}
+        self._sandboxes: dict[tuple, int] = {}  # (uid, pid namespace) -> tag
+        self._tags = itertools.count(1)  # (never 0, never used twice)
+        self._settled_lock = threading.Lock()
+        self._fold_rows = (ctypes.c_int64 * (_SETTLED_ROW * 64))()
+        self._evicted = (ctypes.c_int64 * _SETTLED_ROW)()
+        bounds = callstats._BOUNDS_NS
+        self.settled_on = (settled_enabled() and len(bounds) <= SETTLED_BUCKETS
+                           and lib.dvb_settled_start(
+                               self.shared, BOOKS.address,
+                               (ctypes.c_int64 * len(bounds))(*bounds), len(bounds)) == 0)
 
     def thread(self) -> NativeThread:
         with self._lock:
@@ -258,6 +300,106 @@ class NativeLane:
         if off != self.mem_off:
             self.mem_off = off
             self.lib.dvb_set_mem_off(self.shared, int(off))
+
+    # -- settled controls ------------------------------------------------------------------
+
+    def settle(self, adm, c: Call, epochs: tuple[int, int], patch, caller, caller_pidfd: int,
+               key, lane) -> bool:
+        """Write down an admitted control's decision (ControlLane.settleable said it may be)
+        for the loop to repeat without this callback: the control (its ABI, ioctl number,
+        control number, parameter size, TablePatch layout) and the object (the file's
+        identity, client, object, the patch values for its GPU, the opener's sandbox), at
+        the books epochs read before the broker decided (objects.BOOKS), and the caller (its
+        sandbox, a duplicate of its thread pidfd, which the loop owns from now on). A
+        sandbox is (uid, pid namespace), the session check of fastlane._usable_session: a
+        caller settles calls only on files opened in its own; a pid namespace unknown on
+        either side is settled by none. native/lane.c, struct dvb_settled, says
+        what a later call needs to be admitted by these. False: not written."""
+        h = adm.header
+        if len(h.offsets) != 5 or h.status_offset < 0 or not self.settled_on:
+            return False
+        if patch is not None and len(patch.values) > PATCH_MAX:
+            return False
+        s = adm.session
+        if s.pidns is None or caller.pidns is None:
+            return False
+        with self._settled_lock:
+            if h.ioctl_cmd not in self._layouts:
+                f = (ctypes.c_int32 * 8)(h.ioctl_cmd, h.size, *h.offsets, h.status_offset)
+                if self.lib.dvb_settled_layout(self.shared, f) != 0:
+                    return False
+                self._layouts.add(h.ioctl_cmd)
+            tag = self._abi_tags.setdefault(adm.abi, len(self._abi_tags) + 1)
+            if len(self._sandboxes) >= 4096:  # (new tags from here: old facts just miss)
+                self._sandboxes.clear()
+            opener = self._sandbox_tag(s.caller.uid, s.pidns)
+            theirs = self._sandbox_tag(caller.uid, caller.pidns)
+            obj = (ctypes.c_int64 * 7)(c.dev, c.ino, adm.client.handle, adm.h_object, tag,
+                                       opener, theirs)
+            layout = ((patch.table_offset, patch.entry_size, patch.index_offset,
+                       patch.data_offset, patch.capacity, patch.count_offset)
+                      if patch is not None else (0,) * 6)
+            ctl = (ctypes.c_int64 * 11)(tag, h.ioctl_cmd, adm.cmd, adm.params_size,
+                                        int(patch is not None), *layout)
+            values = patch.values if patch is not None else ()
+            idx = (ctypes.c_uint32 * PATCH_MAX)(*[i for i, _v in values])
+            val = (ctypes.c_uint32 * PATCH_MAX)(*[v for _i, v in values])
+            pidfd = os.dup(caller_pidfd)
+            slot = self.lib.dvb_settled_put(
+                self.shared, (ctypes.c_uint64 * 2)(*epochs), obj, ctl, len(values), idx, val,
+                c.tid, pidfd, self._evicted)  # (pidfd is the loop's from here on)
+            ev = self._evicted
+            if ev[0] >= 0:  # another control's row left that slot: what it counted
+                self._record(lane, ev[0], ev, 0)
+            if slot < 0:
+                return False
+            self._settled_rows[slot] = (adm.session.tenant, key)
+            self._top_up(adm.session.tenant)
+        return True
+
+    def _sandbox_tag(self, uid: int, pidns: str) -> int:
+        tag = self._sandboxes.get((uid, pidns))
+        if tag is None:
+            tag = self._sandboxes[(uid, pidns)] = next(self._tags)
+        return tag
+
+    def _top_up(self, tenant) -> None:
+        """The loop's credit of the tenant's pace: unpaced, or tokens taken ahead (at
+        most SETTLED_CREDIT) once it is half spent. (Under _settled_lock.)"""
+        pace = tenant.limiter
+        if pace.rate <= 0:
+            self.lib.dvb_settled_credit(self.shared, 0, 1)
+            return
+        left = max(0, self.lib.dvb_settled_credit_left(self.shared))
+        if left < SETTLED_CREDIT // 2:
+            got = pace.take_up_to(SETTLED_CREDIT - left)
+            if got:
+                self.lib.dvb_settled_credit(self.shared, got, 0)
+
+    def fold_settled(self, lane) -> None:
+        """The settled calls' rows since the last fold, to the lane (the tenant's requests,
+        the call counters), and the pace's credit topped up."""
+        if not self.settled_on:
+            return
+        with self._settled_lock:
+            rows = self._fold_rows
+            while True:
+                n = self.lib.dvb_settled_fold(self.shared, rows, 64)
+                for r in range(n):
+                    self._record(lane, rows[r * _SETTLED_ROW], rows, r * _SETTLED_ROW)
+                if n < 64:
+                    break
+            tenant = next(iter(self._settled_rows.values()), (None,))[0]
+            if tenant is not None:
+                self._top_up(tenant)
+
+    def _record(self, lane, slot: int, row, base: int) -> None:
+        who = self._settled_rows.get(slot)
+        ok, err, total = row[base + 1], row[base + 2], row[base + 3]
+        if who is None or not (ok or err):
+            return
+        nb = len(callstats._BOUNDS_NS) + 1
+        lane.settled_calls(who[0], who[1], ok, err, total, row[base + 4:base + 4 + nb])
 
     def free(self) -> None:
         if self.shared:

@@ -46,6 +46,7 @@ import trio
 from devbroker.abi.nodes import NodeKind
 from devbroker.backends.base import NotHere
 from devbroker.broker import memgate
+from devbroker.broker.objects import BOOKS
 from devbroker.broker.effects import (
     Await, Blocking, HandOver, RateLimit, ReadMemory, Steps, WriteMemory, perform_async,
     perform_blocking, run_async, run_blocking,
@@ -251,6 +252,7 @@ class SupervisorStats:
     handed_to_trio: int = 0  # notifications a listener thread handed to the trio thread
     controls_fast: int = 0  # RM controls the broker's control lane admitted (fastlane.py)
     native_answered: int = 0  # notifications answered by the native loop (nativelane.py)
+    settled: int = 0  # of its controls, those admitted by a settled decision (no callback)
     uvm_fast: int = 0  # calls its continue lane admitted (CONTINUEd): UVM, RM escapes bound to the caller
     # Time the listener threads spent deciding, by system call (ns; the answer excluded):
     # what a tenant's init pays for the broker, per kind of call.
@@ -744,6 +746,7 @@ class SeccompSupervisor:
         nl = self._native
         t = nl.thread()
         t.driver_safe = thread_is_driver_safe()
+        nl.lib.dvb_thread_driver_safe(t.ptr, int(t.driver_safe))  # (settled calls need it)
         memgate.MemoryGate.mark_native(me, self.tenant)
         size = max(self.sizes.notif, w.SECCOMP_NOTIF_SIZE)
         try:
@@ -753,6 +756,7 @@ class SeccompSupervisor:
                     self._lane.release(t.adm)
                     t.adm = None
                 t.fold(self.stats)
+                nl.fold_settled(self._lane)
                 if t.unfinished is not None:
                     self._settle(t)
                 if rc == nativelane.DVB_NOTIF or rc == nativelane.DVB_LATE:
@@ -827,6 +831,7 @@ class SeccompSupervisor:
                 return nativelane.ACT_DECLINE
             lane = self._lane
             hdr = nativelane.NativeLane.hdr(t)
+            epochs = BOOKS.now()  # (before deciding: a change meanwhile makes it stale)
             adm = lane.admit(sess.id, caller, c.cmd, hdr, max_params=nativelane.PARAMS_MAX)
             if adm is None and sess.real and sess.node is NodeKind.CTL:
                 # perhaps a client the tenant allocated itself, named for the first time:
@@ -845,6 +850,8 @@ class SeccompSupervisor:
             if not finish and not adm.checked:  # (a checked one: once its check passed)
                 lane.book(adm)
                 t.unfinished, t.done_seen = adm, c.done_count  # its row: _settle
+                if driver and (adm.post is None or patched) and lane.settleable(adm):
+                    self._native_settle(t, c, adm, epochs, patch)
             c.params_ptr, c.params_size = adm.params_ptr, adm.params_size
             c.params_off, c.status_off = adm.header.params_offset, adm.header.status_offset
             c.driver, c.finish, c.check = int(driver), int(finish), int(adm.checked)
@@ -854,6 +861,20 @@ class SeccompSupervisor:
             if self._continue_decision(c.tid, c.cmd, c.argp, sess):
                 return nativelane.ACT_CONTINUE
         return nativelane.ACT_DECLINE
+
+    def _native_settle(self, t: nativelane.NativeThread, c: nativelane.Call, adm,
+                       epochs: tuple[int, int], patch) -> None:
+        """The loop may admit this control again by itself (NativeLane.settle) for a caller
+        whose verdict `_caller_caps` keeps (a thread that can never hold CAP_SYS_ADMIN: the
+        loop checks it is still that thread with a duplicate of the same pidfd)."""
+        hit = self._callers.get(c.tid)
+        if hit is None:
+            return
+        try:
+            t.lane.settle(adm, c, epochs, patch, hit[1], hit[0],
+                          adm.mark[1] if adm.mark is not None else None, self._lane)
+        except OSError:  # (no fd for the pidfd's duplicate: not settled, nothing else)
+            pass
 
     def _native_check(self, t: nativelane.NativeThread, c: nativelane.Call) -> int:
         """A checked control's parameters, read privately by the native loop: the lane's

@@ -48,12 +48,15 @@
 #ifndef SYS_pidfd_open
 #define SYS_pidfd_open 434
 #endif
+#ifndef SYS_pidfd_send_signal
+#define SYS_pidfd_send_signal 424
+#endif
 #ifndef SYS_pidfd_getfd
 #define SYS_pidfd_getfd 438
 #endif
 #define DVB_PIDFD_THREAD O_EXCL /* Linux 6.9: a pidfd for a (non-leader) thread */
 
-#define DVB_ABI 8 /* bumped with any change of the structures below (nativelane.py checks) */
+#define DVB_ABI 9 /* bumped with any change of the structures below (nativelane.py checks) */
 
 struct dvb_notif { /* struct seccomp_notif */
     uint64_t id;
@@ -81,7 +84,7 @@ enum { ACT_DECLINE = 0, ACT_CONTINUE = 1, ACT_CONTROL = 2, ACT_FAIL = 3 };
 enum { C_NOTIFICATIONS, C_OPENS_CONTINUED, C_IOCTLS, C_CONTROLS_FAST, C_STALE,
        C_LANE_NS_READ, C_LANE_NS_ADMIT, C_LANE_NS_DUP, C_LANE_NS_DRIVER, C_LANE_NS_FINISH,
        C_LANE_NS_WRITE, C_NS_RECV, C_NS_SEND, C_NS_IOCTL, C_NS_OPEN, C_ANSWERED,
-       C_COUNT };
+       C_SETTLED, C_COUNT };
 
 #define DVB_HDR_MAX 1024 /* the largest lane argument (NV_ESC_NUMA_INFO: 560) */
 #define DVB_PARAMS_MAX 16384
@@ -90,6 +93,11 @@ enum { C_NOTIFICATIONS, C_OPENS_CONTINUED, C_IOCTLS, C_CONTROLS_FAST, C_STALE,
 #define DVB_PATCH_MAX 16
 #define DVB_EMBED_MAX 4 /* embedded buffers of one control (FIFO_GET_CHANNELLIST: 2) */
 #define DVB_FD_MAX 2 /* fd fields of one escape (REGISTER_FD: 1) */
+#define DVB_SETTLED_LAYOUTS 4   /* RM_CONTROL header layouts (one per ioctl number) */
+#define DVB_SETTLED_CONTROLS 256 /* settled controls: (ABI, ioctl number, control) */
+#define DVB_SETTLED_OBJECTS 2048 /* settled objects: (file, client, object) */
+#define DVB_SETTLED_CALLERS 1024 /* threads the broker accepted as callers */
+#define DVB_SETTLED_BUCKETS 32   /* latency buckets of the call counters (callstats.py) */
 
 /* One call being decided: what the Python callbacks read and fill (nativelane.Call). */
 struct dvb_call {
@@ -125,6 +133,8 @@ struct dvb_call {
      * (whatever way it goes). */
     int64_t fd_n;
     int64_t fd_off[DVB_FD_MAX], fd_orig[DVB_FD_MAX], fd_dup[DVB_FD_MAX];
+    /* the settled control this call was admitted by (-1: decided by the broker's callback) */
+    int64_t settled;
     uint32_t patch_index[DVB_PATCH_MAX], patch_value[DVB_PATCH_MAX];
     uint8_t hdr[DVB_HDR_MAX];
     uint8_t hdr_out[DVB_HDR_MAX];
@@ -133,6 +143,69 @@ struct dvb_call {
 };
 
 typedef int (*dvb_callback)(int slot);
+
+/*
+ * Settled controls (frontends/nativelane.py, "Settled controls"): a plain control the
+ * broker admitted — no check of its parameters, no pre-hook, no finish, a post-hook only as
+ * a TablePatch — is admitted again here, without the callback, while nothing its decision
+ * read has changed. The decision splits in two facts the broker wrote down when it decided:
+ *   - the control: in this ABI, with this ioctl number, the tenant may send it with this
+ *     parameter size (its row, the tenant's capabilities), and how its answer is patched;
+ *   - the object: on this file (dev, inode), this client and object are the tenant's and
+ *     on one of its GPUs (the books, the policy), with the patch values for its GPU, and
+ *     the file's opener's sandbox (uid, pid namespace: a tag of Python's) that a caller
+ *     must share (the session's own check, fastlane._usable_session).
+ * Each fact holds for the books epoch it was decided at (objects.BOOKS: bumped by every
+ * removal from the books, session close and policy change; the patch values also by every
+ * change of charged memory); a changed epoch makes every fact stale at once. The caller is
+ * a thread the broker accepted (its thread pidfd, still that thread), the loop thread one
+ * that dropped the driver's capabilities, and a token of the tenant's pace taken ahead
+ * (`credit`). Everything else is the same run_control as for a decided call.
+ */
+struct dvb_settled_layout { /* where NVOS54's fields are, for one ioctl number */
+    uint32_t ioctl_cmd;
+    int32_t size, client, object, control, params, params_size, status;
+};
+
+struct dvb_settled_control {
+    uint64_t epoch;          /* 0: empty */
+    uint32_t abi, ioctl_cmd, control, params_size;
+    int32_t patched;         /* 1: the answer is patched with the object's values */
+    int32_t patch_table_off, patch_entry_size, patch_index_off, patch_data_off,
+            patch_capacity, patch_count_off;
+    /* the call counters' row of this control (folded by Python: dvb_settled_fold) */
+    int64_t ok, err, sum_ns, buckets[DVB_SETTLED_BUCKETS + 1];
+};
+
+struct dvb_settled_object {
+    uint64_t epoch;          /* 0: empty */
+    uint64_t sandbox;        /* its session's opener: (uid, pid namespace), as a tag */
+    int64_t dev, ino;
+    uint32_t client, object, abi;
+    uint32_t patch_control;  /* the control the patch values are for (0: none) */
+    uint64_t patch_epoch;    /* the charge epoch they hold for */
+    int32_t patch_n;
+    uint32_t patch_index[DVB_PATCH_MAX], patch_value[DVB_PATCH_MAX];
+};
+
+struct dvb_settled_caller {
+    int64_t tid;             /* 0: empty */
+    uint64_t sandbox;        /* its (uid, pid namespace), as a tag */
+    int pidfd;               /* a PIDFD_THREAD of it, owned here */
+};
+
+struct dvb_settled {
+    pthread_mutex_t lock;
+    const volatile uint64_t *epochs; /* objects.BOOKS: [0] books, [1] charges; NULL: off */
+    int64_t credit;                  /* calls it may still admit (-1: the tenant is unpaced) */
+    int64_t bounds[DVB_SETTLED_BUCKETS];
+    int n_bounds;
+    struct dvb_settled_layout layouts[DVB_SETTLED_LAYOUTS];
+    int n_layouts;
+    struct dvb_settled_control controls[DVB_SETTLED_CONTROLS];
+    struct dvb_settled_object objects[DVB_SETTLED_OBJECTS];
+    struct dvb_settled_caller callers[DVB_SETTLED_CALLERS];
+};
 
 struct dvb_shared {
     int listener, wake_fd;
@@ -147,6 +220,7 @@ struct dvb_shared {
     size_t names_len;
     dvb_callback on_ioctl, on_check, on_finish;
     pthread_mutex_t recv_lock;
+    struct dvb_settled settled;
 };
 
 struct dvb_thread {
@@ -160,6 +234,7 @@ struct dvb_thread {
     volatile int abandoned;         /* set by the watchdog: the call was answered EFAULT */
     int64_t late_ns;                /* how long the abandoned access took (DVB_LATE) */
     int64_t spin_until;
+    int driver_safe;                /* the thread dropped the driver's capabilities */
     int64_t counters[C_COUNT];
     unsigned char notif[256];       /* the notification handed back (DVB_NOTIF) */
     struct dvb_call call;
@@ -201,12 +276,19 @@ struct dvb_shared *dvb_shared_new(int listener, int wake_fd, size_t notif_size,
     sh->on_check = on_check;
     sh->on_finish = on_finish;
     pthread_mutex_init(&sh->recv_lock, NULL);
+    pthread_mutex_init(&sh->settled.lock, NULL);
+    for (int i = 0; i < DVB_SETTLED_CALLERS; i++)
+        sh->settled.callers[i].pidfd = -1;
     return sh;
 }
 
 void dvb_shared_free(struct dvb_shared *sh)
 {
     if (sh) {
+        for (int i = 0; i < DVB_SETTLED_CALLERS; i++)
+            if (sh->settled.callers[i].pidfd >= 0)
+                close(sh->settled.callers[i].pidfd);
+        pthread_mutex_destroy(&sh->settled.lock);
         pthread_mutex_destroy(&sh->recv_lock);
         free(sh);
     }
@@ -243,6 +325,7 @@ struct dvb_thread *dvb_thread_new(struct dvb_shared *sh, int slot)
 }
 
 void dvb_thread_free(struct dvb_thread *t) { free(t); }
+void dvb_thread_driver_safe(struct dvb_thread *t, int safe) { t->driver_safe = safe; }
 struct dvb_call *dvb_call_of(struct dvb_thread *t) { return &t->call; }
 unsigned char *dvb_notif_of(struct dvb_thread *t) { return t->notif; }
 int dvb_err(struct dvb_thread *t) { return t->err; }
@@ -388,6 +471,7 @@ static void apply_patch(struct dvb_call *c, size_t size)
 
 static int run_control_once(struct dvb_thread *t, struct dvb_notif *n, int64_t t0,
                             int64_t t1, int64_t t2);
+static void settled_count(struct dvb_thread *t, int64_t ns);
 
 /* An admitted call (run_control_once), then the fd duplicates its check gave the loop
  * closed, on every way out. */
@@ -504,7 +588,9 @@ static int run_control_once(struct dvb_thread *t, struct dvb_notif *n, int64_t t
         if (status == 0) /* NV_OK: the post-hook's rewrite of the answer */
             apply_patch(c, size);
     }
-    if (!c->finish) { /* the call's row, recorded by Python at its next visit */
+    if (c->settled >= 0) { /* its control's row (folded by Python) */
+        settled_count(t, now_ns() - t1);
+    } else if (!c->finish) { /* the call's row, recorded by Python at its next visit */
         c->done_err = c->err;
         c->done_ns = now_ns();
         c->done_count++;
@@ -555,6 +641,394 @@ static int run_control_once(struct dvb_thread *t, struct dvb_notif *n, int64_t t
     return 0;
 }
 
+/* ----------------------------------------------------------------- settled controls */
+/* (struct dvb_settled says what they are and why a hit is the broker's own decision.) */
+
+#define SETTLED_PROBE 8 /* slots looked at from a key's home slot */
+
+static uint64_t mix64(uint64_t x)
+{
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ULL;
+    return x ^ (x >> 33);
+}
+
+static uint64_t epoch_now(const struct dvb_settled *m, int k)
+{
+    return __atomic_load_n(&m->epochs[k], __ATOMIC_ACQUIRE);
+}
+
+/* Turn settled controls on: the books' epochs (two u64 the broker bumps) and the bounds
+ * of the call counters' latency buckets (ns). */
+int dvb_settled_start(struct dvb_shared *sh, const uint64_t *epochs, const int64_t *bounds,
+                      int n_bounds)
+{
+    struct dvb_settled *m = &sh->settled;
+    if (n_bounds < 0 || n_bounds > DVB_SETTLED_BUCKETS)
+        return -1;
+    pthread_mutex_lock(&m->lock);
+    memcpy(m->bounds, bounds, sizeof(int64_t) * n_bounds);
+    m->n_bounds = n_bounds;
+    m->epochs = epochs;
+    pthread_mutex_unlock(&m->lock);
+    return 0;
+}
+
+/* Where NVOS54's fields are for one RM_CONTROL ioctl number (one per driver layout). */
+int dvb_settled_layout(struct dvb_shared *sh, const int32_t *f /* ioctl, size, client,
+                       object, control, params, params_size, status */)
+{
+    struct dvb_settled *m = &sh->settled;
+    int rc = -1;
+    if (f[1] <= 0 || f[1] > DVB_HDR_MAX)
+        return -1;
+    for (int k = 2; k < 8; k++)
+        if (f[k] < 0 || f[k] + (k == 5 ? 8 : 4) > f[1])
+            return -1;
+    pthread_mutex_lock(&m->lock);
+    for (int i = 0; i < m->n_layouts; i++)
+        if (m->layouts[i].ioctl_cmd == (uint32_t)f[0]) {
+            rc = (m->layouts[i].size == f[1] && m->layouts[i].client == f[2]
+                  && m->layouts[i].object == f[3] && m->layouts[i].control == f[4]
+                  && m->layouts[i].params == f[5] && m->layouts[i].params_size == f[6]
+                  && m->layouts[i].status == f[7]) ? 0 : -1; /* two ABIs disagree: none */
+            goto out;
+        }
+    if (m->n_layouts < DVB_SETTLED_LAYOUTS) {
+        struct dvb_settled_layout *l = &m->layouts[m->n_layouts++];
+        l->ioctl_cmd = (uint32_t)f[0];
+        l->size = f[1];
+        l->client = f[2];
+        l->object = f[3];
+        l->control = f[4];
+        l->params = f[5];
+        l->params_size = f[6];
+        l->status = f[7];
+        rc = 0;
+    }
+out:
+    pthread_mutex_unlock(&m->lock);
+    return rc;
+}
+
+static const struct dvb_settled_layout *settled_layout(const struct dvb_settled *m,
+                                                        uint32_t ioctl_cmd)
+{
+    for (int i = 0; i < m->n_layouts; i++)
+        if (m->layouts[i].ioctl_cmd == ioctl_cmd)
+            return &m->layouts[i];
+    return NULL;
+}
+
+static uint64_t control_home(uint32_t abi, uint32_t ioctl_cmd, uint32_t control)
+{
+    return mix64(((uint64_t)abi << 32 | ioctl_cmd) ^ mix64(control));
+}
+
+static uint64_t object_home(int64_t dev, int64_t ino, uint32_t client, uint32_t object)
+{
+    return mix64((uint64_t)dev ^ mix64((uint64_t)ino ^ mix64((uint64_t)client << 32 | object)));
+}
+
+static struct dvb_settled_control *find_control(struct dvb_settled *m, uint64_t epoch,
+                                                uint32_t abi, uint32_t ioctl_cmd,
+                                                uint32_t control)
+{
+    uint64_t h = control_home(abi, ioctl_cmd, control);
+    for (int k = 0; k < SETTLED_PROBE; k++) {
+        struct dvb_settled_control *e = &m->controls[(h + k) % DVB_SETTLED_CONTROLS];
+        if (e->epoch == epoch && e->abi == abi && e->ioctl_cmd == ioctl_cmd
+            && e->control == control)
+            return e;
+    }
+    return NULL;
+}
+
+static struct dvb_settled_object *find_object(struct dvb_settled *m, uint64_t epoch,
+                                              int64_t dev, int64_t ino, uint32_t client,
+                                              uint32_t object)
+{
+    uint64_t h = object_home(dev, ino, client, object);
+    for (int k = 0; k < SETTLED_PROBE; k++) {
+        struct dvb_settled_object *e = &m->objects[(h + k) % DVB_SETTLED_OBJECTS];
+        if (e->epoch == epoch && e->dev == dev && e->ino == ino && e->client == client
+            && e->object == object)
+            return e;
+    }
+    return NULL;
+}
+
+/* The sandbox tag of a thread the broker accepted, while it is still that thread (its
+ * pidfd: a thread that ended fails the signal 0, and a new thread with the number has
+ * another pidfd); 0 for any other. */
+static uint64_t caller_sandbox(struct dvb_settled *m, int64_t tid)
+{
+    for (int k = 0; k < SETTLED_PROBE; k++) {
+        struct dvb_settled_caller *e = &m->callers[(mix64((uint64_t)tid) + k)
+                                                   % DVB_SETTLED_CALLERS];
+        if (e->tid == tid)
+            return syscall(SYS_pidfd_send_signal, e->pidfd, 0, NULL, 0) == 0 ? e->sandbox : 0;
+    }
+    return 0;
+}
+
+/* The slot to write a key into: the matching one, else an empty or stale one, else the
+ * home slot (the oldest fact loses). */
+#define PICK_SLOT(table, n, home, match, stale)                                          \
+    ({                                                                                   \
+        int _pick = -1;                                                                  \
+        for (int k = 0; k < SETTLED_PROBE && _pick < 0; k++) {                           \
+            int i = (int)(((home) + k) % (n));                                           \
+            __typeof__(&(table)[0]) e = &(table)[i];                                     \
+            if (match)                                                                   \
+                _pick = i;                                                               \
+        }                                                                                \
+        for (int k = 0; k < SETTLED_PROBE && _pick < 0; k++) {                           \
+            int i = (int)(((home) + k) % (n));                                           \
+            __typeof__(&(table)[0]) e = &(table)[i];                                     \
+            if (stale)                                                                   \
+                _pick = i;                                                               \
+        }                                                                                \
+        _pick < 0 ? (int)((home) % (n)) : _pick;                                         \
+    })
+
+/*
+ * The broker settled a control (nativelane.NativeLane.settle): write down its two facts
+ * and its caller. obj: dev, ino, client, object, abi, the session's sandbox tag, the
+ * caller's sandbox tag; ctl: abi, ioctl number, control,
+ * parameter size, patched, and the TablePatch layout (6 values, when patched); patch_n
+ * values (index, value) for the object's GPU; epochs: the books epoch and the charge epoch
+ * read before the broker decided; pidfd: a thread pidfd of the caller, owned here from now
+ * on (-1: none). evicted (3 + buckets): the counters of a control whose slot this one
+ * takes (evicted[0] its slot, -1 for none), for Python to record. Returns the control's
+ * slot, or -1 when the facts were not written (settled controls off, a bad value).
+ */
+int dvb_settled_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t *obj,
+                    const int64_t *ctl, int patch_n, const uint32_t *patch_index,
+                    const uint32_t *patch_value, int64_t tid, int pidfd, int64_t *evicted)
+{
+    struct dvb_settled *m = &sh->settled;
+    int slot = -1;
+    evicted[0] = -1;
+    if (patch_n < 0 || patch_n > DVB_PATCH_MAX || (ctl[4] && !patch_n)) {
+        if (pidfd >= 0)
+            close(pidfd);
+        return -1;
+    }
+    pthread_mutex_lock(&m->lock);
+    if (!m->epochs) {
+        pthread_mutex_unlock(&m->lock);
+        if (pidfd >= 0)
+            close(pidfd);
+        return -1;
+    }
+    uint64_t now = epoch_now(m, 0);
+    /* the control */
+    uint32_t abi = (uint32_t)ctl[0], ioctl_cmd = (uint32_t)ctl[1], control = (uint32_t)ctl[2];
+    int ci = PICK_SLOT(m->controls, DVB_SETTLED_CONTROLS, control_home(abi, ioctl_cmd, control),
+                       e->abi == abi && e->ioctl_cmd == ioctl_cmd && e->control == control
+                           && e->epoch,
+                       e->epoch != now);
+    struct dvb_settled_control *c = &m->controls[ci];
+    if (c->epoch && !(c->abi == abi && c->ioctl_cmd == ioctl_cmd && c->control == control)) {
+        evicted[0] = ci; /* another control's row: Python records what it counted */
+        evicted[1] = c->ok;
+        evicted[2] = c->err;
+        evicted[3] = c->sum_ns;
+        memcpy(evicted + 4, c->buckets, sizeof(c->buckets));
+        c->ok = c->err = c->sum_ns = 0;
+        memset(c->buckets, 0, sizeof(c->buckets));
+    } else if (!c->epoch) {
+        c->ok = c->err = c->sum_ns = 0;
+        memset(c->buckets, 0, sizeof(c->buckets));
+    }
+    c->epoch = epochs[0];
+    c->abi = abi;
+    c->ioctl_cmd = ioctl_cmd;
+    c->control = control;
+    c->params_size = (uint32_t)ctl[3];
+    c->patched = (int32_t)ctl[4];
+    if (c->patched) {
+        c->patch_table_off = (int32_t)ctl[5];
+        c->patch_entry_size = (int32_t)ctl[6];
+        c->patch_index_off = (int32_t)ctl[7];
+        c->patch_data_off = (int32_t)ctl[8];
+        c->patch_capacity = (int32_t)ctl[9];
+        c->patch_count_off = (int32_t)ctl[10];
+    }
+    slot = ci;
+    /* the object */
+    int64_t dev = obj[0], ino = obj[1];
+    uint32_t client = (uint32_t)obj[2], object = (uint32_t)obj[3];
+    int oi = PICK_SLOT(m->objects, DVB_SETTLED_OBJECTS, object_home(dev, ino, client, object),
+                       e->dev == dev && e->ino == ino && e->client == client
+                           && e->object == object && e->epoch,
+                       e->epoch != now);
+    struct dvb_settled_object *o = &m->objects[oi];
+    if (!(o->epoch == epochs[0] && o->dev == dev && o->ino == ino && o->client == client
+          && o->object == object))
+        o->patch_control = 0; /* a new fact: no patch values yet */
+    o->epoch = epochs[0];
+    o->dev = dev;
+    o->ino = ino;
+    o->client = client;
+    o->object = object;
+    o->abi = (uint32_t)obj[4];
+    o->sandbox = (uint64_t)obj[5];
+    if (patch_n) {
+        o->patch_control = control;
+        o->patch_epoch = epochs[1];
+        o->patch_n = patch_n;
+        memcpy(o->patch_index, patch_index, sizeof(uint32_t) * patch_n);
+        memcpy(o->patch_value, patch_value, sizeof(uint32_t) * patch_n);
+    }
+    /* the caller */
+    if (pidfd >= 0) {
+        int ki = PICK_SLOT(m->callers, DVB_SETTLED_CALLERS, mix64((uint64_t)tid),
+                           e->tid == tid, !e->tid);
+        struct dvb_settled_caller *k = &m->callers[ki];
+        if (k->pidfd >= 0)
+            close(k->pidfd);
+        k->tid = tid;
+        k->pidfd = pidfd;
+        k->sandbox = (uint64_t)obj[6];
+    }
+    pthread_mutex_unlock(&m->lock);
+    return slot;
+}
+
+/* Tokens of the tenant's pace taken ahead for settled calls (unpaced: no count). */
+void dvb_settled_credit(struct dvb_shared *sh, int64_t n, int unpaced)
+{
+    struct dvb_settled *m = &sh->settled;
+    pthread_mutex_lock(&m->lock);
+    if (unpaced)
+        m->credit = -1;
+    else
+        m->credit = (m->credit < 0 ? 0 : m->credit) + n;
+    pthread_mutex_unlock(&m->lock);
+}
+
+int64_t dvb_settled_credit_left(struct dvb_shared *sh)
+{
+    pthread_mutex_lock(&sh->settled.lock);
+    int64_t n = sh->settled.credit;
+    pthread_mutex_unlock(&sh->settled.lock);
+    return n;
+}
+
+/* The call counters' rows of settled calls since the last fold: up to max rows of
+ * (slot, ok, err, sum_ns, buckets...), each zeroed here; returns the rows written. */
+int dvb_settled_fold(struct dvb_shared *sh, int64_t *out, int max)
+{
+    struct dvb_settled *m = &sh->settled;
+    int rows = 0, width = 4 + DVB_SETTLED_BUCKETS + 1;
+    pthread_mutex_lock(&m->lock);
+    for (int i = 0; i < DVB_SETTLED_CONTROLS && rows < max; i++) {
+        struct dvb_settled_control *c = &m->controls[i];
+        if (!c->ok && !c->err)
+            continue;
+        int64_t *row = out + (size_t)rows++ * width;
+        row[0] = i;
+        row[1] = c->ok;
+        row[2] = c->err;
+        row[3] = c->sum_ns;
+        memcpy(row + 4, c->buckets, sizeof(c->buckets));
+        c->ok = c->err = c->sum_ns = 0;
+        memset(c->buckets, 0, sizeof(c->buckets));
+    }
+    pthread_mutex_unlock(&m->lock);
+    return rows;
+}
+
+/* A control lane ioctl whose header the loop read: admitted here when both of its facts
+ * are settled for the current epoch (fills the call as on_ioctl would: driver call here,
+ * no check, no finish, the patch if any); 0 leaves it to the callback. */
+static int settled_admit(struct dvb_thread *t)
+{
+    struct dvb_settled *m = &t->sh->settled;
+    struct dvb_call *c = &t->call;
+    int ok = 0;
+    if (!m->epochs || !t->driver_safe || !c->hdr_len)
+        return 0;
+    pthread_mutex_lock(&m->lock);
+    const struct dvb_settled_layout *l = settled_layout(m, (uint32_t)c->cmd);
+    if (!l || l->size != c->hdr_len)
+        goto out;
+    uint32_t client, object, control, params_size;
+    uint64_t params;
+    memcpy(&client, c->hdr + l->client, 4);
+    memcpy(&object, c->hdr + l->object, 4);
+    memcpy(&control, c->hdr + l->control, 4);
+    memcpy(&params, c->hdr + l->params, 8);
+    memcpy(&params_size, c->hdr + l->params_size, 4);
+    uint64_t now = epoch_now(m, 0);
+    if (!now)
+        goto out;
+    struct dvb_settled_object *o = find_object(m, now, c->dev, c->ino, client, object);
+    if (!o)
+        goto out;
+    struct dvb_settled_control *e = find_control(m, now, o->abi, (uint32_t)c->cmd, control);
+    if (!e || e->params_size != params_size || !params || params_size > DVB_PARAMS_MAX)
+        goto out;
+    if (e->patched && (o->patch_control != control || o->patch_epoch != epoch_now(m, 1)))
+        goto out; /* its patch values are for another control, or memory changed since */
+    if (!m->credit || !o->sandbox || caller_sandbox(m, c->tid) != o->sandbox)
+        goto out; /* (the session's own check: the caller in the opener's sandbox) */
+    if (m->credit > 0)
+        m->credit--;
+    c->params_ptr = (int64_t)params;
+    c->params_size = params_size;
+    c->params_off = l->params;
+    c->status_off = l->status;
+    c->driver = 1;
+    c->finish = c->check = 0;
+    c->patch_n = 0;
+    if (e->patched) {
+        c->patch_table_off = e->patch_table_off;
+        c->patch_entry_size = e->patch_entry_size;
+        c->patch_index_off = e->patch_index_off;
+        c->patch_data_off = e->patch_data_off;
+        c->patch_capacity = e->patch_capacity;
+        c->patch_count_off = e->patch_count_off;
+        memcpy(c->patch_index, o->patch_index, sizeof(uint32_t) * o->patch_n);
+        memcpy(c->patch_value, o->patch_value, sizeof(uint32_t) * o->patch_n);
+        c->patch_n = o->patch_n;
+    }
+    c->settled = e - m->controls;
+    ok = 1;
+out:
+    pthread_mutex_unlock(&m->lock);
+    return ok;
+}
+
+/* A settled call's row in its control's counters (the slot still that control's). */
+static void settled_count(struct dvb_thread *t, int64_t ns)
+{
+    struct dvb_settled *m = &t->sh->settled;
+    struct dvb_call *c = &t->call;
+    uint32_t control = 0;
+    const struct dvb_settled_layout *l;
+    pthread_mutex_lock(&m->lock);
+    struct dvb_settled_control *e = &m->controls[c->settled % DVB_SETTLED_CONTROLS];
+    if ((l = settled_layout(m, (uint32_t)c->cmd)) != NULL)
+        memcpy(&control, c->hdr + l->control, 4);
+    if (l && e->ioctl_cmd == (uint32_t)c->cmd && e->control == control) {
+        int b = 0;
+        while (b < m->n_bounds && m->bounds[b] < ns)
+            b++;
+        if (c->err)
+            e->err++;
+        else
+            e->ok++;
+        e->sum_ns += ns;
+        e->buckets[b]++;
+    }
+    pthread_mutex_unlock(&m->lock);
+}
+
 static int answer_ioctl(struct dvb_thread *t, struct dvb_notif *n)
 {
     struct dvb_shared *sh = t->sh;
@@ -576,6 +1050,7 @@ static int answer_ioctl(struct dvb_thread *t, struct dvb_notif *n)
     c->patch_n = 0;
     c->embed_n = 0;
     c->fd_n = 0;
+    c->settled = -1;
     c->status_off = -1;
     if (c->fd < 0)
         return DVB_NOTIF;
@@ -596,9 +1071,12 @@ static int answer_ioctl(struct dvb_thread *t, struct dvb_notif *n)
             c->hdr_len = (int64_t)size;
     }
     int64_t t1 = now_ns();
-    int act = sh->on_ioctl(t->slot);
+    int settled = settled_admit(t); /* else the broker decides (the callback) */
+    int act = settled ? ACT_CONTROL : sh->on_ioctl(t->slot);
     int64_t t2 = now_ns();
     int rc;
+    if (settled)
+        t->counters[C_SETTLED]++;
     if (act == ACT_CONTINUE) {
         send_resp(t, n->id, 0, 0, 1);
         rc = 0;

@@ -1,0 +1,104 @@
+"""A tenant program of tests/test_real_lane.py's settled-controls test, against a stand-in
+driver that answers NV_OK to every call the broker makes (nvok_standin.py): a root client
+of its own (continued: the stand-in node answers the tenant ENOTTY; the broker adopts the
+client at its first control), a device and a subdevice, then the same controls many
+times — a plain one on the client, FB_GET_INFO_V2 on the subdevice (its answer patched
+with the tenant's quota and use) — around a 64 MiB allocation and its free. Prints one
+JSON line: each call's errno and status, and the memory FB info showed at each step."""
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import json
+import os
+import sys
+
+from devbroker.abi import registry
+
+abi = registry.get("580.159.04")
+REPEAT = int(sys.argv[1]) if len(sys.argv) > 1 else 20
+CLIENT, DEVICE, SUBDEVICE, MEMORY = 0xC1D00001, 0xC1D000D0, 0xC1D000E0, 0xC1D000F0
+TOTAL, FREE = 0x08, 0x16  # FB_INFO_INDEX_TOTAL_RAM_SIZE, HEAP_FREE (KiB)
+out: dict = {"errors": []}
+keep = []  # parameter blocks stay alive while the driver may write them
+
+
+def call(fd: int, name: str, spec_name: str, **fields) -> tuple[int, object]:
+    spec = abi.struct(spec_name)
+    buf = bytearray(spec.decode(bytes(spec.size)).replace(**fields).encode())
+    try:
+        fcntl.ioctl(fd, abi.escape_cmd(name, len(buf)), buf, True)
+        err = 0
+    except OSError as e:
+        err = e.errno or errno.EIO
+    return err, spec.decode(bytes(buf))
+
+
+def block(data: bytes) -> tuple[ctypes.Array, int]:
+    b = ctypes.create_string_buffer(data, len(data))
+    keep.append(b)
+    return b, ctypes.addressof(b)
+
+
+def alloc(fd, parent, new, cls, params_name=None, **params) -> tuple[int, int]:
+    ptr, size = 0, 0
+    if params_name is not None:
+        spec = abi.struct(params_name)
+        _b, ptr = block(spec.decode(bytes(spec.size)).replace(**params).encode())
+        size = spec.size
+    err, v = call(fd, "NV_ESC_RM_ALLOC", "NVOS64_PARAMETERS", hRoot=CLIENT,
+                  hObjectParent=parent, hObjectNew=new, hClass=cls, pAllocParms=ptr,
+                  paramsSize=size)
+    return err, v.status
+
+
+def control(fd, obj, cmd, data: bytes) -> tuple[int, int, bytes]:
+    b, ptr = block(data)
+    err, v = call(fd, "NV_ESC_RM_CONTROL", "NVOS54_PARAMETERS", hClient=CLIENT, hObject=obj,
+                  cmd=cmd, params=ptr, paramsSize=len(data))
+    return err, v.status, bytes(b.raw)
+
+
+def fb_info(fd) -> list:
+    spec = abi.control(0x20801303).params
+    v = spec.decode(bytes(spec.size))
+    entries = list(v.fbInfoList)
+    entries[0] = entries[0].replace(index=TOTAL)
+    entries[1] = entries[1].replace(index=FREE)
+    data = v.replace(fbInfoListSize=2, fbInfoList=entries).encode()
+    seen = []
+    for _ in range(REPEAT):
+        err, status, got = control(fd, SUBDEVICE, 0x20801303, data)
+        if err or status:
+            out["errors"].append(["FB_GET_INFO_V2", err, status])
+        r = spec.decode(got)
+        seen.append((r.fbInfoList[0].data, r.fbInfoList[1].data))
+    return sorted(set(seen))
+
+
+ctl = os.open("/dev/nvidiactl", os.O_RDWR)
+# the tenant's own root client: the kernel runs it in the tenant (the stand-in node: ENOTTY)
+out["root"] = call(ctl, "NV_ESC_RM_ALLOC", "NVOS64_PARAMETERS", hRoot=CLIENT,
+                   hObjectParent=CLIENT, hObjectNew=CLIENT, hClass=0x41)[0]
+# a plain control on the client, many times (the first adopts the client)
+for _ in range(REPEAT):
+    err, status, _got = control(ctl, CLIENT, 0x1F0, bytes(4))  # SYSTEM_GET_FEATURES
+    if err or status:
+        out["errors"].append(["SYSTEM_GET_FEATURES", err, status])
+out["device"] = alloc(ctl, CLIENT, DEVICE, 0x80, "NV0080_ALLOC_PARAMETERS", deviceId=0)
+out["subdevice"] = alloc(ctl, DEVICE, SUBDEVICE, 0x2080, "NV2080_ALLOC_PARAMETERS",
+                         subDeviceId=0)
+out["fb_before"] = fb_info(ctl)
+out["memory"] = alloc(ctl, DEVICE, MEMORY, 0x40, "NV_MEMORY_ALLOCATION_PARAMS",
+                      owner=CLIENT, flags=0x1C101, attr=0x18000000, size=64 << 20,
+                      alignment=2 << 20)
+out["fb_holding"] = fb_info(ctl)
+out["free"] = call(ctl, "NV_ESC_RM_FREE", "NVOS00_PARAMETERS", hRoot=CLIENT,
+                   hObjectParent=DEVICE, hObjectOld=MEMORY)[1].status
+out["fb_after"] = fb_info(ctl)
+# last, a call the broker answers on its general path (a free naming no client of the
+# tenant's): what the loop counted before it is in the broker's books when this returns
+out["last"] = call(ctl, "NV_ESC_RM_FREE", "NVOS00_PARAMETERS", hRoot=0, hObjectParent=0,
+                   hObjectOld=0)[1].status
+print(json.dumps(out), flush=True)
