@@ -6,7 +6,8 @@
 # 3): the loop is CPU-bound, and unpinned it ran in two modes (~12.5 / ~18 ms) natively
 # and through devbroker alike, by where the process happened to run.
 #   run(command="bash scripts/gpu/launch_probe.sh", carry=[".whl"], timeout_s=300)
-# ROUNDS=N rounds (4), BENCH_PASSES=N passes per process (21), SYSTIME=1 (below).
+# ROUNDS=N rounds (4), BENCH_PASSES=N passes per process (21), SYSTIME=1 (below),
+# POLICY=FILE (scripts/gpu/h200-cuda-policy.toml).
 set -u
 REPO=$(cd "$(dirname "$0")/../.." && pwd); cd "$REPO"
 . scripts/gpu/lib.sh
@@ -15,7 +16,7 @@ RUN=/run/devbroker-launch
 CHK="$PY scripts/gpu/cuda_checks.py"
 ROUNDS=${ROUNDS:-4}
 export BENCH_CPU=${BENCH_CPU:-3} BENCH_PASSES=${BENCH_PASSES:-21}
-probe_broker "$RUN" scripts/gpu/h200-cuda-policy.toml "$W/audit.log" "$W/broker.log"
+probe_broker "$RUN" "${POLICY:-scripts/gpu/h200-cuda-policy.toml}" "$W/audit.log" "$W/broker.log"
 # SYSTIME=1: every process under scripts/gpu/systime.c, which writes the NVIDIA ioctls (by
 # kind), opens and mmaps of the timed tiny-kernel passes alone (cuda_checks.py's "tiny"
 # window): does the loop reach the driver, or the broker, at all?
