@@ -68,6 +68,51 @@ def test_a_lane_call_on_a_relayed_file_answers_as_the_general_path(backend, kind
             backend.run_control(f, -1, bytes(hdr), params, header, abi)
 
 
+def _on_stand_in_nodes(tmp_path, name: str, env: dict, frontend: str, argv: list[str],
+                       wrap: tuple = ()) -> tuple[dict, dict]:
+    """A broker on the real backend with stand-in driver nodes (test_upgrade.STAND_IN_NS:
+    /dev/null's and /dev/zero's devices as nvidiactl and nvidia0), its environment
+    updated with `env` and its command run under `wrap` (nvok_standin.py); tenant t0 (2 GiB
+    on GPU 0) runs `argv` through `frontend`. Its last stdout line as JSON, and the broker's
+    control-lane counters after it."""
+    import json
+    import subprocess
+
+    from conftest import DEVBROKER, RunningBroker
+    from test_upgrade import STAND_IN_NS
+
+    policy = tmp_path / "policy.toml"
+    policy.write_text(
+        '[broker]\nbackend = "real"\n\n[tenant.t0]\ngpus = [0]\nmemory_quota = "2GiB"\n')
+    run_dir, stage = tmp_path / f"run-{name}", tmp_path / f"stage-{name}"
+    run_dir.mkdir()
+    stage.mkdir()
+    subprocess.run(["mount", "--bind", str(run_dir), str(run_dir)], check=True)
+    subprocess.run(["mount", "--make-shared", str(run_dir)], check=True)
+
+    class StandInBroker(RunningBroker):
+        def __init__(self):
+            self.run_dir, self.policy = run_dir, policy
+            self.log = open(tmp_path / f"broker-{name}.log", "w+")
+            self.proc = subprocess.Popen(
+                ["unshare", "-m", "--propagation", "unchanged", "sh", "-c", STAND_IN_NS,
+                 "ns", str(stage), *wrap, *DEVBROKER, "--run-dir", str(run_dir), "run",
+                 "--policy", str(policy)],
+                stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True, env={**os.environ, **env})
+            self._wait_ready()
+
+    b = StandInBroker()
+    try:
+        b.frontend = frontend
+        r = b.exec("t0", *argv, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr + b.output()
+        return json.loads(r.stdout.strip().splitlines()[-1]), b.status()["control_lane"]
+    finally:
+        b.stop()
+        subprocess.run(["umount", "-l", str(run_dir)], capture_output=True)
+
+
 @pytest.mark.parametrize("frontend", ["seccomp", "fuse"])
 def test_header_only_lane_calls_on_stand_in_driver_files(tmp_path, frontend):
     """A broker on the real backend with stand-in driver nodes (test_upgrade.STAND_IN_NS:
@@ -76,47 +121,15 @@ def test_header_only_lane_calls_on_stand_in_driver_files(tmp_path, frontend):
     the broker's duplicate of the tenant's own file (seccomp), or the relay (FUSE) — and
     get the stand-in's answer (ENOTTY), exactly as with the lane off; an RM_FREE without a
     client of the tenant's goes the general way (refused there)."""
-    import json
-    import subprocess
     import sys
     from pathlib import Path
 
-    from conftest import DEVBROKER, RunningBroker
-    from test_upgrade import STAND_IN_NS
-
-    here = Path(__file__).resolve().parent
-    (tmp_path / "policy.toml").write_text(
-        '[broker]\nbackend = "real"\n\n[tenant.t0]\ngpus = [0]\nmemory_quota = "2GiB"\n')
+    prog = str(Path(__file__).resolve().parent / "real_lane_prog.py")
 
     def run(lane: bool) -> tuple[dict, dict]:
-        run_dir, stage = tmp_path / f"run{int(lane)}", tmp_path / f"stage{int(lane)}"
-        run_dir.mkdir()
-        stage.mkdir()
-        subprocess.run(["mount", "--bind", str(run_dir), str(run_dir)], check=True)
-        subprocess.run(["mount", "--make-shared", str(run_dir)], check=True)
-
-        class StandInBroker(RunningBroker):
-            def __init__(self):
-                self.run_dir, self.policy = run_dir, tmp_path / "policy.toml"
-                self.log = open(tmp_path / f"broker{int(lane)}.log", "w+")
-                env = {**os.environ, "DEVBROKER_CONTROL_LANE": "1" if lane else "0"}
-                self.proc = subprocess.Popen(
-                    ["unshare", "-m", "--propagation", "unchanged", "sh", "-c", STAND_IN_NS,
-                     "ns", str(stage), *DEVBROKER, "--run-dir", str(run_dir), "run",
-                     "--policy", str(self.policy)],
-                    stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    start_new_session=True, env=env)
-                self._wait_ready()
-
-        b = StandInBroker()
-        try:
-            b.frontend = frontend
-            r = b.exec("t0", sys.executable, str(here / "real_lane_prog.py"), timeout=120)
-            assert r.returncode == 0, r.stdout + r.stderr + b.output()
-            return json.loads(r.stdout.strip().splitlines()[-1]), b.status()["control_lane"]
-        finally:
-            b.stop()
-            subprocess.run(["umount", "-l", str(run_dir)], capture_output=True)
+        return _on_stand_in_nodes(tmp_path, f"lane{int(lane)}",
+                                  {"DEVBROKER_CONTROL_LANE": "1" if lane else "0"}, frontend,
+                                  [sys.executable, prog])
 
     on, lane_on = run(True)
     off, lane_off = run(False)
@@ -167,49 +180,16 @@ def test_settled_controls_answer_as_the_broker_and_follow_the_books(tmp_path):
     total and free memory; after a 64 MiB allocation the settled answer shows 64 MiB less
     free (a change of charged memory makes the patch values stale), after its free the
     whole quota again (a removal from the books makes every settled decision stale)."""
-    import json
-    import subprocess
     import sys
     from pathlib import Path
 
-    from conftest import DEVBROKER, RunningBroker
-    from test_upgrade import STAND_IN_NS
-
     here = Path(__file__).resolve().parent
-    (tmp_path / "policy.toml").write_text(
-        '[broker]\nbackend = "real"\n\n[tenant.t0]\ngpus = [0]\nmemory_quota = "2GiB"\n')
 
     def run(settled: bool) -> tuple[dict, dict]:
-        run_dir, stage = tmp_path / f"run{int(settled)}", tmp_path / f"stage{int(settled)}"
-        run_dir.mkdir()
-        stage.mkdir()
-        subprocess.run(["mount", "--bind", str(run_dir), str(run_dir)], check=True)
-        subprocess.run(["mount", "--make-shared", str(run_dir)], check=True)
-
-        class NvOkBroker(RunningBroker):
-            def __init__(self):
-                self.run_dir, self.policy = run_dir, tmp_path / "policy.toml"
-                self.log = open(tmp_path / f"broker{int(settled)}.log", "w+")
-                env = {**os.environ, "DEVBROKER_SETTLED": "1" if settled else "0"}
-                self.proc = subprocess.Popen(
-                    ["unshare", "-m", "--propagation", "unchanged", "sh", "-c", STAND_IN_NS,
-                     "ns", str(stage), sys.executable, str(here / "nvok_standin.py"),
-                     *DEVBROKER, "--run-dir", str(run_dir), "run",
-                     "--policy", str(self.policy)],
-                    stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    start_new_session=True, env=env)
-                self._wait_ready()
-
-        b = NvOkBroker()
-        try:
-            b.frontend = "seccomp"
-            r = b.exec("t0", sys.executable, str(here / "settled_prog.py"), "20",
-                       timeout=120)
-            assert r.returncode == 0, r.stdout + r.stderr + b.output()
-            return json.loads(r.stdout.strip().splitlines()[-1]), b.status()["control_lane"]
-        finally:
-            b.stop()
-            subprocess.run(["umount", "-l", str(run_dir)], capture_output=True)
+        return _on_stand_in_nodes(tmp_path, f"settled{int(settled)}",
+                                  {"DEVBROKER_SETTLED": "1" if settled else "0"}, "seccomp",
+                                  [sys.executable, str(here / "settled_prog.py"), "20"],
+                                  wrap=(sys.executable, str(here / "nvok_standin.py")))
 
     on, lane_on = run(True)
     off, lane_off = run(False)

@@ -163,9 +163,10 @@ typedef int (*dvb_callback)(int slot);
  * (`credit`). Everything else is the same run_control as for a decided call.
  */
 struct dvb_settled_layout { /* where NVOS54's fields are, for one ioctl number */
-    uint32_t ioctl_cmd;
+    uint32_t ioctl_cmd;      /* (8 × 4 bytes in this order: dvb_settled_layout's argument) */
     int32_t size, client, object, control, params, params_size, status;
 };
+_Static_assert(sizeof(struct dvb_settled_layout) == 8 * 4, "copied from an int32_t[8]");
 
 struct dvb_settled_control {
     uint64_t epoch;          /* 0: empty */
@@ -689,23 +690,12 @@ int dvb_settled_layout(struct dvb_shared *sh, const int32_t *f /* ioctl, size, c
             return -1;
     pthread_mutex_lock(&m->lock);
     for (int i = 0; i < m->n_layouts; i++)
-        if (m->layouts[i].ioctl_cmd == (uint32_t)f[0]) {
-            rc = (m->layouts[i].size == f[1] && m->layouts[i].client == f[2]
-                  && m->layouts[i].object == f[3] && m->layouts[i].control == f[4]
-                  && m->layouts[i].params == f[5] && m->layouts[i].params_size == f[6]
-                  && m->layouts[i].status == f[7]) ? 0 : -1; /* two ABIs disagree: none */
+        if (m->layouts[i].ioctl_cmd == (uint32_t)f[0]) { /* two ABIs that disagree: none */
+            rc = memcmp(&m->layouts[i], f, sizeof(m->layouts[i])) ? -1 : 0;
             goto out;
         }
     if (m->n_layouts < DVB_SETTLED_LAYOUTS) {
-        struct dvb_settled_layout *l = &m->layouts[m->n_layouts++];
-        l->ioctl_cmd = (uint32_t)f[0];
-        l->size = f[1];
-        l->client = f[2];
-        l->object = f[3];
-        l->control = f[4];
-        l->params = f[5];
-        l->params_size = f[6];
-        l->status = f[7];
+        memcpy(&m->layouts[m->n_layouts++], f, sizeof(m->layouts[0]));
         rc = 0;
     }
 out:
