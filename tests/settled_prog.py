@@ -97,6 +97,35 @@ out["fb_holding"] = fb_info(ctl)
 out["free"] = call(ctl, "NV_ESC_RM_FREE", "NVOS00_PARAMETERS", hRoot=CLIENT,
                    hObjectParent=DEVICE, hObjectOld=MEMORY)[1].status
 out["fb_after"] = fb_info(ctl)
+# the client's control again: what the free removed was another object, so the client's
+# facts still stand
+for _ in range(5):
+    err, status, _got = control(ctl, CLIENT, 0x1F0, bytes(4))
+    if err or status:
+        out["errors"].append(["SYSTEM_GET_FEATURES again", err, status])
+# a second client with its own device and subdevice: MC_GET_ARCH_INFO once on the first
+# subdevice, then on the second one three times (an object the broker allocated is known
+# to the loop from its allocation on)
+CLIENT2, DEVICE2, SUBDEVICE2 = 0xC1D00002, 0xC1D000D2, 0xC1D000E2
+out["root2"] = call(ctl, "NV_ESC_RM_ALLOC", "NVOS64_PARAMETERS", hRoot=CLIENT2,
+                    hObjectParent=CLIENT2, hObjectNew=CLIENT2, hClass=0x41)[0]
+_b, ptr = block(bytes(4))
+err, v = call(ctl, "NV_ESC_RM_CONTROL", "NVOS54_PARAMETERS", hClient=CLIENT2, hObject=CLIENT2,
+              cmd=0x1F0, params=ptr, paramsSize=4)
+out["client2"] = [err, v.status]
+CLIENT, keep_client = CLIENT2, CLIENT  # (alloc() and control() name CLIENT)
+out["device2"] = alloc(ctl, CLIENT2, DEVICE2, 0x80, "NV0080_ALLOC_PARAMETERS", deviceId=0)
+out["subdevice2"] = alloc(ctl, DEVICE2, SUBDEVICE2, 0x2080, "NV2080_ALLOC_PARAMETERS",
+                          subDeviceId=0)
+CLIENT = keep_client
+arch = []
+for client, obj, times in ((CLIENT, SUBDEVICE, 1), (CLIENT2, SUBDEVICE2, 3)):
+    CLIENT, keep_client = client, CLIENT
+    for _ in range(times):
+        err, status, _got = control(ctl, obj, 0x20801701, bytes(16))  # MC_GET_ARCH_INFO
+        arch.append([err, status])
+    CLIENT = keep_client
+out["arch"] = arch
 # last, a call the broker answers on its general path (a free naming no client of the
 # tenant's): what the loop counted before it is in the broker's books when this returns
 out["last"] = call(ctl, "NV_ESC_RM_FREE", "NVOS00_PARAMETERS", hRoot=0, hObjectParent=0,

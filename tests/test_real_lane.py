@@ -179,7 +179,10 @@ def test_settled_controls_answer_as_the_broker_and_follow_the_books(tmp_path):
     off (DEVBROKER_SETTLED=0): every call NV_OK, FB_GET_INFO_V2 patched with the quota as
     total and free memory; after a 64 MiB allocation the settled answer shows 64 MiB less
     free (a change of charged memory makes the patch values stale), after its free the
-    whole quota again (a removal from the books makes every settled decision stale)."""
+    whole quota again. The free removes that object's facts only: the client's control is
+    settled from its first call after it; and an object the broker allocated is known to
+    the loop from its allocation on (a control the loop knows is settled on its first call
+    there)."""
     import sys
     from pathlib import Path
 
@@ -201,9 +204,16 @@ def test_settled_controls_answer_as_the_broker_and_follow_the_books(tmp_path):
         "fb_before": [[quota_kib, quota_kib]],
         "fb_holding": [[quota_kib, quota_kib - (64 << 10)]],
         "fb_after": [[quota_kib, quota_kib]],
+        # (a second root client on the same file: the broker allocates it, handlers.rm_alloc)
+        "root2": 0, "client2": [0, 0], "device2": [0, 0], "subdevice2": [0, 0],
+        "arch": [[0, 0]] * 4,
         "last": 0x23,  # (NV_ERR_INVALID_CLIENT: the general path's refusal)
     }, (on, off)
-    assert lane_on["settled"] == 4 * 19, lane_on
+    # the first call of each run of 20 decided by the broker, the rest settled (4 × 19);
+    # the client's control after the free of another object: all 5 settled; the second
+    # subdevice's control: all 3 (its object written down at its allocation, the control
+    # at the first subdevice's call)
+    assert lane_on["settled"] == 4 * 19 + 5 + 3, lane_on
     assert lane_off["settled"] == 0, lane_off
     # every call counted as admitted either way (a settled call is an admitted one)
     assert lane_on["admitted"] == lane_off["admitted"], (lane_on, lane_off)

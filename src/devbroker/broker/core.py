@@ -214,7 +214,7 @@ class Broker:
                 new[f"{name} (revoked)"] = old
         self.tenants = new
         self.policy = policy
-        BOOKS.removed()  # (every settled decision read the policy: decided again)
+        BOOKS.policy_changed()  # (every settled decision read the policy: decided again)
         for cb in self.on_policy_change:
             cb(policy)
 
@@ -344,7 +344,6 @@ class Broker:
         if s is None or s.closed:
             return
         s.closed = True
-        BOOKS.removed()
         s.tenant.sessions.pop(s.id, None)
         if self.recorder is not None:
             self.recorder.close(s)

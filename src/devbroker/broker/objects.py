@@ -14,38 +14,54 @@ from types import MappingProxyType
 from typing import Any
 
 
-class BooksEpoch:
-    """Two counters of change in the books, which the seccomp native loop's *settled
-    controls* are checked against (native/lane.c, struct dvb_settled): a decision the broker
-    made stands while the counters it was made at still hold.
+class _Removal(ctypes.Structure):
+    """One entry of BooksLog's ring (native/lane.c struct dvb_removal)."""
+    _fields_ = [("seq", ctypes.c_uint64), ("kind", ctypes.c_uint32),
+                ("client", ctypes.c_uint32), ("object", ctypes.c_uint32),
+                ("_pad", ctypes.c_uint32), ("dev", ctypes.c_int64), ("ino", ctypes.c_int64)]
 
-    `removed` (word 0, and word 1 with it): something a decision read may now answer
-    otherwise — an object or client left the books (freed, its file closed), a handle was
-    replaced, a session closed, the policy changed. Adding an object changes no decision
-    already made, so it bumps nothing. `charged` (word 1): the memory a tenant holds
-    changed, which only the answers patched with its use read (rewrite.fb_info_patch) —
-    also what the removal of a quota placeholder (a negative handle no call can name,
-    Broker._reserved) changes, so that a CUDA init's allocations leave settled decisions
-    standing.
 
-    The words live in C-readable memory (its address goes to the loop); they are only
-    ever increased, under a lock, so that no two bumps become one."""
+class BooksLog:
+    """What the seccomp native loop's *settled controls* (native/lane.c, struct
+    dvb_settled) must hear of the books: a decision the broker made stands until something
+    it read changes, and these say what changed, in C-readable memory.
+
+    Three words: the **policy epoch** (every policy change: capabilities, GPUs, quotas,
+    pace, revocation — every settled fact is stale then), the **charge epoch** (the memory
+    a tenant holds changed, which only answers patched with its use read:
+    rewrite.fb_info_patch; also a quota placeholder leaving the books, Broker._reserved),
+    and the head of a ring of **removals**: an object (client, handle), a whole client, or
+    a closed file (dev, inode) — each makes the facts about exactly that stale. Adding an
+    object changes no decision already made, so it is not logged. The loop reads the ring
+    from where it last stopped; one that fell more than the ring's size behind forgets
+    every fact about objects.
+
+    Read `now()` *before* deciding: a change during the decision then shows (a later head
+    or epoch), and the loop does not write down the decision. Written under a lock (the
+    entry, then its sequence number, then the head: x86 keeps stores in order)."""
+
+    RING = 4096  # native/lane.c reads the size from here
+    OBJECT, CLIENT, FILE = 1, 2, 3  # kinds of removal (native/lane.c DVB_REMOVED_*)
 
     def __init__(self) -> None:
-        self.words = (ctypes.c_uint64 * 2)(1, 1)  # (0 is the loop's "empty slot")
+        self.words = (ctypes.c_uint64 * 3)(1, 1, 0)  # policy, charges, removals written
+        self.ring = (_Removal * self.RING)()
         self._lock = threading.Lock()
 
     @property
     def address(self) -> int:
         return ctypes.addressof(self.words)
 
-    def now(self) -> tuple[int, int]:
-        """(books, charges) as of now: read *before* deciding, so that a change during the
-        decision makes it stale rather than lost."""
-        w = self.words
-        return w[0], w[1]
+    @property
+    def ring_address(self) -> int:
+        return ctypes.addressof(self.ring)
 
-    def removed(self) -> None:
+    def now(self) -> tuple[int, int, int]:
+        """(policy epoch, charge epoch, removals written) as of now."""
+        w = self.words
+        return w[0], w[1], w[2]
+
+    def policy_changed(self) -> None:
         with self._lock:
             self.words[0] += 1
             self.words[1] += 1
@@ -54,8 +70,24 @@ class BooksEpoch:
         with self._lock:
             self.words[1] += 1
 
+    def removed(self, kind: int, client: int = 0, obj: int = 0, dev: int = 0,
+                ino: int = 0) -> None:
+        with self._lock:
+            seq = self.words[2] + 1
+            e = self.ring[seq % self.RING]
+            e.seq = 0  # (a reader that sees 0 or another number knows it was overwritten)
+            e.kind, e.client, e.object = kind, client & 0xFFFFFFFF, obj & 0xFFFFFFFF
+            e.dev, e.ino = dev, ino
+            e.seq = seq
+            self.words[2] = seq
+            self.words[1] += 1  # (what it held is charged no more)
 
-BOOKS = BooksEpoch()
+    def removed_objects(self, client: int, handles) -> None:
+        for h in handles:
+            self.removed(self.OBJECT, client, h)
+
+
+BOOKS = BooksLog()
 
 
 @dataclass
@@ -124,7 +156,7 @@ class RmClient:
         old = self.objects.get(handle)
         if old is not None:  # replaced (the driver refuses a duplicate; the books follow)
             self._count(old, -1)
-            BOOKS.removed()
+            BOOKS.removed(BooksLog.OBJECT, self.handle, handle)
         obj = RmObject(handle, rm_class, parent, gpu=gpu, charged=charged, owner=self)
         self.objects[handle] = obj
         parent_obj.children.add(handle)
@@ -150,7 +182,7 @@ class RmClient:
         if gone and handle < 0:  # a placeholder (Broker._reserved): no call can name it
             BOOKS.charged()
         elif gone:
-            BOOKS.removed()
+            BOOKS.removed_objects(self.handle, [o.handle for o in gone])
         for obj in gone:
             if self.objects.pop(obj.handle, None) is not None:
                 self._count(obj, -1)
@@ -234,7 +266,7 @@ class ClientRegistry:
         tenant = self._tenant.pop(handle, None)
         if tenant is None:
             return None
-        BOOKS.removed()
+        BOOKS.removed(BooksLog.CLIENT, handle)
         client = tenant.clients.pop(handle)
         held = self._of_session.get(client.session)
         if held is not None:

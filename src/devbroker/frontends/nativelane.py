@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("devbroker.seccomp.native")
 
-ABI = 9  # native/lane.c DVB_ABI
+ABI = 10  # native/lane.c DVB_ABI
 DVB_NOTIF, DVB_IDLE, DVB_WAKE, DVB_HUP, DVB_FOLD, DVB_LATE, DVB_WRITE_FAILED, DVB_ERROR = \
     range(1, 9)
 ACT_DECLINE, ACT_CONTINUE, ACT_CONTROL, ACT_FAIL = 0, 1, 2, 3
@@ -164,7 +164,8 @@ def library() -> ctypes.CDLL | None:
     lib.dvb_serve.argtypes = [vp]
     lib.dvb_serve.restype = ctypes.c_int
     lib.dvb_thread_driver_safe.argtypes = [vp, ctypes.c_int]
-    lib.dvb_settled_start.argtypes = [vp, vp, ctypes.POINTER(i64), ctypes.c_int]
+    lib.dvb_settled_start.argtypes = [vp, vp, vp, ctypes.c_uint64, ctypes.POINTER(i64),
+                                      ctypes.c_int]
     lib.dvb_settled_layout.argtypes = [vp, ctypes.POINTER(ctypes.c_int32)]
     lib.dvb_settled_put.argtypes = [vp, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(i64),
                                     ctypes.POINTER(i64), ctypes.c_int,
@@ -201,6 +202,7 @@ class NativeThread:
         self.reported = False  # its current access was answered by the watchdog
         self.driver_safe = False
         self.last_patch = None  # the TablePatch now in the call buffer (set_patch)
+        self.epochs = None  # objects.BOOKS.now() as the broker began deciding this call
         # the private copies of the control in flight's embedded buffers (the loop holds
         # their addresses until its next call: kept alive here until then)
         self.embedded: list = []
@@ -281,7 +283,7 @@ class NativeLane:
         bounds = callstats._BOUNDS_NS
         self.settled_on = (settled_enabled() and len(bounds) <= SETTLED_BUCKETS
                            and lib.dvb_settled_start(
-                               self.shared, BOOKS.address,
+                               self.shared, BOOKS.address, BOOKS.ring_address, BOOKS.RING,
                                (ctypes.c_int64 * len(bounds))(*bounds), len(bounds)) == 0)
 
     def thread(self) -> NativeThread:
@@ -303,18 +305,18 @@ class NativeLane:
 
     # -- settled controls ------------------------------------------------------------------
 
-    def settle(self, adm, c: Call, epochs: tuple[int, int], patch, caller, caller_pidfd: int,
-               key, lane) -> bool:
+    def settle(self, adm, c: Call, epochs: tuple[int, int, int], patch, caller,
+               caller_pidfd: int, key, lane) -> bool:
         """Write down an admitted control's decision (ControlLane.settleable said it may be)
         for the loop to repeat without this callback: the control (its ABI, ioctl number,
         control number, parameter size, TablePatch layout) and the object (the file's
         identity, client, object, the patch values for its GPU, the opener's sandbox), at
-        the books epochs read before the broker decided (objects.BOOKS), and the caller (its
+        the books' words read before the broker decided (objects.BOOKS), and the caller (its
         sandbox, a duplicate of its thread pidfd, which the loop owns from now on). A
         sandbox is (uid, pid namespace), the session check of fastlane._usable_session: a
         caller settles calls only on files opened in its own; a pid namespace unknown on
-        either side is settled by none. native/lane.c, struct dvb_settled, says
-        what a later call needs to be admitted by these. False: not written."""
+        either side is settled by none. native/lane.c, struct dvb_settled, says what a
+        later call needs to be admitted by these. False: not written."""
         h = adm.header
         if len(h.offsets) != 5 or h.status_offset < 0 or not self.settled_on:
             return False
@@ -324,38 +326,57 @@ class NativeLane:
         if s.pidns is None or caller.pidns is None:
             return False
         with self._settled_lock:
-            if h.ioctl_cmd not in self._layouts:
-                f = (ctypes.c_int32 * 8)(h.ioctl_cmd, h.size, *h.offsets, h.status_offset)
-                if self.lib.dvb_settled_layout(self.shared, f) != 0:
-                    return False
-                self._layouts.add(h.ioctl_cmd)
-            tag = self._abi_tags.setdefault(adm.abi, len(self._abi_tags) + 1)
-            if len(self._sandboxes) >= 4096:  # (new tags from here: old facts just miss)
-                self._sandboxes.clear()
-            opener = self._sandbox_tag(s.caller.uid, s.pidns)
-            theirs = self._sandbox_tag(caller.uid, caller.pidns)
-            obj = (ctypes.c_int64 * 7)(c.dev, c.ino, adm.client.handle, adm.h_object, tag,
-                                       opener, theirs)
-            layout = ((patch.table_offset, patch.entry_size, patch.index_offset,
-                       patch.data_offset, patch.capacity, patch.count_offset)
-                      if patch is not None else (0,) * 6)
-            ctl = (ctypes.c_int64 * 11)(tag, h.ioctl_cmd, adm.cmd, adm.params_size,
-                                        int(patch is not None), *layout)
-            values = patch.values if patch is not None else ()
-            idx = (ctypes.c_uint32 * PATCH_MAX)(*[i for i, _v in values])
-            val = (ctypes.c_uint32 * PATCH_MAX)(*[v for _i, v in values])
-            pidfd = os.dup(caller_pidfd)
-            slot = self.lib.dvb_settled_put(
-                self.shared, (ctypes.c_uint64 * 2)(*epochs), obj, ctl, len(values), idx, val,
-                c.tid, pidfd, self._evicted)  # (pidfd is the loop's from here on)
-            ev = self._evicted
-            if ev[0] >= 0:  # another control's row left that slot: what it counted
-                self._record(lane, ev[0], ev, 0)
+            slot = self._put(c, s, adm.abi, adm.client.handle, adm.h_object, epochs, caller,
+                             caller_pidfd, adm, patch, lane)
             if slot < 0:
                 return False
-            self._settled_rows[slot] = (adm.session.tenant, key)
-            self._top_up(adm.session.tenant)
+            self._settled_rows[slot] = (s.tenant, key)
+            self._top_up(s.tenant)
         return True
+
+    def settle_object(self, c: Call, session, abi, client: int, handle: int,
+                      epochs: tuple[int, int, int], caller, caller_pidfd: int) -> None:
+        """Write down that an object the broker just added to the books (an allocation it
+        ran, a client it adopted) is the tenant's on that file, as `settle` would after the
+        first control on it: that control then needs no callback either."""
+        if not self.settled_on or session.pidns is None or caller.pidns is None:
+            return
+        with self._settled_lock:
+            self._put(c, session, abi, client, handle, epochs, caller, caller_pidfd)
+
+    def _put(self, c: Call, s, abi, client: int, handle: int, epochs, caller,
+             caller_pidfd: int, adm=None, patch=None, lane=None) -> int:
+        """dvb_settled_put (under _settled_lock): the object fact, the caller, and with
+        `adm` the control fact; the control's slot, or -1."""
+        h = adm.header if adm is not None else None
+        if h is not None and h.ioctl_cmd not in self._layouts:
+            f = (ctypes.c_int32 * 8)(h.ioctl_cmd, h.size, *h.offsets, h.status_offset)
+            if self.lib.dvb_settled_layout(self.shared, f) != 0:
+                return -1
+            self._layouts.add(h.ioctl_cmd)
+        tag = self._abi_tags.setdefault(abi, len(self._abi_tags) + 1)
+        if len(self._sandboxes) >= 4096:  # (new tags from here: old facts just miss)
+            self._sandboxes.clear()
+        opener = self._sandbox_tag(s.caller.uid, s.pidns)
+        theirs = self._sandbox_tag(caller.uid, caller.pidns)
+        obj = (ctypes.c_int64 * 7)(c.dev, c.ino, client, handle, tag, opener, theirs)
+        layout = ((patch.table_offset, patch.entry_size, patch.index_offset,
+                   patch.data_offset, patch.capacity, patch.count_offset)
+                  if patch is not None else (0,) * 6)
+        ctl = (None if adm is None else
+               (ctypes.c_int64 * 11)(tag, h.ioctl_cmd, adm.cmd, adm.params_size,
+                                     int(patch is not None), *layout))
+        values = patch.values if patch is not None else ()
+        idx = (ctypes.c_uint32 * PATCH_MAX)(*[i for i, _v in values])
+        val = (ctypes.c_uint32 * PATCH_MAX)(*[v for _i, v in values])
+        pidfd = os.dup(caller_pidfd)
+        slot = self.lib.dvb_settled_put(
+            self.shared, (ctypes.c_uint64 * 3)(*epochs), obj, ctl, len(values), idx, val,
+            c.tid, pidfd, self._evicted)  # (pidfd is the loop's from here on)
+        ev = self._evicted
+        if ev[0] >= 0 and lane is not None:  # another control's row left that slot
+            self._record(lane, ev[0], ev, 0)
+        return slot
 
     def _sandbox_tag(self, uid: int, pidns: str) -> int:
         tag = self._sandboxes.get((uid, pidns))

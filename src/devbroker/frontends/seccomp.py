@@ -831,13 +831,15 @@ class SeccompSupervisor:
                 return nativelane.ACT_DECLINE
             lane = self._lane
             hdr = nativelane.NativeLane.hdr(t)
-            epochs = BOOKS.now()  # (before deciding: a change meanwhile makes it stale)
+            # (read before deciding: a change meanwhile makes what is settled stale)
+            t.epochs = epochs = BOOKS.now()
             adm = lane.admit(sess.id, caller, c.cmd, hdr, max_params=nativelane.PARAMS_MAX)
             if adm is None and sess.real and sess.node is NodeKind.CTL:
                 # perhaps a client the tenant allocated itself, named for the first time:
                 # adopted here, then admitted again (counted once as declined)
                 unknown = lane.unknown_client(sess.id, c.cmd, hdr)
                 if unknown is not None and self._native_adopt(c, sess, unknown):
+                    self._settle_object(t, c, sess.id, unknown, unknown)
                     adm = lane.admit(sess.id, caller, c.cmd, hdr,
                                      max_params=nativelane.PARAMS_MAX)
             if adm is None:
@@ -873,6 +875,26 @@ class SeccompSupervisor:
         try:
             t.lane.settle(adm, c, epochs, patch, hit[1], hit[0],
                           adm.mark[1] if adm.mark is not None else None, self._lane)
+        except OSError:  # (no fd for the pidfd's duplicate: not settled, nothing else)
+            pass
+
+    def _settle_object(self, t: nativelane.NativeThread, c: nativelane.Call, sid: int,
+                       client: int, handle: int) -> None:
+        """An object the broker just added to the books on the loop's behalf (an allocation
+        it ran, a client it adopted): the loop may admit plain controls on it without a
+        callback (NativeLane.settle_object), if it is in the books now, on one of the
+        tenant's GPUs, and nothing was removed since `t.epochs` were read."""
+        hit = self._callers.get(c.tid)
+        if hit is None or t.epochs is None or not t.lane.settled_on:
+            return
+        s = self.broker.sessions.get(sid)
+        owned = s is not None and s.tenant.clients.get(client)
+        obj = owned.objects.get(handle) if owned else None
+        if obj is None or (obj.gpu is not None and obj.gpu not in s.tenant.gpus):
+            return
+        try:
+            t.lane.settle_object(c, s, self.broker._abi(s), client, handle, t.epochs,
+                                 hit[1], hit[0])
         except OSError:  # (no fd for the pidfd's duplicate: not settled, nothing else)
             pass
 
@@ -1018,6 +1040,11 @@ class SeccompSupervisor:
         out = self._lane.finish(adm, hdr, NL.params_in(t), ret, err, hdr_out, params)
         if not err:
             NL.set_params(t, out)
+            if adm.alloc is not None and c.driver:  # the new object, for plain controls
+                h = adm.header
+                self._settle_object(t, c, adm.session.id, adm.client.handle,
+                                    int.from_bytes(hdr_out[h.new_offset:h.new_offset + 4],
+                                                   "little"))
         return 1
 
     def _settle(self, t: nativelane.NativeThread) -> None:
@@ -1350,6 +1377,7 @@ class SeccompSupervisor:
             return
         sess.released = True
         self.sessions.pop(sess.key, None)
+        BOOKS.removed(BOOKS.FILE, dev=sess.key[0], ino=sess.key[1])  # (its settled facts)
         self._by_wd.pop(sess.wd, None)
         self._changed.set()
         with trio.CancelScope(shield=True):

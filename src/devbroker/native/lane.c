@@ -56,7 +56,7 @@
 #endif
 #define DVB_PIDFD_THREAD O_EXCL /* Linux 6.9: a pidfd for a (non-leader) thread */
 
-#define DVB_ABI 9 /* bumped with any change of the structures below (nativelane.py checks) */
+#define DVB_ABI 10 /* bumped with any change of the structures below (nativelane.py checks) */
 
 struct dvb_notif { /* struct seccomp_notif */
     uint64_t id;
@@ -155,10 +155,14 @@ typedef int (*dvb_callback)(int slot);
  *     on one of its GPUs (the books, the policy), with the patch values for its GPU, and
  *     the file's opener's sandbox (uid, pid namespace: a tag of Python's) that a caller
  *     must share (the session's own check, fastlane._usable_session).
- * Each fact holds for the books epoch it was decided at (objects.BOOKS: bumped by every
- * removal from the books, session close and policy change; the patch values also by every
- * change of charged memory); a changed epoch makes every fact stale at once. The caller is
- * a thread the broker accepted (its thread pidfd, still that thread), the loop thread one
+ * A control fact holds for the policy epoch it was decided at; an object fact until the
+ * books' removal log names its object, its client or its file, or the policy changes
+ * (objects.BooksLog: the policy epoch, the charge epoch, the ring of removals; the loop
+ * reads the ring from where it stopped, and forgets every object fact if it fell more than
+ * the ring behind); an object's patch values for the charge epoch they were computed at.
+ * Facts are written only when nothing they depend on changed while the broker decided
+ * (the words read before it decided, dvb_settled_put). The caller is a thread the broker
+ * accepted (its thread pidfd, still that thread), the loop thread one
  * that dropped the driver's capabilities, and a token of the tenant's pace taken ahead
  * (`credit`). Everything else is the same run_control as for a decided call.
  */
@@ -169,7 +173,7 @@ struct dvb_settled_layout { /* where NVOS54's fields are, for one ioctl number *
 _Static_assert(sizeof(struct dvb_settled_layout) == 8 * 4, "copied from an int32_t[8]");
 
 struct dvb_settled_control {
-    uint64_t epoch;          /* 0: empty */
+    uint64_t epoch;          /* the policy epoch it was decided at; 0: empty */
     uint32_t abi, ioctl_cmd, control, params_size;
     int32_t patched;         /* 1: the answer is patched with the object's values */
     int32_t patch_table_off, patch_entry_size, patch_index_off, patch_data_off,
@@ -179,7 +183,7 @@ struct dvb_settled_control {
 };
 
 struct dvb_settled_object {
-    uint64_t epoch;          /* 0: empty */
+    uint64_t epoch;          /* the policy epoch it was decided at; 0: empty or forgotten */
     uint64_t sandbox;        /* its session's opener: (uid, pid namespace), as a tag */
     int64_t dev, ino;
     uint32_t client, object, abi;
@@ -195,9 +199,20 @@ struct dvb_settled_caller {
     int pidfd;               /* a PIDFD_THREAD of it, owned here */
 };
 
+struct dvb_removal { /* objects._Removal: one entry of the books' ring of removals */
+    uint64_t seq;
+    uint32_t kind, client, object, pad;
+    int64_t dev, ino;
+};
+enum { DVB_REMOVED_OBJECT = 1, DVB_REMOVED_CLIENT, DVB_REMOVED_FILE };
+
 struct dvb_settled {
     pthread_mutex_t lock;
-    const volatile uint64_t *epochs; /* objects.BOOKS: [0] books, [1] charges; NULL: off */
+    /* objects.BOOKS: [0] the policy epoch, [1] the charge epoch, [2] removals written;
+     * NULL: settled controls off */
+    const volatile uint64_t *epochs;
+    const volatile struct dvb_removal *ring;
+    uint64_t ring_size, ring_seen;   /* the ring's entries, the last one read */
     int64_t credit;                  /* calls it may still admit (-1: the tenant is unpaced) */
     int64_t bounds[DVB_SETTLED_BUCKETS];
     int n_bounds;
@@ -661,17 +676,21 @@ static uint64_t epoch_now(const struct dvb_settled *m, int k)
     return __atomic_load_n(&m->epochs[k], __ATOMIC_ACQUIRE);
 }
 
-/* Turn settled controls on: the books' epochs (two u64 the broker bumps) and the bounds
- * of the call counters' latency buckets (ns). */
-int dvb_settled_start(struct dvb_shared *sh, const uint64_t *epochs, const int64_t *bounds,
-                      int n_bounds)
+/* Turn settled controls on: the books' words and ring of removals (objects.BooksLog) and
+ * the bounds of the call counters' latency buckets (ns). */
+int dvb_settled_start(struct dvb_shared *sh, const uint64_t *epochs,
+                      const struct dvb_removal *ring, uint64_t ring_size,
+                      const int64_t *bounds, int n_bounds)
 {
     struct dvb_settled *m = &sh->settled;
-    if (n_bounds < 0 || n_bounds > DVB_SETTLED_BUCKETS)
+    if (n_bounds < 0 || n_bounds > DVB_SETTLED_BUCKETS || !ring_size)
         return -1;
     pthread_mutex_lock(&m->lock);
     memcpy(m->bounds, bounds, sizeof(int64_t) * n_bounds);
     m->n_bounds = n_bounds;
+    m->ring = ring;
+    m->ring_size = ring_size;
+    m->ring_seen = __atomic_load_n(&epochs[2], __ATOMIC_ACQUIRE);
     m->epochs = epochs;
     pthread_mutex_unlock(&m->lock);
     return 0;
@@ -717,9 +736,10 @@ static uint64_t control_home(uint32_t abi, uint32_t ioctl_cmd, uint32_t control)
     return mix64(((uint64_t)abi << 32 | ioctl_cmd) ^ mix64(control));
 }
 
-static uint64_t object_home(int64_t dev, int64_t ino, uint32_t client, uint32_t object)
+/* (by client and object alone: a removal names those, not the file) */
+static uint64_t object_home(uint32_t client, uint32_t object)
 {
-    return mix64((uint64_t)dev ^ mix64((uint64_t)ino ^ mix64((uint64_t)client << 32 | object)));
+    return mix64((uint64_t)client << 32 | object);
 }
 
 static struct dvb_settled_control *find_control(struct dvb_settled *m, uint64_t epoch,
@@ -740,7 +760,7 @@ static struct dvb_settled_object *find_object(struct dvb_settled *m, uint64_t ep
                                               int64_t dev, int64_t ino, uint32_t client,
                                               uint32_t object)
 {
-    uint64_t h = object_home(dev, ino, client, object);
+    uint64_t h = object_home(client, object);
     for (int k = 0; k < SETTLED_PROBE; k++) {
         struct dvb_settled_object *e = &m->objects[(h + k) % DVB_SETTLED_OBJECTS];
         if (e->epoch == epoch && e->dev == dev && e->ino == ino && e->client == client
@@ -748,6 +768,54 @@ static struct dvb_settled_object *find_object(struct dvb_settled *m, uint64_t ep
             return e;
     }
     return NULL;
+}
+
+/* Forget the object facts a removal names (kind, and client/object or dev/inode). */
+static void forget(struct dvb_settled *m, uint32_t kind, uint32_t client, uint32_t object,
+                   int64_t dev, int64_t ino)
+{
+    if (kind == DVB_REMOVED_OBJECT) {
+        uint64_t h = object_home(client, object);
+        for (int k = 0; k < SETTLED_PROBE; k++) {
+            struct dvb_settled_object *e = &m->objects[(h + k) % DVB_SETTLED_OBJECTS];
+            if (e->client == client && e->object == object)
+                e->epoch = 0;
+        }
+        return;
+    }
+    for (int i = 0; i < DVB_SETTLED_OBJECTS; i++) {
+        struct dvb_settled_object *e = &m->objects[i];
+        if (kind == DVB_REMOVED_CLIENT ? e->client == client
+                                       : (e->dev == dev && e->ino == ino))
+            e->epoch = 0;
+    }
+}
+
+/* Read the books' ring of removals from where this table stopped (under m->lock): each
+ * names the facts it makes stale; a ring this table fell behind by more than its size, or
+ * an entry rewritten while read, forgets every object fact. */
+static void catch_up(struct dvb_settled *m)
+{
+    uint64_t head = __atomic_load_n(&m->epochs[2], __ATOMIC_ACQUIRE);
+    if (head == m->ring_seen)
+        return;
+    int lost = head - m->ring_seen > m->ring_size;
+    for (uint64_t seq = m->ring_seen + 1; !lost && seq <= head; seq++) {
+        const volatile struct dvb_removal *r = &m->ring[seq % m->ring_size];
+        uint64_t s1 = __atomic_load_n(&r->seq, __ATOMIC_ACQUIRE);
+        uint32_t kind = r->kind, client = r->client, object = r->object;
+        int64_t dev = r->dev, ino = r->ino;
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        if (s1 != seq || r->seq != seq) {
+            lost = 1;
+            break;
+        }
+        forget(m, kind, client, object, dev, ino);
+    }
+    if (lost)
+        for (int i = 0; i < DVB_SETTLED_OBJECTS; i++)
+            m->objects[i].epoch = 0;
+    m->ring_seen = head;
 }
 
 /* The sandbox tag of a thread the broker accepted, while it is still that thread (its
@@ -789,8 +857,10 @@ static uint64_t caller_sandbox(struct dvb_settled *m, int64_t tid)
  * and its caller. obj: dev, ino, client, object, abi, the session's sandbox tag, the
  * caller's sandbox tag; ctl: abi, ioctl number, control,
  * parameter size, patched, and the TablePatch layout (6 values, when patched); patch_n
- * values (index, value) for the object's GPU; epochs: the books epoch and the charge epoch
- * read before the broker decided; pidfd: a thread pidfd of the caller, owned here from now
+ * values (index, value) for the object's GPU; epochs: the policy epoch, the charge epoch
+ * and the removals written, read before the broker decided (a change since: nothing is
+ * written, but for the control fact when only removals came); ctl NULL: the object fact
+ * alone (an object the broker just added to the books); pidfd: a thread pidfd of the caller, owned here from now
  * on (-1: none). evicted (3 + buckets): the counters of a control whose slot this one
  * takes (evicted[0] its slot, -1 for none), for Python to record. Returns the control's
  * slot, or -1 when the facts were not written (settled controls off, a bad value).
@@ -802,7 +872,7 @@ int dvb_settled_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t
     struct dvb_settled *m = &sh->settled;
     int slot = -1;
     evicted[0] = -1;
-    if (patch_n < 0 || patch_n > DVB_PATCH_MAX || (ctl[4] && !patch_n)) {
+    if (patch_n < 0 || patch_n > DVB_PATCH_MAX || (ctl && ctl[4] && !patch_n)) {
         if (pidfd >= 0)
             close(pidfd);
         return -1;
@@ -814,9 +884,59 @@ int dvb_settled_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t
             close(pidfd);
         return -1;
     }
+    catch_up(m);
     uint64_t now = epoch_now(m, 0);
+    if (epochs[0] != now) { /* the policy changed while the broker decided */
+        pthread_mutex_unlock(&m->lock);
+        if (pidfd >= 0)
+            close(pidfd);
+        return -1;
+    }
+    /* the object: only if nothing was removed while the broker decided */
+    int64_t dev = obj[0], ino = obj[1];
+    uint32_t client = (uint32_t)obj[2], object = (uint32_t)obj[3];
+    uint32_t control = ctl ? (uint32_t)ctl[2] : 0;
+    if (epochs[2] == m->ring_seen) {
+        int oi = PICK_SLOT(m->objects, DVB_SETTLED_OBJECTS, object_home(client, object),
+                           e->dev == dev && e->ino == ino && e->client == client
+                               && e->object == object && e->epoch,
+                           e->epoch != now);
+        struct dvb_settled_object *o = &m->objects[oi];
+        if (!(o->epoch == now && o->dev == dev && o->ino == ino && o->client == client
+              && o->object == object))
+            o->patch_control = 0; /* a new fact: no patch values yet */
+        o->epoch = now;
+        o->dev = dev;
+        o->ino = ino;
+        o->client = client;
+        o->object = object;
+        o->abi = (uint32_t)obj[4];
+        o->sandbox = (uint64_t)obj[5];
+        if (patch_n) {
+            o->patch_control = control;
+            o->patch_epoch = epochs[1];
+            o->patch_n = patch_n;
+            memcpy(o->patch_index, patch_index, sizeof(uint32_t) * patch_n);
+            memcpy(o->patch_value, patch_value, sizeof(uint32_t) * patch_n);
+        }
+    }
+    /* the caller */
+    if (pidfd >= 0) {
+        int ki = PICK_SLOT(m->callers, DVB_SETTLED_CALLERS, mix64((uint64_t)tid),
+                           e->tid == tid, !e->tid);
+        struct dvb_settled_caller *k = &m->callers[ki];
+        if (k->pidfd >= 0)
+            close(k->pidfd);
+        k->tid = tid;
+        k->pidfd = pidfd;
+        k->sandbox = (uint64_t)obj[6];
+    }
+    if (!ctl) {
+        pthread_mutex_unlock(&m->lock);
+        return 0;
+    }
     /* the control */
-    uint32_t abi = (uint32_t)ctl[0], ioctl_cmd = (uint32_t)ctl[1], control = (uint32_t)ctl[2];
+    uint32_t abi = (uint32_t)ctl[0], ioctl_cmd = (uint32_t)ctl[1];
     int ci = PICK_SLOT(m->controls, DVB_SETTLED_CONTROLS, control_home(abi, ioctl_cmd, control),
                        e->abi == abi && e->ioctl_cmd == ioctl_cmd && e->control == control
                            && e->epoch,
@@ -834,7 +954,7 @@ int dvb_settled_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t
         c->ok = c->err = c->sum_ns = 0;
         memset(c->buckets, 0, sizeof(c->buckets));
     }
-    c->epoch = epochs[0];
+    c->epoch = now;
     c->abi = abi;
     c->ioctl_cmd = ioctl_cmd;
     c->control = control;
@@ -849,42 +969,6 @@ int dvb_settled_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t
         c->patch_count_off = (int32_t)ctl[10];
     }
     slot = ci;
-    /* the object */
-    int64_t dev = obj[0], ino = obj[1];
-    uint32_t client = (uint32_t)obj[2], object = (uint32_t)obj[3];
-    int oi = PICK_SLOT(m->objects, DVB_SETTLED_OBJECTS, object_home(dev, ino, client, object),
-                       e->dev == dev && e->ino == ino && e->client == client
-                           && e->object == object && e->epoch,
-                       e->epoch != now);
-    struct dvb_settled_object *o = &m->objects[oi];
-    if (!(o->epoch == epochs[0] && o->dev == dev && o->ino == ino && o->client == client
-          && o->object == object))
-        o->patch_control = 0; /* a new fact: no patch values yet */
-    o->epoch = epochs[0];
-    o->dev = dev;
-    o->ino = ino;
-    o->client = client;
-    o->object = object;
-    o->abi = (uint32_t)obj[4];
-    o->sandbox = (uint64_t)obj[5];
-    if (patch_n) {
-        o->patch_control = control;
-        o->patch_epoch = epochs[1];
-        o->patch_n = patch_n;
-        memcpy(o->patch_index, patch_index, sizeof(uint32_t) * patch_n);
-        memcpy(o->patch_value, patch_value, sizeof(uint32_t) * patch_n);
-    }
-    /* the caller */
-    if (pidfd >= 0) {
-        int ki = PICK_SLOT(m->callers, DVB_SETTLED_CALLERS, mix64((uint64_t)tid),
-                           e->tid == tid, !e->tid);
-        struct dvb_settled_caller *k = &m->callers[ki];
-        if (k->pidfd >= 0)
-            close(k->pidfd);
-        k->tid = tid;
-        k->pidfd = pidfd;
-        k->sandbox = (uint64_t)obj[6];
-    }
     pthread_mutex_unlock(&m->lock);
     return slot;
 }
@@ -954,9 +1038,8 @@ static int settled_admit(struct dvb_thread *t)
     memcpy(&control, c->hdr + l->control, 4);
     memcpy(&params, c->hdr + l->params, 8);
     memcpy(&params_size, c->hdr + l->params_size, 4);
+    catch_up(m);
     uint64_t now = epoch_now(m, 0);
-    if (!now)
-        goto out;
     struct dvb_settled_object *o = find_object(m, now, c->dev, c->ino, client, object);
     if (!o)
         goto out;
