@@ -13,6 +13,7 @@ import fcntl
 import json
 import os
 import sys
+import time
 
 from devbroker.abi import registry
 
@@ -50,6 +51,7 @@ def alloc(fd, parent, new, cls, params_name=None, **params) -> tuple[int, int]:
     err, v = call(fd, "NV_ESC_RM_ALLOC", "NVOS64_PARAMETERS", hRoot=CLIENT,
                   hObjectParent=parent, hObjectNew=new, hClass=cls, pAllocParms=ptr,
                   paramsSize=size)
+    time.sleep(0.002)  # (as in control())
     return err, v.status
 
 
@@ -57,6 +59,9 @@ def control(fd, obj, cmd, data: bytes) -> tuple[int, int, bytes]:
     b, ptr = block(data)
     err, v = call(fd, "NV_ESC_RM_CONTROL", "NVOS54_PARAMETERS", hClient=CLIENT, hObject=obj,
                   cmd=cmd, params=ptr, paramsSize=len(data))
+    # (the broker writes down what it may settle after it answered: a pause, so that the
+    # test's counts do not depend on which comes first on a loaded machine)
+    time.sleep(0.002)
     return err, v.status, bytes(b.raw)
 
 

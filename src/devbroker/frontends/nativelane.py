@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("devbroker.seccomp.native")
 
-ABI = 10  # native/lane.c DVB_ABI
+ABI = 11  # native/lane.c DVB_ABI
 DVB_NOTIF, DVB_IDLE, DVB_WAKE, DVB_HUP, DVB_FOLD, DVB_LATE, DVB_WRITE_FAILED, DVB_ERROR = \
     range(1, 9)
 ACT_DECLINE, ACT_CONTINUE, ACT_CONTROL, ACT_FAIL = 0, 1, 2, 3
@@ -87,6 +87,7 @@ class Call(ctypes.Structure):
         ("fd_orig", ctypes.c_int64 * FD_MAX),
         ("fd_dup", ctypes.c_int64 * FD_MAX),
         ("settled", ctypes.c_int64),
+        ("after", ctypes.c_int64),
         ("patch_index", ctypes.c_uint32 * PATCH_MAX),
         ("patch_value", ctypes.c_uint32 * PATCH_MAX),
         ("hdr", ctypes.c_uint8 * HDR_MAX),
@@ -143,7 +144,7 @@ def library() -> ctypes.CDLL | None:
     lib.dvb_shared_new.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_size_t,
                                    ctypes.POINTER(ctypes.c_int),
                                    ctypes.POINTER(ctypes.c_ulong), i64, _CALLBACK, _CALLBACK,
-                                   _CALLBACK]
+                                   _CALLBACK, _CALLBACK]
     lib.dvb_shared_free.argtypes = [vp]
     lib.dvb_set_names.argtypes = [vp, ctypes.c_char_p, ctypes.c_size_t]
     lib.dvb_set_lane_cmds.argtypes = [vp, ctypes.POINTER(ctypes.c_uint32), ctypes.c_int]
@@ -203,6 +204,9 @@ class NativeThread:
         self.driver_safe = False
         self.last_patch = None  # the TablePatch now in the call buffer (set_patch)
         self.epochs = None  # objects.BOOKS.now() as the broker began deciding this call
+        # what to write down for settled controls once the tenant has its answer (the
+        # loop's on_after; dropped if the call went another way)
+        self.after: list = []
         # the private copies of the control in flight's embedded buffers (the loop holds
         # their addresses until its next call: kept alive here until then)
         self.embedded: list = []
@@ -253,10 +257,11 @@ class NativeLane:
         self._cb_ioctl = _CALLBACK(self._on_ioctl)
         self._cb_check = _CALLBACK(self._on_check)
         self._cb_finish = _CALLBACK(self._on_finish)
+        self._cb_after = _CALLBACK(self._on_after)
         self.shared = lib.dvb_shared_new(
             listener_fd, wake_fd, notif_size, (ctypes.c_int * 4)(*nrs),
             (ctypes.c_ulong * 3)(*reqs), spin_ns, self._cb_ioctl, self._cb_check,
-            self._cb_finish)
+            self._cb_finish, self._cb_after)
         if not self.shared:
             raise OSError("dvb_shared_new failed")
         blob = b"".join(n.encode("utf-8", "surrogateescape") + b"\0" for n in sorted(names))
@@ -438,6 +443,9 @@ class NativeLane:
 
     def _on_finish(self, slot: int) -> int:
         return self._decide(slot, self.sup._native_finish, "finishing a control", -1)
+
+    def _on_after(self, slot: int) -> int:
+        return self._decide(slot, self.sup._native_after, "writing down settled facts", 0)
 
     def _decide(self, slot: int, step, what: str, failed: int) -> int:
         """One callback's Python step for the thread in `slot`; an exception answers

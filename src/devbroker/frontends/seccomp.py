@@ -816,6 +816,7 @@ class SeccompSupervisor:
         same choices as `_answer_here`, on the header the loop read privately."""
         if t.unfinished is not None:
             self._settle(t)
+        t.after.clear()  # (the last call's facts, if it went another way: not written)
         if t.adm is not None:  # the last call never reached on_finish (a stale caller)
             self._lane.release(t.adm)
             t.adm = None
@@ -839,7 +840,7 @@ class SeccompSupervisor:
                 # adopted here, then admitted again (counted once as declined)
                 unknown = lane.unknown_client(sess.id, c.cmd, hdr)
                 if unknown is not None and self._native_adopt(c, sess, unknown):
-                    self._settle_object(t, c, sess.id, unknown, unknown)
+                    self._after(t, c, self._settle_object, t, c, sess.id, unknown, unknown)
                     adm = lane.admit(sess.id, caller, c.cmd, hdr,
                                      max_params=nativelane.PARAMS_MAX)
             if adm is None:
@@ -853,7 +854,7 @@ class SeccompSupervisor:
                 lane.book(adm)
                 t.unfinished, t.done_seen = adm, c.done_count  # its row: _settle
                 if driver and (adm.post is None or patched) and lane.settleable(adm):
-                    self._native_settle(t, c, adm, epochs, patch)
+                    self._after(t, c, self._native_settle, t, c, adm, epochs, patch)
             c.params_ptr, c.params_size = adm.params_ptr, adm.params_size
             c.params_off, c.status_off = adm.header.params_offset, adm.header.status_offset
             c.driver, c.finish, c.check = int(driver), int(finish), int(adm.checked)
@@ -863,6 +864,20 @@ class SeccompSupervisor:
             if self._continue_decision(c.tid, c.cmd, c.argp, sess):
                 return nativelane.ACT_CONTINUE
         return nativelane.ACT_DECLINE
+
+    @staticmethod
+    def _after(t: nativelane.NativeThread, c: nativelane.Call, fn, *args) -> None:
+        """Run fn(*args) once the loop has answered this call (on_after): what settled
+        controls need written down costs the broker's time, not the tenant's."""
+        t.after.append((fn, args))
+        c.after = 1
+
+    def _native_after(self, t: nativelane.NativeThread, c: nativelane.Call) -> int:
+        """The loop answered the call: write down what it may repeat (`_after`)."""
+        pending, t.after = t.after, []
+        for fn, args in pending:
+            fn(*args)
+        return 0
 
     def _native_settle(self, t: nativelane.NativeThread, c: nativelane.Call, adm,
                        epochs: tuple[int, int], patch) -> None:
@@ -1042,9 +1057,9 @@ class SeccompSupervisor:
             NL.set_params(t, out)
             if adm.alloc is not None and c.driver:  # the new object, for plain controls
                 h = adm.header
-                self._settle_object(t, c, adm.session.id, adm.client.handle,
-                                    int.from_bytes(hdr_out[h.new_offset:h.new_offset + 4],
-                                                   "little"))
+                self._after(t, c, self._settle_object, t, c, adm.session.id,
+                            adm.client.handle,
+                            int.from_bytes(hdr_out[h.new_offset:h.new_offset + 4], "little"))
         return 1
 
     def _settle(self, t: nativelane.NativeThread) -> None:

@@ -56,7 +56,7 @@
 #endif
 #define DVB_PIDFD_THREAD O_EXCL /* Linux 6.9: a pidfd for a (non-leader) thread */
 
-#define DVB_ABI 10 /* bumped with any change of the structures below (nativelane.py checks) */
+#define DVB_ABI 11 /* bumped with any change of the structures below (nativelane.py checks) */
 
 struct dvb_notif { /* struct seccomp_notif */
     uint64_t id;
@@ -135,6 +135,9 @@ struct dvb_call {
     int64_t fd_off[DVB_FD_MAX], fd_orig[DVB_FD_MAX], fd_dup[DVB_FD_MAX];
     /* the settled control this call was admitted by (-1: decided by the broker's callback) */
     int64_t settled;
+    /* 1: call on_after once the tenant has its answer (what the broker writes down for
+     * settled controls: off the tenant's time) */
+    int64_t after;
     uint32_t patch_index[DVB_PATCH_MAX], patch_value[DVB_PATCH_MAX];
     uint8_t hdr[DVB_HDR_MAX];
     uint8_t hdr_out[DVB_HDR_MAX];
@@ -214,6 +217,7 @@ struct dvb_settled {
     const volatile struct dvb_removal *ring;
     uint64_t ring_size, ring_seen;   /* the ring's entries, the last one read */
     int64_t credit;                  /* calls it may still admit (-1: the tenant is unpaced) */
+    int64_t unfolded;                /* settled calls counted since the last fold */
     int64_t bounds[DVB_SETTLED_BUCKETS];
     int n_bounds;
     struct dvb_settled_layout layouts[DVB_SETTLED_LAYOUTS];
@@ -234,7 +238,7 @@ struct dvb_shared {
     int n_lane_cmds;
     char names[DVB_NAMES_MAX]; /* NUL-separated basenames that may be ours */
     size_t names_len;
-    dvb_callback on_ioctl, on_check, on_finish;
+    dvb_callback on_ioctl, on_check, on_finish, on_after;
     pthread_mutex_t recv_lock;
     struct dvb_settled settled;
 };
@@ -270,7 +274,7 @@ size_t dvb_params_max(void) { return DVB_PARAMS_MAX; }
 struct dvb_shared *dvb_shared_new(int listener, int wake_fd, size_t notif_size,
                                   const int *nrs, const unsigned long *reqs, int64_t spin_ns,
                                   dvb_callback on_ioctl, dvb_callback on_check,
-                                  dvb_callback on_finish)
+                                  dvb_callback on_finish, dvb_callback on_after)
 {
     if (notif_size < sizeof(struct dvb_notif) || notif_size > 256)
         return NULL;
@@ -291,6 +295,7 @@ struct dvb_shared *dvb_shared_new(int listener, int wake_fd, size_t notif_size,
     sh->on_ioctl = on_ioctl;
     sh->on_check = on_check;
     sh->on_finish = on_finish;
+    sh->on_after = on_after;
     pthread_mutex_init(&sh->recv_lock, NULL);
     pthread_mutex_init(&sh->settled.lock, NULL);
     for (int i = 0; i < DVB_SETTLED_CALLERS; i++)
@@ -654,6 +659,8 @@ static int run_control_once(struct dvb_thread *t, struct dvb_notif *n, int64_t t
     }
     t->counters[C_LANE_NS_WRITE] += now_ns() - t6;
     send_resp(t, n->id, c->ret, 0, 0);
+    if (c->after)
+        sh->on_after(t->slot); /* (the tenant runs on meanwhile) */
     return 0;
 }
 
@@ -999,11 +1006,18 @@ int dvb_settled_fold(struct dvb_shared *sh, int64_t *out, int max)
 {
     struct dvb_settled *m = &sh->settled;
     int rows = 0, width = 4 + DVB_SETTLED_BUCKETS + 1;
+    if (!__atomic_load_n(&m->unfolded, __ATOMIC_RELAXED))
+        return 0; /* (nothing counted: no lock, no scan) */
     pthread_mutex_lock(&m->lock);
-    for (int i = 0; i < DVB_SETTLED_CONTROLS && rows < max; i++) {
+    m->unfolded = 0;
+    for (int i = 0; i < DVB_SETTLED_CONTROLS; i++) {
         struct dvb_settled_control *c = &m->controls[i];
         if (!c->ok && !c->err)
             continue;
+        if (rows == max) {
+            m->unfolded = 1; /* more than fit: the next fold goes on */
+            break;
+        }
         int64_t *row = out + (size_t)rows++ * width;
         row[0] = i;
         row[1] = c->ok;
@@ -1098,6 +1112,7 @@ static void settled_count(struct dvb_thread *t, int64_t ns)
             e->ok++;
         e->sum_ns += ns;
         e->buckets[b]++;
+        m->unfolded++;
     }
     pthread_mutex_unlock(&m->lock);
 }
@@ -1124,6 +1139,7 @@ static int answer_ioctl(struct dvb_thread *t, struct dvb_notif *n)
     c->embed_n = 0;
     c->fd_n = 0;
     c->settled = -1;
+    c->after = 0;
     c->status_off = -1;
     if (c->fd < 0)
         return DVB_NOTIF;
