@@ -109,8 +109,8 @@ for _ in range(5):
     if err or status:
         out["errors"].append(["SYSTEM_GET_FEATURES again", err, status])
 # a second client with its own device and subdevice: MC_GET_ARCH_INFO once on the first
-# subdevice, then on the second one three times (an object the broker allocated is known
-# to the loop from its allocation on)
+# subdevice, then on the second one three times (a decision is per object: the second
+# subdevice's is written down at its own second call)
 CLIENT2, DEVICE2, SUBDEVICE2 = 0xC1D00002, 0xC1D000D2, 0xC1D000E2
 out["root2"] = call(ctl, "NV_ESC_RM_ALLOC", "NVOS64_PARAMETERS", hRoot=CLIENT2,
                     hObjectParent=CLIENT2, hObjectNew=CLIENT2, hClass=0x41)[0]

@@ -174,15 +174,13 @@ def test_settled_controls_answer_as_the_broker_and_follow_the_books(tmp_path):
     """The native loop's settled controls (nativelane.NativeLane.settle), end to end: a
     broker on the real backend whose driver calls meet a stand-in that answers NV_OK to
     everything (nvok_standin.py), a seccomp tenant (tests/settled_prog.py) sending the same
-    controls 20 times each. With settled controls on, the loop admits all but the first of
-    each run by itself — 4 × 19 calls — and the tenant sees exactly what it sees with them
+    controls 20 times each. With settled controls on, the loop admits most of each run by
+    itself (the counts below) and the tenant sees exactly what it sees with them
     off (DEVBROKER_SETTLED=0): every call NV_OK, FB_GET_INFO_V2 patched with the quota as
     total and free memory; after a 64 MiB allocation the settled answer shows 64 MiB less
     free (a change of charged memory makes the patch values stale), after its free the
     whole quota again. The free removes that object's facts only: the client's control is
-    settled from its first call after it; and an object the broker allocated is known to
-    the loop from its allocation on (a control the loop knows is settled on its first call
-    there)."""
+    settled from its first call after it."""
     import sys
     from pathlib import Path
 
@@ -209,11 +207,13 @@ def test_settled_controls_answer_as_the_broker_and_follow_the_books(tmp_path):
         "arch": [[0, 0]] * 4,
         "last": 0x23,  # (NV_ERR_INVALID_CLIENT: the general path's refusal)
     }, (on, off)
-    # the first call of each run of 20 decided by the broker, the rest settled (4 × 19);
-    # the client's control after the free of another object: all 5 settled; the second
-    # subdevice's control: all 3 (its object written down at its allocation, the control
-    # at the first subdevice's call)
-    assert lane_on["settled"] == 4 * 19 + 5 + 3, lane_on
+    # Each run of 20: the broker decides the first two (a decision is written down when it
+    # is made the second time, NativeLane.seen_twice), the loop the other 18; FB info's
+    # runs after the allocation and after the free: the first call decided again (the
+    # memory its answer shows changed), the other 19 settled; the client's control after
+    # the free of another object: all 5 settled (what the free removed was not the
+    # client); the second subdevice's control: its first two decided, the third settled.
+    assert lane_on["settled"] == 18 + 18 + 19 + 19 + 5 + 1, lane_on
     assert lane_off["settled"] == 0, lane_off
     # every call counted as admitted either way (a settled call is an admitted one)
     assert lane_on["admitted"] == lane_off["admitted"], (lane_on, lane_off)

@@ -281,6 +281,7 @@ class NativeLane:
         self._layouts: set[int] = set()
         self._abi_tags: dict[object, int] = {}
         self._sandboxes: dict[tuple, int] = {}  # (uid, pid namespace) -> tag
+        self._sightings: dict[tuple, bool] = {}  # controls admitted once (seen_twice)
         self._tags = itertools.count(1)  # (never 0, never used twice)
         self._settled_lock = threading.Lock()
         self._fold_rows = (ctypes.c_int64 * (_SETTLED_ROW * 64))()
@@ -339,22 +340,25 @@ class NativeLane:
             self._top_up(s.tenant)
         return True
 
-    def settle_object(self, c: Call, session, abi, client: int, handle: int,
-                      epochs: tuple[int, int, int], caller, caller_pidfd: int) -> None:
-        """Write down that an object the broker just added to the books (an allocation it
-        ran, a client it adopted) is the tenant's on that file, as `settle` would after the
-        first control on it: that control then needs no callback either."""
-        if not self.settled_on or session.pidns is None or caller.pidns is None:
-            return
-        with self._settled_lock:
-            self._put(c, session, abi, client, handle, epochs, caller, caller_pidfd)
+    def seen_twice(self, dev: int, ino: int, client: int, obj: int, control: int) -> bool:
+        """Whether this control on this object of this file is admitted the second time
+        (or later): only then is the decision written down (a first use, which most of a
+        CUDA or NVML init's controls are, would pay for writing it and never use it:
+        measured on the H200, docs/benchmarks.md "Settled controls")."""
+        key = (dev, ino, client, obj, control)
+        if key in self._sightings:
+            return True
+        if len(self._sightings) >= 8192:  # (bounded: old sightings are just forgotten)
+            self._sightings.clear()
+        self._sightings[key] = True
+        return False
 
     def _put(self, c: Call, s, abi, client: int, handle: int, epochs, caller,
-             caller_pidfd: int, adm=None, patch=None, lane=None) -> int:
-        """dvb_settled_put (under _settled_lock): the object fact, the caller, and with
-        `adm` the control fact; the control's slot, or -1."""
-        h = adm.header if adm is not None else None
-        if h is not None and h.ioctl_cmd not in self._layouts:
+             caller_pidfd: int, adm, patch, lane) -> int:
+        """dvb_settled_put (under _settled_lock): the object fact, the caller and the
+        control fact; the control's slot, or -1."""
+        h = adm.header
+        if h.ioctl_cmd not in self._layouts:
             f = (ctypes.c_int32 * 8)(h.ioctl_cmd, h.size, *h.offsets, h.status_offset)
             if self.lib.dvb_settled_layout(self.shared, f) != 0:
                 return -1
@@ -368,9 +372,8 @@ class NativeLane:
         layout = ((patch.table_offset, patch.entry_size, patch.index_offset,
                    patch.data_offset, patch.capacity, patch.count_offset)
                   if patch is not None else (0,) * 6)
-        ctl = (None if adm is None else
-               (ctypes.c_int64 * 11)(tag, h.ioctl_cmd, adm.cmd, adm.params_size,
-                                     int(patch is not None), *layout))
+        ctl = (ctypes.c_int64 * 11)(tag, h.ioctl_cmd, adm.cmd, adm.params_size,
+                                    int(patch is not None), *layout)
         values = patch.values if patch is not None else ()
         idx = (ctypes.c_uint32 * PATCH_MAX)(*[i for i, _v in values])
         val = (ctypes.c_uint32 * PATCH_MAX)(*[v for _i, v in values])
@@ -379,7 +382,7 @@ class NativeLane:
             self.shared, (ctypes.c_uint64 * 3)(*epochs), obj, ctl, len(values), idx, val,
             c.tid, pidfd, self._evicted)  # (pidfd is the loop's from here on)
         ev = self._evicted
-        if ev[0] >= 0 and lane is not None:  # another control's row left that slot
+        if ev[0] >= 0:  # another control's row left that slot: what it counted
             self._record(lane, ev[0], ev, 0)
         return slot
 

@@ -840,7 +840,6 @@ class SeccompSupervisor:
                 # adopted here, then admitted again (counted once as declined)
                 unknown = lane.unknown_client(sess.id, c.cmd, hdr)
                 if unknown is not None and self._native_adopt(c, sess, unknown):
-                    self._after(t, c, self._settle_object, t, c, sess.id, unknown, unknown)
                     adm = lane.admit(sess.id, caller, c.cmd, hdr,
                                      max_params=nativelane.PARAMS_MAX)
             if adm is None:
@@ -853,7 +852,9 @@ class SeccompSupervisor:
             if not finish and not adm.checked:  # (a checked one: once its check passed)
                 lane.book(adm)
                 t.unfinished, t.done_seen = adm, c.done_count  # its row: _settle
-                if driver and (adm.post is None or patched) and lane.settleable(adm):
+                if (driver and (adm.post is None or patched) and lane.settleable(adm)
+                        and t.lane.seen_twice(c.dev, c.ino, adm.client.handle, adm.h_object,
+                                              adm.cmd)):
                     self._after(t, c, self._native_settle, t, c, adm, epochs, patch)
             c.params_ptr, c.params_size = adm.params_ptr, adm.params_size
             c.params_off, c.status_off = adm.header.params_offset, adm.header.status_offset
@@ -890,26 +891,6 @@ class SeccompSupervisor:
         try:
             t.lane.settle(adm, c, epochs, patch, hit[1], hit[0],
                           adm.mark[1] if adm.mark is not None else None, self._lane)
-        except OSError:  # (no fd for the pidfd's duplicate: not settled, nothing else)
-            pass
-
-    def _settle_object(self, t: nativelane.NativeThread, c: nativelane.Call, sid: int,
-                       client: int, handle: int) -> None:
-        """An object the broker just added to the books on the loop's behalf (an allocation
-        it ran, a client it adopted): the loop may admit plain controls on it without a
-        callback (NativeLane.settle_object), if it is in the books now, on one of the
-        tenant's GPUs, and nothing was removed since `t.epochs` were read."""
-        hit = self._callers.get(c.tid)
-        if hit is None or t.epochs is None or not t.lane.settled_on:
-            return
-        s = self.broker.sessions.get(sid)
-        owned = s is not None and s.tenant.clients.get(client)
-        obj = owned.objects.get(handle) if owned else None
-        if obj is None or (obj.gpu is not None and obj.gpu not in s.tenant.gpus):
-            return
-        try:
-            t.lane.settle_object(c, s, self.broker._abi(s), client, handle, t.epochs,
-                                 hit[1], hit[0])
         except OSError:  # (no fd for the pidfd's duplicate: not settled, nothing else)
             pass
 
@@ -1055,11 +1036,6 @@ class SeccompSupervisor:
         out = self._lane.finish(adm, hdr, NL.params_in(t), ret, err, hdr_out, params)
         if not err:
             NL.set_params(t, out)
-            if adm.alloc is not None and c.driver:  # the new object, for plain controls
-                h = adm.header
-                self._after(t, c, self._settle_object, t, c, adm.session.id,
-                            adm.client.handle,
-                            int.from_bytes(hdr_out[h.new_offset:h.new_offset + 4], "little"))
         return 1
 
     def _settle(self, t: nativelane.NativeThread) -> None:

@@ -866,8 +866,7 @@ static uint64_t caller_sandbox(struct dvb_settled *m, int64_t tid)
  * parameter size, patched, and the TablePatch layout (6 values, when patched); patch_n
  * values (index, value) for the object's GPU; epochs: the policy epoch, the charge epoch
  * and the removals written, read before the broker decided (a change since: nothing is
- * written, but for the control fact when only removals came); ctl NULL: the object fact
- * alone (an object the broker just added to the books); pidfd: a thread pidfd of the caller, owned here from now
+ * written, but for the control fact when only removals came); pidfd: a thread pidfd of the caller, owned here from now
  * on (-1: none). evicted (3 + buckets): the counters of a control whose slot this one
  * takes (evicted[0] its slot, -1 for none), for Python to record. Returns the control's
  * slot, or -1 when the facts were not written (settled controls off, a bad value).
@@ -879,7 +878,7 @@ int dvb_settled_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t
     struct dvb_settled *m = &sh->settled;
     int slot = -1;
     evicted[0] = -1;
-    if (patch_n < 0 || patch_n > DVB_PATCH_MAX || (ctl && ctl[4] && !patch_n)) {
+    if (patch_n < 0 || patch_n > DVB_PATCH_MAX || (ctl[4] && !patch_n)) {
         if (pidfd >= 0)
             close(pidfd);
         return -1;
@@ -902,7 +901,7 @@ int dvb_settled_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t
     /* the object: only if nothing was removed while the broker decided */
     int64_t dev = obj[0], ino = obj[1];
     uint32_t client = (uint32_t)obj[2], object = (uint32_t)obj[3];
-    uint32_t control = ctl ? (uint32_t)ctl[2] : 0;
+    uint32_t control = (uint32_t)ctl[2];
     if (epochs[2] == m->ring_seen) {
         int oi = PICK_SLOT(m->objects, DVB_SETTLED_OBJECTS, object_home(client, object),
                            e->dev == dev && e->ino == ino && e->client == client
@@ -937,10 +936,6 @@ int dvb_settled_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t
         k->tid = tid;
         k->pidfd = pidfd;
         k->sandbox = (uint64_t)obj[6];
-    }
-    if (!ctl) {
-        pthread_mutex_unlock(&m->lock);
-        return 0;
     }
     /* the control */
     uint32_t abi = (uint32_t)ctl[0], ioctl_cmd = (uint32_t)ctl[1];
