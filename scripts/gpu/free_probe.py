@@ -4,8 +4,9 @@ native loop NVML's three root frees cost ~320 µs each over the driver's ~360 µ
 One plain process on the H200, no broker: N times, a root client with a device and a
 subdevice under it (NVML's shape) is freed (a) by the process that allocated it, (b) by a
 forked child on the inherited file (as the broker frees it on its duplicate of the tenant's
-file), (c) by the same process after a child made one control on it. Prints one JSON line
-with the p50/min of each (µs).
+file), (c) by the same process after a child made two controls on it; and the time of one
+control (SYSTEM_GET_FEATURES) by the owner, and by the child the first and second time.
+Prints one JSON line with the p50/min of each (µs).
     python3 scripts/gpu/free_probe.py [N]"""
 from __future__ import annotations
 
@@ -74,6 +75,7 @@ def main() -> None:
     ioctl(gpu, 201, struct.pack("<i", ctl))
     out = {}
     same, cross, after_child = [], [], []
+    own_first, child_first, child_second = [], [], []
     for _ in range(n):
         c = client_with_device(ctl, inst)
         st, us = free(ctl, c, c, c)
@@ -91,15 +93,31 @@ def main() -> None:
         os.close(w)
         cross.append(us)
         c = client_with_device(ctl, inst)
+        t0 = time.perf_counter_ns()
+        control(ctl, c, c, 0x1F0, bytes(4))
+        own_first.append((time.perf_counter_ns() - t0) / 1e3)
+        r, w = os.pipe()
         pid = os.fork()
         if pid == 0:
-            control(ctl, c, c, 0x1F0, bytes(4))
+            times = []
+            for _k in range(2):
+                t0 = time.perf_counter_ns()
+                control(ctl, c, c, 0x1F0, bytes(4))
+                times.append((time.perf_counter_ns() - t0) / 1e3)
+            os.write(w, json.dumps(times).encode())
             os._exit(0)
         os.waitpid(pid, 0)
+        first, second = json.loads(os.read(r, 100))
+        os.close(r)
+        os.close(w)
+        child_first.append(first)
+        child_second.append(second)
         st, us = free(ctl, c, c, c)
         after_child.append(us)
     for k, v in (("same_process", same), ("forked_child", cross),
-                 ("same_after_child_control", after_child)):
+                 ("same_after_child_control", after_child),
+                 ("control_by_owner", own_first), ("control_by_child_first", child_first),
+                 ("control_by_child_second", child_second)):
         out[k] = {"p50_us": round(statistics.median(v), 1), "min_us": round(min(v), 1)}
     print(json.dumps(out), flush=True)
 
