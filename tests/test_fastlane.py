@@ -712,3 +712,30 @@ def test_the_call_counters_wrap_every_lane_method_with_its_signature():
             want = list(inspect.signature(fn).parameters)
             got = list(inspect.signature(getattr(wrapper, name)).parameters)
             assert got == want, (wrapper.__name__, name, got, want)
+
+
+def test_settled_calls_are_counted_as_if_answered_one_by_one():
+    """A front end's settled calls reach the books in bulk (ControlLane.settled_calls,
+    through the call counters' wrapper): the tenant's requests, the lane's admissions and
+    settled count, and the call counters' row — verdicts, latency buckets and sum — exactly
+    as the same calls recorded one by one."""
+    import types
+
+    from devbroker.broker import callstats
+
+    key = ("t0", "ioctl", "NV_ESC_RM_CONTROL", "NV2080_CTRL_CMD_FB_GET_INFO_V2")
+    one_by_one, bulk = callstats.CallStats(), callstats.CallStats()
+    calls = [(callstats._OK, 8_000), (callstats._OK, 30_000), (callstats._OK, 30_000),
+             (callstats._ERROR, 2_000_000)]
+    buckets = [0] * callstats._NB
+    for verdict, ns in calls:
+        one_by_one._record(key, verdict, ns)
+        buckets[sum(b < ns for b in callstats._BOUNDS_NS)] += 1
+    lane = fastlane.ControlLane(object.__new__(type("B", (), {})))
+    tenant = types.SimpleNamespace(requests=5)
+    callstats._CountedLane(lane, bulk).settled_calls(tenant, key, 3, 1, 2_068_000, buckets)
+    assert bulk.rows == one_by_one.rows
+    assert bulk.calls == {key + ("ok",): 3, key + ("error",): 1}
+    assert (tenant.requests, lane.admitted, lane.settled) == (9, 4, 4)
+    with pytest.raises(ValueError, match="latency buckets"):
+        bulk.record_rows(key, 1, 0, 1, buckets[:-1])
