@@ -56,6 +56,27 @@ def free(fd, client, parent, obj):
     return st, (time.perf_counter_ns() - t0) / 1e3
 
 
+def timed_control(ctl, client) -> float:
+    """One SYSTEM_GET_FEATURES on the client (µs)."""
+    t0 = time.perf_counter_ns()
+    control(ctl, client, client, 0x1F0, bytes(4))
+    return (time.perf_counter_ns() - t0) / 1e3
+
+
+def in_child(fn):
+    """fn() in a forked child (another process on the same open file); its JSON result."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(w, json.dumps(fn()).encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    got = json.loads(os.read(r, 200))
+    os.close(r)
+    os.close(w)
+    return got
+
+
 def client_with_device(ctl, inst):
     hc, st = alloc(ctl, 0, 0, 0, 0x41)
     hd, _ = alloc(ctl, hc, hc, 0, 0x80, struct.pack("<I52x", inst))
@@ -81,35 +102,10 @@ def main() -> None:
         st, us = free(ctl, c, c, c)
         same.append(us)
         c = client_with_device(ctl, inst)
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            st, us = free(ctl, c, c, c)
-            os.write(w, json.dumps([st, us]).encode())
-            os._exit(0)
-        os.waitpid(pid, 0)
-        st, us = json.loads(os.read(r, 100))
-        os.close(r)
-        os.close(w)
-        cross.append(us)
+        cross.append(in_child(lambda: free(ctl, c, c, c)[1]))
         c = client_with_device(ctl, inst)
-        t0 = time.perf_counter_ns()
-        control(ctl, c, c, 0x1F0, bytes(4))
-        own_first.append((time.perf_counter_ns() - t0) / 1e3)
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            times = []
-            for _k in range(2):
-                t0 = time.perf_counter_ns()
-                control(ctl, c, c, 0x1F0, bytes(4))
-                times.append((time.perf_counter_ns() - t0) / 1e3)
-            os.write(w, json.dumps(times).encode())
-            os._exit(0)
-        os.waitpid(pid, 0)
-        first, second = json.loads(os.read(r, 100))
-        os.close(r)
-        os.close(w)
+        own_first.append(timed_control(ctl, c))
+        first, second = in_child(lambda: [timed_control(ctl, c), timed_control(ctl, c)])
         child_first.append(first)
         child_second.append(second)
         st, us = free(ctl, c, c, c)
