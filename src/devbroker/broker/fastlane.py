@@ -807,11 +807,12 @@ class ControlLane:
 
     def settleable(self, adm: Admitted) -> bool:
         """Whether this admitted control's decision may be *settled*: repeated by a front
-        end, without asking again, for the same control on the same object while the books
-        epoch it was decided at holds (objects.BOOKS; native/lane.c, struct dvb_settled).
-        So: a control (not an allocation, free or escape) decided on its header alone —
-        its row, the tenant's capabilities, the client and object in the books and on one
-        of the tenant's GPUs, all of which the epoch covers — with no check of its
+        end, without asking again, for the same control on the same object until the books
+        say that something it read changed (objects.BOOKS: the policy epoch, the ring of
+        removals; native/lane.c, struct dvb_settled). So: a control (not an allocation,
+        free or escape) decided on its header alone — its row, the tenant's capabilities,
+        the client and object in the books and on one of the tenant's GPUs, all of which
+        those cover — with no check of its
         parameters, no pre-hook and a post-hook only as a TablePatch, and nothing for
         `finish` to do (no recording)."""
         return (adm.header.kind == "control" and adm.alloc is None and not adm.checked
