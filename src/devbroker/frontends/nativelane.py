@@ -25,6 +25,11 @@ Who decides what (nothing new is decided here):
   plain ioctl on the tenant's file (the emulated backend).
 * an **open** whose path's basename is none of the tenant's node names: CONTINUE in C, the
   Python `_open_quick` rule on the same bytes.
+* a **settled control**: a plain control the broker admitted twice on the same object of
+  the same file (`NativeLane.settle`, `seen_twice`) is admitted by the loop itself from
+  then on, while the books say nothing it read changed (objects.BOOKS; native/lane.c,
+  struct dvb_settled; docs/seccomp.md "Settled controls"). The broker's decision,
+  repeated, not a new one.
 * everything else: back to the Python listener (`DVB_NOTIF`), which answers as before.
 
 Off with DEVBROKER_NATIVE_LANE=0 (and with DEVBROKER_CONTROL_LANE=0, which turns every lane
@@ -203,7 +208,6 @@ class NativeThread:
         self.reported = False  # its current access was answered by the watchdog
         self.driver_safe = False
         self.last_patch = None  # the TablePatch now in the call buffer (set_patch)
-        self.epochs = None  # objects.BOOKS.now() as the broker began deciding this call
         # what to write down for settled controls once the tenant has its answer (the
         # loop's on_after; dropped if the call went another way)
         self.after: list = []

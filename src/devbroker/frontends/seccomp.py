@@ -833,7 +833,7 @@ class SeccompSupervisor:
             lane = self._lane
             hdr = nativelane.NativeLane.hdr(t)
             # (read before deciding: a change meanwhile makes what is settled stale)
-            t.epochs = epochs = BOOKS.now()
+            epochs = BOOKS.now()
             adm = lane.admit(sess.id, caller, c.cmd, hdr, max_params=nativelane.PARAMS_MAX)
             if adm is None and sess.real and sess.node is NodeKind.CTL:
                 # perhaps a client the tenant allocated itself, named for the first time:
@@ -881,7 +881,7 @@ class SeccompSupervisor:
         return 0
 
     def _native_settle(self, t: nativelane.NativeThread, c: nativelane.Call, adm,
-                       epochs: tuple[int, int], patch) -> None:
+                       epochs: tuple[int, int, int], patch) -> None:
         """The loop may admit this control again by itself (NativeLane.settle) for a caller
         whose verdict `_caller_caps` keeps (a thread that can never hold CAP_SYS_ADMIN: the
         loop checks it is still that thread with a duplicate of the same pidfd)."""

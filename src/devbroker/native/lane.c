@@ -10,7 +10,9 @@
  * Python listener uses), and everything else comes back to the Python listener whole.
  * The one thing decided here is an open whose path plainly names none of the tenant's
  * nodes (the basename is not one of theirs): CONTINUE, the Python listener's own rule
- * (`SeccompSupervisor._open_quick`), with the basenames it was given.
+ * (`SeccompSupervisor._open_quick`), with the basenames it was given. And a decision the
+ * broker made is repeated here, without asking, while nothing it read has changed: the
+ * settled controls (struct dvb_settled below).
  *
  * Why each answer stays safe is the Python listener's argument, kept step for step:
  * the header and parameters are read once into this thread's buffers and the driver sees
