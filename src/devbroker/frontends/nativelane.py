@@ -336,8 +336,30 @@ class NativeLane:
         if s.pidns is None or caller.pidns is None:
             return False
         with self._settled_lock:
-            slot = self._put(c, s, adm.abi, adm.client.handle, adm.h_object, epochs, caller,
-                             caller_pidfd, adm, patch, lane)
+            if h.ioctl_cmd not in self._layouts:
+                f = (ctypes.c_int32 * 8)(h.ioctl_cmd, h.size, *h.offsets, h.status_offset)
+                if self.lib.dvb_settled_layout(self.shared, f) != 0:
+                    return False
+                self._layouts.add(h.ioctl_cmd)
+            tag = self._abi_tags.setdefault(adm.abi, len(self._abi_tags) + 1)
+            obj = (ctypes.c_int64 * 7)(c.dev, c.ino, adm.client.handle, adm.h_object, tag,
+                                       self._sandbox_tag(s.caller.uid, s.pidns),
+                                       self._sandbox_tag(caller.uid, caller.pidns))
+            layout = ((patch.table_offset, patch.entry_size, patch.index_offset,
+                       patch.data_offset, patch.capacity, patch.count_offset)
+                      if patch is not None else (0,) * 6)
+            ctl = (ctypes.c_int64 * 11)(tag, h.ioctl_cmd, adm.cmd, adm.params_size,
+                                        int(patch is not None), *layout)
+            values = patch.values if patch is not None else ()
+            idx = (ctypes.c_uint32 * PATCH_MAX)(*[i for i, _v in values])
+            val = (ctypes.c_uint32 * PATCH_MAX)(*[v for _i, v in values])
+            pidfd = os.dup(caller_pidfd)
+            slot = self.lib.dvb_settled_put(
+                self.shared, (ctypes.c_uint64 * 3)(*epochs), obj, ctl, len(values), idx,
+                val, c.tid, pidfd, self._evicted)  # (pidfd is the loop's from here on)
+            ev = self._evicted
+            if ev[0] >= 0:  # another control's row left that slot: what it counted
+                self._record(lane, ev[0], ev, 0)
             if slot < 0:
                 return False
             self._settled_rows[slot] = (s.tenant, key)
@@ -357,42 +379,11 @@ class NativeLane:
         self._sightings[key] = True
         return False
 
-    def _put(self, c: Call, s, abi, client: int, handle: int, epochs, caller,
-             caller_pidfd: int, adm, patch, lane) -> int:
-        """dvb_settled_put (under _settled_lock): the object fact, the caller and the
-        control fact; the control's slot, or -1."""
-        h = adm.header
-        if h.ioctl_cmd not in self._layouts:
-            f = (ctypes.c_int32 * 8)(h.ioctl_cmd, h.size, *h.offsets, h.status_offset)
-            if self.lib.dvb_settled_layout(self.shared, f) != 0:
-                return -1
-            self._layouts.add(h.ioctl_cmd)
-        tag = self._abi_tags.setdefault(abi, len(self._abi_tags) + 1)
-        if len(self._sandboxes) >= 4096:  # (new tags from here: old facts just miss)
-            self._sandboxes.clear()
-        opener = self._sandbox_tag(s.caller.uid, s.pidns)
-        theirs = self._sandbox_tag(caller.uid, caller.pidns)
-        obj = (ctypes.c_int64 * 7)(c.dev, c.ino, client, handle, tag, opener, theirs)
-        layout = ((patch.table_offset, patch.entry_size, patch.index_offset,
-                   patch.data_offset, patch.capacity, patch.count_offset)
-                  if patch is not None else (0,) * 6)
-        ctl = (ctypes.c_int64 * 11)(tag, h.ioctl_cmd, adm.cmd, adm.params_size,
-                                    int(patch is not None), *layout)
-        values = patch.values if patch is not None else ()
-        idx = (ctypes.c_uint32 * PATCH_MAX)(*[i for i, _v in values])
-        val = (ctypes.c_uint32 * PATCH_MAX)(*[v for _i, v in values])
-        pidfd = os.dup(caller_pidfd)
-        slot = self.lib.dvb_settled_put(
-            self.shared, (ctypes.c_uint64 * 3)(*epochs), obj, ctl, len(values), idx, val,
-            c.tid, pidfd, self._evicted)  # (pidfd is the loop's from here on)
-        ev = self._evicted
-        if ev[0] >= 0:  # another control's row left that slot: what it counted
-            self._record(lane, ev[0], ev, 0)
-        return slot
-
     def _sandbox_tag(self, uid: int, pidns: str) -> int:
         tag = self._sandboxes.get((uid, pidns))
         if tag is None:
+            if len(self._sandboxes) >= 4096:  # (new tags from here: old facts just miss)
+                self._sandboxes.clear()
             tag = self._sandboxes[(uid, pidns)] = next(self._tags)
         return tag
 

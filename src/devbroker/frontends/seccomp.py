@@ -833,7 +833,7 @@ class SeccompSupervisor:
             lane = self._lane
             hdr = nativelane.NativeLane.hdr(t)
             # (read before deciding: a change meanwhile makes what is settled stale)
-            epochs = BOOKS.now()
+            epochs = BOOKS.now() if t.lane.settled_on else None
             adm = lane.admit(sess.id, caller, c.cmd, hdr, max_params=nativelane.PARAMS_MAX)
             if adm is None and sess.real and sess.node is NodeKind.CTL:
                 # perhaps a client the tenant allocated itself, named for the first time:
@@ -852,7 +852,8 @@ class SeccompSupervisor:
             if not finish and not adm.checked:  # (a checked one: once its check passed)
                 lane.book(adm)
                 t.unfinished, t.done_seen = adm, c.done_count  # its row: _settle
-                if (driver and (adm.post is None or patched) and lane.settleable(adm)
+                if (epochs is not None and driver and (adm.post is None or patched)
+                        and lane.settleable(adm)
                         and t.lane.seen_twice(c.dev, c.ino, adm.client.handle, adm.h_object,
                                               adm.cmd)):
                     self._after(t, c, self._native_settle, t, c, adm, epochs, patch)
