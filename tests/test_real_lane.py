@@ -69,12 +69,12 @@ def test_a_lane_call_on_a_relayed_file_answers_as_the_general_path(backend, kind
 
 
 def _on_stand_in_nodes(tmp_path, name: str, env: dict, frontend: str, argv: list[str],
-                       wrap: tuple = ()) -> tuple[dict, dict]:
+                       wrap: tuple = (), lane: str = "control_lane") -> tuple[dict, dict]:
     """A broker on the real backend with stand-in driver nodes (test_upgrade.STAND_IN_NS:
     /dev/null's and /dev/zero's devices as nvidiactl and nvidia0), its environment
     updated with `env` and its command run under `wrap` (nvok_standin.py); tenant t0 (2 GiB
     on GPU 0) runs `argv` through `frontend`. Its last stdout line as JSON, and the broker's
-    control-lane counters after it."""
+    counters of `lane` after it."""
     import json
     import subprocess
 
@@ -107,7 +107,7 @@ def _on_stand_in_nodes(tmp_path, name: str, env: dict, frontend: str, argv: list
         b.frontend = frontend
         r = b.exec("t0", *argv, timeout=120)
         assert r.returncode == 0, r.stdout + r.stderr + b.output()
-        return json.loads(r.stdout.strip().splitlines()[-1]), b.status()["control_lane"]
+        return json.loads(r.stdout.strip().splitlines()[-1]), b.status()[lane]
     finally:
         b.stop()
         subprocess.run(["umount", "-l", str(run_dir)], capture_output=True)
@@ -217,3 +217,49 @@ def test_settled_controls_answer_as_the_broker_and_follow_the_books(tmp_path):
     assert lane_off["settled"] == 0, lane_off
     # every call counted as admitted either way (a settled call is an admitted one)
     assert lane_on["admitted"] == lane_off["admitted"], (lane_on, lane_off)
+
+
+def test_settled_continuations_answer_as_the_broker_and_follow_the_books(tmp_path):
+    """The native loop's settled continuations (nativelane.NativeLane.settle_continue;
+    native/lane.c struct dvb_cont_fact), end to end: a broker on the real backend (its own
+    driver calls meet the NV-OK stand-in, nvok_standin.py), a seccomp tenant
+    (tests/continued_prog.py) sending UVM commands ten times each on its UVM file, whose
+    continued calls reach the stand-in node (ENOTTY). With settled continuations on, the
+    loop continues every call after the first of each (file, command, client handles) by
+    itself, and the tenant sees exactly what it sees with them off (DEVBROKER_SETTLED=0):
+    a command naming nothing and one naming the tenant's client continued (ENOTTY), one
+    naming a client not the tenant's refused by the broker every time (the driver's status
+    for an unknown client); after the tenant freed its client, the command naming it is
+    refused (the free made the fact stale), the one naming nothing still settled."""
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+
+    def run(settled: bool) -> tuple[dict, dict]:
+        return _on_stand_in_nodes(tmp_path, f"continued{int(settled)}",
+                                  {"DEVBROKER_SETTLED": "1" if settled else "0"}, "seccomp",
+                                  [sys.executable, str(here / "continued_prog.py"), "10"],
+                                  wrap=(sys.executable, str(here / "nvok_standin.py")),
+                                  lane="continue_lane")
+
+    on, lane_on = run(True)
+    off, lane_off = run(False)
+    invalid_client = 0x23  # NV_ERR_INVALID_CLIENT
+    assert on == off == {
+        "root": errno.ENOTTY, "adopted": [0, 0],
+        "range_group": [[errno.ENOTTY, 0]],
+        "register_own": [[errno.ENOTTY, 0]],
+        "register_foreign": [[0, invalid_client]],
+        "free": 0,
+        "register_freed": [[0, invalid_client]],
+        "range_group_after": [[errno.ENOTTY, 0]],
+        "last": invalid_client,
+    }, (on, off)
+    # ten of each: the first decided by the broker (written down after its answer), nine
+    # by the loop; after the free, the three naming nothing settled, the three naming the
+    # freed client refused (not counted as continued at all)
+    assert lane_on["settled"] == 9 + 9 + 3, lane_on
+    assert lane_off["settled"] == 0, lane_off
+    # every continued call counted as admitted either way
+    assert lane_on["admitted"] == lane_off["admitted"] == 10 + 10 + 3, (lane_on, lane_off)

@@ -136,10 +136,10 @@ class CallStats:
             row[_SUM] += ns
 
     def record_rows(self, key: tuple[str, str, str, str], ok: int, err: int, sum_ns: int,
-                    buckets) -> None:
-        """Many calls of one kind at once: ok and err of them by verdict, their latency
-        already counted per bucket (`buckets`: one count per bucket, in BUCKETS' order and
-        then the one above them all) and summed."""
+                    buckets, continued: int = 0) -> None:
+        """Many calls of one kind at once: ok, err and continued of them by verdict, their
+        latency already counted per bucket (`buckets`: one count per bucket, in BUCKETS'
+        order and then the one above them all) and summed."""
         if len(buckets) != _NB:
             raise ValueError(f"{len(buckets)} latency buckets, expected {_NB}")
         with self._lock:
@@ -148,6 +148,7 @@ class CallStats:
                 row = self.rows[key] = [0] * (_SUM + 1)
             row[_OK] += ok
             row[_ERROR] += err
+            row[_CONTINUED] += continued
             for i, n in enumerate(buckets):
                 row[_HIST + i] += n
             row[_SUM] += sum_ns
@@ -455,6 +456,20 @@ class _CountedContinue:
 
     def arg_size(self, session_id: int, cmd: int) -> int | None:
         return self._lane.arg_size(session_id, cmd)
+
+    def settle_fields(self, session_id: int, cmd: int):
+        return self._lane.settle_fields(session_id, cmd)
+
+    def row_key(self, session_id: int, cmd: int, arg: bytes):
+        s = self._lane.broker.sessions.get(session_id)
+        return None if s is None else (s.tenant.name, "ioctl",
+                                       *self._stats.names.ioctl(s.node, cmd, arg))
+
+    def settled_calls(self, tenant, key, count: int, sum_ns: int, buckets) -> None:
+        """Settled continuations' rows (the front end counted them by latency bucket)."""
+        self._lane.settled_calls(tenant, key, count, sum_ns, buckets)
+        if key is not None:
+            self._stats.record_rows(key, 0, 0, sum_ns, buckets, continued=count)
 
     def admit(self, session_id: int, caller: Any, cmd: int, arg: bytes,
               resolve_fd: Any = None) -> bool:

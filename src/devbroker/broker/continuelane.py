@@ -90,6 +90,7 @@ class ContinueLane:
             and self._plan(abi, NodeKind.CTL, abi.escape_cmd(spec.name)) is not None)
         self.admitted = 0
         self.passed = 0
+        self.settled = 0  # of admitted: continued by the native loop's settled decisions
 
     def _plan(self, abi: DriverABI, node: NodeKind, cmd: int) -> _ContinuePlan | None:
         key = (abi, node, cmd)
@@ -152,6 +153,37 @@ class ContinueLane:
                 return None
             plan = self._plan(self.broker._abi(s), s.node, cmd)
             return plan.spec.size if plan is not None else None
+
+    def settle_fields(self, session_id: int, cmd: int) -> tuple | None:
+        """(argument size, offsets of its client-handle fields, the session) when this command's
+        decision on this session reads nothing of the argument but those fields — no fd,
+        no object, at most four handles at fixed offsets — so that the native loop may
+        repeat it while the books name neither the file nor one of those clients and the
+        policy stands (frontends/nativelane.py settle_continue, native/lane.c struct
+        dvb_cont_fact); None when it must ask the broker every time."""
+        with STATE_LOCK:
+            s = self.broker.sessions.get(session_id)
+            if s is None or s.closed:
+                return None
+            plan = self._plan(self.broker._abi(s), s.node, cmd)
+        if (plan is None or plan.fds or plan.objects or plan.clients is None
+                or len(plan.clients) > 4):
+            return None
+        return plan.spec.size, tuple(off for off, _zero_ok in plan.clients), s
+
+    def row_key(self, session_id: int, cmd: int, arg: bytes):
+        """The call counters' row of this call (None: no call counters; callstats'
+        wrapper answers)."""
+        return None
+
+    def settled_calls(self, tenant, key, count: int, sum_ns: int, buckets) -> None:
+        """Calls the native loop continued by a settled decision (settle_fields): counted
+        as the broker's own admissions (the tenant's requests, its continued calls)."""
+        with STATE_LOCK:
+            tenant.requests += count
+            tenant.continued += count
+            self.admitted += count
+            self.settled += count
 
     def admit(self, session_id: int, caller: Caller, cmd: int, arg: bytes,
               resolve_fd: Callable[[int], int | None] | None = None) -> bool:

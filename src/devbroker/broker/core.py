@@ -899,7 +899,10 @@ class Broker:
                                  # settled (no question to the broker)
                                  "settled": self.control_lane.settled},
                 "continue_lane": {"admitted": self.continue_lane.admitted,
-                                  "declined": self.continue_lane.passed}}
+                                  "declined": self.continue_lane.passed,
+                                  # of admitted: continued by the native loop's settled
+                                  # decisions (no question to the broker)
+                                  "settled": self.continue_lane.settled}}
 
 
 class _RevokedTenant:

@@ -225,6 +225,7 @@ def cmd_status(args) -> int:
     if lanes:  # broker/fastlane.py: calls decided in a few lookups, and those sent on
         print("; ".join(f"{name}: {c['admitted']} calls"
                         + (f" ({c['allocations']} allocations)" if c.get("allocations") else "")
+                        + (f", {c['settled']} of them settled" if c.get("settled") else "")
                         + f", {c['declined']} sent the general way" for name, c in lanes))
     listeners = snap.get("seccomp") or []
     if listeners:  # frontends/nativelane.py: which loop answers each tenant process tree

@@ -53,15 +53,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("devbroker.seccomp.native")
 
-ABI = 11  # native/lane.c DVB_ABI
+ABI = 12  # native/lane.c DVB_ABI
 DVB_NOTIF, DVB_IDLE, DVB_WAKE, DVB_HUP, DVB_FOLD, DVB_LATE, DVB_WRITE_FAILED, DVB_ERROR = \
     range(1, 9)
 ACT_DECLINE, ACT_CONTINUE, ACT_CONTROL, ACT_FAIL = 0, 1, 2, 3
-# native/lane.c's counters, in its order: SupervisorStats field names ("" = not folded)
+# native/lane.c's counters, in its order: the SupervisorStats field(s) each is added to
 COUNTERS = ("notifications", "opens_continued", "ioctls", "controls_fast", "stale",
             "lane_ns_read", "lane_ns_admit", "lane_ns_dup", "lane_ns_driver", "lane_ns_finish",
             "lane_ns_write", "ns_recv", "ns_send", "ns_ioctl", "ns_open", "native_answered",
-            "settled")
+            "settled", ("continued_settled", "continued_decided", "uvm_fast"))
 HDR_MAX = 1024
 PARAMS_MAX = 16384
 PATCH_MAX = 16
@@ -182,6 +182,9 @@ def library() -> ctypes.CDLL | None:
     lib.dvb_settled_credit_left.argtypes = [vp]
     lib.dvb_settled_credit_left.restype = i64
     lib.dvb_settled_fold.argtypes = [vp, ctypes.POINTER(i64), ctypes.c_int]
+    lib.dvb_continue_put.argtypes = [vp, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(i64),
+                                     i64, ctypes.c_int, ctypes.POINTER(i64)]
+    lib.dvb_continue_fold.argtypes = [vp, ctypes.POINTER(i64), ctypes.c_int]
     lib._devbroker_checked = True
     return lib
 
@@ -223,9 +226,10 @@ class NativeThread:
 
     def fold(self, stats) -> None:
         self.lane.lib.dvb_fold(self.ptr, self._counts)
-        for name, v in zip(COUNTERS, self._counts):
+        for names, v in zip(COUNTERS, self._counts):
             if v:
-                setattr(stats, name, getattr(stats, name) + v)
+                for name in (names,) if isinstance(names, str) else names:
+                    setattr(stats, name, getattr(stats, name) + v)
 
     def watch(self) -> tuple[int, int, int, int]:
         """(busy since, memory access since (monotonic ns, 0: not), notification id, tid),
@@ -282,6 +286,7 @@ class NativeLane:
         # Settled controls: the loop's slot of each settled control -> (its tenant, its
         # row's key in the call counters), the header layouts given, the ABIs' tags
         self._settled_rows: dict[int, tuple] = {}
+        self._cont_rows: dict[int, tuple] = {}  # the same for settled continuations
         self._layouts: set[int] = set()
         self._abi_tags: dict[object, int] = {}
         self._sandboxes: dict[tuple, int] = {}  # (uid, pid namespace) -> tag
@@ -366,6 +371,37 @@ class NativeLane:
             self._top_up(s.tenant)
         return True
 
+    def settle_continue(self, c: Call, fields: tuple, arg: bytes,
+                        epochs: tuple[int, int, int], caller, caller_pidfd: int, key) -> bool:
+        """Write down a continue-lane decision the loop may repeat by itself (native/lane.c,
+        struct dvb_cont_fact): on this file (the call's dev, inode), this command is
+        continued while the client-handle fields (ContinueLane.settle_fields: the
+        argument's size, the fields' offsets, the broker's session) hold the values the
+        broker checked in `arg`, for a caller in the sandbox of the file's opener; the
+        caller (its sandbox, a duplicate of its thread pidfd, the loop's from now on) as
+        for settle. False: not written."""
+        size, offsets, sess = fields
+        if not self.settled_on or sess.pidns is None or caller.pidns is None:
+            return False
+        if len(arg) < size or len(offsets) > 4:
+            return False
+        handles = [int.from_bytes(arg[o:o + 4], "little") for o in offsets]
+        with self._settled_lock:
+            f = (ctypes.c_int64 * (7 + 2 * len(offsets)))(
+                c.dev, c.ino, c.cmd, size, self._sandbox_tag(sess.caller.uid, sess.pidns),
+                self._sandbox_tag(caller.uid, caller.pidns), len(offsets), *offsets, *handles)
+            pidfd = os.dup(caller_pidfd)
+            slot = self.lib.dvb_continue_put(self.shared, (ctypes.c_uint64 * 3)(*epochs), f,
+                                             c.tid, pidfd, self._evicted)
+            ev = self._evicted
+            if ev[0] >= 0:  # another fact's calls left that slot: what it counted
+                self._record_continued(ev[0], ev, 0)
+            if slot < 0:
+                return False
+            self._cont_rows[slot] = (sess.tenant, key)
+            self._top_up(sess.tenant)
+        return True
+
     def seen_twice(self, dev: int, ino: int, client: int, obj: int, control: int) -> bool:
         """Whether this control on this object of this file is admitted the second time
         (or later): only then is the decision written down (a first use, which most of a
@@ -400,20 +436,27 @@ class NativeLane:
             if got:
                 self.lib.dvb_settled_credit(self.shared, got, 0)
 
-    def fold_settled(self, lane) -> None:
-        """The settled calls' rows since the last fold, to the lane (the tenant's requests,
-        the call counters), and the pace's credit topped up."""
+    def fold_settled(self, lane, clane=None) -> None:
+        """The settled calls' rows since the last fold, to the lanes (the tenant's requests,
+        the call counters): controls to the control lane, continuations to the continue
+        lane (`clane`); and the pace's credit topped up."""
         if not self.settled_on:
             return
         with self._settled_lock:
             rows = self._fold_rows
-            while True:
-                n = self.lib.dvb_settled_fold(self.shared, rows, 64)
-                for r in range(n):
-                    self._record(lane, rows[r * _SETTLED_ROW], rows, r * _SETTLED_ROW)
-                if n < 64:
-                    break
-            tenant = next(iter(self._settled_rows.values()), (None,))[0]
+            for fold, record in ((self.lib.dvb_settled_fold,
+                                  lambda slot, base: self._record(lane, slot, rows, base)),
+                                 (self.lib.dvb_continue_fold,
+                                  lambda slot, base: self._record_continued(slot, rows, base,
+                                                                            clane))):
+                while True:
+                    n = fold(self.shared, rows, 64)
+                    for r in range(n):
+                        record(rows[r * _SETTLED_ROW], r * _SETTLED_ROW)
+                    if n < 64:
+                        break
+            tenant = next(iter(self._settled_rows.values()),
+                          next(iter(self._cont_rows.values()), (None,)))[0]
             if tenant is not None:
                 self._top_up(tenant)
 
@@ -424,6 +467,16 @@ class NativeLane:
             return
         nb = len(callstats._BOUNDS_NS) + 1
         lane.settled_calls(who[0], who[1], ok, err, total, row[base + 4:base + 4 + nb])
+
+    def _record_continued(self, slot: int, row, base: int, clane=None) -> None:
+        who = self._cont_rows.get(slot)
+        count, total = row[base + 1], row[base + 3]
+        if who is None or not count:
+            return
+        clane = clane if clane is not None else self.sup._clane
+        if clane is not None:
+            nb = len(callstats._BOUNDS_NS) + 1
+            clane.settled_calls(who[0], who[1], count, total, row[base + 4:base + 4 + nb])
 
     def free(self) -> None:
         if self.shared:

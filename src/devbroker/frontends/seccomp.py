@@ -253,6 +253,7 @@ class SupervisorStats:
     controls_fast: int = 0  # RM controls the broker's control lane admitted (fastlane.py)
     native_answered: int = 0  # notifications answered by the native loop (nativelane.py)
     settled: int = 0  # of its controls, those admitted by a settled decision (no callback)
+    continued_settled: int = 0  # of its continued calls, those continued by a settled decision
     uvm_fast: int = 0  # calls its continue lane admitted (CONTINUEd): UVM, RM escapes bound to the caller
     # Time the listener threads spent deciding, by system call (ns; the answer excluded):
     # what a tenant's init pays for the broker, per kind of call.
@@ -756,7 +757,7 @@ class SeccompSupervisor:
                     self._lane.release(t.adm)
                     t.adm = None
                 t.fold(self.stats)
-                nl.fold_settled(self._lane)
+                nl.fold_settled(self._lane, self._clane)
                 if t.unfinished is not None:
                     self._settle(t)
                 if rc == nativelane.DVB_NOTIF or rc == nativelane.DVB_LATE:
@@ -863,7 +864,12 @@ class SeccompSupervisor:
             t.adm = adm
             return nativelane.ACT_CONTROL
         if self._clane is not None and sess.real and self._clane.candidate(sess.node, c.cmd):
-            if self._continue_decision(c.tid, c.cmd, c.argp, sess):
+            epochs = BOOKS.now() if t.lane.settled_on else None  # (before deciding)
+            seen: list = []
+            if self._continue_decision(c.tid, c.cmd, c.argp, sess, seen):
+                if epochs is not None:
+                    self._after(t, c, self._native_settle_continue, t, c, sess, seen[0],
+                                epochs)
                 return nativelane.ACT_CONTINUE
         return nativelane.ACT_DECLINE
 
@@ -892,6 +898,24 @@ class SeccompSupervisor:
         try:
             t.lane.settle(adm, c, epochs, patch, hit[1], hit[0],
                           adm.mark[1] if adm.mark is not None else None, self._lane)
+        except OSError:  # (no fd for the pidfd's duplicate: not settled, nothing else)
+            pass
+
+    def _native_settle_continue(self, t: nativelane.NativeThread, c: nativelane.Call,
+                                sess: Session, arg: bytes, epochs: tuple[int, int, int]
+                                ) -> None:
+        """The loop may continue this command on this file again by itself while the
+        client handles it reads hold what the broker checked in `arg`
+        (NativeLane.settle_continue), for a caller `_caller_caps` keeps (never able to hold
+        CAP_SYS_ADMIN; the loop checks it is still that thread)."""
+        hit = self._callers.get(c.tid)
+        clane = self._clane
+        fields = clane.settle_fields(sess.id, c.cmd) if hit is not None else None
+        if fields is None:
+            return
+        try:
+            t.lane.settle_continue(c, fields, arg, epochs, hit[1], hit[0],
+                                   clane.row_key(sess.id, c.cmd, arg))
         except OSError:  # (no fd for the pidfd's duplicate: not settled, nothing else)
             pass
 
@@ -1612,13 +1636,15 @@ class SeccompSupervisor:
             return w.NotifResp.cont(n.id)
         return _GENERAL
 
-    def _continue_decision(self, tid: int, cmd: int, argp: int, sess: Session) -> bool:
+    def _continue_decision(self, tid: int, cmd: int, argp: int, sess: Session,
+                           seen: list | None = None) -> bool:
         """Whether the continue lane (broker/continuelane.py ContinueLane) admits this call (a
         UVM command, an RM escape the driver binds to the caller): its argument read once
         into the broker, its client handles, objects and fds checked (an fd number is
         resolved in the calling thread's table, as the general steps do), the caller
         without CAP_SYS_ADMIN (else the general steps refuse it: privileged in the driver).
-        Both listeners (Python and native) ask here."""
+        Both listeners (Python and native) ask here; `seen` gets the argument as read
+        (what a settled continuation is written from)."""
         lane = self._clane
         size = lane.arg_size(sess.id, cmd)
         if size is None:
@@ -1634,6 +1660,8 @@ class SeccompSupervisor:
         if not lane.admit(sess.id, caller, cmd, arg,
                           resolve_fd=lambda fd, _tid=tid: self.session_for_fd(_tid, fd)):
             return False
+        if seen is not None:
+            seen.append(arg)
         self.stats.ioctls += 1
         self.stats.continued_decided += 1
         self.stats.uvm_fast += 1

@@ -58,7 +58,7 @@
 #endif
 #define DVB_PIDFD_THREAD O_EXCL /* Linux 6.9: a pidfd for a (non-leader) thread */
 
-#define DVB_ABI 11 /* bumped with any change of the structures below (nativelane.py checks) */
+#define DVB_ABI 12 /* bumped with any change of the structures below (nativelane.py checks) */
 
 struct dvb_notif { /* struct seccomp_notif */
     uint64_t id;
@@ -86,7 +86,7 @@ enum { ACT_DECLINE = 0, ACT_CONTINUE = 1, ACT_CONTROL = 2, ACT_FAIL = 3 };
 enum { C_NOTIFICATIONS, C_OPENS_CONTINUED, C_IOCTLS, C_CONTROLS_FAST, C_STALE,
        C_LANE_NS_READ, C_LANE_NS_ADMIT, C_LANE_NS_DUP, C_LANE_NS_DRIVER, C_LANE_NS_FINISH,
        C_LANE_NS_WRITE, C_NS_RECV, C_NS_SEND, C_NS_IOCTL, C_NS_OPEN, C_ANSWERED,
-       C_SETTLED, C_COUNT };
+       C_SETTLED, C_CONT_SETTLED, C_COUNT };
 
 #define DVB_HDR_MAX 1024 /* the largest lane argument (NV_ESC_NUMA_INFO: 560) */
 #define DVB_PARAMS_MAX 16384
@@ -100,6 +100,8 @@ enum { C_NOTIFICATIONS, C_OPENS_CONTINUED, C_IOCTLS, C_CONTROLS_FAST, C_STALE,
 #define DVB_SETTLED_OBJECTS 2048 /* settled objects: (file, client, object) */
 #define DVB_SETTLED_CALLERS 1024 /* threads the broker accepted as callers */
 #define DVB_SETTLED_BUCKETS 32   /* latency buckets of the call counters (callstats.py) */
+#define DVB_CONT_FACTS 512       /* settled continuations: (file, command, client handles) */
+#define DVB_CONT_HANDLES 4       /* client-handle fields of one command (UVM: at most 2) */
 
 /* One call being decided: what the Python callbacks read and fill (nativelane.Call). */
 struct dvb_call {
@@ -198,6 +200,34 @@ struct dvb_settled_object {
     uint32_t patch_index[DVB_PATCH_MAX], patch_value[DVB_PATCH_MAX];
 };
 
+/*
+ * Settled continuations: the same idea for the continue lane (broker/continuelane.py), whose
+ * decision for a command that names no fd and no object reads only the session (the file,
+ * its tenant's policy: node, GPU, the row granted), the caller (accepted, never able to
+ * hold CAP_SYS_ADMIN: the callers below are all such threads, see
+ * SeccompSupervisor._caller_caps) and the client handles at fixed offsets of the argument
+ * (each the tenant's, or 0 where the lane allows it). The fact: on this file, this command
+ * is continued when those fields hold these values, for the policy epoch it was decided
+ * at; forgotten when the books' ring names its file or one of its clients. The loop reads
+ * the handle fields (4 bytes each) into its own buffer and compares them; the kernel then
+ * re-reads the whole argument when the tenant's thread runs the call — as after the
+ * broker's own decision, and inside the policy for the same reasons (the command's row's
+ * `race`, docs/security.md). Written after the tenant has its answer (on_after), the
+ * first time the broker continues the call (a UVM command repeats on one file with the
+ * same few client handles: 120 UVM calls of the PyTorch trace have 14 keys).
+ */
+struct dvb_cont_fact {
+    uint64_t epoch;          /* the policy epoch it was decided at; 0: empty or forgotten */
+    uint64_t sandbox;        /* its session's opener: (uid, pid namespace), as a tag */
+    int64_t dev, ino;
+    uint32_t cmd, size;      /* the ioctl number; the argument's size (fields lie in it) */
+    int32_t n;               /* client-handle fields (0..DVB_CONT_HANDLES) */
+    int32_t off[DVB_CONT_HANDLES];
+    uint32_t handle[DVB_CONT_HANDLES];
+    /* its calls since the last fold (the call counters' row: continued) */
+    int64_t count, sum_ns, buckets[DVB_SETTLED_BUCKETS + 1];
+};
+
 struct dvb_settled_caller {
     int64_t tid;             /* 0: empty */
     uint64_t sandbox;        /* its (uid, pid namespace), as a tag */
@@ -220,6 +250,7 @@ struct dvb_settled {
     uint64_t ring_size, ring_seen;   /* the ring's entries, the last one read */
     int64_t credit;                  /* calls it may still admit (-1: the tenant is unpaced) */
     int64_t unfolded;                /* settled calls counted since the last fold */
+    int64_t conts_unfolded;          /* ... settled continuations */
     int64_t bounds[DVB_SETTLED_BUCKETS];
     int n_bounds;
     struct dvb_settled_layout layouts[DVB_SETTLED_LAYOUTS];
@@ -227,6 +258,7 @@ struct dvb_settled {
     struct dvb_settled_control controls[DVB_SETTLED_CONTROLS];
     struct dvb_settled_object objects[DVB_SETTLED_OBJECTS];
     struct dvb_settled_caller callers[DVB_SETTLED_CALLERS];
+    struct dvb_cont_fact conts[DVB_CONT_FACTS];
 };
 
 struct dvb_shared {
@@ -783,6 +815,15 @@ static struct dvb_settled_object *find_object(struct dvb_settled *m, uint64_t ep
 static void forget(struct dvb_settled *m, uint32_t kind, uint32_t client, uint32_t object,
                    int64_t dev, int64_t ino)
 {
+    if (kind != DVB_REMOVED_OBJECT) /* (continuations name no object) */
+        for (int i = 0; i < DVB_CONT_FACTS; i++) {
+            struct dvb_cont_fact *e = &m->conts[i];
+            int hit = kind == DVB_REMOVED_FILE && e->dev == dev && e->ino == ino;
+            for (int k = 0; kind == DVB_REMOVED_CLIENT && k < e->n && k < DVB_CONT_HANDLES; k++)
+                hit |= e->handle[k] == client;
+            if (hit)
+                e->epoch = 0;
+        }
     if (kind == DVB_REMOVED_OBJECT) {
         uint64_t h = object_home(client, object);
         for (int k = 0; k < SETTLED_PROBE; k++) {
@@ -802,7 +843,7 @@ static void forget(struct dvb_settled *m, uint32_t kind, uint32_t client, uint32
 
 /* Read the books' ring of removals from where this table stopped (under m->lock): each
  * names the facts it makes stale; a ring this table fell behind by more than its size, or
- * an entry rewritten while read, forgets every object fact. */
+ * an entry rewritten while read, forgets every object and continuation fact. */
 static void catch_up(struct dvb_settled *m)
 {
     uint64_t head = __atomic_load_n(&m->epochs[2], __ATOMIC_ACQUIRE);
@@ -821,9 +862,12 @@ static void catch_up(struct dvb_settled *m)
         }
         forget(m, kind, client, object, dev, ino);
     }
-    if (lost)
+    if (lost) {
         for (int i = 0; i < DVB_SETTLED_OBJECTS; i++)
             m->objects[i].epoch = 0;
+        for (int i = 0; i < DVB_CONT_FACTS; i++)
+            m->conts[i].epoch = 0;
+    }
     m->ring_seen = head;
 }
 
@@ -860,6 +904,19 @@ static uint64_t caller_sandbox(struct dvb_settled *m, int64_t tid)
         }                                                                                \
         _pick < 0 ? (int)((home) % (n)) : _pick;                                         \
     })
+
+/* Put the caller's thread pidfd (owned here from now on) and sandbox tag (under m->lock). */
+static void caller_put(struct dvb_settled *m, int64_t tid, int pidfd, uint64_t sandbox)
+{
+    int ki = PICK_SLOT(m->callers, DVB_SETTLED_CALLERS, mix64((uint64_t)tid),
+                       e->tid == tid, !e->tid);
+    struct dvb_settled_caller *k = &m->callers[ki];
+    if (k->pidfd >= 0)
+        close(k->pidfd);
+    k->tid = tid;
+    k->pidfd = pidfd;
+    k->sandbox = sandbox;
+}
 
 /*
  * The broker settled a control (nativelane.NativeLane.settle): write down its two facts
@@ -929,16 +986,8 @@ int dvb_settled_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t
         }
     }
     /* the caller */
-    if (pidfd >= 0) {
-        int ki = PICK_SLOT(m->callers, DVB_SETTLED_CALLERS, mix64((uint64_t)tid),
-                           e->tid == tid, !e->tid);
-        struct dvb_settled_caller *k = &m->callers[ki];
-        if (k->pidfd >= 0)
-            close(k->pidfd);
-        k->tid = tid;
-        k->pidfd = pidfd;
-        k->sandbox = (uint64_t)obj[6];
-    }
+    if (pidfd >= 0)
+        caller_put(m, tid, pidfd, (uint64_t)obj[6]);
     /* the control */
     uint32_t abi = (uint32_t)ctl[0], ioctl_cmd = (uint32_t)ctl[1];
     int ci = PICK_SLOT(m->controls, DVB_SETTLED_CONTROLS, control_home(abi, ioctl_cmd, control),
@@ -1114,6 +1163,190 @@ static void settled_count(struct dvb_thread *t, int64_t ns)
     pthread_mutex_unlock(&m->lock);
 }
 
+/* ------------------------------------------------------------ settled continuations */
+/* (struct dvb_cont_fact says what they are and why a hit is the broker's own decision.) */
+
+static uint64_t cont_home(int64_t dev, int64_t ino, uint32_t cmd)
+{
+    return mix64((uint64_t)dev ^ mix64((uint64_t)ino ^ ((uint64_t)cmd << 40)));
+}
+
+/*
+ * The broker continued a call whose decision a continuation fact can hold
+ * (nativelane.NativeLane.settle_continue): f = dev, ino, cmd, argument size, the opener's
+ * sandbox tag, the caller's sandbox tag, n, then n offsets and n handle values (as the
+ * broker read and checked them); epochs as for dvb_settled_put (read before it decided:
+ * a change since, of the policy or a removal, and nothing is written). evicted (3 +
+ * buckets): the counts of a fact whose slot this one takes (evicted[0] its slot, -1 for
+ * none). Returns the fact's slot, or -1 when nothing was written.
+ */
+int dvb_continue_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t *f,
+                     int64_t tid, int pidfd, int64_t *evicted)
+{
+    struct dvb_settled *m = &sh->settled;
+    int n = (int)f[6], slot = -1;
+    evicted[0] = -1;
+    if (n < 0 || n > DVB_CONT_HANDLES || f[3] <= 0 || f[3] > (1 << 14) || !f[4]) {
+        if (pidfd >= 0)
+            close(pidfd);
+        return -1;
+    }
+    for (int k = 0; k < n; k++)
+        if (f[7 + k] < 0 || f[7 + k] + 4 > f[3]) {
+            if (pidfd >= 0)
+                close(pidfd);
+            return -1;
+        }
+    pthread_mutex_lock(&m->lock);
+    if (!m->epochs) {
+        pthread_mutex_unlock(&m->lock);
+        if (pidfd >= 0)
+            close(pidfd);
+        return -1;
+    }
+    catch_up(m);
+    uint64_t now = epoch_now(m, 0);
+    if (epochs[0] != now || epochs[2] != m->ring_seen) {
+        pthread_mutex_unlock(&m->lock);
+        if (pidfd >= 0)
+            close(pidfd);
+        return -1;
+    }
+    int64_t dev = f[0], ino = f[1];
+    uint32_t cmd = (uint32_t)f[2], handle[DVB_CONT_HANDLES] = {0};
+    for (int k = 0; k < n; k++)
+        handle[k] = (uint32_t)f[7 + n + k];
+    int i = PICK_SLOT(m->conts, DVB_CONT_FACTS, cont_home(dev, ino, cmd),
+                      e->epoch && e->dev == dev && e->ino == ino && e->cmd == cmd
+                          && e->n == n && !memcmp(e->handle, handle, sizeof(handle)),
+                      e->epoch != now);
+    struct dvb_cont_fact *e = &m->conts[i];
+    if (e->count && !(e->dev == dev && e->ino == ino && e->cmd == cmd && e->n == n
+                      && !memcmp(e->handle, handle, sizeof(handle)))) {
+        evicted[0] = i; /* another fact's calls: Python records them */
+        evicted[1] = e->count;
+        evicted[2] = 0;
+        evicted[3] = e->sum_ns;
+        memcpy(evicted + 4, e->buckets, sizeof(e->buckets));
+        e->count = e->sum_ns = 0;
+        memset(e->buckets, 0, sizeof(e->buckets));
+    }
+    e->epoch = now;
+    e->sandbox = (uint64_t)f[4];
+    e->dev = dev;
+    e->ino = ino;
+    e->cmd = cmd;
+    e->size = (uint32_t)f[3];
+    e->n = n;
+    for (int k = 0; k < DVB_CONT_HANDLES; k++) {
+        e->off[k] = k < n ? (int32_t)f[7 + k] : 0;
+        e->handle[k] = handle[k];
+    }
+    if (pidfd >= 0)
+        caller_put(m, tid, pidfd, (uint64_t)f[5]);
+    slot = i;
+    pthread_mutex_unlock(&m->lock);
+    return slot;
+}
+
+/* The counts of settled continuations since the last fold, as dvb_settled_fold's rows
+ * (slot, count, 0, sum_ns, buckets...). */
+int dvb_continue_fold(struct dvb_shared *sh, int64_t *out, int max)
+{
+    struct dvb_settled *m = &sh->settled;
+    int rows = 0, width = 4 + DVB_SETTLED_BUCKETS + 1;
+    if (!__atomic_load_n(&m->conts_unfolded, __ATOMIC_RELAXED))
+        return 0;
+    pthread_mutex_lock(&m->lock);
+    m->conts_unfolded = 0;
+    for (int i = 0; i < DVB_CONT_FACTS; i++) {
+        struct dvb_cont_fact *e = &m->conts[i];
+        if (!e->count)
+            continue;
+        if (rows == max) {
+            m->conts_unfolded = 1;
+            break;
+        }
+        int64_t *row = out + (size_t)rows++ * width;
+        row[0] = i;
+        row[1] = e->count;
+        row[2] = 0;
+        row[3] = e->sum_ns;
+        memcpy(row + 4, e->buckets, sizeof(e->buckets));
+        e->count = e->sum_ns = 0;
+        memset(e->buckets, 0, sizeof(e->buckets));
+    }
+    pthread_mutex_unlock(&m->lock);
+    return rows;
+}
+
+/* An ioctl the broker may have continued before on this file: 1 when a continuation fact
+ * holds for it now (the loop answers CONTINUE, counted), 0 to ask the broker, DVB_LATE
+ * when the read of a handle field came back after the watchdog answered. The lock is not
+ * held while tenant memory is read (a page the tenant controls must never stall other
+ * listener threads' lookups): the fact is looked up again after the read. */
+static int continue_admit(struct dvb_thread *t, int64_t t0)
+{
+    struct dvb_settled *m = &t->sh->settled;
+    struct dvb_call *c = &t->call;
+    uint32_t cmd = (uint32_t)c->cmd, handle[DVB_CONT_HANDLES] = {0};
+    int32_t off[DVB_CONT_HANDLES] = {0};
+    int n = -1, ok = 0;
+    if (!m->epochs || t->sh->mem_off)
+        return 0;
+    uint64_t home = cont_home(c->dev, c->ino, cmd);
+    pthread_mutex_lock(&m->lock);
+    catch_up(m);
+    uint64_t now = epoch_now(m, 0);
+    for (int k = 0; k < SETTLED_PROBE && n < 0; k++) {
+        struct dvb_cont_fact *e = &m->conts[(home + k) % DVB_CONT_FACTS];
+        if (e->epoch == now && e->dev == c->dev && e->ino == c->ino && e->cmd == cmd) {
+            n = e->n;
+            memcpy(off, e->off, sizeof(off));
+        }
+    }
+    pthread_mutex_unlock(&m->lock);
+    if (n < 0)
+        return 0;
+    if (n > 0) {
+        struct iovec l[DVB_CONT_HANDLES], r[DVB_CONT_HANDLES];
+        for (int k = 0; k < n; k++) {
+            l[k] = (struct iovec){&handle[k], 4};
+            r[k] = (struct iovec){(void *)(uintptr_t)((uint64_t)c->argp + (uint64_t)off[k]), 4};
+        }
+        ssize_t got = tenant_rw(t, (pid_t)c->tid, 0, l, r, (unsigned long)n);
+        if (t->abandoned)
+            return DVB_LATE;
+        if (got != (ssize_t)(4 * n))
+            return 0; /* the broker reads it again and answers */
+    }
+    pthread_mutex_lock(&m->lock);
+    catch_up(m);
+    now = epoch_now(m, 0);
+    for (int k = 0; k < SETTLED_PROBE && !ok; k++) {
+        struct dvb_cont_fact *e = &m->conts[(home + k) % DVB_CONT_FACTS];
+        if (!(e->epoch == now && e->dev == c->dev && e->ino == c->ino && e->cmd == cmd
+              && e->n == n && !memcmp(e->off, off, sizeof(off))
+              && !memcmp(e->handle, handle, sizeof(handle))))
+            continue;
+        if (!m->credit || !e->sandbox || caller_sandbox(m, c->tid) != e->sandbox)
+            break; /* (the session's own check: the caller in the opener's sandbox) */
+        if (m->credit > 0)
+            m->credit--;
+        int64_t ns = now_ns() - t0;
+        int b = 0;
+        while (b < m->n_bounds && m->bounds[b] < ns)
+            b++;
+        e->count++;
+        e->sum_ns += ns;
+        e->buckets[b]++;
+        m->conts_unfolded++;
+        ok = 1;
+    }
+    pthread_mutex_unlock(&m->lock);
+    return ok;
+}
+
 static int answer_ioctl(struct dvb_thread *t, struct dvb_notif *n)
 {
     struct dvb_shared *sh = t->sh;
@@ -1157,6 +1390,18 @@ static int answer_ioctl(struct dvb_thread *t, struct dvb_notif *n)
             c->hdr_len = (int64_t)size;
     }
     int64_t t1 = now_ns();
+    if (!c->hdr_len) { /* (a continued call's header is never read as a control's) */
+        int cont = continue_admit(t, t0);
+        if (cont == DVB_LATE)
+            return DVB_LATE;
+        if (cont) {
+            send_resp(t, n->id, 0, 0, 1);
+            t->counters[C_IOCTLS]++;
+            t->counters[C_CONT_SETTLED]++;
+            t->counters[C_NS_IOCTL] += now_ns() - t0;
+            return 0;
+        }
+    }
     int settled = settled_admit(t); /* else the broker decides (the callback) */
     int act = settled ? ACT_CONTROL : sh->on_ioctl(t->slot);
     int64_t t2 = now_ns();
@@ -1165,6 +1410,8 @@ static int answer_ioctl(struct dvb_thread *t, struct dvb_notif *n)
         t->counters[C_SETTLED]++;
     if (act == ACT_CONTINUE) {
         send_resp(t, n->id, 0, 0, 1);
+        if (c->after)
+            sh->on_after(t->slot); /* (a continuation written down; the tenant runs on) */
         rc = 0;
     } else if (act == ACT_FAIL) { /* a bug in the decision: this call fails, closed */
         send_resp(t, n->id, 0, EIO, 0);
