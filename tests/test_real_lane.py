@@ -69,12 +69,13 @@ def test_a_lane_call_on_a_relayed_file_answers_as_the_general_path(backend, kind
 
 
 def _on_stand_in_nodes(tmp_path, name: str, env: dict, frontend: str, argv: list[str],
-                       wrap: tuple = (), lane: str = "control_lane") -> tuple[dict, dict]:
+                       wrap: tuple = (), lane: str = "control_lane",
+                       inspect=None) -> tuple[dict, dict]:
     """A broker on the real backend with stand-in driver nodes (test_upgrade.STAND_IN_NS:
     /dev/null's and /dev/zero's devices as nvidiactl and nvidia0), its environment
     updated with `env` and its command run under `wrap` (nvok_standin.py); tenant t0 (2 GiB
     on GPU 0) runs `argv` through `frontend`. Its last stdout line as JSON, and the broker's
-    counters of `lane` after it."""
+    counters of `lane` after it. `inspect(broker)`: called before the broker stops."""
     import json
     import subprocess
 
@@ -107,6 +108,8 @@ def _on_stand_in_nodes(tmp_path, name: str, env: dict, frontend: str, argv: list
         b.frontend = frontend
         r = b.exec("t0", *argv, timeout=120)
         assert r.returncode == 0, r.stdout + r.stderr + b.output()
+        if inspect is not None:
+            inspect(b)
         return json.loads(r.stdout.strip().splitlines()[-1]), b.status()[lane]
     finally:
         b.stop()
@@ -263,3 +266,40 @@ def test_settled_continuations_answer_as_the_broker_and_follow_the_books(tmp_pat
     assert lane_off["settled"] == 0, lane_off
     # every continued call counted as admitted either way
     assert lane_on["admitted"] == lane_off["admitted"] == 10 + 10 + 3, (lane_on, lane_off)
+
+
+_BURST_OF_OPENS = r"""
+import json, os, time
+first = os.open("/dev/nvidiactl", os.O_RDWR)  # (no spares yet: made on the open, tidied)
+time.sleep(0.05)
+burst = [os.open("/dev/nvidiactl", os.O_RDWR) for _ in range(10)]
+names = [os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) for fd in [first] + burst]
+time.sleep(0.2)  # the listener is quiet: its tidy
+print(json.dumps({"names": names}))
+"""
+
+
+def test_the_native_listener_tidies_private_nodes_when_quiet(tmp_path):
+    """A burst of NVIDIA opens through the native loop leaves the tidy of the broker's
+    private nodes (unlink the opened ones, make spares) for when the listener has been
+    quiet for a moment (DVB_QUIET; PrivateNodes.running_low says when it cannot wait):
+    after the burst and a pause, every node the tenant opened is unlinked and nvidiactl has
+    its SPARE spares again; the tenant's files stay open and distinct."""
+    import sys
+    from pathlib import Path
+
+    from devbroker.backends.tenantfile import PrivateNodes
+
+    seen = {}
+
+    def look(b):
+        d = Path(f"/proc/{b.proc.pid}/root") / str(b.run_dir).lstrip("/") / "private-nodes"
+        seen["nodes"] = sorted(os.listdir(d))
+
+    out, _lane = _on_stand_in_nodes(tmp_path, "quiet", {}, "seccomp",
+                                    [sys.executable, "-c", _BURST_OF_OPENS], inspect=look)
+    names = out["names"]
+    assert len(set(names)) == 11, names  # one private node per open
+    assert not set(names) & set(seen["nodes"]), (names, seen)  # all unlinked
+    ctl = [n for n in seen["nodes"] if ".nvidiactl." in n]
+    assert len(ctl) == PrivateNodes.SPARE, seen

@@ -105,6 +105,31 @@ def test_private_nodes_give_each_open_an_inode_of_its_own(tmp_path):
     assert not (tmp_path / "nodes").exists() or os.listdir(tmp_path / "nodes") == []
 
 
+def test_private_nodes_run_low_only_near_the_end_of_their_spares(tmp_path):
+    """`running_low` (whether the tidy may wait for a quiet listener): a host path opened
+    for the first time has no spares (low: the tidy must not wait); after a tidy it has
+    SPARE, and it runs low only once fewer than LOW are left; a tidy fills it again."""
+    nodes = PrivateNodes(tmp_path / "nodes")
+    fds = []
+    try:
+        fds.append(nodes.open(STAND_IN, os.O_RDWR))
+        assert nodes.running_low()  # (its node was made on the open itself)
+        nodes.tidy()
+        assert not nodes.running_low()
+        for _ in range(PrivateNodes.SPARE - PrivateNodes.LOW):
+            fds.append(nodes.open(STAND_IN, os.O_RDWR))
+        assert not nodes.running_low()  # LOW spares left
+        fds.append(nodes.open(STAND_IN, os.O_RDWR))
+        assert nodes.running_low()
+        nodes.tidy()
+        assert not nodes.running_low()
+        assert len(os.listdir(tmp_path / "nodes")) == PrivateNodes.SPARE  # opened: unlinked
+    finally:
+        for fd in fds:
+            os.close(fd)
+        nodes.close()
+
+
 def test_private_nodes_drop_spares_of_a_host_node_that_changed(tmp_path):
     """A spare made for a host node that has since become another device (a driver
     reloaded with other numbers) is never opened: tidy drops it and makes new ones."""

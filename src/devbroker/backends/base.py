@@ -149,10 +149,15 @@ class Backend(Protocol):
 
     def open(self, node: NodeKind, minor: int) -> DriverFile: ...
 
-    def after_open_answered(self) -> None:
+    def after_open_answered(self, later: bool = False) -> bool:
         """Work an open of a tenant file leaves for after the tenant has its answer (the
         real backend's spare device nodes, tenantfile.PrivateNodes.tidy); nothing by
-        default."""
+        default. later=True: the front end will call `quiet_work` when it is quiet, and the
+        work may wait for then (True: some did)."""
+        return False
+
+    def quiet_work(self) -> None:
+        """The work `after_open_answered` kept for a quiet moment."""
 
     def close(self, file: DriverFile) -> None: ...
 

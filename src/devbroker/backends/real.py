@@ -594,7 +594,15 @@ class RealBackend:
             return TenantFile(node, minor, path, (st.st_dev, st.st_ino), install_fd=fd)
         return RealFile(node, minor, self.relay.open(path), path)
 
-    def after_open_answered(self) -> None:
+    def after_open_answered(self, later: bool = False) -> bool:
+        if self._private is None:
+            return False
+        if later and not self._private.running_low():
+            return True  # (the spares last: the tidy waits for a quiet listener)
+        self._private.tidy()
+        return False
+
+    def quiet_work(self) -> None:
         if self._private is not None:
             self._private.tidy()
 

@@ -244,12 +244,17 @@ class PrivateNodes:
     driver cannot be unloaded; were they to, the opens before the next tidy would reach the
     old numbers.)"""
 
-    # Nodes kept ready per host path (a CUDA init opens ~50, NVML 6 per init). The tidy runs
-    # on the listener thread after the answer: on the H200 that measured best (NVIDIA opens
-    # ~180 µs over native in NVML's sequence) against a thread of its own, woken per open
-    # or after a quiet 2 ms (~225 and ~245 µs: its Python competes with the listeners for
-    # the interpreter), although the tenant's next call may wait for it (docs/benchmarks.md).
-    SPARE = 4
+    # Nodes kept ready per host path (a CUDA init opens nvidiactl 30 times, nvidia0 18,
+    # nvidia-uvm 4; NVML 6 files per init). The tidy runs on a listener thread: on the H200
+    # that measured best (NVIDIA opens ~180 µs over native in NVML's sequence) against a
+    # thread of its own, woken per open or after a quiet 2 ms (~225 and ~245 µs: its Python
+    # competes with the listeners for the interpreter). A listener that can wait for a quiet
+    # moment (the native loop: 1 ms without a notification) tidies then, unless a path
+    # runs low (`running_low`: fewer than LOW spares), when it tidies right after the
+    # answer; the tenant's next call never waits for the tidy of a burst of opens
+    # (tenantfile's mknod/unlink of every open: ~100 µs on the development machine).
+    SPARE = 32
+    LOW = 4
 
     def __init__(self, directory: str | Path, dev: str = "/dev"):
         self.dir = Path(directory)
@@ -304,6 +309,12 @@ class PrivateNodes:
         finally:
             with self._lock:
                 self._opened.append(node)
+
+    def running_low(self) -> bool:
+        """Whether a host path opened since the last tidy has fewer than LOW spares left
+        (then the tidy should not wait)."""
+        with self._lock:
+            return any(len(self._spare.get(p, ())) < self.LOW for p in self._wanted)
 
     def tidy(self) -> None:
         """Unlink the nodes opened since the last call and make spares for the host paths

@@ -328,11 +328,16 @@ class Broker:
             file.install_fd = -1  # the front end owns (installs, then closes) it now
         return OpenReply(session=sid, install_fd=install)
 
-    def after_open_answered(self) -> None:
+    def after_open_answered(self, later: bool = False) -> bool:
         """A front end has installed a tenant file (open_now's install_fd) and answered the
         open: the backend's deferred work for it, off the tenant's path (no state lock:
-        the backend's own)."""
-        self.backend.after_open_answered()
+        the backend's own). later=True: the front end calls `quiet_work` when it next has
+        nothing to answer, and the backend may keep the work for then (True: it did)."""
+        return bool(self.backend.after_open_answered(later))
+
+    def quiet_work(self) -> None:
+        """What `after_open_answered(later=True)` kept: the front end is quiet now."""
+        self.backend.quiet_work()
 
     # ------------------------------------------------------------------ release
     async def release(self, req: ReleaseRequest) -> None:

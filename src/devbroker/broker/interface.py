@@ -147,7 +147,11 @@ class BrokerInterface(Protocol):
 
     # A front end that installs the backend's tenant files (seccomp) calls this after it has
     # answered such an open: the backend's work for it that the tenant need not wait for.
-    def after_open_answered(self) -> None: ...
+    # later=True: the front end calls quiet_work() once it has had nothing to answer for a
+    # moment, and the backend may keep the work for then (True: it did).
+    def after_open_answered(self, later: bool = False) -> bool: ...
+
+    def quiet_work(self) -> None: ...
 
 
 DENIED = IoctlReply(errno=_errno.EPERM)

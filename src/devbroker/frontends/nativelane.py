@@ -54,8 +54,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("devbroker.seccomp.native")
 
 ABI = 12  # native/lane.c DVB_ABI
-DVB_NOTIF, DVB_IDLE, DVB_WAKE, DVB_HUP, DVB_FOLD, DVB_LATE, DVB_WRITE_FAILED, DVB_ERROR = \
-    range(1, 9)
+(DVB_NOTIF, DVB_IDLE, DVB_WAKE, DVB_HUP, DVB_FOLD, DVB_LATE, DVB_WRITE_FAILED, DVB_ERROR,
+ DVB_QUIET) = range(1, 10)
 ACT_DECLINE, ACT_CONTINUE, ACT_CONTROL, ACT_FAIL = 0, 1, 2, 3
 # native/lane.c's counters, in its order: the SupervisorStats field(s) each is added to
 COUNTERS = ("notifications", "opens_continued", "ioctls", "controls_fast", "stale",
@@ -154,6 +154,7 @@ def library() -> ctypes.CDLL | None:
     lib.dvb_set_names.argtypes = [vp, ctypes.c_char_p, ctypes.c_size_t]
     lib.dvb_set_lane_cmds.argtypes = [vp, ctypes.POINTER(ctypes.c_uint32), ctypes.c_int]
     lib.dvb_set_mem_off.argtypes = [vp, ctypes.c_int]
+    lib.dvb_set_quiet.argtypes = [vp]
     lib.dvb_thread_new.restype = vp
     lib.dvb_thread_new.argtypes = [vp, ctypes.c_int]
     lib.dvb_thread_free.argtypes = [vp]
@@ -312,6 +313,11 @@ class NativeLane:
         with self._lock:  # (the watchdog reads a thread's state under this lock)
             self.threads.pop(t.slot, None)
             t.close()
+
+    def when_quiet(self) -> None:
+        """Ask one of the loop's threads back (DVB_QUIET) once it has had no notification
+        for 1 ms: the broker has work for a quiet moment (Broker.quiet_work)."""
+        self.lib.dvb_set_quiet(self.shared)
 
     def set_mem_off(self, off: bool) -> None:
         if off != self.mem_off:

@@ -783,6 +783,11 @@ class SeccompSupervisor:
                     e = OSError(nl.lib.dvb_err(t.ptr), os.strerror(nl.lib.dvb_err(t.ptr)))
                     self._audit_memory(n.pid, f"ioctl {n.data.arg_u32(1):#x}", e)
                     self._send_quietly(w.NotifResp.fail(n.id, errno.EFAULT))
+                elif rc == nativelane.DVB_QUIET:  # no call for 1 ms: the broker's work
+                    try:
+                        self.broker.quiet_work()
+                    except Exception:
+                        log.exception("seccomp: the backend's work for a quiet moment failed")
                 elif rc == nativelane.DVB_HUP:
                     self._stopping = True
                     self._to_trio(self._hup.set)
@@ -1379,7 +1384,10 @@ class SeccompSupervisor:
             os.close(memfd)  # the tenant's reference is now the only one
         if real:  # the tenant has its file: the backend's deferred work for the open
             try:
-                self.broker.after_open_answered()
+                # (with the native loop, it may wait until the listener is quiet: DVB_QUIET)
+                nl = self._native
+                if self.broker.after_open_answered(later=nl is not None):
+                    nl.when_quiet()
             except Exception:
                 log.exception("seccomp: the backend's work after an open failed")
 

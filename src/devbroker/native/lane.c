@@ -79,7 +79,7 @@ struct dvb_resp { /* struct seccomp_notif_resp */
 #define DVB_CONTINUE 1 /* SECCOMP_USER_NOTIF_FLAG_CONTINUE */
 
 enum { DVB_NOTIF = 1, DVB_IDLE, DVB_WAKE, DVB_HUP, DVB_FOLD, DVB_LATE, DVB_WRITE_FAILED,
-       DVB_ERROR };
+       DVB_ERROR, DVB_QUIET };
 enum { ACT_DECLINE = 0, ACT_CONTINUE = 1, ACT_CONTROL = 2, ACT_FAIL = 3 };
 
 /* counters, in nativelane.COUNTERS order */
@@ -268,6 +268,7 @@ struct dvb_shared {
     size_t notif_size;
     int64_t spin_ns;
     volatile int mem_off;
+    int quiet; /* Python has work for a quiet moment: DVB_QUIET after 1 ms without a call */
     uint32_t lane_cmds[DVB_LANE_CMDS];
     int n_lane_cmds;
     char names[DVB_NAMES_MAX]; /* NUL-separated basenames that may be ours */
@@ -368,6 +369,7 @@ int dvb_set_lane_cmds(struct dvb_shared *sh, const uint32_t *cmds, int n)
 }
 
 void dvb_set_mem_off(struct dvb_shared *sh, int off) { sh->mem_off = off; }
+void dvb_set_quiet(struct dvb_shared *sh) { __atomic_store_n(&sh->quiet, 1, __ATOMIC_RELEASE); }
 
 struct dvb_thread *dvb_thread_new(struct dvb_shared *sh, int slot)
 {
@@ -1441,8 +1443,9 @@ int dvb_serve(struct dvb_thread *t)
             return t->last_rc = DVB_FOLD; /* the Python side folds counters, checks its state */
         pthread_mutex_lock(&sh->recv_lock);
         int spinning = sh->spin_ns && now_ns() < t->spin_until;
+        int quiet = __atomic_load_n(&sh->quiet, __ATOMIC_ACQUIRE);
         struct pollfd p[2] = {{sh->listener, POLLIN, 0}, {sh->wake_fd, POLLIN, 0}};
-        int r = poll(p, 2, spinning ? 0 : 200);
+        int r = poll(p, 2, spinning ? 0 : quiet ? 1 : 200);
         if (r < 0) {
             int e = errno;
             pthread_mutex_unlock(&sh->recv_lock);
@@ -1455,6 +1458,8 @@ int dvb_serve(struct dvb_thread *t)
             pthread_mutex_unlock(&sh->recv_lock);
             if (spinning)
                 continue;
+            if (quiet && __atomic_exchange_n(&sh->quiet, 0, __ATOMIC_ACQ_REL))
+                return t->last_rc = DVB_QUIET; /* (one thread does the work) */
             return t->last_rc = DVB_IDLE;
         }
         if (p[1].revents) {
