@@ -125,6 +125,19 @@ def main() -> int:
                                                     hClass3dObject=chans[1]))
     alloc("debugger-foreign", hdev, DEBUGGER, params_of(DEBUGGER, hAppClient=0xC1D0BEEF,
                                                         hClass3dObject=chans[1]))
+    # an OS event (laned, checked: its `data` is a key the driver looks up, not a pointer,
+    # rules.CLASSES 0x79 `keys`): of the tenant's own client; a kernel-callback notifier
+    # and another client as the parent refused the general way
+    EVENT = 0x79
+    alloc("os-event-own", hsub, EVENT, params_of(EVENT, hParentClient=c.hclient,
+                                                 hSrcResource=hsub, hClass=EVENT,
+                                                 notifyIndex=1, data=5))
+    alloc("os-event-kernel-callback", hsub, EVENT, params_of(
+        EVENT, hParentClient=c.hclient, hSrcResource=hsub, hClass=0x78, notifyIndex=1,
+        data=5))
+    alloc("os-event-foreign-client", hsub, EVENT, params_of(
+        EVENT, hParentClient=0xC1D0BEEF, hSrcResource=hsub, hClass=EVENT, notifyIndex=1,
+        data=5))
     # a device (laned, checked: its deviceId must name one of the tenant's GPUs): instance
     # 1 and 7 name none (the tenant has GPU 0 of a one-GPU host), refused the general way
     DEVICE = 0x80

@@ -369,7 +369,8 @@ def test_allocation_lane_answers_as_the_general_path(start_broker, traces_dir, f
     assert by_what["vaspace"]["status"] != 0  # allowed, not modelled: NOT_SUPPORTED
     # refusals of the general path, audited alike with the lane on and off
     for w in ("foreign-client", "foreign-parent", "duplicate-handle", "debugger-foreign",
-              "unlisted-class", "device-instance-1", "device-instance-7"):
+              "unlisted-class", "device-instance-1", "device-instance-7",
+              "os-event-kernel-callback", "os-event-foreign-client"):
         assert by_what[w]["status"] != 0 or by_what[w]["errno"], by_what[w]
     frees = [x for x in on if x["what"] == "free"]
     assert len(frees) == done_on["made"] and all(x["status"] == 0 for x in frees), frees
@@ -407,8 +408,11 @@ def test_allocation_lane_answers_as_the_general_path(start_broker, traces_dir, f
     # + the five device-memory blocks the quota let through (the two over it were
     # declined at the check, the one with an address set at admission), + the second
     # client's subdevice and 6 GiB and the first client's 6 GiB after the root free, + the
-    # two clients' devices (open_gpu; the devices of instances 1 and 7 declined at the check)
-    assert st_on.get("allocations") == 22, st_on
+    # two clients' devices (open_gpu; the devices of instances 1 and 7 declined at the
+    # check), + the tenant's own OS event (its `data` a key: the emulator's NOT_SUPPORTED,
+    # as the general path's; the kernel-callback notifier and the foreign client declined)
+    assert by_what["os-event-own"]["status"] == 0x56, by_what["os-event-own"]
+    assert st_on.get("allocations") == 23, st_on
     assert sum("device instance" in d.get("reason", "") for d in denies_on) == 2, denies_on
     # every free of an object the books hold, the second client's root among them: the
     # objects made (each freed once), vidmem-0, vidmem-1, the 6 GiB after the root free,

@@ -75,7 +75,10 @@ def allowlist_markdown(version: str = "580.159.04") -> str:
     out += ["", "### RM classes let through (root client 0x41 handled by the core)", "",
             "| class | name | capability | driver flags | why |", "| --- | --- | --- | --- | --- |"]
     out += [f"| `{c:#06x}` | {abi.class_name(c)} | {r.capability} | "
-            f"{driver_flags(abi.rm_class(c))} | {r.reason} |"
+            f"{driver_flags(abi.rm_class(c))} | {r.reason}"
+            + (f"; {', '.join(f'`{k}`' for k in r.keys)} a key, not a pointer (the "
+               f"control lane takes it set): {r.keys_why.replace('`data` is ', '')}"
+               if r.keys else "") + " |"
             for c, r in sorted(rules.CLASSES.items())]
     out += ["", "### RM classes refused on purpose (all others too)", "",
             "| class | name | why refused |", "| --- | --- | --- |"]

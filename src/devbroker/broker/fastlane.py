@@ -551,6 +551,9 @@ class ControlLane:
                 and (rule.after is None or rule.after in LANE_AFTER_HOOKS)
                 and op is not None and op.params is not None and op.size):
             ptrs = rules.lane_pointers(op.params)
+            if ptrs is not None and rule.keys:  # (keys, not pointers: the row says why)
+                keys = {op.params.by_name[k].offset for k in rule.keys}
+                ptrs = tuple(o for o in ptrs if o not in keys)
             if ptrs is not None:
                 checked = (rule.check is not None or rule.charge
                            or cls == handlers.DEVICE_CLASS

@@ -300,6 +300,11 @@ class ClassRule:
     in_caller_via: frozenset = frozenset()
     in_caller: str = ""
     race: str = ""
+    # Pointer-typed fields of its parameters that the driver uses as a key and never
+    # dereferences (with the reason): the control lane may then take the allocation with
+    # them set, where any other pointer must be NULL (rules.lane_pointers).
+    keys: tuple = ()
+    keys_why: str = ""
 
     def granted(self, caps: frozenset[str]) -> bool:
         return self.capability in caps
@@ -329,7 +334,12 @@ CLASSES: dict[int, ClassRule] = {
                     in_caller="pins pages of the caller's own address space",
                     race=_RACE_ALLOC_MEMORY),
     0x79: ClassRule("compute", "OS event on the tenant's own file",
-                    check=handlers.os_event_notifier),
+                    check=handlers.os_event_notifier, keys=("data",),
+                    keys_why="`data` is an fd number that, with the allocating client, "
+                    "looks up an event the tenant registered itself (NV_ESC_ALLOC_OS_EVENT): "
+                    "os.c osUserHandleToKernelPtr walks the driver's event list for (fd, "
+                    "hClient) and writes the event's kernel address back into the field; no "
+                    "memory is read through it"),
     0x90F1: ClassRule("compute", "GPU virtual address space of the tenant's context"),
     0x9067: ClassRule("compute", "context share of the tenant's own channel group"),
     0x90E6: ClassRule("compute", "subdevice master object (error counters of own GPU)"),
