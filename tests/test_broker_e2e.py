@@ -226,6 +226,13 @@ def test_status_command_reports_tenants(broker):
     assert "alice" in r.stdout and "16 GiB" in r.stdout and "bob" in r.stdout
 
 
+def test_the_startups_objects_are_out_of_the_collectors_sight(broker):
+    """daemon.run_forever freezes what the broker loaded before serving (the ABI and rule
+    tables: ~250,000 objects), so no full collection over them can stall every listener
+    in the middle of a tenant's call: the broker says how many it froze."""
+    assert broker.status()["gc_frozen"] > 100_000
+
+
 def test_cuda_calls_decided_case_by_case(broker):
     """PERF_BOOST: CUDA's own boost reaches the driver (the emulator does not model it:
     NOT_SUPPORTED), any other is answered NV_OK by the broker without the driver. A debugger

@@ -105,6 +105,31 @@ def _raise_errno(what: str) -> None:
     raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
+def listener_cpus() -> set[int] | None:
+    """The CPUs listener threads keep to (DEVBROKER_LISTENER_CPUS="2" or "2,3"; unset: any,
+    the kernel's choice). An experiment's knob (docs/benchmarks.md): a thread woken on
+    another CPU at every notification runs its Python on cold caches; pinned, it does not,
+    but its wake-ups then cross CPUs. A bad value is logged and ignored."""
+    spec = os.environ.get("DEVBROKER_LISTENER_CPUS", "").strip()
+    if not spec:
+        return None
+    try:
+        cpus = {int(x) for x in spec.split(",") if x.strip()}
+        return cpus & os.sched_getaffinity(0) or None
+    except ValueError:
+        log.warning("DEVBROKER_LISTENER_CPUS=%r: not a list of CPU numbers; ignored", spec)
+        return None
+
+
+def _keep_to_listener_cpus() -> None:
+    cpus = listener_cpus()
+    if cpus:
+        try:
+            os.sched_setaffinity(0, cpus)  # (0: this thread only)
+        except OSError as e:
+            log.warning("listener thread: sched_setaffinity(%s): %s", sorted(cpus), e)
+
+
 def get_notif_sizes() -> w.NotifSizes:
     """SECCOMP_GET_NOTIF_SIZES, checked against the codec's layouts."""
     buf = ctypes.create_string_buffer(6)
@@ -259,6 +284,8 @@ class SupervisorStats:
     # what a tenant's init pays for the broker, per kind of call.
     ns_open: int = 0
     ns_open_node: int = 0  # of ns_open: the opens of our nodes (driver open, install)
+    ns_open_broker: int = 0  # of ns_open_node: the broker's open (policy, session, driver)
+    ns_open_install: int = 0  # of ns_open_node: the install (ADDFD, which answers)
     ns_ioctl: int = 0
     ns_mmap: int = 0
     sync_wake_up: bool = False  # the kernel wakes listener and tenant on one CPU (6.6+)
@@ -666,6 +693,7 @@ class SeccompSupervisor:
         the supervisor's own duplicate of the listener (closed by the last one out), so a
         thread held up in a tenant's page never answers on an fd number reused meanwhile."""
         me = threading.get_native_id()
+        _keep_to_listener_cpus()
         if self.real_files:
             # Driver calls for the tenant run on this thread: never with the capabilities
             # the driver checks (tenantfile.DRIVER_CAPS), dropped for the thread's life.
@@ -742,6 +770,7 @@ class SeccompSupervisor:
         (frontends/nativelane.py): the loop comes back here for every notification it does
         not answer itself, which is then answered exactly as `_thread_main` would."""
         me = threading.get_native_id()
+        _keep_to_listener_cpus()
         if self.real_files:
             drop_driver_capabilities_for_thread()  # as _thread_main: before any driver call
         nl = self._native
@@ -1341,11 +1370,15 @@ class SeccompSupervisor:
         limiter = getattr(getattr(self.broker, "tenants", {}).get(self.tenant), "limiter", None)
         if open_now and limiter is not None and not limiter.try_acquire():
             yield RateLimit(limiter)  # opens are paced like ioctls (issue 13 item 8)
+        t0 = time.perf_counter_ns()
         reply = open_now(req) if open_now else (yield Await(self.broker.open, (req,)))
+        t1 = time.perf_counter_ns()
+        self.stats.ns_open_broker += t1 - t0
         if reply.errno:
             return w.NotifResp.fail(n.id, reply.errno)
         self._install(n, caller, spec, reply.session, flags, posixpath.basename(full),
                       reply.install_fd)
+        self.stats.ns_open_install += time.perf_counter_ns() - t1
         return None
 
     def _install(self, n: w.Notif, caller: Caller, spec: NodeSpec, sid: int,
