@@ -303,3 +303,55 @@ def test_the_native_listener_tidies_private_nodes_when_quiet(tmp_path):
     assert not set(names) & set(seen["nodes"]), (names, seen)  # all unlinked
     ctl = [n for n in seen["nodes"] if ".nvidiactl." in n]
     assert len(ctl) == PrivateNodes.SPARE, seen
+
+
+def test_mapping_facts_and_files_not_the_brokers_are_let_through_by_the_native_loop(tmp_path):
+    """The native loop's answers to file mappings (native/lane.c answer_mmap): a real ctl or
+    GPU file the broker installed has a mapping fact from its open
+    (SeccompSupervisor._native_map_fact: Broker.map_check_now's decision for such a file),
+    and the loop lets its mappings through itself; a regular file (none of the broker's) is
+    let through too; a memfd and the nvidia-uvm file (whose mappings count against the
+    managed-memory allowance) go to the Python listener. The tenant (tests/mapped_prog.py,
+    on stand-in nodes) sees the same with the facts on and off (DEVBROKER_SETTLED=0): the
+    stand-in ctl and UVM files refuse to be mapped (ENODEV, the kernel's), the GPU file,
+    the regular file and the memfd map with their contents."""
+    import sys
+    import time
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+
+    def run(settled: bool) -> tuple[dict, dict]:
+        got = {}
+
+        def look(b):
+            for _ in range(100):  # (the listener's record comes when the tenant is gone)
+                done = [r for r in b.audit() if r.get("event") == "tenant-detached"]
+                if done:
+                    got.update(done[-1])
+                    return
+                time.sleep(0.05)
+
+        out, _lane = _on_stand_in_nodes(tmp_path, f"mapped{int(settled)}",
+                                        {"DEVBROKER_SETTLED": "1" if settled else "0"},
+                                        "seccomp", [sys.executable, str(here / "mapped_prog.py")],
+                                        inspect=look)
+        return out, got
+
+    on, st_on = run(True)
+    off, st_off = run(False)
+    assert on == off == {
+        "nvidiactl": [["errno", errno.ENODEV]],
+        "nvidia0": [["ok", "00000000"]],
+        "nvidia-uvm": [["errno", errno.ENODEV]],
+        "regular": [["ok", on["regular-head"]]],
+        "regular-head": on["regular-head"],
+        "memfd": [["ok", "01020304"]],
+    }, (on, off)
+    # the ctl and GPU files' five mappings each, by their facts; none with the facts off
+    assert st_on["mmaps_settled"] == 10 and st_off["mmaps_settled"] == 0, (st_on, st_off)
+    # (every mapping of the broker's files counted either way: the five of nvidia-uvm too)
+    assert st_on["mmaps"] == st_off["mmaps"] == 15, (st_on, st_off)
+    # the regular file's mappings (and the interpreter's own) let through by the loop,
+    # counted as continued either way
+    assert st_on["mmaps_continued"] >= 5 and st_off["mmaps_continued"] >= 5

@@ -465,6 +465,17 @@ class _CountedContinue:
         return None if s is None else (s.tenant.name, "ioctl",
                                        *self._stats.names.ioctl(s.node, cmd, arg))
 
+    def map_key(self, session_id: int):
+        s = self._lane.broker.sessions.get(session_id)
+        return None if s is None else (s.tenant.name, "mmap", _NODE_NAMES.get(s.node, "other"),
+                                       "")
+
+    def settled_maps(self, tenant, key, count: int, sum_ns: int, buckets) -> None:
+        """Mappings the front end let through by a mapping fact: map_check_now's rows."""
+        self._lane.settled_maps(tenant, key, count, sum_ns, buckets)
+        if key is not None:
+            self._stats.record_rows(key, count, 0, sum_ns, buckets)
+
     def settled_calls(self, tenant, key, count: int, sum_ns: int, buckets) -> None:
         """Settled continuations' rows (the front end counted them by latency bucket)."""
         self._lane.settled_calls(tenant, key, count, sum_ns, buckets)

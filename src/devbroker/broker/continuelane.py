@@ -176,6 +176,15 @@ class ContinueLane:
         wrapper answers)."""
         return None
 
+    def map_key(self, session_id: int):
+        """The call counters' row of a mapping of this session's file (None: no call
+        counters; callstats' wrapper answers)."""
+        return None
+
+    def settled_maps(self, tenant, key, count: int, sum_ns: int, buckets) -> None:
+        """Mappings the native loop let through by a mapping fact (Broker.map_check_now's
+        decision for a ctl or GPU file, which counts nothing of the tenant's)."""
+
     def settled_calls(self, tenant, key, count: int, sum_ns: int, buckets) -> None:
         """Calls the native loop continued by a settled decision (settle_fields): counted
         as the broker's own admissions (the tenant's requests, its continued calls)."""

@@ -61,7 +61,9 @@ ACT_DECLINE, ACT_CONTINUE, ACT_CONTROL, ACT_FAIL = 0, 1, 2, 3
 COUNTERS = ("notifications", "opens_continued", "ioctls", "controls_fast", "stale",
             "lane_ns_read", "lane_ns_admit", "lane_ns_dup", "lane_ns_driver", "lane_ns_finish",
             "lane_ns_write", "ns_recv", "ns_send", "ns_ioctl", "ns_open", "native_answered",
-            "settled", ("continued_settled", "continued_decided", "uvm_fast"))
+            "settled", ("continued_settled", "continued_decided", "uvm_fast"),
+            "mmaps_continued", ("mmaps_settled", "mmaps"), "ns_mmap")
+FACT_IOCTL, FACT_MMAP = 0, 1  # native/lane.c struct dvb_cont_fact's kinds
 HDR_MAX = 1024
 PARAMS_MAX = 16384
 PATCH_MAX = 16
@@ -155,6 +157,7 @@ def library() -> ctypes.CDLL | None:
     lib.dvb_set_lane_cmds.argtypes = [vp, ctypes.POINTER(ctypes.c_uint32), ctypes.c_int]
     lib.dvb_set_mem_off.argtypes = [vp, ctypes.c_int]
     lib.dvb_set_quiet.argtypes = [vp]
+    lib.dvb_set_memfd_dev.argtypes = [vp, i64]
     lib.dvb_thread_new.restype = vp
     lib.dvb_thread_new.argtypes = [vp, ctypes.c_int]
     lib.dvb_thread_free.argtypes = [vp]
@@ -258,7 +261,7 @@ class NativeLane:
     """One listener's native loop: the shared C state, and the callbacks into the broker."""
 
     def __init__(self, lib: ctypes.CDLL, sup: SeccompSupervisor, listener_fd: int,
-                 wake_fd: int, notif_size: int, nrs: tuple[int, int, int, int],
+                 wake_fd: int, notif_size: int, nrs: tuple[int, int, int, int, int],
                  reqs: tuple[int, int, int], spin_ns: int, names: set[str],
                  lane_cmds: frozenset[int]):
         self.lib, self.sup = lib, sup
@@ -268,7 +271,7 @@ class NativeLane:
         self._cb_finish = _CALLBACK(self._on_finish)
         self._cb_after = _CALLBACK(self._on_after)
         self.shared = lib.dvb_shared_new(
-            listener_fd, wake_fd, notif_size, (ctypes.c_int * 4)(*nrs),
+            listener_fd, wake_fd, notif_size, (ctypes.c_int * 5)(*nrs),
             (ctypes.c_ulong * 3)(*reqs), spin_ns, self._cb_ioctl, self._cb_check,
             self._cb_finish, self._cb_after)
         if not self.shared:
@@ -276,6 +279,7 @@ class NativeLane:
         blob = b"".join(n.encode("utf-8", "surrogateescape") + b"\0" for n in sorted(names))
         if lib.dvb_set_names(self.shared, blob, len(blob)) != 0:
             raise ValueError("node names too long for the native loop")
+        lib.dvb_set_memfd_dev(self.shared, sup._memfd_dev)
         cmds = sorted(lane_cmds)
         if lib.dvb_set_lane_cmds(self.shared, (ctypes.c_uint32 * max(1, len(cmds)))(*cmds),
                                  len(cmds)) != 0:
@@ -392,19 +396,36 @@ class NativeLane:
         if len(arg) < size or len(offsets) > 4:
             return False
         handles = [int.from_bytes(arg[o:o + 4], "little") for o in offsets]
+        return self._put_fact(c.dev, c.ino, FACT_IOCTL, c.cmd, size, sess, caller,
+                              offsets, handles, epochs, c.tid, caller_pidfd, key)
+
+    def settle_mmap(self, dev: int, ino: int, sess, epochs: tuple[int, int, int], caller,
+                    tid: int, caller_pidfd: int, key) -> bool:
+        """Write down that this file (dev, inode: a real ctl or GPU file just installed)
+        may be mapped by callers in the sandbox of its opener — Broker.map_check_now's whole
+        decision for such a file — for the loop to answer its mappings itself (native/
+        lane.c answer_mmap); the caller as for settle. False: not written."""
+        if not self.settled_on or sess.pidns is None or caller.pidns is None:
+            return False
+        return self._put_fact(dev, ino, FACT_MMAP, 0, 0, sess, caller, (), (), epochs, tid,
+                              caller_pidfd, key)
+
+    def _put_fact(self, dev: int, ino: int, kind: int, cmd: int, size: int, sess, caller,
+                  offsets, handles, epochs, tid: int, caller_pidfd: int, key) -> bool:
         with self._settled_lock:
-            f = (ctypes.c_int64 * (7 + 2 * len(offsets)))(
-                c.dev, c.ino, c.cmd, size, self._sandbox_tag(sess.caller.uid, sess.pidns),
-                self._sandbox_tag(caller.uid, caller.pidns), len(offsets), *offsets, *handles)
+            f = (ctypes.c_int64 * (8 + 2 * len(offsets)))(
+                dev, ino, cmd, size, self._sandbox_tag(sess.caller.uid, sess.pidns),
+                self._sandbox_tag(caller.uid, caller.pidns), kind, len(offsets), *offsets,
+                *handles)
             pidfd = os.dup(caller_pidfd)
             slot = self.lib.dvb_continue_put(self.shared, (ctypes.c_uint64 * 3)(*epochs), f,
-                                             c.tid, pidfd, self._evicted)
+                                             tid, pidfd, self._evicted)
             ev = self._evicted
             if ev[0] >= 0:  # another fact's calls left that slot: what it counted
                 self._record_continued(ev[0], ev, 0)
             if slot < 0:
                 return False
-            self._cont_rows[slot] = (sess.tenant, key)
+            self._cont_rows[slot] = (sess.tenant, key, kind)
             self._top_up(sess.tenant)
         return True
 
@@ -482,7 +503,8 @@ class NativeLane:
         clane = clane if clane is not None else self.sup._clane
         if clane is not None:
             nb = len(callstats._BOUNDS_NS) + 1
-            clane.settled_calls(who[0], who[1], count, total, row[base + 4:base + 4 + nb])
+            record = clane.settled_calls if who[2] == FACT_IOCTL else clane.settled_maps
+            record(who[0], who[1], count, total, row[base + 4:base + 4 + nb])
 
     def free(self) -> None:
         if self.shared:

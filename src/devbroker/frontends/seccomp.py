@@ -279,6 +279,7 @@ class SupervisorStats:
     native_answered: int = 0  # notifications answered by the native loop (nativelane.py)
     settled: int = 0  # of its controls, those admitted by a settled decision (no callback)
     continued_settled: int = 0  # of its continued calls, those continued by a settled decision
+    mmaps_settled: int = 0  # of its mmaps of our files, those let through by a mapping fact
     uvm_fast: int = 0  # calls its continue lane admitted (CONTINUEd): UVM, RM escapes bound to the caller
     # Time the listener threads spent deciding, by system call (ns; the answer excluded):
     # what a tenant's init pays for the broker, per kind of call.
@@ -760,7 +761,7 @@ class SeccompSupervisor:
     def _new_native(self) -> nativelane.NativeLane:
         return nativelane.NativeLane(
             self._native_lib, self, self._lfd, _HANDOVER_WAKE, max(self.sizes.notif, w.SECCOMP_NOTIF_SIZE),
-            (_NR_IOCTL, _NR_OPEN, w.NR["openat"], w.NR["openat2"]),
+            (_NR_IOCTL, _NR_OPEN, w.NR["openat"], w.NR["openat2"], w.NR["mmap"]),
             (w.SECCOMP_IOCTL_NOTIF_RECV, w.SECCOMP_IOCTL_NOTIF_SEND,
              w.SECCOMP_IOCTL_NOTIF_ID_VALID),
             int(self.spin_s * 1e9), self._basenames, self._lane_cmds)
@@ -951,6 +952,24 @@ class SeccompSupervisor:
             t.lane.settle_continue(c, fields, arg, epochs, hit[1], hit[0],
                                    clane.row_key(sess.id, c.cmd, arg))
         except OSError:  # (no fd for the pidfd's duplicate: not settled, nothing else)
+            pass
+
+    def _native_map_fact(self, sess: Session, key: tuple[int, int], caller: Caller,
+                         epochs: tuple[int, int, int]) -> None:
+        """The native loop may let this ctl or GPU file be mapped without asking
+        (NativeLane.settle_mmap): Broker.map_check_now's decision for it is the session's
+        own check (open, the caller in its opener's sandbox), which the loop repeats for a
+        caller `_caller_caps` keeps; nvidia-uvm files are never written down (their mappings
+        count against the managed-memory allowance)."""
+        nl, hit = self._native, self._callers.get(caller.tid)
+        bs = self.broker.sessions.get(sess.id) if hit is not None and nl is not None else None
+        if bs is None:
+            return
+        clane = self._clane
+        try:
+            nl.settle_mmap(key[0], key[1], bs, epochs, hit[1], caller.tid, hit[0],
+                           clane.map_key(sess.id) if clane is not None else None)
+        except OSError:  # (no fd for the pidfd's duplicate: not written, nothing else)
             pass
 
     def _native_check(self, t: nativelane.NativeThread, c: nativelane.Call) -> int:
@@ -1370,6 +1389,8 @@ class SeccompSupervisor:
         limiter = getattr(getattr(self.broker, "tenants", {}).get(self.tenant), "limiter", None)
         if open_now and limiter is not None and not limiter.try_acquire():
             yield RateLimit(limiter)  # opens are paced like ioctls (issue 13 item 8)
+        nl = self._native
+        epochs = BOOKS.now() if nl is not None and nl.settled_on else None  # (before deciding)
         t0 = time.perf_counter_ns()
         reply = open_now(req) if open_now else (yield Await(self.broker.open, (req,)))
         t1 = time.perf_counter_ns()
@@ -1377,14 +1398,16 @@ class SeccompSupervisor:
         if reply.errno:
             return w.NotifResp.fail(n.id, reply.errno)
         self._install(n, caller, spec, reply.session, flags, posixpath.basename(full),
-                      reply.install_fd)
+                      reply.install_fd, epochs)
         self.stats.ns_open_install += time.perf_counter_ns() - t1
         return None
 
     def _install(self, n: w.Notif, caller: Caller, spec: NodeSpec, sid: int,
-                 flags: int, name: str, real_fd: int = -1) -> None:
+                 flags: int, name: str, real_fd: int = -1, epochs=None) -> None:
         """Install the session's file as the open's result: the real driver file the broker
-        opened (an inode of its own, see tenantfile.PrivateNodes) or a memfd placeholder."""
+        opened (an inode of its own, see tenantfile.PrivateNodes) or a memfd placeholder.
+        epochs: the books' words read before the broker decided the open (with the native
+        loop: a real ctl or GPU file's mappings are then left to it, `_native_map_fact`)."""
         real = real_fd >= 0
         memfd = real_fd if real else os.memfd_create(f"devbroker:{name}", os.MFD_CLOEXEC)
         try:
@@ -1415,6 +1438,8 @@ class SeccompSupervisor:
             sess.opener = (caller.pid, newfd)
         finally:
             os.close(memfd)  # the tenant's reference is now the only one
+        if real and epochs is not None and spec.kind in (NodeKind.CTL, NodeKind.GPU):
+            self._native_map_fact(sess, key, caller, epochs)
         if real:  # the tenant has its file: the backend's deferred work for the open
             try:
                 # (with the native loop, it may wait until the listener is quiet: DVB_QUIET)

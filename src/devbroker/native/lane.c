@@ -86,7 +86,7 @@ enum { ACT_DECLINE = 0, ACT_CONTINUE = 1, ACT_CONTROL = 2, ACT_FAIL = 3 };
 enum { C_NOTIFICATIONS, C_OPENS_CONTINUED, C_IOCTLS, C_CONTROLS_FAST, C_STALE,
        C_LANE_NS_READ, C_LANE_NS_ADMIT, C_LANE_NS_DUP, C_LANE_NS_DRIVER, C_LANE_NS_FINISH,
        C_LANE_NS_WRITE, C_NS_RECV, C_NS_SEND, C_NS_IOCTL, C_NS_OPEN, C_ANSWERED,
-       C_SETTLED, C_CONT_SETTLED, C_COUNT };
+       C_SETTLED, C_CONT_SETTLED, C_MMAPS_CONTINUED, C_MMAPS_SETTLED, C_NS_MMAP, C_COUNT };
 
 #define DVB_HDR_MAX 1024 /* the largest lane argument (NV_ESC_NUMA_INFO: 560) */
 #define DVB_PARAMS_MAX 16384
@@ -220,6 +220,7 @@ struct dvb_cont_fact {
     uint64_t epoch;          /* the policy epoch it was decided at; 0: empty or forgotten */
     uint64_t sandbox;        /* its session's opener: (uid, pid namespace), as a tag */
     int64_t dev, ino;
+    uint32_t kind;           /* DVB_FACT_IOCTL, or DVB_FACT_MMAP: the file may be mapped */
     uint32_t cmd, size;      /* the ioctl number; the argument's size (fields lie in it) */
     int32_t n;               /* client-handle fields (0..DVB_CONT_HANDLES) */
     int32_t off[DVB_CONT_HANDLES];
@@ -227,6 +228,13 @@ struct dvb_cont_fact {
     /* its calls since the last fold (the call counters' row: continued) */
     int64_t count, sum_ns, buckets[DVB_SETTLED_BUCKETS + 1];
 };
+
+enum { DVB_FACT_IOCTL = 0, DVB_FACT_MMAP = 1 };
+/* A mapping fact (kind DVB_FACT_MMAP, no command, no handles): the broker's
+ * map_check_now for a real ctl or GPU file of the tenant's — the session open, the caller
+ * in its opener's sandbox; nothing else is checked for those files (the driver checks the
+ * mapping context itself) — written when the file is installed; an nvidia-uvm file never
+ * has one (its mappings count against the managed-memory allowance, in Python). */
 
 struct dvb_settled_caller {
     int64_t tid;             /* 0: empty */
@@ -263,7 +271,8 @@ struct dvb_settled {
 
 struct dvb_shared {
     int listener, wake_fd;
-    int nr_ioctl, nr_open, nr_openat, nr_openat2;
+    int nr_ioctl, nr_open, nr_openat, nr_openat2, nr_mmap;
+    int64_t memfd_dev;       /* memfds' st_dev (a placeholder file is one); -1: not given */
     unsigned long req_recv, req_send, req_id_valid;
     size_t notif_size;
     int64_t spin_ns;
@@ -323,6 +332,8 @@ struct dvb_shared *dvb_shared_new(int listener, int wake_fd, size_t notif_size,
     sh->nr_open = nrs[1];
     sh->nr_openat = nrs[2];
     sh->nr_openat2 = nrs[3];
+    sh->nr_mmap = nrs[4];
+    sh->memfd_dev = -1;
     sh->req_recv = reqs[0];
     sh->req_send = reqs[1];
     sh->req_id_valid = reqs[2];
@@ -369,6 +380,14 @@ int dvb_set_lane_cmds(struct dvb_shared *sh, const uint32_t *cmds, int n)
 }
 
 void dvb_set_mem_off(struct dvb_shared *sh, int off) { sh->mem_off = off; }
+
+/* For file mappings: the memfds' device (a placeholder session's file is a memfd, a real
+ * one a character device: the only files the Python listener's _lookup_stat can find a
+ * session behind). Until given, every mapping goes to the Python listener. */
+void dvb_set_memfd_dev(struct dvb_shared *sh, int64_t dev)
+{
+    __atomic_store_n(&sh->memfd_dev, dev, __ATOMIC_RELEASE);
+}
 void dvb_set_quiet(struct dvb_shared *sh) { __atomic_store_n(&sh->quiet, 1, __ATOMIC_RELEASE); }
 
 struct dvb_thread *dvb_thread_new(struct dvb_shared *sh, int slot)
@@ -1175,9 +1194,10 @@ static uint64_t cont_home(int64_t dev, int64_t ino, uint32_t cmd)
 
 /*
  * The broker continued a call whose decision a continuation fact can hold
- * (nativelane.NativeLane.settle_continue): f = dev, ino, cmd, argument size, the opener's
- * sandbox tag, the caller's sandbox tag, n, then n offsets and n handle values (as the
- * broker read and checked them); epochs as for dvb_settled_put (read before it decided:
+ * (nativelane.NativeLane.settle_continue), or installed a file it lets the tenant map
+ * (settle_mmap): f = dev, ino, cmd, argument size, the opener's sandbox tag, the caller's
+ * sandbox tag, kind, n, then n offsets and n handle values (as the broker read and checked
+ * them; none for a mapping); epochs as for dvb_settled_put (read before it decided:
  * a change since, of the policy or a removal, and nothing is written). evicted (3 +
  * buckets): the counts of a fact whose slot this one takes (evicted[0] its slot, -1 for
  * none). Returns the fact's slot, or -1 when nothing was written.
@@ -1186,15 +1206,18 @@ int dvb_continue_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_
                      int64_t tid, int pidfd, int64_t *evicted)
 {
     struct dvb_settled *m = &sh->settled;
-    int n = (int)f[6], slot = -1;
+    int n = (int)f[7], slot = -1;
+    uint32_t kind = (uint32_t)f[6];
     evicted[0] = -1;
-    if (n < 0 || n > DVB_CONT_HANDLES || f[3] <= 0 || f[3] > (1 << 14) || !f[4]) {
+    if (n < 0 || n > DVB_CONT_HANDLES || f[3] < 0 || f[3] > (1 << 14) || !f[4]
+        || (kind != DVB_FACT_IOCTL && kind != DVB_FACT_MMAP)
+        || (kind == DVB_FACT_MMAP && (n || f[2] || f[3]))) {
         if (pidfd >= 0)
             close(pidfd);
         return -1;
     }
     for (int k = 0; k < n; k++)
-        if (f[7 + k] < 0 || f[7 + k] + 4 > f[3]) {
+        if (f[8 + k] < 0 || f[8 + k] + 4 > f[3]) {
             if (pidfd >= 0)
                 close(pidfd);
             return -1;
@@ -1217,14 +1240,15 @@ int dvb_continue_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_
     int64_t dev = f[0], ino = f[1];
     uint32_t cmd = (uint32_t)f[2], handle[DVB_CONT_HANDLES] = {0};
     for (int k = 0; k < n; k++)
-        handle[k] = (uint32_t)f[7 + n + k];
+        handle[k] = (uint32_t)f[8 + n + k];
     int i = PICK_SLOT(m->conts, DVB_CONT_FACTS, cont_home(dev, ino, cmd),
-                      e->epoch && e->dev == dev && e->ino == ino && e->cmd == cmd
-                          && e->n == n && !memcmp(e->handle, handle, sizeof(handle)),
+                      e->epoch && e->dev == dev && e->ino == ino && e->kind == kind
+                          && e->cmd == cmd && e->n == n
+                          && !memcmp(e->handle, handle, sizeof(handle)),
                       e->epoch != now);
     struct dvb_cont_fact *e = &m->conts[i];
-    if (e->count && !(e->dev == dev && e->ino == ino && e->cmd == cmd && e->n == n
-                      && !memcmp(e->handle, handle, sizeof(handle)))) {
+    if (e->count && !(e->dev == dev && e->ino == ino && e->kind == kind && e->cmd == cmd
+                      && e->n == n && !memcmp(e->handle, handle, sizeof(handle)))) {
         evicted[0] = i; /* another fact's calls: Python records them */
         evicted[1] = e->count;
         evicted[2] = 0;
@@ -1237,11 +1261,12 @@ int dvb_continue_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_
     e->sandbox = (uint64_t)f[4];
     e->dev = dev;
     e->ino = ino;
+    e->kind = kind;
     e->cmd = cmd;
     e->size = (uint32_t)f[3];
     e->n = n;
     for (int k = 0; k < DVB_CONT_HANDLES; k++) {
-        e->off[k] = k < n ? (int32_t)f[7 + k] : 0;
+        e->off[k] = k < n ? (int32_t)f[8 + k] : 0;
         e->handle[k] = handle[k];
     }
     if (pidfd >= 0)
@@ -1302,7 +1327,8 @@ static int continue_admit(struct dvb_thread *t, int64_t t0)
     uint64_t now = epoch_now(m, 0);
     for (int k = 0; k < SETTLED_PROBE && n < 0; k++) {
         struct dvb_cont_fact *e = &m->conts[(home + k) % DVB_CONT_FACTS];
-        if (e->epoch == now && e->dev == c->dev && e->ino == c->ino && e->cmd == cmd) {
+        if (e->epoch == now && e->dev == c->dev && e->ino == c->ino
+            && e->kind == DVB_FACT_IOCTL && e->cmd == cmd) {
             n = e->n;
             memcpy(off, e->off, sizeof(off));
         }
@@ -1327,7 +1353,8 @@ static int continue_admit(struct dvb_thread *t, int64_t t0)
     now = epoch_now(m, 0);
     for (int k = 0; k < SETTLED_PROBE && !ok; k++) {
         struct dvb_cont_fact *e = &m->conts[(home + k) % DVB_CONT_FACTS];
-        if (!(e->epoch == now && e->dev == c->dev && e->ino == c->ino && e->cmd == cmd
+        if (!(e->epoch == now && e->dev == c->dev && e->ino == c->ino
+              && e->kind == DVB_FACT_IOCTL && e->cmd == cmd
               && e->n == n && !memcmp(e->off, off, sizeof(off))
               && !memcmp(e->handle, handle, sizeof(handle))))
             continue;
@@ -1428,6 +1455,69 @@ static int answer_ioctl(struct dvb_thread *t, struct dvb_notif *n)
     return rc;
 }
 
+/* A file mapping (the filter notifies every one that is not anonymous): CONTINUE for a
+ * file that can be none of the broker's (neither a character device nor a memfd: the
+ * Python listener's _lookup_stat finds a session behind no other kind of file, and an
+ * NVIDIA node is a character device), and for a character device a mapping fact holds
+ * for (struct dvb_cont_fact, DVB_FACT_MMAP) with a caller from its opener's sandbox;
+ * everything else (any other character device, a memfd, a failed statx) goes to the
+ * Python listener. */
+static int answer_mmap(struct dvb_thread *t, struct dvb_notif *n)
+{
+    struct dvb_shared *sh = t->sh;
+    struct dvb_settled *m = &sh->settled;
+    int64_t t0 = now_ns();
+    int fd = (int)n->args[4];
+    int64_t memfd_dev = __atomic_load_n(&sh->memfd_dev, __ATOMIC_ACQUIRE);
+    char path[64];
+    struct statx sx;
+    if (fd < 0 || memfd_dev < 0)
+        return DVB_NOTIF;
+    snprintf(path, sizeof(path), "/proc/%u/fd/%d", n->pid, fd);
+    if (statx(AT_FDCWD, path, AT_STATX_DONT_SYNC, STATX_TYPE | STATX_INO, &sx) < 0)
+        return DVB_NOTIF;
+    int64_t dev = (int64_t)makedev(sx.stx_dev_major, sx.stx_dev_minor);
+    if (!S_ISCHR(sx.stx_mode)) {
+        if (dev == memfd_dev)
+            return DVB_NOTIF;
+        send_resp(t, n->id, 0, 0, 1);
+        t->counters[C_MMAPS_CONTINUED]++;
+        t->counters[C_NS_MMAP] += now_ns() - t0;
+        return 0;
+    }
+    int ok = 0;
+    if (!m->epochs)
+        return DVB_NOTIF;
+    uint64_t home = cont_home(dev, (int64_t)sx.stx_ino, 0);
+    pthread_mutex_lock(&m->lock);
+    catch_up(m);
+    uint64_t now = epoch_now(m, 0);
+    for (int k = 0; k < SETTLED_PROBE && !ok; k++) {
+        struct dvb_cont_fact *e = &m->conts[(home + k) % DVB_CONT_FACTS];
+        if (!(e->epoch == now && e->dev == dev && e->ino == (int64_t)sx.stx_ino
+              && e->kind == DVB_FACT_MMAP))
+            continue;
+        if (!e->sandbox || caller_sandbox(m, n->pid) != e->sandbox)
+            break;
+        int64_t ns = now_ns() - t0;
+        int b = 0;
+        while (b < m->n_bounds && m->bounds[b] < ns)
+            b++;
+        e->count++;
+        e->sum_ns += ns;
+        e->buckets[b]++;
+        m->conts_unfolded++;
+        ok = 1;
+    }
+    pthread_mutex_unlock(&m->lock);
+    if (!ok)
+        return DVB_NOTIF;
+    send_resp(t, n->id, 0, 0, 1);
+    t->counters[C_MMAPS_SETTLED]++;
+    t->counters[C_NS_MMAP] += now_ns() - t0;
+    return 0;
+}
+
 /* Wait for, receive and answer notifications until one needs the Python listener (or the
  * loop has news for it). The GIL is not held (ctypes releases it). */
 int dvb_serve(struct dvb_thread *t)
@@ -1493,6 +1583,8 @@ int dvb_serve(struct dvb_thread *t)
             rc = answer_ioctl(t, n);
         else if (n->nr == sh->nr_open || n->nr == sh->nr_openat || n->nr == sh->nr_openat2)
             rc = answer_open(t, n);
+        else if (n->nr == sh->nr_mmap)
+            rc = answer_mmap(t, n);
         t->busy_since = 0;
         if (rc == DVB_LATE)
             t->abandoned = 0;
