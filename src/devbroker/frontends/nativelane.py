@@ -95,6 +95,7 @@ class Call(ctypes.Structure):
         ("fd_dup", ctypes.c_int64 * FD_MAX),
         ("settled", ctypes.c_int64),
         ("after", ctypes.c_int64),
+        ("path_len", ctypes.c_int64),
         ("patch_index", ctypes.c_uint32 * PATCH_MAX),
         ("patch_value", ctypes.c_uint32 * PATCH_MAX),
         ("hdr", ctypes.c_uint8 * HDR_MAX),
@@ -537,6 +538,11 @@ class NativeLane:
             return failed
 
     # -- helpers for those -----------------------------------------------------------------
+
+    @staticmethod
+    def path(t: NativeThread) -> bytes:
+        """The open path the loop read (native/lane.c answer_open), without its NUL."""
+        return ctypes.string_at(t.base + _OFF_HDR, max(0, min(t.call.path_len, HDR_MAX) - 1))
 
     @staticmethod
     def hdr(t: NativeThread) -> bytes:

@@ -639,10 +639,15 @@ class SeccompSupervisor:
 
     # Threads answering one listener. One is right for the common case: a second one
     # waiting for the next notification contends for the GIL at every syscall of the first
-    # (measured: 140 of 991 samples in pthread_cond_signal with two). The watchdog adds
-    # threads while all are held up (a slow driver call, a stalled page), so that a tenant's
-    # other threads are still answered; extra threads retire when idle.
-    threads = 1
+    # (measured: 140 of 991 samples in pthread_cond_signal with two, Python loop). The
+    # watchdog adds threads while all are held up (a slow driver call, a stalled page), so
+    # that a tenant's other threads are still answered; extra threads retire when idle.
+    # DEVBROKER_SECCOMP_THREADS: another number (an experiment's knob: the native loop's
+    # threads wait in C, without the GIL, so a second one takes the next call while the
+    # first finishes the broker's work after an answer).
+    threads = int(os.environ.get("DEVBROKER_SECCOMP_THREADS", "1")) \
+        if os.environ.get("DEVBROKER_SECCOMP_THREADS", "1").isdigit() else 1
+    threads = max(1, min(8, threads))
     max_extra_threads = 8
     busy_hold = 0.1  # seconds every thread must have been busy before another is started
     # The watchdog's tick. Every wake-up of the trio thread takes the GIL from a listener
@@ -802,7 +807,8 @@ class SeccompSupervisor:
                             continue
                     self._serving[me] = [n, time.monotonic()]
                     try:
-                        self._answer_here(n, lanes=False, looked=self._native_looked(t, n))
+                        self._answer_here(n, lanes=False, looked=self._native_looked(t, n),
+                                          path=self._native_path(t, n))
                     except Exception:  # a bug costs this call (EIO), never the listener thread
                         log.exception("seccomp: answering %s from %d failed", n.syscall, n.pid)
                         self._send_quietly(w.NotifResp.fail(n.id, errno.EIO))
@@ -836,6 +842,16 @@ class SeccompSupervisor:
             with self._threads_lock:
                 self._live -= 1
             self._drop_listener_ref()
+
+    @staticmethod
+    def _native_path(t: nativelane.NativeThread, n: w.Notif) -> bytes | None:
+        """For an open the native loop hands back: the path it read whole (its private copy,
+        the NUL dropped) for this very notification; None when it did not."""
+        c = t.call
+        if (n.data.nr not in _NR_OPENS or not c.path_len
+                or (c.id & 0xFFFF_FFFF_FFFF_FFFF) != n.id):
+            return None
+        return nativelane.NativeLane.path(t)
 
     def _native_looked(self, t: nativelane.NativeThread, n: w.Notif) -> tuple | None:
         """For an ioctl the native loop hands back: `_lookup_stat`'s answer from the statx
@@ -1148,7 +1164,8 @@ class SeccompSupervisor:
     def _to_trio(self, fn, *args) -> bool:
         return to_trio(self._token, fn, *args)
 
-    def _answer_here(self, n: w.Notif, lanes: bool = True, looked: tuple | None = None) -> None:
+    def _answer_here(self, n: w.Notif, lanes: bool = True, looked: tuple | None = None,
+                     path: bytes | None = None) -> None:
         """Decide one notification on this thread; hand it to trio when it must wait.
         lanes=False: the native loop already offered it to the lanes (and `looked` is its
         fd lookup, when it made one)."""
@@ -1161,7 +1178,7 @@ class SeccompSupervisor:
         if nr == _NR_IOCTL:
             steps = self._ioctl_steps(n, looked)
         elif nr in _NR_OPENS:
-            steps = self._open_steps(n)
+            steps = self._open_steps(n, path)
         else:
             steps = self._steps_for(n)
         if steps is None:
@@ -1340,7 +1357,10 @@ class SeccompSupervisor:
         self.stats.opens_continued += 1
         return w.NotifResp.cont(n.id)
 
-    def _open_steps(self, n: w.Notif) -> Steps:
+    def _open_steps(self, n: w.Notif, path_read: bytes | None = None) -> Steps:
+        """An open of a path whose basename may be one of our nodes. path_read: the path as
+        the native loop already read it into its own buffer for this notification (then
+        not read again; the same private copy)."""
         d, tid = n.data, n.pid
         if d.nr == w.NR["open"]:
             dirfd, path_ptr, flags = w.AT_FDCWD, d.args[0], d.arg_u32(1)
@@ -1357,8 +1377,9 @@ class SeccompSupervisor:
         try:
             # An effect like every tenant-memory access: the path may lie in a page that
             # only faults in with someone's help (issue 13).
-            raw = yield ReadMemory(_CString(tid), path_ptr, _PATH_MAX, self.tenant,
-                                   "read of an open path")
+            raw = path_read if path_read is not None else (
+                yield ReadMemory(_CString(tid), path_ptr, _PATH_MAX, self.tenant,
+                                 "read of an open path"))
         except OSError:
             return w.NotifResp.cont(n.id)
         path = raw.decode("utf-8", "surrogateescape")

@@ -142,6 +142,9 @@ struct dvb_call {
     /* 1: call on_after once the tenant has its answer (what the broker writes down for
      * settled controls: off the tenant's time) */
     int64_t after;
+    /* an open handed back (DVB_NOTIF) whose path the loop read whole: its bytes with the
+     * NUL in hdr, for the notification `id` (0: none) */
+    int64_t path_len;
     uint32_t patch_index[DVB_PATCH_MAX], patch_value[DVB_PATCH_MAX];
     uint8_t hdr[DVB_HDR_MAX];
     uint8_t hdr_out[DVB_HDR_MAX];
@@ -491,6 +494,7 @@ static int answer_open(struct dvb_thread *t, struct dvb_notif *n)
         return DVB_NOTIF;
     if (len > 256)
         len = 256;
+    t->call.path_len = 0;
     ssize_t got = tenant_read(t, n->pid, ptr, buf, len);
     if (t->abandoned)
         return DVB_LATE;
@@ -504,8 +508,14 @@ static int answer_open(struct dvb_thread *t, struct dvb_notif *n)
     size_t blen = end - base;
     for (size_t i = 0; i < sh->names_len;) {
         size_t l = strlen(sh->names + i);
-        if (l == blen && memcmp(sh->names + i, base, l) == 0)
-            return DVB_NOTIF; /* may be one of our nodes */
+        if (l == blen && memcmp(sh->names + i, base, l) == 0) {
+            /* may be one of our nodes: the Python listener decides, on this copy */
+            struct dvb_call *c = &t->call;
+            c->id = (int64_t)n->id;
+            c->path_len = end - buf + 1;
+            memcpy(c->hdr, buf, (size_t)c->path_len);
+            return DVB_NOTIF;
+        }
         i += l + 1;
     }
     send_resp(t, n->id, 0, 0, 1);
@@ -1399,6 +1409,7 @@ static int answer_ioctl(struct dvb_thread *t, struct dvb_notif *n)
     c->fd_n = 0;
     c->settled = -1;
     c->after = 0;
+    c->path_len = 0;
     c->status_off = -1;
     if (c->fd < 0)
         return DVB_NOTIF;
