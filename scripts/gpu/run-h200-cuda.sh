@@ -166,12 +166,18 @@ put dev_init3_listener "$(grep '"tenant-detached"' "$W/audit2.log" | tail -1)"
 # process lands, launch_probe.sh).
 step "native and devbroker interleaved: CUDA init, bf16 matmul, the launch-bound loop"
 ROUNDS=${ROUNDS:-4}
-for i in $(seq 1 "$ROUNDS"); do
-  put "ab_native_init$i" "$($CHK init 2>&1 | last)"
-  put "ab_dev_init$i" "$(texec c16 $CHK init 2>&1 | last)"
-  put "ab_native_bench$i" "$(env BENCH_CPU=3 $CHK bench 2>&1 | last)"
-  put "ab_dev_bench$i" "$(texec c16 env BENCH_CPU=3 $CHK bench 2>&1 | last)"
-done
+# (inits first, then benches: an init right after a matmul bench ran on a hot GPU; and
+# within each, the order alternates by round, native first then devbroker first: ABBA)
+ab() { local what=$1 i=$2 pre=${3:-}
+  if [ $((i % 2)) = 1 ]; then
+    put "ab_native_$what$i" "$(env $pre $CHK $what 2>&1 | last)"
+    put "ab_dev_$what$i" "$(texec c16 env $pre $CHK $what 2>&1 | last)"
+  else
+    put "ab_dev_$what$i" "$(texec c16 env $pre $CHK $what 2>&1 | last)"
+    put "ab_native_$what$i" "$(env $pre $CHK $what 2>&1 | last)"
+  fi; }
+for i in $(seq 1 "$ROUNDS"); do ab init "$i"; done
+for i in $(seq 1 "$ROUNDS"); do ab bench "$i" BENCH_CPU=3; done
 "$PY" - "$RES" "$ROUNDS" <<'PYX' | tee "$W/targets.txt"
 import json, statistics, sys
 d, rounds = json.load(open(sys.argv[1])), int(sys.argv[2])

@@ -552,7 +552,7 @@ async def run_forever(service: BrokerService, *, quiet: bool = False,
             await nursery.start(service.serve)
             # Everything loaded so far (the ABI tables, the rule tables: ~250,000 objects) lives
             # as long as the broker: out of the collector's sight, so that no full collection
-            # (~100 ms over them on the development machine, measured with gc.callbacks) ever
+            # (~150 ms over them on the development machine: docs/hardware.md) ever
             # stops every listener thread in the middle of a tenant's call.
             import gc
 
