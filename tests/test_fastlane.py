@@ -743,3 +743,36 @@ def test_settled_calls_are_counted_as_if_answered_one_by_one():
     assert (tenant.requests, lane.admitted, lane.settled) == (9, 4, 4)
     with pytest.raises(ValueError, match="latency buckets"):
         bulk.record_rows(key, 1, 0, 1, buckets[:-1])
+
+
+def test_settled_continuations_and_mappings_are_counted_as_if_decided_one_by_one():
+    """The native loop's settled continuations and mappings reach the books in bulk
+    (ContinueLane.settled_calls / settled_maps, through the call counters' wrapper): a
+    continuation as the continue lane's admission of it (the tenant's requests and
+    continued calls, the lane's admitted and settled) with a "continued" row, a mapping as
+    map_check_now's "ok" row — verdicts, latency buckets and sum exactly as recorded one by
+    one."""
+    import types
+
+    from devbroker.broker import callstats
+    from devbroker.broker.continuelane import ContinueLane
+
+    ckey = ("t0", "ioctl", "UVM_REGISTER_GPU", "")
+    mkey = ("t0", "mmap", "nvidiactl", "")
+    one_by_one, bulk = callstats.CallStats(), callstats.CallStats()
+    times = [9_000, 40_000, 41_000]
+    buckets = [0] * callstats._NB
+    for ns in times:
+        one_by_one._record(ckey, callstats._CONTINUED, ns)
+        one_by_one._record(mkey, callstats._OK, ns)
+        buckets[sum(b < ns for b in callstats._BOUNDS_NS)] += 1
+    lane = object.__new__(ContinueLane)
+    lane.admitted = lane.passed = lane.settled = 0
+    tenant = types.SimpleNamespace(requests=5, continued=2)
+    counted = callstats._CountedContinue(lane, bulk)
+    counted.settled_calls(tenant, ckey, 3, sum(times), buckets)
+    counted.settled_maps(tenant, mkey, 3, sum(times), buckets)
+    assert bulk.rows == one_by_one.rows
+    assert bulk.calls == {ckey + ("continued",): 3, mkey + ("ok",): 3}
+    assert (tenant.requests, tenant.continued) == (8, 5)  # (a mapping counts no request)
+    assert (lane.admitted, lane.settled) == (3, 3)
