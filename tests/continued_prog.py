@@ -16,24 +16,18 @@ import os
 import sys
 import time
 
-from devbroker.abi import registry
+import rm_escape
 
-abi = registry.get("580.159.04")
+abi = rm_escape.ABI
 REPEAT = int(sys.argv[1]) if len(sys.argv) > 1 else 10
 CLIENT, FOREIGN = 0xC1D00011, 0xDEAD0011
 out: dict = {}
 
 
 def escape(fd: int, name: str, spec_name: str, **fields) -> tuple[int, object]:
-    spec = abi.struct(spec_name)
-    buf = bytearray(spec.decode(bytes(spec.size)).replace(**fields).encode())
-    try:
-        fcntl.ioctl(fd, abi.escape_cmd(name, len(buf)), buf, True)
-        err = 0
-    except OSError as e:
-        err = e.errno or errno.EIO
+    got = rm_escape.escape(fd, name, spec_name, **fields)
     time.sleep(0.002)  # (settled_prog.control's pause: the broker writes facts after answering)
-    return err, spec.decode(bytes(buf))
+    return got
 
 
 UVM = {s.name: (cmd, s) for cmd, s in abi.uvm_cmds.items()}

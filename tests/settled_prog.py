@@ -8,16 +8,13 @@ JSON line: each call's errno and status, and the memory FB info showed at each s
 from __future__ import annotations
 
 import ctypes
-import errno
-import fcntl
 import json
 import os
 import sys
 import time
 
-from devbroker.abi import registry
+from rm_escape import ABI as abi, escape
 
-abi = registry.get("580.159.04")
 REPEAT = int(sys.argv[1]) if len(sys.argv) > 1 else 20
 CLIENT, DEVICE, SUBDEVICE, MEMORY = 0xC1D00001, 0xC1D000D0, 0xC1D000E0, 0xC1D000F0
 TOTAL, FREE = 0x08, 0x16  # FB_INFO_INDEX_TOTAL_RAM_SIZE, HEAP_FREE (KiB)
@@ -25,15 +22,7 @@ out: dict = {"errors": []}
 keep = []  # parameter blocks stay alive while the driver may write them
 
 
-def call(fd: int, name: str, spec_name: str, **fields) -> tuple[int, object]:
-    spec = abi.struct(spec_name)
-    buf = bytearray(spec.decode(bytes(spec.size)).replace(**fields).encode())
-    try:
-        fcntl.ioctl(fd, abi.escape_cmd(name, len(buf)), buf, True)
-        err = 0
-    except OSError as e:
-        err = e.errno or errno.EIO
-    return err, spec.decode(bytes(buf))
+call = escape  # (tests/rm_escape.py)
 
 
 def block(data: bytes) -> tuple[ctypes.Array, int]:

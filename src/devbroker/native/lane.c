@@ -949,6 +949,26 @@ static void caller_put(struct dvb_settled *m, int64_t tid, int pidfd, uint64_t s
     k->sandbox = sandbox;
 }
 
+/* For the fact writers: take the table's lock and read the books' ring, unless settled
+ * facts are off or what the broker read before deciding has moved since — the policy
+ * epoch (every fact), and with `no_removals` any removal too; then nothing is written: the
+ * lock is not held, the caller's pidfd is closed, and -1 is returned. */
+static int put_begin(struct dvb_settled *m, const uint64_t *epochs, int no_removals,
+                     int pidfd, uint64_t *now)
+{
+    pthread_mutex_lock(&m->lock);
+    if (m->epochs) {
+        catch_up(m);
+        *now = epoch_now(m, 0);
+        if (epochs[0] == *now && (!no_removals || epochs[2] == m->ring_seen))
+            return 0;
+    }
+    pthread_mutex_unlock(&m->lock);
+    if (pidfd >= 0)
+        close(pidfd);
+    return -1;
+}
+
 /*
  * The broker settled a control (nativelane.NativeLane.settle): write down its two facts
  * and its caller. obj: dev, ino, client, object, abi, the session's sandbox tag, the
@@ -973,21 +993,9 @@ int dvb_settled_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t
             close(pidfd);
         return -1;
     }
-    pthread_mutex_lock(&m->lock);
-    if (!m->epochs) {
-        pthread_mutex_unlock(&m->lock);
-        if (pidfd >= 0)
-            close(pidfd);
+    uint64_t now;
+    if (put_begin(m, epochs, 0, pidfd, &now) < 0) /* (a removal: no object fact, below) */
         return -1;
-    }
-    catch_up(m);
-    uint64_t now = epoch_now(m, 0);
-    if (epochs[0] != now) { /* the policy changed while the broker decided */
-        pthread_mutex_unlock(&m->lock);
-        if (pidfd >= 0)
-            close(pidfd);
-        return -1;
-    }
     /* the object: only if nothing was removed while the broker decided */
     int64_t dev = obj[0], ino = obj[1];
     uint32_t client = (uint32_t)obj[2], object = (uint32_t)obj[3];
@@ -1168,6 +1176,15 @@ out:
     return ok;
 }
 
+/* The call counters' latency bucket of a call that took ns (callstats._BOUNDS_NS). */
+static int bucket_of(const struct dvb_settled *m, int64_t ns)
+{
+    int b = 0;
+    while (b < m->n_bounds && m->bounds[b] < ns)
+        b++;
+    return b;
+}
+
 /* A settled call's row in its control's counters (the slot still that control's). */
 static void settled_count(struct dvb_thread *t, int64_t ns)
 {
@@ -1180,9 +1197,7 @@ static void settled_count(struct dvb_thread *t, int64_t ns)
     if ((l = settled_layout(m, (uint32_t)c->cmd)) != NULL)
         memcpy(&control, c->hdr + l->control, 4);
     if (l && e->ioctl_cmd == (uint32_t)c->cmd && e->control == control) {
-        int b = 0;
-        while (b < m->n_bounds && m->bounds[b] < ns)
-            b++;
+        int b = bucket_of(m, ns);
         if (c->err)
             e->err++;
         else
@@ -1200,6 +1215,19 @@ static void settled_count(struct dvb_thread *t, int64_t ns)
 static uint64_t cont_home(int64_t dev, int64_t ino, uint32_t cmd)
 {
     return mix64((uint64_t)dev ^ mix64((uint64_t)ino ^ ((uint64_t)cmd << 40)));
+}
+
+/* A fact's counts as one row for Python (slot, calls, 0, sum_ns, buckets...), taken: the
+ * fact's counters start again from zero (under m->lock). */
+static void fact_take(struct dvb_cont_fact *e, int slot, int64_t *row)
+{
+    row[0] = slot;
+    row[1] = e->count;
+    row[2] = 0;
+    row[3] = e->sum_ns;
+    memcpy(row + 4, e->buckets, sizeof(e->buckets));
+    e->count = e->sum_ns = 0;
+    memset(e->buckets, 0, sizeof(e->buckets));
 }
 
 /*
@@ -1232,21 +1260,9 @@ int dvb_continue_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_
                 close(pidfd);
             return -1;
         }
-    pthread_mutex_lock(&m->lock);
-    if (!m->epochs) {
-        pthread_mutex_unlock(&m->lock);
-        if (pidfd >= 0)
-            close(pidfd);
+    uint64_t now;
+    if (put_begin(m, epochs, 1, pidfd, &now) < 0)
         return -1;
-    }
-    catch_up(m);
-    uint64_t now = epoch_now(m, 0);
-    if (epochs[0] != now || epochs[2] != m->ring_seen) {
-        pthread_mutex_unlock(&m->lock);
-        if (pidfd >= 0)
-            close(pidfd);
-        return -1;
-    }
     int64_t dev = f[0], ino = f[1];
     uint32_t cmd = (uint32_t)f[2], handle[DVB_CONT_HANDLES] = {0};
     for (int k = 0; k < n; k++)
@@ -1259,13 +1275,7 @@ int dvb_continue_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_
     struct dvb_cont_fact *e = &m->conts[i];
     if (e->count && !(e->dev == dev && e->ino == ino && e->kind == kind && e->cmd == cmd
                       && e->n == n && !memcmp(e->handle, handle, sizeof(handle)))) {
-        evicted[0] = i; /* another fact's calls: Python records them */
-        evicted[1] = e->count;
-        evicted[2] = 0;
-        evicted[3] = e->sum_ns;
-        memcpy(evicted + 4, e->buckets, sizeof(e->buckets));
-        e->count = e->sum_ns = 0;
-        memset(e->buckets, 0, sizeof(e->buckets));
+        fact_take(e, i, evicted); /* another fact's calls: Python records them */
     }
     e->epoch = now;
     e->sandbox = (uint64_t)f[4];
@@ -1304,17 +1314,20 @@ int dvb_continue_fold(struct dvb_shared *sh, int64_t *out, int max)
             m->conts_unfolded = 1;
             break;
         }
-        int64_t *row = out + (size_t)rows++ * width;
-        row[0] = i;
-        row[1] = e->count;
-        row[2] = 0;
-        row[3] = e->sum_ns;
-        memcpy(row + 4, e->buckets, sizeof(e->buckets));
-        e->count = e->sum_ns = 0;
-        memset(e->buckets, 0, sizeof(e->buckets));
+        fact_take(e, i, out + (size_t)rows++ * width);
     }
     pthread_mutex_unlock(&m->lock);
     return rows;
+}
+
+/* A call a continuation or mapping fact answered, in the fact's counters (under m->lock;
+ * folded by Python: dvb_continue_fold). */
+static void fact_count(struct dvb_settled *m, struct dvb_cont_fact *e, int64_t ns)
+{
+    e->count++;
+    e->sum_ns += ns;
+    e->buckets[bucket_of(m, ns)]++;
+    m->conts_unfolded++;
 }
 
 /* An ioctl the broker may have continued before on this file: 1 when a continuation fact
@@ -1372,14 +1385,7 @@ static int continue_admit(struct dvb_thread *t, int64_t t0)
             break; /* (the session's own check: the caller in the opener's sandbox) */
         if (m->credit > 0)
             m->credit--;
-        int64_t ns = now_ns() - t0;
-        int b = 0;
-        while (b < m->n_bounds && m->bounds[b] < ns)
-            b++;
-        e->count++;
-        e->sum_ns += ns;
-        e->buckets[b]++;
-        m->conts_unfolded++;
+        fact_count(m, e, now_ns() - t0);
         ok = 1;
     }
     pthread_mutex_unlock(&m->lock);
@@ -1510,14 +1516,7 @@ static int answer_mmap(struct dvb_thread *t, struct dvb_notif *n)
             continue;
         if (!e->sandbox || caller_sandbox(m, n->pid) != e->sandbox)
             break;
-        int64_t ns = now_ns() - t0;
-        int b = 0;
-        while (b < m->n_bounds && m->bounds[b] < ns)
-            b++;
-        e->count++;
-        e->sum_ns += ns;
-        e->buckets[b]++;
-        m->conts_unfolded++;
+        fact_count(m, e, now_ns() - t0);
         ok = 1;
     }
     pthread_mutex_unlock(&m->lock);
