@@ -30,6 +30,12 @@ Who decides what (nothing new is decided here):
   then on, while the books say nothing it read changed (objects.BOOKS; native/lane.c,
   struct dvb_settled; docs/seccomp.md "Settled controls"). The broker's decision,
   repeated, not a new one.
+* a **settled continuation** (`settle_continue`: a continued command whose decision read
+  only client-handle fields, repeated for the same file, command and handle values) and a
+  **mapping fact** (`settle_mmap`: a real ctl or GPU file's mappings, written at its
+  install): native/lane.c, struct dvb_cont_fact; docs/seccomp.md "Settled continuations".
+* a **mapping** of a file that can be none of the broker's (not a character device, not a
+  memfd): CONTINUE in C, the Python `_lookup_stat` rule.
 * everything else: back to the Python listener (`DVB_NOTIF`), which answers as before.
 
 Off with DEVBROKER_NATIVE_LANE=0 (and with DEVBROKER_CONTROL_LANE=0, which turns every lane

@@ -8,11 +8,13 @@
  * decides nothing itself: every ioctl it takes is decided by the broker (a Python callback
  * into frontends/nativelane.py, which asks broker/fastlane.py's lanes, the same code the
  * Python listener uses), and everything else comes back to the Python listener whole.
- * The one thing decided here is an open whose path plainly names none of the tenant's
- * nodes (the basename is not one of theirs): CONTINUE, the Python listener's own rule
- * (`SeccompSupervisor._open_quick`), with the basenames it was given. And a decision the
- * broker made is repeated here, without asking, while nothing it read has changed: the
- * settled controls (struct dvb_settled below).
+ * Two things are decided here by the Python listener's own rules: an open whose path
+ * plainly names none of the tenant's nodes (the basename is not one of theirs: CONTINUE,
+ * `SeccompSupervisor._open_quick`, with the basenames it was given), and a mapping of a
+ * file that can be none of the broker's (not a character device, not a memfd: CONTINUE,
+ * `_lookup_stat`'s rule; answer_mmap). And decisions the broker made are repeated here,
+ * without asking, while nothing they read has changed: settled controls (struct
+ * dvb_settled below), settled continuations and mapping facts (struct dvb_cont_fact).
  *
  * Why each answer stays safe is the Python listener's argument, kept step for step:
  * the header and parameters are read once into this thread's buffers and the driver sees
