@@ -3,7 +3,9 @@ to the calling process (UVM commands; the RM escapes RM_MAP_MEMORY, ALLOC/FREE_O
 UNMAP_MEMORY, UPDATE_DEVICE_MAPPING_INFO), made in a few lookups on the argument's bytes
 instead of the general steps (issues 12 and 14). The sibling of the control lane
 (fastlane.py), whose module docstring says what a lane may and may not do; `ContinueLane`
-says what this one checks.
+says what this one checks. A decision that reads only client-handle fields
+(`settle_fields`) the seccomp native loop may repeat by itself while the books say nothing
+it read changed (settled continuations: frontends/nativelane.py, native/lane.c).
 """
 from __future__ import annotations
 
