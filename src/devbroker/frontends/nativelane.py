@@ -429,7 +429,7 @@ class NativeLane:
                                              tid, pidfd, self._evicted)
             ev = self._evicted
             if ev[0] >= 0:  # another fact's calls left that slot: what it counted
-                self._record_continued(ev[0], ev, 0)
+                self._record_continued(None, ev[0], ev, 0)
             if slot < 0:
                 return False
             self._cont_rows[slot] = (sess.tenant, key, kind)
@@ -478,15 +478,13 @@ class NativeLane:
             return
         with self._settled_lock:
             rows = self._fold_rows
-            for fold, record in ((self.lib.dvb_settled_fold,
-                                  lambda slot, base: self._record(lane, slot, rows, base)),
-                                 (self.lib.dvb_continue_fold,
-                                  lambda slot, base: self._record_continued(slot, rows, base,
-                                                                            clane))):
+            for fold, record, to in ((self.lib.dvb_settled_fold, self._record, lane),
+                                     (self.lib.dvb_continue_fold, self._record_continued,
+                                      clane)):
                 while True:
                     n = fold(self.shared, rows, 64)
                     for r in range(n):
-                        record(rows[r * _SETTLED_ROW], r * _SETTLED_ROW)
+                        record(to, rows[r * _SETTLED_ROW], rows, r * _SETTLED_ROW)
                     if n < 64:
                         break
             tenant = next(iter(self._settled_rows.values()),
@@ -502,7 +500,7 @@ class NativeLane:
         nb = len(callstats._BOUNDS_NS) + 1
         lane.settled_calls(who[0], who[1], ok, err, total, row[base + 4:base + 4 + nb])
 
-    def _record_continued(self, slot: int, row, base: int, clane=None) -> None:
+    def _record_continued(self, clane, slot: int, row, base: int) -> None:
         who = self._cont_rows.get(slot)
         count, total = row[base + 1], row[base + 3]
         if who is None or not count:

@@ -645,9 +645,8 @@ class SeccompSupervisor:
     # DEVBROKER_SECCOMP_THREADS: another number (an experiment's knob: the native loop's
     # threads wait in C, without the GIL, so a second one takes the next call while the
     # first finishes the broker's work after an answer).
-    threads = int(os.environ.get("DEVBROKER_SECCOMP_THREADS", "1")) \
-        if os.environ.get("DEVBROKER_SECCOMP_THREADS", "1").isdigit() else 1
-    threads = max(1, min(8, threads))
+    _threads = os.environ.get("DEVBROKER_SECCOMP_THREADS", "1")
+    threads = max(1, min(8, int(_threads))) if _threads.isdigit() else 1
     max_extra_threads = 8
     busy_hold = 0.1  # seconds every thread must have been busy before another is started
     # The watchdog's tick. Every wake-up of the trio thread takes the GIL from a listener

@@ -918,24 +918,20 @@ static uint64_t caller_sandbox(struct dvb_settled *m, int64_t tid)
     return 0;
 }
 
-/* The slot to write a key into: the matching one, else an empty or stale one, else the
- * home slot (the oldest fact loses). */
+/* The slot to write a key into: the matching one, else the first empty or stale one,
+ * else the home slot (the oldest fact loses); one pass over the probe window. */
 #define PICK_SLOT(table, n, home, match, stale)                                          \
     ({                                                                                   \
-        int _pick = -1;                                                                  \
+        int _pick = -1, _free = -1;                                                      \
         for (int k = 0; k < SETTLED_PROBE && _pick < 0; k++) {                           \
             int i = (int)(((home) + k) % (n));                                           \
             __typeof__(&(table)[0]) e = &(table)[i];                                     \
             if (match)                                                                   \
                 _pick = i;                                                               \
+            else if (_free < 0 && (stale))                                               \
+                _free = i;                                                               \
         }                                                                                \
-        for (int k = 0; k < SETTLED_PROBE && _pick < 0; k++) {                           \
-            int i = (int)(((home) + k) % (n));                                           \
-            __typeof__(&(table)[0]) e = &(table)[i];                                     \
-            if (stale)                                                                   \
-                _pick = i;                                                               \
-        }                                                                                \
-        _pick < 0 ? (int)((home) % (n)) : _pick;                                         \
+        _pick >= 0 ? _pick : _free >= 0 ? _free : (int)((home) % (n));                  \
     })
 
 /* Put the caller's thread pidfd (owned here from now on) and sandbox tag (under m->lock). */
