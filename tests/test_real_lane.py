@@ -355,3 +355,50 @@ def test_mapping_facts_and_files_not_the_brokers_are_let_through_by_the_native_l
     # the regular file's mappings (and the interpreter's own) let through by the loop,
     # counted as continued either way
     assert st_on["mmaps_continued"] >= 5 and st_off["mmaps_continued"] >= 5
+
+
+def test_prepared_opens_are_the_brokers_files_with_the_openers_flags(tmp_path):
+    """Prepared opens (native/lane.c answer_prepared_open, SeccompSupervisor._prepare_opens):
+    after a tenant's first open of /dev/nvidiactl and a quiet moment, its next opens of that
+    path are answered by the native loop with files the broker opened ahead — each a file
+    of its own (its own inode), a session of the broker's (an RM_FREE of client 0 on it is
+    refused by the broker's general path: status in the argument, ioctl 0; an unknown file
+    would get the stand-in's ENOTTY), close-on-exec exactly when asked; an O_NONBLOCK or a
+    relative open goes the Python way. The same answers with prepared opens off; every
+    session, used or not, released when the tenant ends."""
+    import json
+    import sys
+    from pathlib import Path
+
+    prog = str(Path(__file__).resolve().parent / "opens_prog.py")
+
+    def run(on: bool) -> tuple[dict, dict]:
+        name = f"opens{int(on)}"
+        out, _lane = _on_stand_in_nodes(tmp_path, name,
+                                        {"DEVBROKER_PREPARED_OPENS": "1" if on else "0"},
+                                        "seccomp", [sys.executable, prog])
+        audit = (tmp_path / f"run-{name}" / "audit.log").read_text().splitlines()
+        ends = [json.loads(line) for line in audit if '"tenant-detached"' in line]
+        assert len(ends) == 1, audit
+        return out, ends[0]
+
+    on, st_on = run(True)
+    off, st_off = run(False)
+    for out in (on, off):
+        files = [out["first"], *out["ctl"], out["nonblock"], out["relative"]]
+        assert len({f["ino"] for f in files}) == len(files)  # a file of its own each
+        assert all(f["rm_free"] == 0 for f in files), files  # the broker's sessions
+        assert out["null"]["rm_free"] == errno.ENOTTY  # (what a file not its own gets)
+        assert out["first"]["cloexec"]
+        assert [f["cloexec"] for f in out["ctl"]] == [f["want_cloexec"] for f in out["ctl"]]
+        assert not any(f["nonblock"] for f in [out["first"], *out["ctl"], out["relative"]])
+        assert out["nonblock"]["nonblock"]
+    # all eight after the quiet moment were prepared (12 per ctl path); none with them off
+    assert st_on["opens_prepared"] == 8 and st_on["opens"] == st_off["opens"] == 11
+    assert st_off["opens_prepared"] == st_off["prepared"] == 0
+    # every session ended when its file did: the ones used, and the prepared ones left over
+    # (closed by the broker when the tenant's last task went)
+    made = st_on["opens"] - st_on["opens_prepared"] + st_on["prepared"]
+    assert st_on["prepared_dropped"] == st_on["prepared"] - 8 > 0
+    assert st_on["released_on_last_close"] == made and st_on["released_at_shutdown"] == 0
+    assert st_off["released_on_last_close"] == 11 and st_off["released_at_shutdown"] == 0

@@ -36,6 +36,12 @@ for i in 1 2 3; do put "dev_init$i" "$(ptexec env LD_PRELOAD=/tmp/site/systime.s
 put dev_init_listener "$(grep '"tenant-detached"' "$W/audit.log" | tail -1)"
 SPY=/tmp/site/bin/py-spy
 if [ -x $SPY ]; then
+  step "NVML sequence x30 through devbroker under py-spy (not timed)"
+  $SPY record --nonblocking -p $BROKER -d 6 -r 2000 -f raw --threads -o "$W/prof_nvml.txt" > /dev/null 2>&1 &
+  SPYP=$!; sleep 0.5
+  ptexec "$PY" scripts/gpu/tenant_checks.py bench-nvml 30 2>&1 | last
+  wait $SPYP
+  "$PY" scripts/gpu/spysum.py "$W/prof_nvml.txt" | tee "$OUT/prof_nvml.summary" | head -45
   step "a fourth CUDA init through devbroker under py-spy (not timed)"
   $SPY record --nonblocking -p $BROKER -d 8 -r 2000 -f raw --threads -o "$W/prof_init.txt" > /dev/null 2>&1 &
   SPYP=$!; sleep 0.5

@@ -96,6 +96,7 @@ class Session:
     file: DriverFile
     closed: bool = False
     pidns: str | None = None  # the opener's pid namespace (an fd passed out of it is refused)
+    prepared: bool = False  # opened ahead, not given to a process yet (OpenRequest.prepared)
 
     @property
     def node_name(self) -> str:
@@ -143,7 +144,7 @@ class TenantState:
         return frozenset(self.policy.capabilities)
 
     def tgids(self) -> set[int]:
-        return {s.caller.pid for s in self.sessions.values()}
+        return {s.caller.pid for s in self.sessions.values() if not s.prepared}
 
 
 class Broker:
@@ -318,7 +319,8 @@ class Broker:
             return OpenReply(errno=e.errno or errno.EIO)
         sid = next(self._ids)
         s = Session(sid, tenant, req.node, req.minor, req.caller, file,
-                    pidns=req.caller.pidns or pid_namespace(req.caller.pid))
+                    pidns=req.caller.pidns or pid_namespace(req.caller.pid),
+                    prepared=req.prepared)
         self.sessions[sid] = s
         tenant.sessions[sid] = s
         if self.recorder is not None:
@@ -327,6 +329,17 @@ class Broker:
         if install >= 0:
             file.install_fd = -1  # the front end owns (installs, then closes) it now
         return OpenReply(session=sid, install_fd=install)
+
+    @_locked
+    def opened_by(self, session_id: int, caller: Caller) -> None:
+        """A session opened ahead for a front end's prepared open (seccomp: an open decided
+        before it was asked, for the opener's sandbox) was given to `caller`, of that same
+        sandbox: the session is its file now (its process's ABI, its tgid in the tenant's
+        process list)."""
+        s = self.sessions.get(session_id)
+        if s is not None and not s.closed and s.caller.uid == caller.uid:
+            s.caller = caller
+            s.prepared = False
 
     def after_open_answered(self, later: bool = False) -> bool:
         """A front end has installed a tenant file (open_now's install_fd) and answered the
@@ -876,7 +889,10 @@ class Broker:
             tenants.append({
                 "name": t.name,
                 "gpus": list(t.gpus),
-                "open_files": len(t.sessions),
+                # the files its processes hold (opens the broker prepared ahead and has
+                # not given out yet: "prepared_files")
+                "open_files": sum(not s.prepared for s in t.sessions.values()),
+                "prepared_files": sum(s.prepared for s in t.sessions.values()),
                 "processes": sorted(t.tgids()),
                 "clients": len(t.clients),
                 "objects": sum(len(c.objects) for c in t.clients.values()),

@@ -38,7 +38,7 @@ BROKER_ATTRS = frozenset({
     "control_lane", "continue_lane",  # plans derived again; counters start afresh
 })
 SESSION_FIELDS = frozenset({"id", "tenant", "node", "minor", "caller", "file", "closed",
-                            "pidns"})
+                            "pidns", "prepared"})
 TENANT_FIELDS = frozenset({"name", "policy", "limiter", "sessions", "clients", "abi_by_tgid",
                            "refusals", "requests", "continued", "uvm_mapped"})
 CLIENT_FIELDS = frozenset({"handle", "session", "tgid", "objects",
@@ -79,6 +79,10 @@ SUPERVISOR_ATTRS = frozenset({
     # the native loop (frontends/nativelane.py): its threads fold their counters into
     # `stats` at every return and hold no sessions; the successor starts its own
     "_native_lib", "_native",
+    # prepared opens: taken back from the loop and closed by pause_for_handover (their
+    # sessions end through their watches); the successor prepares its own after its
+    # tenants' next opens
+    "_prepared", "_open_template", "_opened_paths",
 })
 SECCOMP_SESSION_FIELDS = frozenset({"id", "node", "minor", "key", "wd", "opener", "released",
                                     "real"})
@@ -225,6 +229,7 @@ def export_broker(broker, file_id=lambda f: f.id) -> dict[str, Any]:
             "file": file_id(s.file), "clients": sorted(broker.clients.of_session(s.id)),
             "closed": s.closed,
             "pidns": s.pidns,
+            "prepared": s.prepared,
         })
     return {
         "next_id": _next(broker._ids),
@@ -263,7 +268,8 @@ def import_broker(broker, state: dict[str, Any], files: dict[int, Any]) -> None:
     for sd in state["sessions"]:
         t = broker.tenants[sd["tenant"]]
         s = Session(sd["id"], t, NodeKind(sd["node"]), sd["minor"], Caller(*sd["caller"]),
-                    files[sd["file"]], closed=sd["closed"], pidns=sd["pidns"])
+                    files[sd["file"]], closed=sd["closed"], pidns=sd["pidns"],
+                    prepared=bool(sd.get("prepared", False)))
         broker.sessions[s.id] = s
         t.sessions[s.id] = s
     # The clients go into the registry through their sessions, in the order they were made

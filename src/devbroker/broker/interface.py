@@ -61,6 +61,9 @@ class OpenRequest:
     # The front end can install a real driver file in the caller (seccomp's ADDFD): with a
     # backend that hands them out, the reply carries one (OpenReply.install_fd).
     want_file: bool = False
+    # Decided ahead for the caller's sandbox (seccomp's prepared opens): the session is
+    # nobody's process until the front end names its opener (Broker.opened_by).
+    prepared: bool = False
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("devbroker.seccomp.native")
 
-ABI = 12  # native/lane.c DVB_ABI
+ABI = 13  # native/lane.c DVB_ABI
 (DVB_NOTIF, DVB_IDLE, DVB_WAKE, DVB_HUP, DVB_FOLD, DVB_LATE, DVB_WRITE_FAILED, DVB_ERROR,
  DVB_QUIET) = range(1, 10)
 ACT_DECLINE, ACT_CONTINUE, ACT_CONTROL, ACT_FAIL = 0, 1, 2, 3
@@ -68,13 +68,16 @@ COUNTERS = ("notifications", "opens_continued", "ioctls", "controls_fast", "stal
             "lane_ns_read", "lane_ns_admit", "lane_ns_dup", "lane_ns_driver", "lane_ns_finish",
             "lane_ns_write", "ns_recv", "ns_send", "ns_ioctl", "ns_open", "native_answered",
             "settled", ("continued_settled", "continued_decided", "uvm_fast"),
-            "mmaps_continued", ("mmaps_settled", "mmaps"), "ns_mmap")
+            "mmaps_continued", ("mmaps_settled", "mmaps"), "ns_mmap",
+            ("opens_prepared", "opens"), ("ns_open_prepared", "ns_open_node", "ns_open"))
 FACT_IOCTL, FACT_MMAP = 0, 1  # native/lane.c struct dvb_cont_fact's kinds
 HDR_MAX = 1024
 PARAMS_MAX = 16384
 PATCH_MAX = 16
 EMBED_MAX = 4
 FD_MAX = 2
+OPEN_SLOTS = 32  # native/lane.c DVB_OPEN_SLOTS: prepared opens the loop holds
+OPEN_PATH = 64  # native/lane.c DVB_OPEN_PATH: the longest path a prepared open answers
 SETTLED_BUCKETS = 32  # native/lane.c DVB_SETTLED_BUCKETS
 _SETTLED_ROW = 4 + SETTLED_BUCKETS + 1  # (slot, ok, err, sum_ns, buckets...)
 # Tokens of the tenant's pace the loop may spend on settled calls before it asks again
@@ -102,6 +105,7 @@ class Call(ctypes.Structure):
         ("settled", ctypes.c_int64),
         ("after", ctypes.c_int64),
         ("path_len", ctypes.c_int64),
+        ("params_read", ctypes.c_int64),
         ("patch_index", ctypes.c_uint32 * PATCH_MAX),
         ("patch_value", ctypes.c_uint32 * PATCH_MAX),
         ("hdr", ctypes.c_uint8 * HDR_MAX),
@@ -196,6 +200,10 @@ def library() -> ctypes.CDLL | None:
     lib.dvb_continue_put.argtypes = [vp, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(i64),
                                      i64, ctypes.c_int, ctypes.POINTER(i64)]
     lib.dvb_continue_fold.argtypes = [vp, ctypes.POINTER(i64), ctypes.c_int]
+    lib.dvb_open_put.argtypes = [vp, ctypes.POINTER(ctypes.c_uint64), ctypes.c_char_p,
+                                 ctypes.c_int, ctypes.c_int, ctypes.c_uint64, i64]
+    lib.dvb_open_take.argtypes = [vp, ctypes.c_int, ctypes.POINTER(i64), ctypes.c_int]
+    lib.dvb_open_drain.argtypes = [vp, ctypes.POINTER(i64), ctypes.c_int]
     lib._devbroker_checked = True
     return lib
 
@@ -269,7 +277,7 @@ class NativeLane:
 
     def __init__(self, lib: ctypes.CDLL, sup: SeccompSupervisor, listener_fd: int,
                  wake_fd: int, notif_size: int, nrs: tuple[int, int, int, int, int],
-                 reqs: tuple[int, int, int], spin_ns: int, names: set[str],
+                 reqs: tuple[int, int, int, int], spin_ns: int, names: set[str],
                  lane_cmds: frozenset[int]):
         self.lib, self.sup = lib, sup
         # the callbacks stay referenced for the loop's life (C holds bare pointers)
@@ -279,7 +287,7 @@ class NativeLane:
         self._cb_after = _CALLBACK(self._on_after)
         self.shared = lib.dvb_shared_new(
             listener_fd, wake_fd, notif_size, (ctypes.c_int * 5)(*nrs),
-            (ctypes.c_ulong * 3)(*reqs), spin_ns, self._cb_ioctl, self._cb_check,
+            (ctypes.c_ulong * 4)(*reqs), spin_ns, self._cb_ioctl, self._cb_check,
             self._cb_finish, self._cb_after)
         if not self.shared:
             raise OSError("dvb_shared_new failed")
@@ -334,6 +342,42 @@ class NativeLane:
         if off != self.mem_off:
             self.mem_off = off
             self.lib.dvb_set_mem_off(self.shared, int(off))
+
+    # -- prepared opens --------------------------------------------------------------------
+
+    def open_put(self, epochs: tuple[int, int, int], path: str, fd: int, sess,
+                 tenant, sid: int) -> bool:
+        """Leave a prepared open of `path` in the loop (native/lane.c struct dvb_open_slot):
+        its file `fd` (the loop's from now on: closed there when answered or given up),
+        for callers in the sandbox of `sess` (the broker's session: its opener's uid and
+        pid namespace), decided at `epochs` (read before the broker decided). False: not
+        taken (the policy changed meanwhile, no free slot, settled facts off): the caller
+        keeps the file."""
+        raw = path.encode("utf-8", "surrogateescape")
+        if not self.settled_on or sess.pidns is None or len(raw) >= OPEN_PATH:
+            return False
+        with self._settled_lock:
+            tag = self._sandbox_tag(sess.caller.uid, sess.pidns)
+            ok = self.lib.dvb_open_put(self.shared, (ctypes.c_uint64 * 3)(*epochs), raw,
+                                       len(raw), fd, tag, sid) == 0
+            if ok:
+                self._top_up(tenant)  # (an open takes a token of the tenant's pace)
+        return ok
+
+    def open_take(self, everything: bool) -> list[tuple[int, int]]:
+        """Prepared opens taken back from the loop — every one, or those decided under a
+        policy that has changed since: [(id, fd)], the files the caller's to close."""
+        out = (ctypes.c_int64 * (2 * OPEN_SLOTS))()
+        n = self.lib.dvb_open_take(self.shared, int(everything), out, OPEN_SLOTS)
+        return [(out[2 * i], out[2 * i + 1]) for i in range(n)]
+
+    def open_drain(self) -> list[tuple[int, int, int, bool]]:
+        """The prepared opens the loop answered (or gave up: newfd -errno) since the last
+        drain: [(id, tid, newfd, cloexec)]."""
+        out = (ctypes.c_int64 * (4 * OPEN_SLOTS))()
+        n = self.lib.dvb_open_drain(self.shared, out, OPEN_SLOTS)
+        return [(out[4 * i], out[4 * i + 1], out[4 * i + 2], bool(out[4 * i + 3]))
+                for i in range(n)]
 
     # -- settled controls ------------------------------------------------------------------
 
@@ -590,6 +634,17 @@ class NativeLane:
             c.patch_index[k], c.patch_value[k] = index, value
         c.patch_n = len(patch.values)
         return True
+
+    @staticmethod
+    def read_params(t: NativeThread, data: bytes) -> None:
+        """The parameters as on_ioctl read them itself (the loop then reads none): the
+        private block and the copy as read, both."""
+        n = len(data)
+        if n != t.call.params_size or n > PARAMS_MAX:
+            raise ValueError(f"parameters of {n} bytes for a block of {t.call.params_size}")
+        ctypes.memmove(t.base + _OFF_PARAMS, data, n)
+        ctypes.memmove(t.base + _OFF_PARAMS_IN, data, n)
+        t.call.params_read = 1
 
     @staticmethod
     def set_params(t: NativeThread, data: bytes) -> None:

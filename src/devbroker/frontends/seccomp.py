@@ -45,7 +45,7 @@ import trio
 
 from devbroker.abi.nodes import NodeKind
 from devbroker.backends.base import NotHere
-from devbroker.broker import memgate
+from devbroker.broker import limits, memgate
 from devbroker.broker.objects import BOOKS
 from devbroker.broker.effects import (
     Await, Blocking, HandOver, RateLimit, ReadMemory, Steps, WriteMemory, perform_async,
@@ -287,6 +287,10 @@ class SupervisorStats:
     ns_open_node: int = 0  # of ns_open: the opens of our nodes (driver open, install)
     ns_open_broker: int = 0  # of ns_open_node: the broker's open (policy, session, driver)
     ns_open_install: int = 0  # of ns_open_node: the install (ADDFD, which answers)
+    opens_prepared: int = 0  # of opens: answered by the native loop with a prepared open
+    ns_open_prepared: int = 0  # of ns_open_node: their time in the loop (ADDFD included)
+    prepared: int = 0  # prepared opens made (policy, session, driver file) at quiet moments
+    prepared_dropped: int = 0  # of those: closed unused (policy changed, shutdown, ADDFD failed)
     ns_ioctl: int = 0
     ns_mmap: int = 0
     sync_wake_up: bool = False  # the kernel wakes listener and tenant on one CPU (6.6+)
@@ -426,6 +430,13 @@ class SeccompSupervisor:
         finally:
             os.close(probe)
         self._pending: list[Session] = []
+        # Prepared opens (`_prepare_opens`): session id -> (session, host path) of those
+        # the native loop holds or answered and this supervisor has not drained yet; the
+        # caller whose sandbox they are for (the last opener of one of our nodes) and the
+        # node paths the tenant has opened.
+        self._prepared: dict[int, tuple[Session, str]] = {}
+        self._open_template: Caller | None = None
+        self._opened_paths: dict[str, NodeSpec] = {}
         self._changed = trio.Event()
         self.closed = trio.Event()
         self._handover_hold: trio.Event | None = None  # set while a live upgrade pauses
@@ -609,6 +620,7 @@ class SeccompSupervisor:
                 for _ in range(self.threads):
                     self._start_thread()
                 await self._hup.wait()
+                self._drop_prepared(everything=True)  # (no caller is left to take them)
                 # No task uses the filter any more. On 6.18 that point is reached while the
                 # last tasks are still exiting (measured: state R), before their files are
                 # put, so keep reading inotify until every session has gone; the grace
@@ -767,7 +779,7 @@ class SeccompSupervisor:
             self._native_lib, self, self._lfd, _HANDOVER_WAKE, max(self.sizes.notif, w.SECCOMP_NOTIF_SIZE),
             (_NR_IOCTL, _NR_OPEN, w.NR["openat"], w.NR["openat2"], w.NR["mmap"]),
             (w.SECCOMP_IOCTL_NOTIF_RECV, w.SECCOMP_IOCTL_NOTIF_SEND,
-             w.SECCOMP_IOCTL_NOTIF_ID_VALID),
+             w.SECCOMP_IOCTL_NOTIF_ID_VALID, w.SECCOMP_IOCTL_NOTIF_ADDFD),
             int(self.spin_s * 1e9), self._basenames, self._lane_cmds)
 
     def _native_thread_main(self) -> None:
@@ -787,6 +799,8 @@ class SeccompSupervisor:
         try:
             while not self._stopping:
                 rc = t.serve()
+                if self._prepared:
+                    self._drain_opens()
                 if t.adm is not None:  # admitted, never finished: its quota hold goes back
                     self._lane.release(t.adm)
                     t.adm = None
@@ -820,6 +834,7 @@ class SeccompSupervisor:
                     self._send_quietly(w.NotifResp.fail(n.id, errno.EFAULT))
                 elif rc == nativelane.DVB_QUIET:  # no call for 1 ms: the broker's work
                     try:
+                        self._prepare_opens()
                         self.broker.quiet_work()
                     except Exception:
                         log.exception("seccomp: the backend's work for a quiet moment failed")
@@ -867,6 +882,8 @@ class SeccompSupervisor:
         same choices as `_answer_here`, on the header the loop read privately."""
         if t.unfinished is not None:
             self._settle(t)
+        if self._prepared:  # (the opener of a file the loop installed: booked first)
+            self._drain_opens()
         t.after.clear()  # (the last call's facts, if it went another way: not written)
         if t.adm is not None:  # the last call never reached on_finish (a stale caller)
             self._lane.release(t.adm)
@@ -912,6 +929,8 @@ class SeccompSupervisor:
             c.params_off, c.status_off = adm.header.params_offset, adm.header.status_offset
             c.driver, c.finish, c.check = int(driver), int(finish), int(adm.checked)
             t.adm = adm
+            if adm.checked:
+                return self._native_check_now(t, c, adm)
             return nativelane.ACT_CONTROL
         if self._clane is not None and sess.real and self._clane.candidate(sess.node, c.cmd):
             epochs = BOOKS.now() if t.lane.settled_on else None  # (before deciding)
@@ -986,6 +1005,38 @@ class SeccompSupervisor:
                            clane.map_key(sess.id) if clane is not None else None)
         except OSError:  # (no fd for the pidfd's duplicate: not written, nothing else)
             pass
+
+    def _native_check_now(self, t: nativelane.NativeThread, c: nativelane.Call, adm) -> int:
+        """A checked call decided in the admission's own callback: its parameters read once
+        here, through the memory gate, into the loop's private block (NativeLane.read_params:
+        the loop reads none and the driver gets that block, as when the loop reads them),
+        then `_native_check` on that copy. One callback instead of two (a checked call is
+        an allocation charged to the quota, a control naming handles or GPU ids, an fd
+        escape: ~120 of a CUDA init's and ~12 of an NVML init's calls; a callback costs
+        ~45 µs on the H200). A read that fails sends the whole call the general way, which
+        reads again and answers, as the loop's own failed read does."""
+        size = adm.params_size
+        if size:
+            if size > nativelane.PARAMS_MAX or self._native.mem_off:
+                t.adm = None
+                self._lane.release(adm)
+                return nativelane.ACT_DECLINE
+            try:
+                data = self._gate.direct(self.tenant, _vm_read, c.tid, adm.params_ptr, size,
+                                         what=f"read of {size} parameter bytes (control lane)")
+            except OSError:
+                t.adm = None
+                self._lane.release(adm)
+                return nativelane.ACT_DECLINE
+            if len(data) != size:
+                t.adm = None
+                self._lane.release(adm)
+                return nativelane.ACT_DECLINE
+            nativelane.NativeLane.read_params(t, data)
+        act = self._native_check(t, c)
+        if act == nativelane.ACT_CONTROL:
+            c.check = 0  # (made: the loop calls no on_check)
+        return act
 
     def _native_check(self, t: nativelane.NativeThread, c: nativelane.Call) -> int:
         """A checked control's parameters, read privately by the native loop: the lane's
@@ -1420,7 +1471,131 @@ class SeccompSupervisor:
         self._install(n, caller, spec, reply.session, flags, posixpath.basename(full),
                       reply.install_fd, epochs)
         self.stats.ns_open_install += time.perf_counter_ns() - t1
+        if reply.install_fd >= 0 and nl is not None and nl.settled_on and self.prepared_opens:
+            # the next opens of this node may be prepared ones (`_prepare_opens`)
+            self._open_template = caller
+            self._opened_paths[_normalize(full)] = spec
+            nl.when_quiet()
         return None
+
+    # Prepared opens kept in the native loop per node path, by kind: a CUDA init opens
+    # nvidiactl 30 times, its GPU's node 18 and nvidia-uvm 4, NVML 6 files per init (native/
+    # lane.c holds OPEN_SLOTS in all; with 12 / 8 / 4 the loop answered 34–40 of a CUDA
+    # init's 52 on the H200, the others came in bursts between two quiet moments).
+    PREPARED_PER_PATH = {NodeKind.CTL: 16, NodeKind.GPU: 12, NodeKind.UVM: 4}
+    # DEVBROKER_PREPARED_OPENS=0: every open of our nodes is decided when it is made
+    prepared_opens = os.environ.get("DEVBROKER_PREPARED_OPENS", "1") != "0"
+
+    def _prepare_opens(self) -> None:
+        """At a quiet moment of the native loop: decide ahead the next opens of the node
+        paths the tenant has opened through this listener — the broker's own open (policy,
+        session, driver file through a private node) for the sandbox of the last opener
+        of one (`_open_template`), the session's inotify watch and mapping fact, as
+        `_install` does — and leave each in the loop (NativeLane.open_put), which answers
+        an open of that path from a caller it knows in that sandbox with the file
+        (native/lane.c answer_prepared_open, docs/seccomp.md "Prepared opens"). Stops at
+        the first notification waiting (the tenant comes first) or refusal. The broker
+        counts such an open when it is made (its call counters' "open" row); the tenant's
+        process is named when the loop has installed it (`_drain_opens`)."""
+        nl, caller = self._native, self._open_template
+        if (nl is None or not nl.settled_on or caller is None or self._stopping
+                or getattr(self.broker, "recorder", None) is not None):
+            return
+        self._drain_opens()
+        self._drop_prepared(everything=False)  # (decided under a policy since changed)
+        hit = self._callers.get(caller.tid)
+        tenant = getattr(self.broker, "tenants", {}).get(self.tenant)
+        if hit is None or tenant is None:
+            return  # (the caller's thread is gone: the next open names another)
+        limit = limits.of(tenant).open_files
+        held: dict[str, int] = {}
+        for _sess, path in self._prepared.values():
+            held[path] = held.get(path, 0) + 1
+        poller = select.poll()
+        poller.register(self._lfd, select.POLLIN)
+        for path, spec in list(self._opened_paths.items()):
+            while (held.get(path, 0) < self.PREPARED_PER_PATH.get(spec.kind, 0)
+                   and len(self._prepared) < nativelane.OPEN_SLOTS
+                   and len(tenant.sessions) + nativelane.OPEN_SLOTS < limit):
+                if poller.poll(0):
+                    return  # a notification waits: serve it (the rest at the next quiet)
+                if not self._prepare_one(nl, caller, hit, spec, path, tenant):
+                    return
+                held[path] = held.get(path, 0) + 1
+
+    def _prepare_one(self, nl: nativelane.NativeLane, caller: Caller, hit: tuple,
+                     spec: NodeSpec, path: str, tenant) -> bool:
+        """One prepared open of `path` (`_prepare_opens`); False: none was made."""
+        req = OpenRequest(caller=caller, tenant=self.tenant, node=spec.kind, minor=spec.minor,
+                          flags=os.O_RDWR | os.O_CLOEXEC, want_file=True, prepared=True)
+        epochs = BOOKS.now()  # (before deciding: a policy change meanwhile voids it)
+        reply = self.broker.open_now(req)
+        if reply.errno or reply.install_fd < 0:
+            if reply.install_fd >= 0:
+                os.close(reply.install_fd)
+            return False  # (refused now: the tenant's own open is refused with its record)
+        fd = reply.install_fd
+        try:
+            st = os.fstat(fd)
+            key = (st.st_dev, st.st_ino)
+            wd = _libc.inotify_add_watch(self._ifd, f"/proc/self/fd/{fd}".encode(),
+                                         IN_DELETE_SELF)
+            if wd < 0:
+                _raise_errno("inotify_add_watch")
+        except OSError:
+            os.close(fd)  # (no watch: the session would outlive its file) the broker's
+            self.broker.release_now(ReleaseRequest(session=reply.session))
+            return False
+        sess = Session(reply.session, spec.kind, spec.minor, key, wd, (0, -1), real=True)
+        self.sessions[key] = sess
+        self._by_wd[wd] = sess
+        bs = self.broker.sessions.get(reply.session)
+        if spec.kind in (NodeKind.CTL, NodeKind.GPU) and bs is not None:
+            self._native_map_fact(sess, key, caller, epochs)
+        if bs is None or not nl.open_put(epochs, path, fd, bs, tenant, reply.session):
+            os.close(fd)  # (its inotify watch releases the session: the file is gone)
+            self.stats.prepared += 1
+            self.stats.prepared_dropped += 1
+            return False
+        self._prepared[reply.session] = (sess, path)
+        self.stats.prepared += 1
+        return True
+
+    def _drain_opens(self) -> None:
+        """Book the opens the native loop answered with prepared files: the opener's
+        process is the session's (Broker.opened_by: its ABI, the tenant's process list)
+        and the fd number its opener's; a prepared file the loop gave up (ADDFD failed) was
+        closed there, and its inotify watch releases the session."""
+        nl = self._native
+        if nl is None:
+            return
+        for sid, tid, newfd, _cloexec in nl.open_drain():
+            entry = self._prepared.pop(sid, None)
+            if entry is None:
+                continue
+            sess = entry[0]
+            if newfd < 0:
+                self.stats.prepared_dropped += 1
+                continue
+            try:
+                caller = self._caller(tid)
+            except OSError:  # (gone already: its sandbox was checked in the loop)
+                continue
+            sess.opener = (caller.pid, newfd)
+            self.broker.opened_by(sid, caller)
+
+    def _drop_prepared(self, everything: bool) -> None:
+        """Take prepared opens back from the native loop and close their files (their
+        inotify watches release the sessions): every one, or those decided under a policy
+        that has changed since (the loop never uses those)."""
+        nl = self._native
+        if nl is None:
+            return
+        self._drain_opens()
+        for sid, fd in nl.open_take(everything):
+            os.close(fd)
+            if self._prepared.pop(sid, None) is not None:
+                self.stats.prepared_dropped += 1
 
     def _install(self, n: w.Notif, caller: Caller, spec: NodeSpec, sid: int,
                  flags: int, name: str, real_fd: int = -1, epochs=None) -> None:
@@ -1879,6 +2054,7 @@ class SeccompSupervisor:
         os.eventfd_write(_HANDOVER_WAKE, 1)
         while self._live:
             await trio.sleep(0.002)
+        self._drop_prepared(everything=True)  # (their sessions end here, not in the successor)
         if self._token is not None:
             # What the threads handed to trio before leaving was queued before this.
             flushed = trio.Event()

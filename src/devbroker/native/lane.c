@@ -60,7 +60,7 @@
 #endif
 #define DVB_PIDFD_THREAD O_EXCL /* Linux 6.9: a pidfd for a (non-leader) thread */
 
-#define DVB_ABI 12 /* bumped with any change of the structures below (nativelane.py checks) */
+#define DVB_ABI 13 /* bumped with any change of the structures below (nativelane.py checks) */
 
 struct dvb_notif { /* struct seccomp_notif */
     uint64_t id;
@@ -88,7 +88,8 @@ enum { ACT_DECLINE = 0, ACT_CONTINUE = 1, ACT_CONTROL = 2, ACT_FAIL = 3 };
 enum { C_NOTIFICATIONS, C_OPENS_CONTINUED, C_IOCTLS, C_CONTROLS_FAST, C_STALE,
        C_LANE_NS_READ, C_LANE_NS_ADMIT, C_LANE_NS_DUP, C_LANE_NS_DRIVER, C_LANE_NS_FINISH,
        C_LANE_NS_WRITE, C_NS_RECV, C_NS_SEND, C_NS_IOCTL, C_NS_OPEN, C_ANSWERED,
-       C_SETTLED, C_CONT_SETTLED, C_MMAPS_CONTINUED, C_MMAPS_SETTLED, C_NS_MMAP, C_COUNT };
+       C_SETTLED, C_CONT_SETTLED, C_MMAPS_CONTINUED, C_MMAPS_SETTLED, C_NS_MMAP,
+       C_OPENS_PREPARED, C_NS_OPEN_PREPARED, C_COUNT };
 
 #define DVB_HDR_MAX 1024 /* the largest lane argument (NV_ESC_NUMA_INFO: 560) */
 #define DVB_PARAMS_MAX 16384
@@ -104,6 +105,8 @@ enum { C_NOTIFICATIONS, C_OPENS_CONTINUED, C_IOCTLS, C_CONTROLS_FAST, C_STALE,
 #define DVB_SETTLED_BUCKETS 32   /* latency buckets of the call counters (callstats.py) */
 #define DVB_CONT_FACTS 512       /* settled continuations: (file, command, client handles) */
 #define DVB_CONT_HANDLES 4       /* client-handle fields of one command (UVM: at most 2) */
+#define DVB_OPEN_SLOTS 32        /* prepared opens (struct dvb_open_slot) */
+#define DVB_OPEN_PATH 64         /* the longest node path a prepared open answers */
 
 /* One call being decided: what the Python callbacks read and fill (nativelane.Call). */
 struct dvb_call {
@@ -147,6 +150,9 @@ struct dvb_call {
     /* an open handed back (DVB_NOTIF) whose path the loop read whole: its bytes with the
      * NUL in hdr, for the notification `id` (0: none) */
     int64_t path_len;
+    /* 1: on_ioctl read the parameters itself (into params and params_in) and made the
+     * check on them (a checked call decided in one callback: check is then 0) */
+    int64_t params_read;
     uint32_t patch_index[DVB_PATCH_MAX], patch_value[DVB_PATCH_MAX];
     uint8_t hdr[DVB_HDR_MAX];
     uint8_t hdr_out[DVB_HDR_MAX];
@@ -247,6 +253,37 @@ struct dvb_settled_caller {
     int pidfd;               /* a PIDFD_THREAD of it, owned here */
 };
 
+/*
+ * Prepared opens (SeccompSupervisor._prepare_opens, docs/seccomp.md "Prepared opens"): the
+ * broker decides an open of one of the tenant's node paths before it is asked — its
+ * policy (the tenant, the node, its GPU, the open-file limit), its session, its driver file
+ * through a private node, the inotify watch that ends it, the mapping fact — for the
+ * tenant's sandbox, at a quiet moment, and leaves the file here. An open that names that
+ * exact absolute path (open or openat, no O_NONBLOCK: the file's status flags are the
+ * prepared file's), from a caller the broker accepted in that sandbox (struct
+ * dvb_settled_caller, still that thread), while the policy epoch it was decided at
+ * stands and a token of the tenant's pace is left, is answered here with the file
+ * (SECCOMP_IOCTL_NOTIF_ADDFD with SEND: installed and answered in one step, by the kernel,
+ * only while the notification is pending — a racing thread's change of the path after
+ * the read changes nothing, the kernel never opens it). The installation is written down
+ * (struct dvb_opened) for Python, which books the opener at its next visit, before it
+ * decides anything else. A slot whose epoch went stale is never used; Python takes it
+ * back (dvb_open_take) and closes its file.
+ */
+struct dvb_open_slot {
+    uint64_t epoch;          /* the policy epoch it was decided at; 0: empty */
+    uint64_t sandbox;        /* the tenant's sandbox (uid, pid namespace), as a tag */
+    int64_t id;              /* Python's name for it (its session) */
+    int fd;                  /* the broker's file, owned here while the slot is full */
+    int path_len;
+    char path[DVB_OPEN_PATH];
+};
+
+struct dvb_opened {          /* a prepared open answered (or given up): for Python */
+    int64_t id, tid, newfd;  /* newfd < 0: -errno, the slot's file closed unused */
+    int64_t cloexec;
+};
+
 struct dvb_removal { /* objects._Removal: one entry of the books' ring of removals */
     uint64_t seq;
     uint32_t kind, client, object, pad;
@@ -272,13 +309,16 @@ struct dvb_settled {
     struct dvb_settled_object objects[DVB_SETTLED_OBJECTS];
     struct dvb_settled_caller callers[DVB_SETTLED_CALLERS];
     struct dvb_cont_fact conts[DVB_CONT_FACTS];
+    struct dvb_open_slot open_slots[DVB_OPEN_SLOTS];
+    struct dvb_opened opened[DVB_OPEN_SLOTS];
+    int n_opened;
 };
 
 struct dvb_shared {
     int listener, wake_fd;
     int nr_ioctl, nr_open, nr_openat, nr_openat2, nr_mmap;
     int64_t memfd_dev;       /* memfds' st_dev (a placeholder file is one); -1: not given */
-    unsigned long req_recv, req_send, req_id_valid;
+    unsigned long req_recv, req_send, req_id_valid, req_addfd;
     size_t notif_size;
     int64_t spin_ns;
     volatile int mem_off;
@@ -342,6 +382,7 @@ struct dvb_shared *dvb_shared_new(int listener, int wake_fd, size_t notif_size,
     sh->req_recv = reqs[0];
     sh->req_send = reqs[1];
     sh->req_id_valid = reqs[2];
+    sh->req_addfd = reqs[3];
     sh->spin_ns = spin_ns;
     sh->on_ioctl = on_ioctl;
     sh->on_check = on_check;
@@ -351,6 +392,8 @@ struct dvb_shared *dvb_shared_new(int listener, int wake_fd, size_t notif_size,
     pthread_mutex_init(&sh->settled.lock, NULL);
     for (int i = 0; i < DVB_SETTLED_CALLERS; i++)
         sh->settled.callers[i].pidfd = -1;
+    for (int i = 0; i < DVB_OPEN_SLOTS; i++)
+        sh->settled.open_slots[i].fd = -1;
     return sh;
 }
 
@@ -360,6 +403,9 @@ void dvb_shared_free(struct dvb_shared *sh)
         for (int i = 0; i < DVB_SETTLED_CALLERS; i++)
             if (sh->settled.callers[i].pidfd >= 0)
                 close(sh->settled.callers[i].pidfd);
+        for (int i = 0; i < DVB_OPEN_SLOTS; i++) /* (Python takes them back first) */
+            if (sh->settled.open_slots[i].fd >= 0)
+                close(sh->settled.open_slots[i].fd);
         pthread_mutex_destroy(&sh->settled.lock);
         pthread_mutex_destroy(&sh->recv_lock);
         free(sh);
@@ -484,6 +530,9 @@ static ssize_t tenant_write2(struct dvb_thread *t, pid_t pid, uint64_t a1, void 
 /* Each returns 0 (answered here, or the task is gone), DVB_NOTIF (the Python listener
  * answers it), or another DVB_ code for the loop to return. */
 
+static int answer_prepared_open(struct dvb_thread *t, struct dvb_notif *n, const char *path,
+                                size_t len, int64_t t0);
+
 static int answer_open(struct dvb_thread *t, struct dvb_notif *n)
 {
     struct dvb_shared *sh = t->sh;
@@ -511,7 +560,11 @@ static int answer_open(struct dvb_thread *t, struct dvb_notif *n)
     for (size_t i = 0; i < sh->names_len;) {
         size_t l = strlen(sh->names + i);
         if (l == blen && memcmp(sh->names + i, base, l) == 0) {
-            /* may be one of our nodes: the Python listener decides, on this copy */
+            /* may be one of our nodes: a prepared open, else the Python listener decides,
+             * on this copy */
+            int rc = answer_prepared_open(t, n, buf, end - buf, t0);
+            if (rc != DVB_NOTIF)
+                return rc;
             struct dvb_call *c = &t->call;
             c->id = (int64_t)n->id;
             c->path_len = end - buf + 1;
@@ -585,7 +638,7 @@ static int run_control_once(struct dvb_thread *t, struct dvb_notif *n, int64_t t
     if (size > DVB_PARAMS_MAX || sh->mem_off
         || (size && (c->params_off < 0 || (size_t)c->params_off + 8 > hlen)))
         return DVB_NOTIF;
-    if (size) { /* (none: the header alone) */
+    if (size && !c->params_read) { /* (none: the header alone, or read by on_ioctl) */
         ssize_t got = tenant_read(t, n->pid, (uint64_t)c->params_ptr, c->params, size);
         if (t->abandoned)
             return DVB_LATE;
@@ -1414,6 +1467,7 @@ static int answer_ioctl(struct dvb_thread *t, struct dvb_notif *n)
     c->settled = -1;
     c->after = 0;
     c->path_len = 0;
+    c->params_read = 0;
     c->status_off = -1;
     if (c->fd < 0)
         return DVB_NOTIF;
@@ -1468,6 +1522,141 @@ static int answer_ioctl(struct dvb_thread *t, struct dvb_notif *n)
     if (rc == 0)
         t->counters[C_NS_IOCTL] += now_ns() - t0;
     return rc;
+}
+
+/* ----------------------------------------------------------------- prepared opens */
+/* (struct dvb_open_slot says what they are and why answering one is the broker's decision.) */
+
+/* A prepared open of `path` for the caller, answered with its file: 0, or DVB_NOTIF when
+ * none applies (the Python listener decides, as without them). */
+static int answer_prepared_open(struct dvb_thread *t, struct dvb_notif *n, const char *path,
+                                size_t len, int64_t t0)
+{
+    struct dvb_shared *sh = t->sh;
+    struct dvb_settled *m = &sh->settled;
+    uint64_t flags = n->nr == sh->nr_open ? n->args[1] : n->args[2];
+    if (!m->epochs || (n->nr != sh->nr_open && n->nr != sh->nr_openat) || path[0] != '/'
+        || len >= DVB_OPEN_PATH || (flags & O_NONBLOCK))
+        return DVB_NOTIF; /* (openat2's resolve flags, O_NONBLOCK: the Python listener) */
+    int fd = -1;
+    int64_t id = 0;
+    pthread_mutex_lock(&m->lock);
+    catch_up(m);
+    uint64_t now = epoch_now(m, 0);
+    for (int i = 0; i < DVB_OPEN_SLOTS && fd < 0; i++) {
+        struct dvb_open_slot *e = &m->open_slots[i];
+        if (e->epoch != now || e->fd < 0 || (size_t)e->path_len != len
+            || memcmp(e->path, path, len) != 0)
+            continue;
+        if (!m->credit || caller_sandbox(m, n->pid) != e->sandbox)
+            break; /* (one sandbox per listener: no other slot would do) */
+        if (m->credit > 0)
+            m->credit--;
+        fd = e->fd;
+        id = e->id;
+        e->fd = -1;
+        e->epoch = 0;
+    }
+    pthread_mutex_unlock(&m->lock);
+    if (fd < 0)
+        return DVB_NOTIF;
+    struct { /* struct seccomp_notif_addfd */
+        uint64_t id;
+        uint32_t flags, srcfd, newfd, newfd_flags;
+    } add = {.id = n->id, .flags = 1u << 1 /* SECCOMP_ADDFD_FLAG_SEND */, .srcfd = (uint32_t)fd,
+             .newfd = 0, .newfd_flags = (flags & O_CLOEXEC) ? O_CLOEXEC : 0};
+    int64_t t1 = now_ns();
+    int newfd = ioctl(sh->listener, sh->req_addfd, &add);
+    int e = errno;
+    t->counters[C_NS_SEND] += now_ns() - t1;
+    close(fd); /* installed: the tenant's reference is the only one; else unused, gone */
+    pthread_mutex_lock(&m->lock);
+    if (m->n_opened < DVB_OPEN_SLOTS) /* (room for every slot: Python drains them all) */
+        m->opened[m->n_opened++] = (struct dvb_opened){
+            .id = id, .tid = n->pid, .newfd = newfd >= 0 ? newfd : -e,
+            .cloexec = (flags & O_CLOEXEC) != 0};
+    pthread_mutex_unlock(&m->lock);
+    if (newfd < 0) {
+        if (e == ENOENT) { /* the caller is gone (or was interrupted): nothing to answer */
+            t->counters[C_STALE]++;
+            return 0;
+        }
+        return DVB_NOTIF; /* (EMFILE, ...: the Python listener's open answers it) */
+    }
+    __atomic_store_n(&sh->quiet, 1, __ATOMIC_RELEASE); /* (Python prepares the next one) */
+    t->counters[C_ANSWERED]++;
+    t->counters[C_OPENS_PREPARED]++;
+    t->counters[C_NS_OPEN_PREPARED] += now_ns() - t0;
+    return 0;
+}
+
+/* Leave a prepared open of `path` (its file `fd`, owned here from now on) for callers of
+ * the sandbox `sandbox`, decided at the words `epochs` (read before the broker decided):
+ * 0, or -1 when it is not taken (the policy changed meanwhile, no free slot, settled
+ * facts off, a bad path) and the caller keeps the file. */
+int dvb_open_put(struct dvb_shared *sh, const uint64_t *epochs, const char *path,
+                 int path_len, int fd, uint64_t sandbox, int64_t id)
+{
+    struct dvb_settled *m = &sh->settled;
+    uint64_t now;
+    int rc = -1;
+    if (path_len <= 0 || path_len >= DVB_OPEN_PATH || fd < 0 || !sandbox)
+        return -1;
+    if (put_begin(m, epochs, 0, -1, &now) < 0)
+        return -1;
+    for (int i = 0; i < DVB_OPEN_SLOTS; i++) {
+        struct dvb_open_slot *e = &m->open_slots[i];
+        if (e->fd >= 0)
+            continue; /* (a stale one too: Python takes it back, with its file) */
+        e->epoch = now;
+        e->sandbox = sandbox;
+        e->id = id;
+        e->fd = fd;
+        e->path_len = path_len;
+        memcpy(e->path, path, (size_t)path_len);
+        rc = 0;
+        break;
+    }
+    pthread_mutex_unlock(&m->lock);
+    return rc;
+}
+
+/* Take prepared opens back (every one with `all`, else those of a past policy epoch):
+ * their (id, fd) pairs, up to max, the files the caller's from now on. Returns how many. */
+int dvb_open_take(struct dvb_shared *sh, int all, int64_t *out, int max)
+{
+    struct dvb_settled *m = &sh->settled;
+    int n = 0;
+    pthread_mutex_lock(&m->lock);
+    uint64_t now = m->epochs ? (catch_up(m), epoch_now(m, 0)) : 0;
+    for (int i = 0; i < DVB_OPEN_SLOTS && n < max; i++) {
+        struct dvb_open_slot *e = &m->open_slots[i];
+        if (e->fd < 0 || (!all && e->epoch == now))
+            continue;
+        out[2 * n] = e->id;
+        out[2 * n + 1] = e->fd;
+        n++;
+        e->fd = -1;
+        e->epoch = 0;
+    }
+    pthread_mutex_unlock(&m->lock);
+    return n;
+}
+
+/* The prepared opens answered (or given up) since the last call: rows of (id, tid, newfd,
+ * cloexec), up to max (DVB_OPEN_SLOTS holds them all). Returns how many. */
+int dvb_open_drain(struct dvb_shared *sh, int64_t *out, int max)
+{
+    struct dvb_settled *m = &sh->settled;
+    if (!__atomic_load_n(&m->n_opened, __ATOMIC_RELAXED))
+        return 0; /* (nothing: no lock) */
+    pthread_mutex_lock(&m->lock);
+    int n = m->n_opened < max ? m->n_opened : max;
+    memcpy(out, m->opened, sizeof(struct dvb_opened) * (size_t)n);
+    memmove(m->opened, m->opened + n, sizeof(struct dvb_opened) * (size_t)(m->n_opened - n));
+    m->n_opened -= n;
+    pthread_mutex_unlock(&m->lock);
+    return n;
 }
 
 /* A file mapping (the filter notifies every one that is not anonymous): CONTINUE for a
