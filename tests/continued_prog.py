@@ -5,7 +5,8 @@ node: ENOTTY; a refused one gets the broker's answer). A root client of its own 
 by the broker at its first control), then UVM commands many times each on its UVM file:
 one that names nothing (CREATE_RANGE_GROUP), one that names the tenant's client
 (REGISTER_GPU), the same naming a client that is not the tenant's, and — after the
-tenant freed its client — the one naming it again. Prints one JSON line: each group's
+tenant freed its client — the one naming it again; and one without an argument
+(DEINITIALIZE). Prints one JSON line: each group's
 answers as (errno, rmStatus) pairs, deduplicated in order."""
 from __future__ import annotations
 
@@ -69,6 +70,18 @@ out["free"] = escape(ctl, "NV_ESC_RM_FREE", "NVOS00_PARAMETERS", hRoot=CLIENT,
                      hObjectParent=0, hObjectOld=CLIENT)[1].status
 out["register_freed"] = uvm(u, "UVM_REGISTER_GPU", 3, rmCtrlFd=ctl, hClient=CLIENT)
 out["range_group_after"] = uvm(u, "UVM_CREATE_RANGE_GROUP", 3)
+# a command without an argument (UVM_DEINITIALIZE): continued as well
+seen_bare: list = []
+for _ in range(5):
+    try:
+        fcntl.ioctl(u, UVM["UVM_DEINITIALIZE"][0], 0)
+        got_bare = 0
+    except OSError as e:
+        got_bare = e.errno or errno.EIO
+    if got_bare not in seen_bare:
+        seen_bare.append(got_bare)
+    time.sleep(0.002)
+out["deinitialize"] = seen_bare
 # last, a call the broker answers on its general path: what the loop counted before it is
 # in the broker's books when this returns
 out["last"] = escape(ctl, "NV_ESC_RM_FREE", "NVOS00_PARAMETERS", hRoot=0, hObjectParent=0,

@@ -233,7 +233,8 @@ def test_settled_continuations_answer_as_the_broker_and_follow_the_books(tmp_pat
     a command naming nothing and one naming the tenant's client continued (ENOTTY), one
     naming a client not the tenant's refused by the broker every time (the driver's status
     for an unknown client); after the tenant freed its client, the command naming it is
-    refused (the free made the fact stale), the one naming nothing still settled."""
+    refused (the free made the fact stale), the one naming nothing still settled; a command
+    without an argument (UVM_DEINITIALIZE) is the lane's and settled like the others."""
     import sys
     from pathlib import Path
 
@@ -257,15 +258,17 @@ def test_settled_continuations_answer_as_the_broker_and_follow_the_books(tmp_pat
         "free": 0,
         "register_freed": [[0, invalid_client]],
         "range_group_after": [[errno.ENOTTY, 0]],
+        "deinitialize": [errno.ENOTTY],
         "last": invalid_client,
     }, (on, off)
     # ten of each: the first decided by the broker (written down after its answer), nine
     # by the loop; after the free, the three naming nothing settled, the three naming the
-    # freed client refused (not counted as continued at all)
-    assert lane_on["settled"] == 9 + 9 + 3, lane_on
+    # freed client refused (not counted as continued at all); DEINITIALIZE (no argument):
+    # the lane's too, four of five settled
+    assert lane_on["settled"] == 9 + 9 + 3 + 4, lane_on
     assert lane_off["settled"] == 0, lane_off
     # every continued call counted as admitted either way
-    assert lane_on["admitted"] == lane_off["admitted"] == 10 + 10 + 3, (lane_on, lane_off)
+    assert lane_on["admitted"] == lane_off["admitted"] == 10 + 10 + 3 + 5, (lane_on, lane_off)
 
 
 _BURST_OF_OPENS = r"""

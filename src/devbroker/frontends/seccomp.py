@@ -1915,7 +1915,8 @@ class SeccompSupervisor:
             if caps & (1 << CAP_SYS_ADMIN) or caps < 0:
                 return False
             arg = self._gate.direct(self.tenant, _vm_read, tid, argp, size,
-                                    what=f"read of ioctl {cmd:#x}'s argument (continue lane)")
+                                    what=f"read of ioctl {cmd:#x}'s argument (continue lane)"
+                                    ) if size else b""
         except OSError:
             return False
         if not lane.admit(sess.id, caller, cmd, arg,
