@@ -97,6 +97,18 @@ for _ in range(5):
     err, status, _got = control(ctl, CLIENT, 0x1F0, bytes(4))
     if err or status:
         out["errors"].append(["SYSTEM_GET_FEATURES again", err, status])
+# a control whose check is its one GPU id (GET_PCI_INFO): the tenant's GPU (0x6, the
+# stand-in's 0000:00:06.0) many times, then another GPU's id (refused every time, by the
+# broker's general path: the loop's check on its private copy sends it there)
+pci = abi.control(0x21B).params
+for what, gpu_id, times in (("pci_own", 0x6, REPEAT), ("pci_foreign", 0x7, 3)):
+    seen = []
+    for _ in range(times):
+        err, status, got = control(ctl, CLIENT, 0x21B,
+                                   pci.decode(bytes(pci.size)).replace(gpuId=gpu_id).encode())
+        if [err, status] not in seen:
+            seen.append([err, status])
+    out[what] = seen
 # a second client with its own device and subdevice: MC_GET_ARCH_INFO once on the first
 # subdevice, then on the second one three times (a decision is per object: the second
 # subdevice's is written down at its own second call)

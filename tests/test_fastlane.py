@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from devbroker.abi import registry
-from devbroker.broker import continuelane, fastlane, rules
+from devbroker.broker import continuelane, fastlane, rewrite, rules
 from devbroker.testing.policies import one_h200, tenant
 
 HERE = Path(__file__).resolve().parent
@@ -67,8 +67,16 @@ def test_rows_with_answers_runs_or_charges_are_never_laned_and_pre_hooks_only_ch
             continue
         if plan is None:
             continue
-        _cap, post, size, pre, is_checked, ptrs, embedded = plan
+        _cap, post, size, pre, is_checked, ptrs, embedded, gpu_id_off = plan
         assert pre is row.pre and post is row.post and size == op.size
+        if gpu_id_off >= 0:  # a check of its one GPU id (and NULL pointers) only
+            assert is_checked and pre is None and not embedded and len(ptrs) <= 2, hex(cmd)
+            names = [(p, f.kind) for p, f, o in op.params.walk()
+                     if f.kind in ("ptr", "fd") or f.name in rules.CLIENT_HANDLE_FIELDS
+                     or f.name in rewrite.GPU_ID_FIELD_NAMES]
+            assert [p for p, k in names if k != "ptr"] == ["gpuId"], (hex(cmd), names)
+            assert op.params.by_name["gpuId"].offset == gpu_id_off
+            assert cmd not in rewrite.GPU_IDS_ANSWERED
         assert is_checked == (row.pre is not None or not rules.plain_layout(op.params)), hex(cmd)
         # every pointer field is one the check requires NULL; none in a plain layout; those
         # that name embedded buffers (which the native loop may carry) are top-level ones
@@ -86,6 +94,10 @@ def test_rows_with_answers_runs_or_charges_are_never_laned_and_pre_hooks_only_ch
     assert not lane._plan(abi, 0x202)[6]  # (a string with no count field: not embedded)
     assert [n for _o, n in lane._plan(abi, 0x80170D)[6]] == ["pChannelHandleList",
                                                             "pChannelList"]
+    # NVML's per-GPU queries whose check is their GPU id (a front end may repeat it); the id
+    # lists (answered, or with a pre-hook) and a control naming a client are not such
+    assert {hex(c) for c in rules.CONTROLS if (lane._plan(abi, c) or (-1,) * 8)[7] >= 0} == {
+        "0x202", "0x205", "0x21b", "0x279", "0x289"}
     assert checked > 10 and plain > 50, (checked, plain)
 
 

@@ -173,7 +173,8 @@ def test_header_only_lane_calls_on_stand_in_driver_files(tmp_path, frontend):
     assert lane_off["admitted"] == 0, lane_off
 
 
-def test_settled_controls_answer_as_the_broker_and_follow_the_books(tmp_path):
+@pytest.mark.parametrize("first", [True, False], ids=["settle-first", "settle-second"])
+def test_settled_controls_answer_as_the_broker_and_follow_the_books(tmp_path, first):
     """The native loop's settled controls (nativelane.NativeLane.settle), end to end: a
     broker on the real backend whose driver calls meet a stand-in that answers NV_OK to
     everything (nvok_standin.py), a seccomp tenant (tests/settled_prog.py) sending the same
@@ -191,7 +192,9 @@ def test_settled_controls_answer_as_the_broker_and_follow_the_books(tmp_path):
 
     def run(settled: bool) -> tuple[dict, dict]:
         return _on_stand_in_nodes(tmp_path, f"settled{int(settled)}",
-                                  {"DEVBROKER_SETTLED": "1" if settled else "0"}, "seccomp",
+                                  {"DEVBROKER_SETTLED": "1" if settled else "0",
+                                   "DEVBROKER_SETTLE_FIRST": "1" if first else "0"},
+                                  "seccomp",
                                   [sys.executable, str(here / "settled_prog.py"), "20"],
                                   wrap=(sys.executable, str(here / "nvok_standin.py")))
 
@@ -208,15 +211,24 @@ def test_settled_controls_answer_as_the_broker_and_follow_the_books(tmp_path):
         # (a second root client on the same file: the broker allocates it, handlers.rm_alloc)
         "root2": 0, "client2": [0, 0], "device2": [0, 0], "subdevice2": [0, 0],
         "arch": [[0, 0]] * 4,
+        "pci_own": [[0, 0]],
+        "pci_foreign": [[0, 0x1F]],  # (NV_ERR_INVALID_ARGUMENT: not the tenant's GPU)
         "last": 0x23,  # (NV_ERR_INVALID_CLIENT: the general path's refusal)
     }, (on, off)
-    # Each run of 20: the broker decides the first two (a decision is written down when it
-    # is made the second time, NativeLane.seen_twice), the loop the other 18; FB info's
+    # Each run of 20: the broker decides the first (its control's and its object's facts
+    # are written down then, NativeLane.worth_settling), the loop the other 19; FB info's
     # runs after the allocation and after the free: the first call decided again (the
     # memory its answer shows changed), the other 19 settled; the client's control after
     # the free of another object: all 5 settled (what the free removed was not the
-    # client); the second subdevice's control: its first two decided, the third settled.
-    assert lane_on["settled"] == 18 + 18 + 19 + 19 + 5 + 1, lane_on
+    # client); MC_GET_ARCH_INFO once on the first subdevice (decided: its control's fact),
+    # then on the second subdevice: its first decided (that object's fact), two settled;
+    # GET_PCI_INFO for the tenant's GPU: the first decided (the GPU ids given to the
+    # loop), 19 settled; for another GPU: none (the loop's check sends each the general
+    # way, which refuses it). With DEVBROKER_SETTLE_FIRST=0 a decision is written down the
+    # second time it is made for the same object: one fewer settled in each run of 20, and
+    # the second subdevice's control settled only at its third call.
+    assert lane_on["settled"] == (19 + 19 + 19 + 19 + 5 + 2 + 19 if first
+                                  else 18 + 18 + 19 + 19 + 5 + 1 + 18), lane_on
     assert lane_off["settled"] == 0, lane_off
     # every call counted as admitted either way (a settled call is an admitted one)
     assert lane_on["admitted"] == lane_off["admitted"], (lane_on, lane_off)

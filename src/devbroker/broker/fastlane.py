@@ -267,6 +267,32 @@ def _fixed_unpacker(offsets: list[int], kinds: list[str]) -> Callable[[bytes], t
     return unpack
 
 
+# pointers a settled control's check may test NULL (native/lane.c DVB_SETTLED_PTRS)
+SETTLED_NULL_PTRS = 2
+
+
+def _gpu_id_only(spec) -> int:
+    """The offset of a control layout's one GPU id when that and its pointers (which the
+    lane admits only NULL: `Admitted.null_ptrs`) are the only things in it the broker looks
+    at — a top-level 4-byte `gpuId`, and no fd, client handle or other GPU id at any depth
+    — so that ControlLane.check on it is `_copy_usable` (the pointers NULL) and
+    rewrite.require_own_gpu_ids on that one field (the id one of the tenant's GPUs';
+    INVALID_GPU_ID is not); -1 for any other layout. (NVML's GET_ID_INFO ×4,
+    GET_ID_INFO_V2, GET_PCI_INFO, QUERY_DRAIN_STATE, ASYNC_ATTACH_ID: eight per init, on
+    a new client each time.)"""
+    found = -1
+    for path, f, off in spec.walk():
+        if f.kind == "ptr":
+            continue
+        if f.kind == "fd" or f.name in rules.CLIENT_HANDLE_FIELDS:
+            return -1
+        if f.name in rewrite.GPU_ID_FIELD_NAMES:
+            if found >= 0 or path != "gpuId" or f.kind not in ("u32", "i32") or f.size != 4:
+                return -1
+            found = off
+    return found
+
+
 def _usable_session(b: Broker, session_id: int, caller: Caller) -> Session | None:
     """The session, when the general path would go on with it: open, its tenant in the
     running policy, and the caller in the opener's sandbox (core.Broker._same_sandbox
@@ -306,6 +332,8 @@ class Admitted:
     # which a front end that carries them may leave set; `check` then lists the buffers
     # (offset, the tenant's pointer, bytes) in `embedded` for it to copy in and back
     embedded_fields: tuple = ()
+    # the offset of its one GPU id when the check reads nothing else (ControlLane._plan)
+    gpu_id_off: int = -1
     embedded: tuple = ()
     # an escape the broker answers itself (SYS_PARAMS): no driver call, the argument back
     # as sent and 0 (`plain_escape`); only the native loop takes it (its check)
@@ -424,7 +452,7 @@ class ControlLane:
         plan = self._plan(abi, cmd)
         if plan is None or plan[0] not in caps:
             return None
-        _cap, post, size, pre, checked, ptrs, embedded = plan
+        _cap, post, size, pre, checked, ptrs, embedded, gpu_id_off = plan
         if params_size != size or params_ptr == 0 or (
                 max_params is not None and size > max_params):
             return None
@@ -434,7 +462,7 @@ class ControlLane:
             return None
         return Admitted(s, abi, h, client, h_object, cmd, params_ptr, params_size, obj.gpu,
                         post, checked=checked, pre=pre, null_ptrs=ptrs,
-                        embedded_fields=embedded)
+                        embedded_fields=embedded, gpu_id_off=gpu_id_off)
 
     def _admit_alloc(self, s: Session, abi: DriverABI, h: Header, hdr: bytes,
                      max_params: int | None) -> Admitted | None:
@@ -754,7 +782,9 @@ class ControlLane:
             self.allocations -= 1
 
     def _plan(self, abi: DriverABI, cmd: int) -> tuple | None:
-        """(capability, post-hook, parameter size, pre-hook, checked, pointer offsets) of a
+        """(capability, post-hook, parameter size, pre-hook, checked, pointer offsets,
+        embedded buffers, the offset of its one GPU id when that is all its check reads
+        (`_gpu_id_only`, else -1)) of a
         control the lane may take in this ABI, None for one it may not. It may take a
         control whose row is on the allowlist, not reserved by the driver's flags, neither
         answered, run nor charged by the broker, and whose layout has no fd and no pointer
@@ -782,8 +812,12 @@ class ControlLane:
                 and rule.relay_if is None and rule.run is None and not rule.charge
                 and ptrs is not None and op.size):
             checked = rule.pre is not None or not rules.plain_layout(op.params)
-            plan = (rule.capability, rule.post, op.size, rule.pre, checked, ptrs,
-                    rules.lane_embedded(op.params))
+            embedded = rules.lane_embedded(op.params)
+            gpu_id_off = (_gpu_id_only(op.params) if checked and rule.pre is None
+                          and len(ptrs) <= SETTLED_NULL_PTRS and not embedded
+                          and cmd not in rewrite.GPU_IDS_ANSWERED else -1)
+            plan = (rule.capability, rule.post, op.size, rule.pre, checked, ptrs, embedded,
+                    gpu_id_off)
         self._plans[key] = plan
         return plan
 
@@ -815,10 +849,12 @@ class ControlLane:
         removals; native/lane.c, struct dvb_settled). So: a control (not an allocation,
         free or escape) decided on its header alone — its row, the tenant's capabilities,
         the client and object in the books and on one of the tenant's GPUs, all of which
-        those cover — with no check of its
-        parameters, no pre-hook and a post-hook only as a TablePatch, and nothing for
-        `finish` to do (no recording)."""
-        return (adm.header.kind == "control" and adm.alloc is None and not adm.checked
+        those cover — with no check of its parameters but, at most, that its one GPU id is
+        one of the tenant's (`Admitted.gpu_id_off`: the front end repeats that test on its
+        private copy, with the tenant's GPU ids of the policy epoch), no pre-hook and a
+        post-hook only as a TablePatch, and nothing for `finish` to do (no recording)."""
+        return (adm.header.kind == "control" and adm.alloc is None
+                and (not adm.checked or adm.gpu_id_off >= 0)
                 and adm.pre is None and not adm.answered and not adm.embedded_fields
                 and (adm.post is None or adm.post in rewrite.AS_TABLE_PATCH)
                 and self.broker.recorder is None)

@@ -25,9 +25,10 @@ Who decides what (nothing new is decided here):
   plain ioctl on the tenant's file (the emulated backend).
 * an **open** whose path's basename is none of the tenant's node names: CONTINUE in C, the
   Python `_open_quick` rule on the same bytes.
-* a **settled control**: a plain control the broker admitted twice on the same object of
-  the same file (`NativeLane.settle`, `seen_twice`) is admitted by the loop itself from
-  then on, while the books say nothing it read changed (objects.BOOKS; native/lane.c,
+* a **settled control**: a plain control the broker admitted (or one whose check reads only
+  its one GPU id and NULL pointers) on an object whose fact the broker wrote down at any
+  control's admission (`NativeLane.settle`, `worth_settling`) is admitted by the loop
+  itself, while the books say nothing it read changed (objects.BOOKS; native/lane.c,
   struct dvb_settled; docs/seccomp.md "Settled controls"). The broker's decision,
   repeated, not a new one.
 * a **settled continuation** (`settle_continue`: a continued command whose decision read
@@ -77,6 +78,8 @@ PATCH_MAX = 16
 EMBED_MAX = 4
 FD_MAX = 2
 OPEN_SLOTS = 32  # native/lane.c DVB_OPEN_SLOTS: prepared opens the loop holds
+SETTLED_PTRS = 2  # native/lane.c DVB_SETTLED_PTRS (fastlane.SETTLED_NULL_PTRS)
+GPU_IDS = 32  # native/lane.c DVB_GPU_IDS
 OPEN_PATH = 64  # native/lane.c DVB_OPEN_PATH: the longest path a prepared open answers
 SETTLED_BUCKETS = 32  # native/lane.c DVB_SETTLED_BUCKETS
 _SETTLED_ROW = 4 + SETTLED_BUCKETS + 1  # (slot, ok, err, sum_ns, buckets...)
@@ -106,6 +109,9 @@ class Call(ctypes.Structure):
         ("after", ctypes.c_int64),
         ("path_len", ctypes.c_int64),
         ("params_read", ctypes.c_int64),
+        ("gpu_id_off", ctypes.c_int64),
+        ("n_null", ctypes.c_int64),
+        ("null_off", ctypes.c_int64 * SETTLED_PTRS),
         ("patch_index", ctypes.c_uint32 * PATCH_MAX),
         ("patch_value", ctypes.c_uint32 * PATCH_MAX),
         ("hdr", ctypes.c_uint8 * HDR_MAX),
@@ -204,6 +210,8 @@ def library() -> ctypes.CDLL | None:
                                  ctypes.c_int, ctypes.c_int, ctypes.c_uint64, i64]
     lib.dvb_open_take.argtypes = [vp, ctypes.c_int, ctypes.POINTER(i64), ctypes.c_int]
     lib.dvb_open_drain.argtypes = [vp, ctypes.POINTER(i64), ctypes.c_int]
+    lib.dvb_set_gpu_ids.argtypes = [vp, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint32),
+                                    ctypes.c_int]
     lib._devbroker_checked = True
     return lib
 
@@ -310,7 +318,8 @@ class NativeLane:
         self._layouts: set[int] = set()
         self._abi_tags: dict[object, int] = {}
         self._sandboxes: dict[tuple, int] = {}  # (uid, pid namespace) -> tag
-        self._sightings: dict[tuple, bool] = {}  # controls admitted once (seen_twice)
+        self._gpu_ids_epoch = -1  # the policy epoch of the GPU ids given to the loop
+        self._sightings: dict[tuple, bool] = {}  # controls admitted once (worth_settling)
         self._tags = itertools.count(1)  # (never 0, never used twice)
         self._settled_lock = threading.Lock()
         self._fold_rows = (ctypes.c_int64 * (_SETTLED_ROW * 64))()
@@ -382,7 +391,7 @@ class NativeLane:
     # -- settled controls ------------------------------------------------------------------
 
     def settle(self, adm, c: Call, epochs: tuple[int, int, int], patch, caller,
-               caller_pidfd: int, key, lane) -> bool:
+               caller_pidfd: int, key, lane, gpu_ids=None) -> bool:
         """Write down an admitted control's decision (ControlLane.settleable said it may be)
         for the loop to repeat without this callback: the control (its ABI, ioctl number,
         control number, parameter size, TablePatch layout) and the object (the file's
@@ -392,7 +401,9 @@ class NativeLane:
         sandbox is (uid, pid namespace), the session check of fastlane._usable_session: a
         caller settles calls only on files opened in its own; a pid namespace unknown on
         either side is settled by none. native/lane.c, struct dvb_settled, says what a
-        later call needs to be admitted by these. False: not written."""
+        later call needs to be admitted by these. gpu_ids: the tenant's GPU ids, for a
+        control whose check is its one GPU id (`Admitted.gpu_id_off`). False: not
+        written."""
         h = adm.header
         if len(h.offsets) != 5 or h.status_offset < 0 or not self.settled_on:
             return False
@@ -414,8 +425,21 @@ class NativeLane:
             layout = ((patch.table_offset, patch.entry_size, patch.index_offset,
                        patch.data_offset, patch.capacity, patch.count_offset)
                       if patch is not None else (0,) * 6)
-            ctl = (ctypes.c_int64 * 11)(tag, h.ioctl_cmd, adm.cmd, adm.params_size,
-                                        int(patch is not None), *layout)
+            # its check, if any: the one GPU id and the NULL pointers (settleable says so)
+            gpu_id_off = adm.gpu_id_off if adm.checked else -1
+            nulls = tuple(adm.null_ptrs) if gpu_id_off >= 0 else ()
+            if len(nulls) > SETTLED_PTRS:
+                return False
+            if gpu_id_off >= 0 and self._gpu_ids_epoch != epochs[0]:
+                ids = list(gpu_ids or ())
+                if not ids or len(ids) > GPU_IDS or self.lib.dvb_set_gpu_ids(
+                        self.shared, epochs[0], (ctypes.c_uint32 * max(1, len(ids)))(*ids),
+                        len(ids)) != 0:
+                    return False
+                self._gpu_ids_epoch = epochs[0]
+            ctl = (ctypes.c_int64 * 15)(tag, h.ioctl_cmd, adm.cmd, adm.params_size,
+                                        int(patch is not None), *layout, gpu_id_off,
+                                        len(nulls), *(nulls + (0, 0))[:SETTLED_PTRS])
             values = patch.values if patch is not None else ()
             idx = (ctypes.c_uint32 * PATCH_MAX)(*[i for i, _v in values])
             val = (ctypes.c_uint32 * PATCH_MAX)(*[v for _i, v in values])
@@ -480,11 +504,21 @@ class NativeLane:
             self._top_up(sess.tenant)
         return True
 
-    def seen_twice(self, dev: int, ino: int, client: int, obj: int, control: int) -> bool:
-        """Whether this control on this object of this file is admitted the second time
-        (or later): only then is the decision written down (a first use, which most of a
-        CUDA or NVML init's controls are, would pay for writing it and never use it:
-        measured on the H200, docs/benchmarks.md "Settled controls")."""
+    # DEVBROKER_SETTLE_FIRST=0: write a decision down only the second time the broker makes
+    # it for the same object (the ninth session's rule, kept for A/B probes)
+    settle_first = os.environ.get("DEVBROKER_SETTLE_FIRST", "1") != "0"
+
+    def worth_settling(self, dev: int, ino: int, client: int, obj: int, control: int) -> bool:
+        """Whether to write this admitted control's decision down. From its first
+        admission: the object's fact then serves every control on that object whose
+        control fact stands (NVML's init sends ~15 controls to each of its new client,
+        device and subdevice once or twice each; a CUDA channel gets two), and a control's
+        fact serves every later object. With DEVBROKER_SETTLE_FIRST=0, from the second
+        admission of the same control on the same object of the same file (the rule
+        before the object facts were shared: a first use paid for a write it never used,
+        docs/benchmarks.md "Settled controls")."""
+        if self.settle_first:
+            return True
         key = (dev, ino, client, obj, control)
         if key in self._sightings:
             return True

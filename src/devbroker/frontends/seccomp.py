@@ -45,7 +45,7 @@ import trio
 
 from devbroker.abi.nodes import NodeKind
 from devbroker.backends.base import NotHere
-from devbroker.broker import limits, memgate
+from devbroker.broker import limits, memgate, rewrite
 from devbroker.broker.objects import BOOKS
 from devbroker.broker.effects import (
     Await, Blocking, HandOver, RateLimit, ReadMemory, Steps, WriteMemory, perform_async,
@@ -920,11 +920,13 @@ class SeccompSupervisor:
             if not finish and not adm.checked:  # (a checked one: once its check passed)
                 lane.book(adm)
                 t.unfinished, t.done_seen = adm, c.done_count  # its row: _settle
-                if (epochs is not None and driver and (adm.post is None or patched)
-                        and lane.settleable(adm)
-                        and t.lane.seen_twice(c.dev, c.ino, adm.client.handle, adm.h_object,
+            if (not finish and epochs is not None and driver and (adm.post is None or patched)
+                    and lane.settleable(adm)
+                    and t.lane.worth_settling(c.dev, c.ino, adm.client.handle, adm.h_object,
                                               adm.cmd)):
-                    self._after(t, c, self._native_settle, t, c, adm, epochs, patch)
+                # (a checked one is written down only if its check passes: _native_check
+                # drops what was queued when it declines, t.after)
+                self._after(t, c, self._native_settle, t, c, adm, epochs, patch)
             c.params_ptr, c.params_size = adm.params_ptr, adm.params_size
             c.params_off, c.status_off = adm.header.params_offset, adm.header.status_offset
             c.driver, c.finish, c.check = int(driver), int(finish), int(adm.checked)
@@ -964,9 +966,11 @@ class SeccompSupervisor:
         hit = self._callers.get(c.tid)
         if hit is None:
             return
+        ids = (rewrite.tenant_gpu_ids(self.broker, adm.session) if adm.gpu_id_off >= 0
+               else None)
         try:
             t.lane.settle(adm, c, epochs, patch, hit[1], hit[0],
-                          adm.mark[1] if adm.mark is not None else None, self._lane)
+                          adm.mark[1] if adm.mark is not None else None, self._lane, ids)
         except OSError:  # (no fd for the pidfd's duplicate: not settled, nothing else)
             pass
 

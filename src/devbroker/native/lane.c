@@ -106,6 +106,8 @@ enum { C_NOTIFICATIONS, C_OPENS_CONTINUED, C_IOCTLS, C_CONTROLS_FAST, C_STALE,
 #define DVB_CONT_FACTS 512       /* settled continuations: (file, command, client handles) */
 #define DVB_CONT_HANDLES 4       /* client-handle fields of one command (UVM: at most 2) */
 #define DVB_OPEN_SLOTS 32        /* prepared opens (struct dvb_open_slot) */
+#define DVB_SETTLED_PTRS 2       /* pointers a settled control's check tests NULL */
+#define DVB_GPU_IDS 32           /* the tenant's GPU ids (a settled control's GPU-id check) */
 #define DVB_OPEN_PATH 64         /* the longest node path a prepared open answers */
 
 /* One call being decided: what the Python callbacks read and fill (nativelane.Call). */
@@ -153,6 +155,10 @@ struct dvb_call {
     /* 1: on_ioctl read the parameters itself (into params and params_in) and made the
      * check on them (a checked call decided in one callback: check is then 0) */
     int64_t params_read;
+    /* a settled control's check, on the private parameters once read (settled_admit):
+     * the u32 at gpu_id_off one of the tenant's GPU ids (-1: none), and the n_null
+     * pointers at null_off NULL */
+    int64_t gpu_id_off, n_null, null_off[DVB_SETTLED_PTRS];
     uint32_t patch_index[DVB_PATCH_MAX], patch_value[DVB_PATCH_MAX];
     uint8_t hdr[DVB_HDR_MAX];
     uint8_t hdr_out[DVB_HDR_MAX];
@@ -164,9 +170,10 @@ typedef int (*dvb_callback)(int slot);
 
 /*
  * Settled controls (frontends/nativelane.py, "Settled controls"): a plain control the
- * broker admitted — no check of its parameters, no pre-hook, no finish, a post-hook only as
- * a TablePatch — is admitted again here, without the callback, while nothing its decision
- * read has changed. The decision splits in two facts the broker wrote down when it decided:
+ * broker admitted — no check of its parameters but, at most, that its one GPU id is the
+ * tenant's and its pointers NULL (made here on the private copy: settled_check), no
+ * pre-hook, no finish, a post-hook only as a TablePatch — is admitted again here, without
+ * the callback, while nothing its decision read has changed. The decision splits in two facts the broker wrote down when it decided:
  *   - the control: in this ABI, with this ioctl number, the tenant may send it with this
  *     parameter size (its row, the tenant's capabilities), and how its answer is patched;
  *   - the object: on this file (dev, inode), this client and object are the tenant's and
@@ -194,6 +201,8 @@ struct dvb_settled_control {
     uint64_t epoch;          /* the policy epoch it was decided at; 0: empty */
     uint32_t abi, ioctl_cmd, control, params_size;
     int32_t patched;         /* 1: the answer is patched with the object's values */
+    /* its check, when it has one (ControlLane.settleable: a GPU id and NULL pointers) */
+    int32_t gpu_id_off, n_null, null_off[DVB_SETTLED_PTRS];
     int32_t patch_table_off, patch_entry_size, patch_index_off, patch_data_off,
             patch_capacity, patch_count_off;
     /* the call counters' row of this control (folded by Python: dvb_settled_fold) */
@@ -309,6 +318,10 @@ struct dvb_settled {
     struct dvb_settled_object objects[DVB_SETTLED_OBJECTS];
     struct dvb_settled_caller callers[DVB_SETTLED_CALLERS];
     struct dvb_cont_fact conts[DVB_CONT_FACTS];
+    /* the tenant's GPU ids, as of the policy epoch gpu_ids_epoch (0: none given) */
+    uint32_t gpu_ids[DVB_GPU_IDS];
+    int n_gpu_ids;
+    uint64_t gpu_ids_epoch;
     struct dvb_open_slot open_slots[DVB_OPEN_SLOTS];
     struct dvb_opened opened[DVB_OPEN_SLOTS];
     int n_opened;
@@ -613,6 +626,7 @@ static void apply_patch(struct dvb_call *c, size_t size)
 static int run_control_once(struct dvb_thread *t, struct dvb_notif *n, int64_t t0,
                             int64_t t1, int64_t t2);
 static void settled_count(struct dvb_thread *t, int64_t ns);
+static int settled_check(struct dvb_shared *sh, const struct dvb_call *c, size_t size);
 
 /* An admitted call (run_control_once), then the fd duplicates its check gave the loop
  * closed, on every way out. */
@@ -646,6 +660,8 @@ static int run_control_once(struct dvb_thread *t, struct dvb_notif *n, int64_t t
             return DVB_NOTIF; /* the general path reads again and answers with its record */
         memcpy(c->params_in, c->params, size);
     }
+    if ((c->gpu_id_off >= 0 || c->n_null) && !settled_check(sh, c, size))
+        return DVB_NOTIF; /* the broker's general way decides it (and refuses it there) */
     if (c->check) {
         /* A checked control: the broker decides on this private copy (client handles, GPU
          * ids, the row's pre-hook, which may rewrite c->params in place) before anything
@@ -1024,7 +1040,8 @@ static int put_begin(struct dvb_settled *m, const uint64_t *epochs, int no_remov
  * The broker settled a control (nativelane.NativeLane.settle): write down its two facts
  * and its caller. obj: dev, ino, client, object, abi, the session's sandbox tag, the
  * caller's sandbox tag; ctl: abi, ioctl number, control,
- * parameter size, patched, and the TablePatch layout (6 values, when patched); patch_n
+ * parameter size, patched, the TablePatch layout (6 values, when patched), and its check
+ * (the GPU id's offset or -1, the NULL pointers' count and two offsets); patch_n
  * values (index, value) for the object's GPU; epochs: the policy epoch, the charge epoch
  * and the removals written, read before the broker decided (a change since: nothing is
  * written, but for the control fact when only removals came); pidfd: a thread pidfd of the caller, owned here from now
@@ -1039,7 +1056,10 @@ int dvb_settled_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t
     struct dvb_settled *m = &sh->settled;
     int slot = -1;
     evicted[0] = -1;
-    if (patch_n < 0 || patch_n > DVB_PATCH_MAX || (ctl[4] && !patch_n)) {
+    if (patch_n < 0 || patch_n > DVB_PATCH_MAX || (ctl[4] && !patch_n)
+        || ctl[11] < -1 || ctl[11] + 4 > ctl[3] || ctl[12] < 0 || ctl[12] > DVB_SETTLED_PTRS
+        || (ctl[12] > 0 && (ctl[13] < 0 || ctl[13] + 8 > ctl[3]))
+        || (ctl[12] > 1 && (ctl[14] < 0 || ctl[14] + 8 > ctl[3]))) {
         if (pidfd >= 0)
             close(pidfd);
         return -1;
@@ -1103,6 +1123,10 @@ int dvb_settled_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t
     c->control = control;
     c->params_size = (uint32_t)ctl[3];
     c->patched = (int32_t)ctl[4];
+    c->gpu_id_off = (int32_t)ctl[11];
+    c->n_null = (int32_t)ctl[12];
+    c->null_off[0] = (int32_t)ctl[13];
+    c->null_off[1] = (int32_t)ctl[14];
     if (c->patched) {
         c->patch_table_off = (int32_t)ctl[5];
         c->patch_entry_size = (int32_t)ctl[6];
@@ -1167,6 +1191,51 @@ int dvb_settled_fold(struct dvb_shared *sh, int64_t *out, int max)
     return rows;
 }
 
+/* The tenant's GPU ids for settled controls' GPU-id checks, as of the policy epoch the
+ * caller read before computing them (a later epoch: none, until given again). */
+int dvb_set_gpu_ids(struct dvb_shared *sh, uint64_t epoch, const uint32_t *ids, int n)
+{
+    struct dvb_settled *m = &sh->settled;
+    if (n < 0 || n > DVB_GPU_IDS)
+        return -1;
+    pthread_mutex_lock(&m->lock);
+    memcpy(m->gpu_ids, ids, sizeof(uint32_t) * (size_t)n);
+    m->n_gpu_ids = n;
+    m->gpu_ids_epoch = epoch;
+    pthread_mutex_unlock(&m->lock);
+    return 0;
+}
+
+/* A settled control's check on the private parameters (ControlLane.check for a control
+ * whose check reads only these): the pointers NULL, the GPU id one of the tenant's (as of
+ * the current policy epoch). 0: the broker decides the call (it refuses it, with its
+ * record, or finds the facts stale). */
+static int settled_check(struct dvb_shared *sh, const struct dvb_call *c, size_t size)
+{
+    struct dvb_settled *m = &sh->settled;
+    uint64_t zero = 0, p;
+    for (int k = 0; k < c->n_null && k < DVB_SETTLED_PTRS; k++) {
+        if (c->null_off[k] < 0 || (size_t)c->null_off[k] + 8 > size)
+            return 0;
+        memcpy(&p, c->params + c->null_off[k], 8);
+        if (p != zero)
+            return 0;
+    }
+    if (c->gpu_id_off < 0)
+        return 1;
+    if ((size_t)c->gpu_id_off + 4 > size)
+        return 0;
+    uint32_t id;
+    int ok = 0;
+    memcpy(&id, c->params + c->gpu_id_off, 4);
+    pthread_mutex_lock(&m->lock);
+    if (m->epochs && m->gpu_ids_epoch == epoch_now(m, 0))
+        for (int k = 0; k < m->n_gpu_ids && !ok; k++)
+            ok = m->gpu_ids[k] == id;
+    pthread_mutex_unlock(&m->lock);
+    return ok;
+}
+
 /* A control lane ioctl whose header the loop read: admitted here when both of its facts
  * are settled for the current epoch (fills the call as on_ioctl would: driver call here,
  * no check, no finish, the patch if any); 0 leaves it to the callback. */
@@ -1208,6 +1277,10 @@ static int settled_admit(struct dvb_thread *t)
     c->status_off = l->status;
     c->driver = 1;
     c->finish = c->check = 0;
+    c->gpu_id_off = e->gpu_id_off;
+    c->n_null = e->n_null;
+    for (int k = 0; k < DVB_SETTLED_PTRS; k++)
+        c->null_off[k] = e->null_off[k];
     c->patch_n = 0;
     if (e->patched) {
         c->patch_table_off = e->patch_table_off;
@@ -1468,6 +1541,8 @@ static int answer_ioctl(struct dvb_thread *t, struct dvb_notif *n)
     c->after = 0;
     c->path_len = 0;
     c->params_read = 0;
+    c->gpu_id_off = -1;
+    c->n_null = 0;
     c->status_off = -1;
     if (c->fd < 0)
         return DVB_NOTIF;
