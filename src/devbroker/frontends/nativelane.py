@@ -505,19 +505,24 @@ class NativeLane:
         return True
 
     # DEVBROKER_SETTLE_FIRST=0: write a decision down only the second time the broker makes
-    # it for the same object (the ninth session's rule, kept for A/B probes)
+    # it for the same object, whatever the object (the ninth session's rule; A/B probes)
     settle_first = os.environ.get("DEVBROKER_SETTLE_FIRST", "1") != "0"
+    # The objects most controls go to: a root client, a device, a subdevice (NVML's init
+    # sends ~15 controls to its new ones; CUDA's channels and memory get one or two each)
+    HUB_CLASSES = frozenset({0x41, 0x80, 0x2080})
 
-    def worth_settling(self, dev: int, ino: int, client: int, obj: int, control: int) -> bool:
-        """Whether to write this admitted control's decision down. From its first
-        admission: the object's fact then serves every control on that object whose
-        control fact stands (NVML's init sends ~15 controls to each of its new client,
-        device and subdevice once or twice each; a CUDA channel gets two), and a control's
-        fact serves every later object. With DEVBROKER_SETTLE_FIRST=0, from the second
-        admission of the same control on the same object of the same file (the rule
-        before the object facts were shared: a first use paid for a write it never used,
-        docs/benchmarks.md "Settled controls")."""
-        if self.settle_first:
+    def worth_settling(self, dev: int, ino: int, client: int, obj: int, control: int,
+                       rm_class: int | None) -> bool:
+        """Whether to write this admitted control's decision down now. For a control on a
+        root client, device or subdevice (`HUB_CLASSES`), at its first admission: that
+        object's fact then serves every control on it whose control fact stands, and the
+        control's fact every later object (NVML's init, a new client each time). For any
+        other object, at the second admission of the same control on it (a first use there
+        mostly pays for a write nothing uses). On the H200 (docs/benchmarks.md, eleventh
+        session) writing at every first admission made NVML's init faster and CUDA's
+        slower, the second-admission rule the other way round; this split takes each
+        rule where it won. DEVBROKER_SETTLE_FIRST=0: the second admission everywhere."""
+        if self.settle_first and rm_class in self.HUB_CLASSES:
             return True
         key = (dev, ino, client, obj, control)
         if key in self._sightings:

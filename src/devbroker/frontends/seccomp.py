@@ -922,8 +922,9 @@ class SeccompSupervisor:
                 t.unfinished, t.done_seen = adm, c.done_count  # its row: _settle
             if (not finish and epochs is not None and driver and (adm.post is None or patched)
                     and lane.settleable(adm)
-                    and t.lane.worth_settling(c.dev, c.ino, adm.client.handle, adm.h_object,
-                                              adm.cmd)):
+                    and t.lane.worth_settling(
+                        c.dev, c.ino, adm.client.handle, adm.h_object, adm.cmd,
+                        getattr(adm.client.objects.get(adm.h_object), "rm_class", None))):
                 # (a checked one is written down only if its check passes: _native_check
                 # drops what was queued when it declines, t.after)
                 self._after(t, c, self._native_settle, t, c, adm, epochs, patch)
