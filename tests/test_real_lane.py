@@ -70,11 +70,11 @@ def test_a_lane_call_on_a_relayed_file_answers_as_the_general_path(backend, kind
 
 def _on_stand_in_nodes(tmp_path, name: str, env: dict, frontend: str, argv: list[str],
                        wrap: tuple = (), lane: str = "control_lane",
-                       inspect=None) -> tuple[dict, dict]:
+                       inspect=None, tenant_policy: str = "") -> tuple[dict, dict]:
     """A broker on the real backend with stand-in driver nodes (test_upgrade.STAND_IN_NS:
     /dev/null's and /dev/zero's devices as nvidiactl and nvidia0), its environment
     updated with `env` and its command run under `wrap` (nvok_standin.py); tenant t0 (2 GiB
-    on GPU 0) runs `argv` through `frontend`. Its last stdout line as JSON, and the broker's
+    on GPU 0, and the policy lines `tenant_policy`) runs `argv` through `frontend`. Its last stdout line as JSON, and the broker's
     counters of `lane` after it. `inspect(broker)`: called before the broker stops."""
     import json
     import subprocess
@@ -84,7 +84,8 @@ def _on_stand_in_nodes(tmp_path, name: str, env: dict, frontend: str, argv: list
 
     policy = tmp_path / "policy.toml"
     policy.write_text(
-        '[broker]\nbackend = "real"\n\n[tenant.t0]\ngpus = [0]\nmemory_quota = "2GiB"\n')
+        '[broker]\nbackend = "real"\n\n[tenant.t0]\ngpus = [0]\nmemory_quota = "2GiB"\n'
+        + tenant_policy)
     run_dir, stage = tmp_path / f"run-{name}", tmp_path / f"stage-{name}"
     run_dir.mkdir()
     stage.mkdir()
@@ -387,11 +388,12 @@ def test_prepared_opens_are_the_brokers_files_with_the_openers_flags(tmp_path):
 
     prog = str(Path(__file__).resolve().parent / "opens_prog.py")
 
-    def run(on: bool) -> tuple[dict, dict]:
-        name = f"opens{int(on)}"
+    def run(on: bool, tenant_policy: str = "") -> tuple[dict, dict]:
+        name = f"opens{int(on)}{len(tenant_policy)}"
         out, _lane = _on_stand_in_nodes(tmp_path, name,
                                         {"DEVBROKER_PREPARED_OPENS": "1" if on else "0"},
-                                        "seccomp", [sys.executable, prog])
+                                        "seccomp", [sys.executable, prog],
+                                        tenant_policy=tenant_policy)
         audit = (tmp_path / f"run-{name}" / "audit.log").read_text().splitlines()
         ends = [json.loads(line) for line in audit if '"tenant-detached"' in line]
         assert len(ends) == 1, audit
@@ -399,7 +401,11 @@ def test_prepared_opens_are_the_brokers_files_with_the_openers_flags(tmp_path):
 
     on, st_on = run(True)
     off, st_off = run(False)
-    for out in (on, off):
+    # a tenant within 32 files of its open-file limit gets none prepared (they would count
+    # against its own opens), and its opens are the same
+    near, st_near = run(True, "limits = { open_files = 33 }\n")
+    assert st_near["prepared"] == st_near["opens_prepared"] == 0 and st_near["opens"] == 11
+    for out in (on, off, near):
         files = [out["first"], *out["ctl"], out["nonblock"], out["relative"]]
         assert len({f["ino"] for f in files}) == len(files)  # a file of its own each
         assert all(f["rm_free"] == 0 for f in files), files  # the broker's sessions

@@ -1513,6 +1513,11 @@ class SeccompSupervisor:
         if hit is None or tenant is None:
             return  # (the caller's thread is gone: the next open names another)
         limit = limits.of(tenant).open_files
+        if len(tenant.sessions) + nativelane.OPEN_SLOTS >= limit:
+            # near its limit of open files the prepared ones would count against the
+            # tenant's own opens: given back (a tenant far from it never gets here)
+            self._drop_prepared(everything=True)
+            return
         held: dict[str, int] = {}
         for _sess, path in self._prepared.values():
             held[path] = held.get(path, 0) + 1
