@@ -1546,19 +1546,12 @@ class SeccompSupervisor:
             return False  # (refused now: the tenant's own open is refused with its record)
         fd = reply.install_fd
         try:
-            st = os.fstat(fd)
-            key = (st.st_dev, st.st_ino)
-            wd = _libc.inotify_add_watch(self._ifd, f"/proc/self/fd/{fd}".encode(),
-                                         IN_DELETE_SELF)
-            if wd < 0:
-                _raise_errno("inotify_add_watch")
+            sess = self._watched_session(fd, reply.session, spec, (0, -1), True)
         except OSError:
             os.close(fd)  # (no watch: the session would outlive its file) the broker's
             self.broker.release_now(ReleaseRequest(session=reply.session))
             return False
-        sess = Session(reply.session, spec.kind, spec.minor, key, wd, (0, -1), real=True)
-        self.sessions[key] = sess
-        self._by_wd[wd] = sess
+        key = sess.key
         bs = self.broker.sessions.get(reply.session)
         if spec.kind in (NodeKind.CTL, NodeKind.GPU) and bs is not None:
             self._native_map_fact(sess, key, caller, epochs)
@@ -1607,6 +1600,22 @@ class SeccompSupervisor:
             if self._prepared.pop(sid, None) is not None:
                 self.stats.prepared_dropped += 1
 
+    def _watched_session(self, fd: int, sid: int, spec: NodeSpec, opener: tuple[int, int],
+                         real: bool) -> Session:
+        """The front end's session of the file `fd` (the broker's session `sid`): known by
+        its inode, ended by the inotify watch on it (IN_DELETE_SELF: the last reference,
+        fd or mapping, in any process, is gone). Raises OSError when the watch cannot be
+        made (nothing is registered then)."""
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino)
+        wd = _libc.inotify_add_watch(self._ifd, f"/proc/self/fd/{fd}".encode(), IN_DELETE_SELF)
+        if wd < 0:
+            _raise_errno("inotify_add_watch")
+        sess = Session(sid, spec.kind, spec.minor, key, wd, opener, real=real)
+        self.sessions[key] = sess
+        self._by_wd[wd] = sess
+        return sess
+
     def _install(self, n: w.Notif, caller: Caller, spec: NodeSpec, sid: int,
                  flags: int, name: str, real_fd: int = -1, epochs=None) -> None:
         """Install the session's file as the open's result: the real driver file the broker
@@ -1616,15 +1625,8 @@ class SeccompSupervisor:
         real = real_fd >= 0
         memfd = real_fd if real else os.memfd_create(f"devbroker:{name}", os.MFD_CLOEXEC)
         try:
-            st = os.fstat(memfd)
-            key = (st.st_dev, st.st_ino)
-            wd = _libc.inotify_add_watch(self._ifd, f"/proc/self/fd/{memfd}".encode(),
-                                         IN_DELETE_SELF)
-            if wd < 0:
-                _raise_errno("inotify_add_watch")
-            sess = Session(sid, spec.kind, spec.minor, key, wd, (caller.pid, -1), real=real)
-            self.sessions[key] = sess
-            self._by_wd[wd] = sess
+            sess = self._watched_session(memfd, sid, spec, (caller.pid, -1), real)
+            key = sess.key
             addfd = w.NotifAddfd(
                 id=n.id, srcfd=memfd, flags=w.SECCOMP_ADDFD_FLAG_SEND,
                 newfd_flags=os.O_CLOEXEC if flags & os.O_CLOEXEC else 0,
