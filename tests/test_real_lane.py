@@ -423,3 +423,35 @@ def test_prepared_opens_are_the_brokers_files_with_the_openers_flags(tmp_path):
     assert st_on["prepared_dropped"] == st_on["prepared"] - 8 > 0
     assert st_on["released_on_last_close"] == made and st_on["released_at_shutdown"] == 0
     assert st_off["released_on_last_close"] == 11 and st_off["released_at_shutdown"] == 0
+
+
+def test_a_continue_decisions_read_stalled_on_the_tenants_page_is_answered_efault(tmp_path):
+    """The native loop's callbacks read tenant memory through the memory gate (a continue
+    decision's argument, a checked call's parameters, embedded buffers): a read held by a
+    userfaultfd page the tenant never serves is answered EFAULT by the listener's watchdog
+    past the gate's deadline (2 s), as an access of the loop's own C is — not left waiting
+    for the tenant — and the tenant's next call is answered as usual (the continue lane's
+    ENOTTY from the stand-in node)."""
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    # The tenant's root has no CAP_SYS_PTRACE in its sandbox: a userfaultfd that also
+    # catches the kernel's faults needs unprivileged ones allowed, for this test only
+    # (as test_fastlane's stalled-read test does).
+    knob = Path("/proc/sys/vm/unprivileged_userfaultfd")
+    if not knob.exists():
+        pytest.skip("no userfaultfd in this kernel")
+    before = knob.read_text().strip()
+    knob.write_text("1")
+    try:
+        out, _lane = _on_stand_in_nodes(tmp_path, "uffd", {}, "seccomp",
+                                        [sys.executable, str(here / "uffd_uvm_prog.py")],
+                                        wrap=(sys.executable, str(here / "nvok_standin.py")),
+                                        lane="continue_lane")
+    finally:
+        knob.write_text(before)
+    assert out["uffd"], out
+    err, seconds = out["stalled"]
+    assert err == errno.EFAULT and 1.5 < seconds < 10, out
+    assert out["plain"][0] == errno.ENOTTY, out

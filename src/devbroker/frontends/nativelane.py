@@ -236,6 +236,7 @@ class NativeThread:
         self.unfinished = None
         self.done_seen = 0
         self.reported = False  # its current access was answered by the watchdog
+        self.os_tid = 0  # the thread's id (SeccompSupervisor._native_thread_main sets it)
         self.driver_safe = False
         self.last_patch = None  # the TablePatch now in the call buffer (set_patch)
         # what to write down for settled controls once the tenant has its answer (the

@@ -792,6 +792,7 @@ class SeccompSupervisor:
             drop_driver_capabilities_for_thread()  # as _thread_main: before any driver call
         nl = self._native
         t = nl.thread()
+        t.os_tid = me  # (the watchdog finds the thread's own accesses from Python by it)
         t.driver_safe = thread_is_driver_safe()
         nl.lib.dvb_thread_driver_safe(t.ptr, int(t.driver_safe))  # (settled calls need it)
         memgate.MemoryGate.mark_native(me, self.tenant)
@@ -1335,19 +1336,28 @@ class SeccompSupervisor:
         for busy_hold (a slow driver call, a stalled page), another thread is started."""
         while True:
             await trio.sleep(self.watchdog_tick)
-            for tid, tenant, what in self._gate.sweep(self._serving.keys()):
+            # (a native loop's thread reads tenant memory from Python too, inside its
+            # callbacks — a checked call's parameters, a continue decision's argument, an
+            # embedded buffer — for the notification the loop is answering)
+            native = self._native
+            in_callbacks = ({t.os_tid: t for t in list(native.threads.values())}
+                            if native is not None else {})
+            for tid, tenant, what in self._gate.sweep(set(self._serving) | set(in_callbacks)):
                 held = self._serving.get(tid)
-                if held is None:
-                    continue
-                n = held[0]
-                self._audit_memory(n.pid, what, OSError(
+                if held is not None:
+                    nid, pid = held[0].id, held[0].pid
+                else:
+                    _busy, _mem, nid, pid = in_callbacks[tid].watch()
+                    nid &= 0xFFFF_FFFF_FFFF_FFFF
+                    if not nid:
+                        continue
+                self._audit_memory(pid, what, OSError(
                     errno.EFAULT, f"{what} did not complete within {self._gate.deadline:g} s "
                                   "(the page waits on something outside the broker); its "
                                   "thread is left to the kernel"))
-                self._send_quietly(w.NotifResp.fail(n.id, errno.EFAULT))
+                self._send_quietly(w.NotifResp.fail(nid, errno.EFAULT))
             now = time.monotonic()
             busy = [since for _n, since in list(self._serving.values())]
-            native = self._native
             if native is not None:
                 try:
                     busy += self._watch_native(native, now)
