@@ -1529,7 +1529,7 @@ class SeccompSupervisor:
             self._drop_prepared(everything=True)
             return
         held: dict[str, int] = {}
-        for _sess, path in self._prepared.values():
+        for _sess, path in list(self._prepared.values()):  # (another thread may drain)
             held[path] = held.get(path, 0) + 1
         poller = select.poll()
         poller.register(self._lfd, select.POLLIN)
@@ -1539,12 +1539,12 @@ class SeccompSupervisor:
                    and len(tenant.sessions) + nativelane.OPEN_SLOTS < limit):
                 if poller.poll(0):
                     return  # a notification waits: serve it (the rest at the next quiet)
-                if not self._prepare_one(nl, caller, hit, spec, path, tenant):
+                if not self._prepare_one(nl, caller, spec, path, tenant):
                     return
                 held[path] = held.get(path, 0) + 1
 
-    def _prepare_one(self, nl: nativelane.NativeLane, caller: Caller, hit: tuple,
-                     spec: NodeSpec, path: str, tenant) -> bool:
+    def _prepare_one(self, nl: nativelane.NativeLane, caller: Caller, spec: NodeSpec,
+                     path: str, tenant) -> bool:
         """One prepared open of `path` (`_prepare_opens`); False: none was made."""
         req = OpenRequest(caller=caller, tenant=self.tenant, node=spec.kind, minor=spec.minor,
                           flags=os.O_RDWR | os.O_CLOEXEC, want_file=True, prepared=True)
@@ -1557,8 +1557,8 @@ class SeccompSupervisor:
         fd = reply.install_fd
         try:
             sess = self._watched_session(fd, reply.session, spec, (0, -1), True)
-        except OSError:
-            os.close(fd)  # (no watch: the session would outlive its file) the broker's
+        except OSError:  # no watch: nothing would end the session, so it ends here
+            os.close(fd)
             self.broker.release_now(ReleaseRequest(session=reply.session))
             return False
         key = sess.key

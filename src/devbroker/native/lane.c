@@ -173,7 +173,8 @@ typedef int (*dvb_callback)(int slot);
  * broker admitted — no check of its parameters but, at most, that its one GPU id is the
  * tenant's and its pointers NULL (made here on the private copy: settled_check), no
  * pre-hook, no finish, a post-hook only as a TablePatch — is admitted again here, without
- * the callback, while nothing its decision read has changed. The decision splits in two facts the broker wrote down when it decided:
+ * the callback, while nothing its decision read has changed. The decision splits in two
+ * facts the broker wrote down when it decided:
  *   - the control: in this ABI, with this ioctl number, the tenant may send it with this
  *     parameter size (its row, the tenant's capabilities), and how its answer is patched;
  *   - the object: on this file (dev, inode), this client and object are the tenant's and
