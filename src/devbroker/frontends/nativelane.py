@@ -210,6 +210,8 @@ def library() -> ctypes.CDLL | None:
                                  ctypes.c_int, ctypes.c_int, ctypes.c_uint64, i64]
     lib.dvb_open_take.argtypes = [vp, ctypes.c_int, ctypes.POINTER(i64), ctypes.c_int]
     lib.dvb_open_drain.argtypes = [vp, ctypes.POINTER(i64), ctypes.c_int]
+    lib.dvb_open_pending.argtypes = [vp]
+    lib.dvb_open_pending.restype = ctypes.c_int
     lib.dvb_set_gpu_ids.argtypes = [vp, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint32),
                                     ctypes.c_int]
     lib._devbroker_checked = True
@@ -381,13 +383,15 @@ class NativeLane:
         n = self.lib.dvb_open_take(self.shared, int(everything), out, OPEN_SLOTS)
         return [(out[2 * i], out[2 * i + 1]) for i in range(n)]
 
-    def open_drain(self) -> list[tuple[int, int, int, bool]]:
+    def open_drain(self) -> list[tuple[int, int, int]]:
         """The prepared opens the loop answered (or gave up: newfd -errno) since the last
-        drain: [(id, tid, newfd, cloexec)]."""
-        out = (ctypes.c_int64 * (4 * OPEN_SLOTS))()
+        drain: [(id, tid, newfd)]. (Asked at every callback: nothing is allocated unless
+        the loop has some.)"""
+        if not self.lib.dvb_open_pending(self.shared):
+            return []
+        out = (ctypes.c_int64 * (3 * OPEN_SLOTS))()
         n = self.lib.dvb_open_drain(self.shared, out, OPEN_SLOTS)
-        return [(out[4 * i], out[4 * i + 1], out[4 * i + 2], bool(out[4 * i + 3]))
-                for i in range(n)]
+        return [(out[3 * i], out[3 * i + 1], out[3 * i + 2]) for i in range(n)]
 
     # -- settled controls ------------------------------------------------------------------
 

@@ -1582,7 +1582,7 @@ class SeccompSupervisor:
         nl = self._native
         if nl is None:
             return
-        for sid, tid, newfd, _cloexec in nl.open_drain():
+        for sid, tid, newfd in nl.open_drain():
             entry = self._prepared.pop(sid, None)
             if entry is None:
                 continue

@@ -291,7 +291,6 @@ struct dvb_open_slot {
 
 struct dvb_opened {          /* a prepared open answered (or given up): for Python */
     int64_t id, tid, newfd;  /* newfd < 0: -errno, the slot's file closed unused */
-    int64_t cloexec;
 };
 
 struct dvb_removal { /* objects._Removal: one entry of the books' ring of removals */
@@ -1517,12 +1516,20 @@ static int continue_admit(struct dvb_thread *t, int64_t t0)
     return ok;
 }
 
+/* The file behind the caller's fd number, as the kernel has it cached (AT_STATX_DONT_SYNC:
+ * never a round trip to a file's server); -1 when there is none. */
+static int tenant_fd_statx(pid_t pid, int fd, unsigned int mask, struct statx *sx)
+{
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/%u/fd/%d", (unsigned)pid, fd);
+    return statx(AT_FDCWD, path, AT_STATX_DONT_SYNC, mask, sx);
+}
+
 static int answer_ioctl(struct dvb_thread *t, struct dvb_notif *n)
 {
     struct dvb_shared *sh = t->sh;
     struct dvb_call *c = &t->call;
     int64_t t0 = now_ns();
-    char path[64];
     struct statx sx;
     c->id = (int64_t)n->id;
     c->tid = n->pid;
@@ -1547,9 +1554,7 @@ static int answer_ioctl(struct dvb_thread *t, struct dvb_notif *n)
     c->status_off = -1;
     if (c->fd < 0)
         return DVB_NOTIF;
-    /* AT_STATX_DONT_SYNC: attributes as cached, never a round trip to a file's server */
-    snprintf(path, sizeof(path), "/proc/%u/fd/%d", n->pid, (int)c->fd);
-    if (statx(AT_FDCWD, path, AT_STATX_DONT_SYNC, STATX_TYPE | STATX_MODE | STATX_INO, &sx) < 0)
+    if (tenant_fd_statx(n->pid, (int)c->fd, STATX_TYPE | STATX_MODE | STATX_INO, &sx) < 0)
         return DVB_NOTIF;
     c->dev = (int64_t)makedev(sx.stx_dev_major, sx.stx_dev_minor);
     c->ino = (int64_t)sx.stx_ino;
@@ -1649,8 +1654,7 @@ static int answer_prepared_open(struct dvb_thread *t, struct dvb_notif *n, const
     pthread_mutex_lock(&m->lock);
     if (m->n_opened < DVB_OPEN_SLOTS) /* (room for every slot: Python drains them all) */
         m->opened[m->n_opened++] = (struct dvb_opened){
-            .id = id, .tid = n->pid, .newfd = newfd >= 0 ? newfd : -e,
-            .cloexec = (flags & O_CLOEXEC) != 0};
+            .id = id, .tid = n->pid, .newfd = newfd >= 0 ? newfd : -e};
     pthread_mutex_unlock(&m->lock);
     if (newfd < 0) {
         if (e == ENOENT) { /* the caller is gone (or was interrupted): nothing to answer */
@@ -1719,8 +1723,15 @@ int dvb_open_take(struct dvb_shared *sh, int all, int64_t *out, int max)
     return n;
 }
 
-/* The prepared opens answered (or given up) since the last call: rows of (id, tid, newfd,
- * cloexec), up to max (DVB_OPEN_SLOTS holds them all). Returns how many. */
+/* How many prepared opens the loop answered (or gave up) that Python has not drained: a
+ * look without the lock (the callbacks ask at every visit). */
+int dvb_open_pending(struct dvb_shared *sh)
+{
+    return __atomic_load_n(&sh->settled.n_opened, __ATOMIC_RELAXED);
+}
+
+/* The prepared opens answered (or given up) since the last call: rows of (id, tid, newfd),
+ * up to max (DVB_OPEN_SLOTS holds them all). Returns how many. */
 int dvb_open_drain(struct dvb_shared *sh, int64_t *out, int max)
 {
     struct dvb_settled *m = &sh->settled;
@@ -1749,12 +1760,10 @@ static int answer_mmap(struct dvb_thread *t, struct dvb_notif *n)
     int64_t t0 = now_ns();
     int fd = (int)n->args[4];
     int64_t memfd_dev = __atomic_load_n(&sh->memfd_dev, __ATOMIC_ACQUIRE);
-    char path[64];
     struct statx sx;
     if (fd < 0 || memfd_dev < 0)
         return DVB_NOTIF;
-    snprintf(path, sizeof(path), "/proc/%u/fd/%d", n->pid, fd);
-    if (statx(AT_FDCWD, path, AT_STATX_DONT_SYNC, STATX_TYPE | STATX_INO, &sx) < 0)
+    if (tenant_fd_statx(n->pid, fd, STATX_TYPE | STATX_INO, &sx) < 0)
         return DVB_NOTIF;
     int64_t dev = (int64_t)makedev(sx.stx_dev_major, sx.stx_dev_minor);
     if (!S_ISCHR(sx.stx_mode)) {
