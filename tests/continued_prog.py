@@ -4,7 +4,9 @@ stand-in nodes whose own ioctls answer the tenant ENOTTY (a continued call reach
 node: ENOTTY; a refused one gets the broker's answer). A root client of its own (adopted
 by the broker at its first control), then UVM commands many times each on its UVM file:
 one that names nothing (CREATE_RANGE_GROUP), one that names the tenant's client
-(REGISTER_GPU), the same naming a client that is not the tenant's, and — after the
+(REGISTER_GPU), the same naming a client that is not the tenant's; RM_MAP_MEMORY of the
+tenant's memory objects through its GPU file or no file, of memory it does not hold, and
+through a file that is not one of its NVIDIA files; and — after the
 tenant freed its client — the one naming it again; and one without an argument
 (DEINITIALIZE). Prints one JSON line: each group's
 answers as (errno, rmStatus) pairs, deduplicated in order."""
@@ -65,6 +67,52 @@ u = os.open("/dev/nvidia-uvm", os.O_RDWR)
 out["range_group"] = uvm(u, "UVM_CREATE_RANGE_GROUP", REPEAT)
 out["register_own"] = uvm(u, "UVM_REGISTER_GPU", REPEAT, rmCtrlFd=ctl, hClient=CLIENT)
 out["register_foreign"] = uvm(u, "UVM_REGISTER_GPU", 3, rmCtrlFd=ctl, hClient=FOREIGN)
+# RM_MAP_MEMORY (a continue decision naming the client's device and memory and an fd):
+# a device and three system-memory objects (booked by the broker), then mappings of each
+# through the tenant's GPU file and with no file (-1), of memory the books do not hold, and
+# through a file that is not an NVIDIA file of the tenant's (/dev/null, opened by itself)
+DEVICE, MEMORY = 0xC1D000D1, [0xC1D000F1 + i for i in range(3)]
+dev_params = ctypes.create_string_buffer(
+    abi.struct("NV0080_ALLOC_PARAMETERS").decode(
+        bytes(abi.struct("NV0080_ALLOC_PARAMETERS").size)).replace(deviceId=0).encode())
+out["device"] = escape(ctl, "NV_ESC_RM_ALLOC", "NVOS64_PARAMETERS", hRoot=CLIENT,
+                       hObjectParent=CLIENT, hObjectNew=DEVICE, hClass=0x80,
+                       pAllocParms=ctypes.addressof(dev_params),
+                       paramsSize=len(dev_params.raw))[1].status
+mem_spec = abi.struct("NV_MEMORY_ALLOCATION_PARAMS")
+mem_params = ctypes.create_string_buffer(mem_spec.decode(bytes(mem_spec.size)).replace(
+    owner=CLIENT, flags=0xC101, size=1 << 20).encode())
+out["memory"] = sorted({escape(ctl, "NV_ESC_RM_ALLOC", "NVOS64_PARAMETERS", hRoot=CLIENT,
+                               hObjectParent=DEVICE, hObjectNew=h, hClass=0x3E,
+                               pAllocParms=ctypes.addressof(mem_params),
+                               paramsSize=0)[1].status for h in MEMORY})
+gpu = os.open("/dev/nvidia0", os.O_RDWR)
+null = os.open("/dev/null", os.O_RDWR)
+
+
+def map_memory(memory: int, fd: int, times: int) -> list:
+    seen: list = []
+    for _ in range(times):
+        spec = abi.struct("nv_ioctl_nvos33_parameters_with_fd")  # (its field named fd)
+        buf = bytearray(spec.decode(bytes(spec.size)).replace(
+            params={"hClient": CLIENT, "hDevice": DEVICE, "hMemory": memory, "length": 4096},
+            fd=fd).encode())
+        try:
+            fcntl.ioctl(ctl, abi.escape_cmd("NV_ESC_RM_MAP_MEMORY", len(buf)), buf, True)
+            err = 0
+        except OSError as e:
+            err = e.errno or errno.EIO
+        time.sleep(0.002)
+        got = [err, spec.decode(bytes(buf)).params.status]
+        if got not in seen:
+            seen.append(got)
+    return seen
+
+
+out["map_own"] = [map_memory(m, gpu, 4) for m in MEMORY]
+out["map_no_file"] = map_memory(MEMORY[0], -1, 3)
+out["map_unknown_memory"] = map_memory(0xBAD0BAD0, gpu, 3)
+out["map_null_file"] = map_memory(MEMORY[1], null, 3)
 # the client freed: the broker forgets it (and what the loop settled on it)
 out["free"] = escape(ctl, "NV_ESC_RM_FREE", "NVOS00_PARAMETERS", hRoot=CLIENT,
                      hObjectParent=0, hObjectOld=CLIENT)[1].status

@@ -222,17 +222,105 @@ def test_settled_controls_answer_as_the_broker_and_follow_the_books(tmp_path, fi
     # memory its answer shows changed), the other 19 settled; the client's control after
     # the free of another object: all 5 settled (what the free removed was not the
     # client); MC_GET_ARCH_INFO once on the first subdevice (decided: its control's fact),
-    # then on the second subdevice: its first decided (that object's fact), two settled;
+    # then on the second subdevice: all three settled (that object's fact was written when
+    # the broker booked the subdevice, NativeLane.object_put);
     # GET_PCI_INFO for the tenant's GPU: the first decided (the GPU ids given to the
     # loop), 19 settled; for another GPU: none (the loop's check sends each the general
     # way, which refuses it). With DEVBROKER_SETTLE_FIRST=0 a decision is written down the
     # second time it is made for the same object: one fewer settled in each run of 20, and
-    # the second subdevice's control settled only at its third call.
-    assert lane_on["settled"] == (19 + 19 + 19 + 19 + 5 + 2 + 19 if first
+    # the second subdevice's control settled only at its third call (its object's fact is
+    # there from the booking, its control's is written at the second admission there).
+    # With settle-first, the second client's subdevice allocation is settled too (its
+    # device's fact from the booking, the subdevice class's from the first client's).
+    assert lane_on["settled"] == (19 + 19 + 19 + 19 + 5 + 3 + 19 + 1 if first
                                   else 18 + 18 + 19 + 19 + 5 + 1 + 18), lane_on
     assert lane_off["settled"] == 0, lane_off
     # every call counted as admitted either way (a settled call is an admitted one)
     assert lane_on["admitted"] == lane_off["admitted"], (lane_on, lane_off)
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["settle-first", "settle-second"])
+def test_settled_allocations_are_booked_and_stop_short_of_the_object_limit(tmp_path, first):
+    """The native loop's settled allocations (ControlLane.settleable, native/lane.c
+    settled_admit for an RM_ALLOC layout) and the object facts written at booking
+    (NativeLane.object_put), end to end: a broker on the real backend whose driver calls
+    meet a stand-in that answers NV_OK to everything (nvok_standin.py), a seccomp tenant
+    (tests/settled_alloc_prog.py) with limits.rm_objects = 100 allocating copy-engine
+    objects under its device, under each new object, then until the broker refuses one,
+    then freeing all. The tenant sees exactly what it sees with settled decisions off
+    (DEVBROKER_SETTLED=0): every allocation NV_OK up to the limit, the next refused with the
+    general path's NV_ERR_INSUFFICIENT_RESOURCES after as many as with them off, and every
+    free NV_OK — so each settled allocation was booked (the broker frees only what its books
+    hold), in the tenant's object count too."""
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+
+    def run(settled: bool) -> tuple[dict, dict]:
+        return _on_stand_in_nodes(tmp_path, f"salloc{int(settled)}{int(first)}",
+                                  {"DEVBROKER_SETTLED": "1" if settled else "0",
+                                   "DEVBROKER_SETTLE_FIRST": "1" if first else "0"},
+                                  "seccomp",
+                                  [sys.executable, str(here / "settled_alloc_prog.py"), "12"],
+                                  wrap=(sys.executable, str(here / "nvok_standin.py")),
+                                  tenant_policy="limits = { rm_objects = 100 }\n")
+
+    on, lane_on = run(True)
+    off, lane_off = run(False)
+    ok = [0, 0]
+    # the books held the client and the device: 98 objects more, the 99th refused
+    assert on == off == {"root": errno.ENOTTY, "adopt": ok, "device": ok,
+                         "under_device": [ok] * 12, "under_new": [ok] * 12,
+                         "controls": [ok],
+                         # system memory with its address pointer set: the general path's
+                         # NV_ERR_NOT_SUPPORTED (a buffer behind the pointer), on and off
+                         "sysmem": [ok] * 4 + [[0, 0x56]],
+                         "until_refused": [70, [0, 0x1A]],  # NV_ERR_INSUFFICIENT_RESOURCES
+                         "frees": [ok], "made": 98}, (on, off)
+    # Settled: under the device, the first decided (a device's decision is written at its
+    # first admission) or the first two (settle-second), the rest by the loop; under each
+    # new object, all of them (its object's fact from the booking, the class's from the
+    # first round; the controls before them on the device: all but the first (or first
+    # two) settled); system memory with a NULL address: all but the first (first two) —
+    # the loop repeats its one check, the pointer NULL, on its private copy — and the one
+    # with an address set the broker's; then more until the loop's allowance runs out —
+    # the limit less 64 and the objects held, refreshed at each booking: settled
+    # allocations stop once the tenant holds 36 objects (34 after the client and device:
+    # the loop's 32 or 30, the broker's first ones) — and the broker decides the rest and
+    # the refusal.
+    assert lane_on["settled"] == (34 - 2 + 11 if first else 34 - 4 + 10), lane_on
+    assert lane_off["settled"] == 0, lane_off
+    assert lane_on["admitted"] == lane_off["admitted"], (lane_on, lane_off)
+
+
+@pytest.mark.parametrize("gate", [True, False], ids=["awaited", "not-awaited"])
+def test_a_free_racing_an_allocations_booking_finds_it_booked(tmp_path, gate):
+    """Allocations booked after the answer (native/lane.c FINISH_AFTER: the loop's settled
+    allocations, and with DEVBROKER_BOOK_AFTER=1 the broker's own) with two listener
+    threads: one tenant thread allocates copy-engine objects, another frees each the moment
+    the first has its answer, 100 times, each booking held up 5 ms (test switches below).
+    Every free is NV_OK — its decision, on the other listener thread, waited for the
+    booking (NativeLane.await_bookings). With that wait taken out
+    (DEVBROKER_TEST_NO_BOOKING_WAIT=1), frees are refused by the general path (the object
+    not yet in the books): what the wait is for."""
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    env = {"DEVBROKER_SECCOMP_THREADS": "2", "DEVBROKER_BOOK_AFTER": "1",
+           "DEVBROKER_TEST_BOOKING_DELAY_MS": "5"}
+    if not gate:
+        env["DEVBROKER_TEST_NO_BOOKING_WAIT"] = "1"
+    out, lane = _on_stand_in_nodes(tmp_path, f"race{int(gate)}", env, "seccomp",
+                                   [sys.executable, str(here / "settled_alloc_prog.py"),
+                                    "100", "race"],
+                                   wrap=(sys.executable, str(here / "nvok_standin.py")))
+    assert out["race_count"] == 100, out
+    if gate:
+        assert out["race_allocs"] == out["race_frees"] == [[0, 0]], (out, lane)
+    else:  # (refusals of the general path, deciding on books without the new object)
+        assert out["race_allocs"] != [[0, 0]] or out["race_frees"] != [[0, 0]], (out, lane)
 
 
 def test_settled_continuations_answer_as_the_broker_and_follow_the_books(tmp_path):
@@ -247,7 +335,11 @@ def test_settled_continuations_answer_as_the_broker_and_follow_the_books(tmp_pat
     naming a client not the tenant's refused by the broker every time (the driver's status
     for an unknown client); after the tenant freed its client, the command naming it is
     refused (the free made the fact stale), the one naming nothing still settled; a command
-    without an argument (UVM_DEINITIALIZE) is the lane's and settled like the others."""
+    without an argument (UVM_DEINITIALIZE) is the lane's and settled like the others.
+    RM_MAP_MEMORY (its decision names the client's device and memory and an fd): settled
+    for the tenant's memory objects through its GPU file or no file; memory the books do
+    not hold, and a file that is not one of the tenant's NVIDIA files, are the broker's
+    (refused) every time."""
     import sys
     from pathlib import Path
 
@@ -268,6 +360,13 @@ def test_settled_continuations_answer_as_the_broker_and_follow_the_books(tmp_pat
         "range_group": [[errno.ENOTTY, 0]],
         "register_own": [[errno.ENOTTY, 0]],
         "register_foreign": [[0, invalid_client]],
+        "device": 0, "memory": [0],
+        # RM_MAP_MEMORY: the tenant's memory through its GPU file, and with no file,
+        # continued (ENOTTY); memory the books do not hold refused by the broker
+        # (NV_ERR_INVALID_OBJECT_HANDLE), a file not one of the tenant's NVIDIA files too
+        # (NV_ERR_INVALID_ARGUMENT) — every time, with settled decisions on and off
+        "map_own": [[[errno.ENOTTY, 0]]] * 3, "map_no_file": [[errno.ENOTTY, 0]],
+        "map_unknown_memory": [[0, 0x33]], "map_null_file": [[0, 0x1F]],
         "free": 0,
         "register_freed": [[0, invalid_client]],
         "range_group_after": [[errno.ENOTTY, 0]],
@@ -277,11 +376,15 @@ def test_settled_continuations_answer_as_the_broker_and_follow_the_books(tmp_pat
     # ten of each: the first decided by the broker (written down after its answer), nine
     # by the loop; after the free, the three naming nothing settled, the three naming the
     # freed client refused (not counted as continued at all); DEINITIALIZE (no argument):
-    # the lane's too, four of five settled
-    assert lane_on["settled"] == 9 + 9 + 3 + 4, lane_on
+    # the lane's too, four of five settled; RM_MAP_MEMORY: the first decided, the other
+    # eleven of the tenant's memory (each object's fact written when the broker booked it,
+    # the GPU file's mapping fact at its install) and the three with no file by the loop;
+    # memory not in the books and the foreign file: the broker's every time
+    assert lane_on["settled"] == 9 + 9 + 3 + 4 + 11 + 3, lane_on
     assert lane_off["settled"] == 0, lane_off
     # every continued call counted as admitted either way
-    assert lane_on["admitted"] == lane_off["admitted"] == 10 + 10 + 3 + 5, (lane_on, lane_off)
+    assert lane_on["admitted"] == lane_off["admitted"] == 10 + 10 + 3 + 5 + 12 + 3, (
+        lane_on, lane_off)
 
 
 _BURST_OF_OPENS = r"""

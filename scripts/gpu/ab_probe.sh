@@ -4,7 +4,8 @@
 # environment), each measuring RM_CONTROL FB_GET_INFO_V2 p50 (2000 calls), NVML's init
 # sequence x30 and CUDA init + first allocation x INITS as tenant c16; native again at the
 # end (the host drifts: compare each mode with the natives around it). The lanes' counters
-# and the listener's come from each broker's status and audit log.
+# and the listener's come from each broker's status and audit log. CHECKS: tenant_checks.py
+# subcommands run once natively and once per mode after the timings (e.g. "dup-handle").
 #   run(command="MODES='base pin:DEVBROKER_LISTENER_CPUS=2 base2' bash scripts/gpu/ab_probe.sh",
 #       carry=[".whl"], timeout_s=540)
 set -u
@@ -13,12 +14,14 @@ REPO=$(cd "$(dirname "$0")/../.." && pwd); cd "$REPO"
 probe_start ab-probe
 MODES=${MODES:-"a b"}
 INITS=${INITS:-3}
+CHECKS=${CHECKS:-}
 CHK="$PY scripts/gpu/cuda_checks.py"
 native() {
   step "native ($1)"
   put "native$1_control" "$("$PY" scripts/gpu/tenant_checks.py bench-control 2000 2>&1 | last)"
   put "native$1_nvml_seq" "$("$PY" scripts/gpu/tenant_checks.py bench-nvml 30 2>&1 | last)"
   for i in $(seq "$INITS"); do put "native$1_init$i" "$($CHK init 2>&1 | last)"; done
+  for c in $CHECKS; do put "native$1_$c" "$("$PY" scripts/gpu/tenant_checks.py "$c" 2>&1 | last)"; done
 }
 native 1
 n=0
@@ -35,6 +38,7 @@ for mode in $MODES; do
   put "${name}_control" "$(ptexec "$PY" scripts/gpu/tenant_checks.py bench-control 2000 2>&1 | last)"
   put "${name}_nvml_seq" "$(ptexec "$PY" scripts/gpu/tenant_checks.py bench-nvml 30 2>&1 | last)"
   for i in $(seq "$INITS"); do put "${name}_init$i" "$(ptexec $CHK init 2>&1 | last)"; done
+  for c in $CHECKS; do put "${name}_$c" "$(ptexec "$PY" scripts/gpu/tenant_checks.py "$c" 2>&1 | last)"; done
   put "${name}_lanes" "$("$PY" -m devbroker.cli.main --run-dir "$RUN" status --json 2>/dev/null | "$PY" -c 'import json,sys; d=json.load(sys.stdin); print(json.dumps({k: d.get(k) for k in ("control_lane", "continue_lane")}))')"
   put "${name}_listener" "$(grep '"tenant-detached"' "$W/audit$n.log" | tail -1)"
   kill -TERM $BROKER; wait $BROKER

@@ -4,6 +4,7 @@
     python3 tenant_checks.py dangerous       # privileged/dangerous calls; prints how each was refused
     python3 tenant_checks.py bench-nvml N    # NVML init sequence N times: p50/p90 (µs)
     python3 tenant_checks.py bench-control N # one RM_CONTROL (FB_GET_INFO_V2) N times: p50/p90 (µs)
+    python3 tenant_checks.py dup-handle      # RM_ALLOC of a subdevice with a handle the client holds
 
 Each prints one JSON object on stdout.
 """
@@ -151,10 +152,38 @@ def bench_control(n: int) -> dict:
     return {"what": "RM_CONTROL NV2080_CTRL_CMD_FB_GET_INFO_V2 (1 entry)", **_stats(ts)}
 
 
+def dup_handle() -> dict:
+    """The driver's answer to an allocation naming a handle its client already holds: a
+    subdevice under the device open_gpu made, first with the subdevice's own handle, then
+    with the device's (through devbroker with settled allocations, the loop admits both and
+    the driver must refuse them — NV_ERR_INSERT_DUPLICATE_NAME, the general path's answer);
+    then frees of the device's subdevice and the device, which must find them as before."""
+    from devbroker.tools.probe import Client, NvError
+
+    c = Client()
+    c.check_version()
+    c.open_root()
+    g = c.open_gpu(c.attached_ids()[0])
+    out: dict = {}
+    for what, handle in (("dup_subdevice", g["hsubdevice"]), ("dup_device", g["hdevice"])):
+        try:
+            c.alloc(g["hdevice"], 0x2080, c.new("NV2080_ALLOC_PARAMETERS", subDeviceId=0),
+                    handle=handle)
+            out[what] = 0
+        except NvError as e:
+            out[what] = e.status
+    out["name_after"] = c.control(g["hsubdevice"], 0x20800110,
+                                  c.params(0x20800110)).gpuNameString.raw[:12].hex()
+    out["free_subdevice"] = c.free(g["hdevice"], g["hsubdevice"])
+    out["free_device"] = c.free(c.hclient, g["hdevice"])
+    c.close()
+    return out
+
+
 def main(argv: list[str]) -> int:
     what = argv[0]
     n = int(argv[1]) if len(argv) > 1 else 20
-    fn = {"nvml": nvml, "dangerous": dangerous}.get(what)
+    fn = {"nvml": nvml, "dangerous": dangerous, "dup-handle": dup_handle}.get(what)
     if fn is not None:
         res = fn()
     elif what == "bench-nvml":

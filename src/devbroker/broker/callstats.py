@@ -372,7 +372,7 @@ class _CountedLane:
     """A control lane whose calls are recorded as the general path's are: one row per
     (tenant, ioctl, escape, control), verdict ok or error, time from admission to answer
     (kept on the admitted call itself: a call sent the general way after admission is
-    counted there)."""
+    counted there; one whose books a front end writes after the answer, to the booking)."""
 
     __slots__ = ("_lane", "_stats")
 
@@ -412,6 +412,12 @@ class _CountedLane:
 
     def book(self, adm) -> None:
         self._lane.book(adm)
+
+    def books_only(self, adm) -> bool:
+        return self._lane.books_only(adm)
+
+    def book_settled(self, session_id: int, hdr_out: bytes, ioctl_cmd: int):
+        return self._lane.book_settled(session_id, hdr_out, ioctl_cmd)
 
     def settleable(self, adm) -> bool:
         return self._lane.settleable(adm)

@@ -165,9 +165,13 @@ class ContinueLane:
             return plan.spec.size if plan is not None else None
 
     def settle_fields(self, session_id: int, cmd: int) -> tuple | None:
-        """(argument size, offsets of its client-handle fields, the session) when this command's
-        decision on this session reads nothing of the argument but those fields — no fd,
-        no object, at most four handles at fixed offsets — so that the native loop may
+        """(argument size, offsets of its client-handle fields, the session, offsets of
+        (client, object handles...), offsets of fd fields) when this command's decision on
+        this session reads nothing of the argument but those fields — at most four client
+        handles at fixed offsets, and for RM_MAP_MEMORY its client's device and memory
+        (each must be an object the books hold on the tenant's GPUs: the loop asks for each
+        an object fact on this file) and its one fd (-1, or one of the tenant's ctl or GPU
+        files: the loop asks for that file's mapping fact) — so that the native loop may
         repeat it while the books name neither the file nor one of those clients and the
         policy stands (frontends/nativelane.py settle_continue, native/lane.c struct
         dvb_cont_fact); None when it must ask the broker every time."""
@@ -176,10 +180,14 @@ class ContinueLane:
             if s is None or s.closed:
                 return None
             plan = self._plan(self.broker._abi(s), s.node, cmd)
-        if (plan is None or plan.fds or plan.objects or plan.clients is None
-                or len(plan.clients) > 4):
+        if plan is None or plan.clients is None or len(plan.clients) > 4:
             return None
-        return plan.spec.size, tuple(off for off, _zero_ok in plan.clients), s
+        if plan.fds and not plan.objects:  # (an fd with no objects: UVM_MM_INITIALIZE's
+            return None                   # nvidia-uvm file, which has no mapping fact)
+        if plan.objects and (len(plan.objects) > 3 or len(plan.fds) > 1):
+            return None
+        return (plan.spec.size, tuple(off for off, _zero_ok in plan.clients), s,
+                tuple(plan.objects), tuple(plan.fds))
 
     def row_key(self, session_id: int, cmd: int, arg: bytes):
         """The call counters' row of this call (None: no call counters; callstats'

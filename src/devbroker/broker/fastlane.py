@@ -121,8 +121,9 @@ class Header:
     # escape: the offsets of its fd fields (int32, `fd_escape`: REGISTER_FD's ctl_fd), which
     # a front end that carries fds replaces with the broker's duplicates of those files
     fd_offsets: tuple = ()
-    # control: the offsets of (hClient, hObject, cmd, params, paramsSize), for a front end
-    # that reads them itself (the native loop's settled controls)
+    # control: the offsets of (hClient, hObject, cmd, params, paramsSize); alloc: of (hRoot,
+    # hObjectParent, hClass, pAllocParms, paramsSize) — for a front end that reads them
+    # itself (the native loop's settled controls and allocations)
     offsets: tuple = ()
 
 
@@ -202,7 +203,9 @@ def _header(nr: int, spec, kind: str, name: str = "") -> Header | None:
                       offsets=tuple(f[n].offset for n, _k in fields))
     rights = f["pRightsRequested"].offset if "pRightsRequested" in f else -1
     return Header(cmd, spec.size, unpack, f["pAllocParms"].offset, f["status"].offset,
-                  kind="alloc", new_offset=f["hObjectNew"].offset, rights_offset=rights)
+                  kind="alloc", new_offset=f["hObjectNew"].offset, rights_offset=rights,
+                  offsets=tuple(f[n].offset for n in ("hRoot", "hObjectParent", "hClass",
+                                                      "pAllocParms", "paramsSize")))
 
 
 def headers_of(abi: DriverABI) -> dict[int, Header]:
@@ -386,6 +389,7 @@ class ControlLane:
         self.settled = 0  # of the admitted: by a front end's settled decision (settleable)
         self._plans: dict[tuple, tuple | None] = {}  # (abi, cmd) -> _plan's answer
         self._alloc_plans: dict[tuple, tuple | None] = {}  # (abi, class) -> _alloc_plan's
+        self._null_only: dict[tuple, bool] = {}  # (abi, class) -> _null_checked_only's
 
     def ioctl_cmds(self, versions) -> frozenset[int]:
         """The ioctl numbers the lane may take, over the given ABIs (front ends test the
@@ -837,6 +841,15 @@ class ControlLane:
         return (adm.alloc is not None or adm.header.kind == "free" or adm.answered
                 or (adm.post is not None and not patched) or self.broker.recorder is not None)
 
+    def books_only(self, adm: Admitted) -> bool:
+        """Whether `finish` only writes the books — an allocation's new object and the quota
+        it held, a free's removal, the request counted — and gives the tenant back the
+        driver's answer unchanged: then a front end may call it after the tenant has its
+        answer, provided no decision is made in between on books that lack it
+        (native/lane.c FINISH_AFTER)."""
+        return ((adm.alloc is not None or adm.header.kind == "free") and not adm.answered
+                and adm.post is None and self.broker.recorder is None)
+
     def answered(self, adm: Admitted, err: int, end_ns: int) -> None:
         """A call the front end answered without `finish` was answered at end_ns
         (time.perf_counter_ns's clock) with errno err: nothing to do here (the call
@@ -853,11 +866,71 @@ class ControlLane:
         one of the tenant's (`Admitted.gpu_id_off`: the front end repeats that test on its
         private copy, with the tenant's GPU ids of the policy epoch), no pre-hook and a
         post-hook only as a TablePatch, and nothing for `finish` to do (no recording)."""
+        if adm.alloc is not None:
+            return self._settleable_alloc(adm)
         return (adm.header.kind == "control" and adm.alloc is None
                 and (not adm.checked or adm.gpu_id_off >= 0)
                 and adm.pre is None and not adm.answered and not adm.embedded_fields
                 and (adm.post is None or adm.post in rewrite.AS_TABLE_PATCH)
                 and self.broker.recorder is None)
+
+    def _settleable_alloc(self, adm: Admitted) -> bool:
+        """Whether an admitted allocation's decision may be settled: decided on its header
+        alone (`_admit_alloc`: the client and parent the tenant's and on its GPUs, the
+        class on the allowlist and granted, no access rights asked for, the tenant's
+        object limit and pace — the front end keeps an allowance of objects and takes a
+        pace token per call), no class check, nothing charged, its parameters not checked
+        (`_alloc_plan`: no client handle, GPU id or pointer in them) or checked only for
+        NULL pointers (`_check_alloc` then tests nothing else: system memory's `address`;
+        the front end repeats that test on its private copy), no after-hook (a channel's
+        compute-share state is not in the books' epochs), and no recording. The handle it
+        makes is the driver's to refuse when it exists (the general path's answer is the
+        driver's NV_ERR_INSERT_DUPLICATE_NAME too); the front end books the new object with
+        `book_settled` after the answer."""
+        rule = adm.alloc
+        return (rule is not None and rule.check is None and rule.after is None
+                and not rule.charge and adm.header.kind == "alloc"
+                and (not adm.checked or self._null_checked_only(adm))
+                and self.broker.recorder is None)
+
+    def _null_checked_only(self, adm: Admitted) -> bool:
+        """A checked allocation whose `_check_alloc` comes down to its pointers being NULL:
+        not a device (its deviceId is looked up), and a layout with no client handle, GPU
+        id or fd (`rules.plain_layout` but for pointers), at most SETTLED_NULL_PTRS of
+        them."""
+        if adm.cmd == handlers.DEVICE_CLASS or len(adm.null_ptrs) > SETTLED_NULL_PTRS:
+            return False
+        key = (adm.abi, adm.cmd)
+        known = self._null_only.get(key)
+        if known is None:
+            spec = adm.abi.rm_class(adm.cmd).params
+            known = self._null_only[key] = not any(
+                f.kind == "fd" or f.name in rules.CLIENT_HANDLE_FIELDS
+                or f.name in rewrite.GPU_ID_FIELD_NAMES for _p, f, _o in spec.walk())
+        return known
+
+    def book_settled(self, session_id: int, hdr_out: bytes, ioctl_cmd: int) -> tuple | None:
+        """An allocation a front end admitted as settled was answered NV_OK by the driver
+        (hdr_out: its header as the driver left it): the new object into the tenant's books,
+        as `_finish_alloc` books one (on the parent's GPU, nothing charged), and counted.
+        Its (client, new handle, GPU), or None when it was not booked (the session or
+        the parent gone meanwhile: a racing free took the new object with it)."""
+        with STATE_LOCK:
+            s = self.broker.sessions.get(session_id)
+            if s is None:
+                return None
+            h = headers_of(self.broker._abi(s)).get(ioctl_cmd)
+            if h is None or h.kind != "alloc" or len(hdr_out) != h.size:
+                return None
+            h_root, h_parent, _h_new, cls, _p, _n = h.unpack(hdr_out)
+            handle = int.from_bytes(hdr_out[h.new_offset:h.new_offset + 4], "little")
+            client = s.tenant.clients.get(h_root)
+            parent = client.objects.get(h_parent) if client is not None else None
+            if parent is None or not handle:
+                return None
+            client.add(handle, cls, h_parent, gpu=parent.gpu, charged=0)
+            self.allocations += 1
+            return client.handle, handle, parent.gpu
 
     def settled_calls(self, tenant, key, ok: int, err: int, sum_ns: int,
                       buckets) -> None:

@@ -49,6 +49,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from typing import TYPE_CHECKING
 
 from devbroker import native
@@ -60,23 +61,30 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("devbroker.seccomp.native")
 
-ABI = 13  # native/lane.c DVB_ABI
+ABI = 14  # native/lane.c DVB_ABI
 (DVB_NOTIF, DVB_IDLE, DVB_WAKE, DVB_HUP, DVB_FOLD, DVB_LATE, DVB_WRITE_FAILED, DVB_ERROR,
  DVB_QUIET) = range(1, 10)
 ACT_DECLINE, ACT_CONTINUE, ACT_CONTROL, ACT_FAIL = 0, 1, 2, 3
+# Call.finish: when on_finish runs (native/lane.c): never, before the answer (the post-hook's
+# rewrite, a call the backend runs itself), after it (the books alone: allocations, frees)
+FINISH_NONE, FINISH_BEFORE, FINISH_AFTER = 0, 1, 2
 # native/lane.c's counters, in its order: the SupervisorStats field(s) each is added to
 COUNTERS = ("notifications", "opens_continued", "ioctls", "controls_fast", "stale",
             "lane_ns_read", "lane_ns_admit", "lane_ns_dup", "lane_ns_driver", "lane_ns_finish",
             "lane_ns_write", "ns_recv", "ns_send", "ns_ioctl", "ns_open", "native_answered",
             "settled", ("continued_settled", "continued_decided", "uvm_fast"),
             "mmaps_continued", ("mmaps_settled", "mmaps"), "ns_mmap",
-            ("opens_prepared", "opens"), ("ns_open_prepared", "ns_open_node", "ns_open"))
+            ("opens_prepared", "opens"), ("ns_open_prepared", "ns_open_node", "ns_open"),
+            "finished_after")
 FACT_IOCTL, FACT_MMAP = 0, 1  # native/lane.c struct dvb_cont_fact's kinds
 HDR_MAX = 1024
 PARAMS_MAX = 16384
 PATCH_MAX = 16
 EMBED_MAX = 4
 FD_MAX = 2
+CONT_OBJECTS = 2  # native/lane.c DVB_CONT_OBJECTS: object fields of a settled continuation
+CONT_FDS = 1  # native/lane.c DVB_CONT_FDS: its fd fields
+CONT_ARG = 256  # native/lane.c DVB_CONT_ARG: the largest argument such a fact reads whole
 OPEN_SLOTS = 32  # native/lane.c DVB_OPEN_SLOTS: prepared opens the loop holds
 SETTLED_PTRS = 2  # native/lane.c DVB_SETTLED_PTRS (fastlane.SETTLED_NULL_PTRS)
 GPU_IDS = 32  # native/lane.c DVB_GPU_IDS
@@ -87,6 +95,11 @@ _SETTLED_ROW = 4 + SETTLED_BUCKETS + 1  # (slot, ok, err, sum_ns, buckets...)
 SETTLED_CREDIT = 64
 
 _CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)
+# A test's switch (tests/test_real_lane.py): decisions do not wait for other threads'
+# bookings after an answer, to show what that wait prevents. Never for a broker in use.
+_NO_BOOKING_WAIT = os.environ.get("DEVBROKER_TEST_NO_BOOKING_WAIT") == "1"
+# ... and how long a booking after an answer is held up first (ms), to widen that window.
+BOOKING_DELAY_S = float(os.environ.get("DEVBROKER_TEST_BOOKING_DELAY_MS", "0") or 0) / 1e3
 
 
 class Call(ctypes.Structure):
@@ -174,6 +187,8 @@ def library() -> ctypes.CDLL | None:
     lib.dvb_set_lane_cmds.argtypes = [vp, ctypes.POINTER(ctypes.c_uint32), ctypes.c_int]
     lib.dvb_set_mem_off.argtypes = [vp, ctypes.c_int]
     lib.dvb_set_quiet.argtypes = [vp]
+    lib.dvb_bookings.argtypes = [vp]
+    lib.dvb_bookings.restype = i64
     lib.dvb_set_memfd_dev.argtypes = [vp, i64]
     lib.dvb_thread_new.restype = vp
     lib.dvb_thread_new.argtypes = [vp, ctypes.c_int]
@@ -200,6 +215,9 @@ def library() -> ctypes.CDLL | None:
                                     ctypes.POINTER(ctypes.c_uint32), i64, ctypes.c_int,
                                     ctypes.POINTER(i64)]
     lib.dvb_settled_credit.argtypes = [vp, i64, ctypes.c_int]
+    lib.dvb_settled_alloc_credit.argtypes = [vp, i64]
+    lib.dvb_settled_object_put.argtypes = [vp, ctypes.POINTER(ctypes.c_uint64),
+                                           ctypes.POINTER(i64)]
     lib.dvb_settled_credit_left.argtypes = [vp]
     lib.dvb_settled_credit_left.restype = i64
     lib.dvb_settled_fold.argtypes = [vp, ctypes.POINTER(i64), ctypes.c_int]
@@ -233,6 +251,7 @@ class NativeThread:
         self._counts = (ctypes.c_int64 * len(COUNTERS))()
         self._watch = (ctypes.c_int64 * 4)()
         self.adm = None  # the Admitted of the control in flight (between the callbacks)
+        self.adm_epochs = None  # objects.BOOKS.now() read before it was decided
         # a control answered without on_finish, whose row the counters still owe, and the
         # loop's count of those when it was admitted
         self.unfinished = None
@@ -291,6 +310,10 @@ class NativeLane:
                  reqs: tuple[int, int, int, int], spin_ns: int, names: set[str],
                  lane_cmds: frozenset[int]):
         self.lib, self.sup = lib, sup
+        if _NO_BOOKING_WAIT or BOOKING_DELAY_S:
+            log.warning("native lane: test switches set (DEVBROKER_TEST_NO_BOOKING_WAIT, "
+                        "DEVBROKER_TEST_BOOKING_DELAY_MS): decisions may miss bookings; "
+                        "never for a broker in use")
         # the callbacks stay referenced for the loop's life (C holds bare pointers)
         self._cb_ioctl = _CALLBACK(self._on_ioctl)
         self._cb_check = _CALLBACK(self._on_check)
@@ -344,6 +367,30 @@ class NativeLane:
         with self._lock:  # (the watchdog reads a thread's state under this lock)
             self.threads.pop(t.slot, None)
             t.close()
+
+    # How long a decision waits for another thread's booking (below) before it goes on
+    # with the books as they are: the booking is the broker's own work (no tenant memory,
+    # no driver call), microseconds; a decision on books that miss a new object refuses
+    # what names it, and a missing removal keeps the quota held — never the other way.
+    BOOKING_WAIT_S = 2.0
+
+    def await_bookings(self) -> bool:
+        """Wait while another listener thread has answered a call whose books it has not
+        written yet (native/lane.c, FINISH_AFTER): a decision made now must see them. True
+        when there was none or they came in time. (The thread that writes them never asks:
+        it writes before it receives its next call.)"""
+        lib, sh = self.lib, self.shared
+        if not lib.dvb_bookings(sh) or _NO_BOOKING_WAIT:
+            return True
+        deadline = time.monotonic() + self.BOOKING_WAIT_S
+        while lib.dvb_bookings(sh):
+            if time.monotonic() > deadline:
+                log.warning("native lane: a booking after an answer is still not written "
+                            "after %.1f s; deciding on the books as they are",
+                            self.BOOKING_WAIT_S)
+                return False
+            time.sleep(20e-6)  # (lets the booking thread have the GIL)
+        return True
 
     def when_quiet(self) -> None:
         """Ask one of the loop's threads back (DVB_QUIET) once it has had no notification
@@ -412,6 +459,8 @@ class NativeLane:
         h = adm.header
         if len(h.offsets) != 5 or h.status_offset < 0 or not self.settled_on:
             return False
+        alloc = h.kind == "alloc"  # (hRoot, parent and class where a control's client,
+        # object and control are; ControlLane._settleable_alloc)
         if patch is not None and len(patch.values) > PATCH_MAX:
             return False
         s = adm.session
@@ -419,7 +468,8 @@ class NativeLane:
             return False
         with self._settled_lock:
             if h.ioctl_cmd not in self._layouts:
-                f = (ctypes.c_int32 * 8)(h.ioctl_cmd, h.size, *h.offsets, h.status_offset)
+                f = (ctypes.c_int32 * 10)(h.ioctl_cmd, h.size, *h.offsets, h.status_offset,
+                                          h.rights_offset if alloc else -1, int(alloc))
                 if self.lib.dvb_settled_layout(self.shared, f) != 0:
                     return False
                 self._layouts.add(h.ioctl_cmd)
@@ -430,9 +480,10 @@ class NativeLane:
             layout = ((patch.table_offset, patch.entry_size, patch.index_offset,
                        patch.data_offset, patch.capacity, patch.count_offset)
                       if patch is not None else (0,) * 6)
-            # its check, if any: the one GPU id and the NULL pointers (settleable says so)
-            gpu_id_off = adm.gpu_id_off if adm.checked else -1
-            nulls = tuple(adm.null_ptrs) if gpu_id_off >= 0 else ()
+            # its check, if any: the one GPU id and the NULL pointers (settleable says so;
+            # an allocation's pointers are NULL-checked as the lane's own check does)
+            gpu_id_off = adm.gpu_id_off if adm.checked and not alloc else -1
+            nulls = tuple(adm.null_ptrs) if gpu_id_off >= 0 or alloc else ()
             if len(nulls) > SETTLED_PTRS:
                 return False
             if gpu_id_off >= 0 and self._gpu_ids_epoch != epochs[0]:
@@ -461,6 +512,37 @@ class NativeLane:
             self._top_up(s.tenant)
         return True
 
+    def object_put(self, epochs: tuple[int, int, int], dev: int, ino: int, sess,
+                   client: int, obj: int, abi) -> bool:
+        """Write down a new object's fact as the broker books it (native/lane.c
+        dvb_settled_object_put): on this file, this client's object is the tenant's, on
+        its GPU, for callers in the sandbox of the file's opener (`sess`: the broker's
+        session). epochs: read before the object was decided or booked (a removal since:
+        not written). False: not written."""
+        if not self.settled_on or sess.pidns is None:
+            return False
+        with self._settled_lock:
+            tag = self._abi_tags.setdefault(abi, len(self._abi_tags) + 1)
+            f = (ctypes.c_int64 * 6)(dev, ino, client, obj, tag,
+                                     self._sandbox_tag(sess.caller.uid, sess.pidns))
+            return self.lib.dvb_settled_object_put(
+                self.shared, (ctypes.c_uint64 * 3)(*epochs), f) == 0
+
+    # Objects kept out of the settled allocations' allowance: a tenant's allocations go
+    # the broker's way this close to its limits.rm_objects (the listener threads' settled
+    # allocations in flight stay well inside it).
+    ALLOC_MARGIN = 64
+
+    def alloc_credit(self, tenant) -> None:
+        """The objects the loop's settled allocations may make before the broker looks
+        again: the tenant's limits.rm_objects less what its books hold and ALLOC_MARGIN,
+        at most 64 (refreshed at every allocation the broker decides or books)."""
+        from devbroker.broker import limits
+
+        held = sum(len(c.objects) for c in tenant.clients.values())
+        room = limits.of(tenant).rm_objects - held - self.ALLOC_MARGIN
+        self.lib.dvb_settled_alloc_credit(self.shared, max(0, min(64, room)))
+
     def settle_continue(self, c: Call, fields: tuple, arg: bytes,
                         epochs: tuple[int, int, int], caller, caller_pidfd: int, key) -> bool:
         """Write down a continue-lane decision the loop may repeat by itself (native/lane.c,
@@ -470,14 +552,16 @@ class NativeLane:
         broker checked in `arg`, for a caller in the sandbox of the file's opener; the
         caller (its sandbox, a duplicate of its thread pidfd, the loop's from now on) as
         for settle. False: not written."""
-        size, offsets, sess = fields
+        size, offsets, sess, objects, fds = fields
         if not self.settled_on or sess.pidns is None or caller.pidns is None:
             return False
-        if len(arg) < size or len(offsets) > 4:
+        if (len(arg) < size or len(offsets) > 4 or len(objects) > 1 + CONT_OBJECTS
+                or len(fds) > CONT_FDS or ((objects or fds) and size > CONT_ARG)):
             return False
         handles = [int.from_bytes(arg[o:o + 4], "little") for o in offsets]
         return self._put_fact(c.dev, c.ino, FACT_IOCTL, c.cmd, size, sess, caller,
-                              offsets, handles, epochs, c.tid, caller_pidfd, key)
+                              offsets, handles, epochs, c.tid, caller_pidfd, key,
+                              objects, fds)
 
     def settle_mmap(self, dev: int, ino: int, sess, epochs: tuple[int, int, int], caller,
                     tid: int, caller_pidfd: int, key) -> bool:
@@ -491,12 +575,17 @@ class NativeLane:
                               caller_pidfd, key)
 
     def _put_fact(self, dev: int, ino: int, kind: int, cmd: int, size: int, sess, caller,
-                  offsets, handles, epochs, tid: int, caller_pidfd: int, key) -> bool:
+                  offsets, handles, epochs, tid: int, caller_pidfd: int, key,
+                  objects=(), fds=()) -> bool:
+        # objects: the offsets of (the client, its object handles...); fds: of fd fields
+        objs = tuple(objects[1:]) + (0,) * (CONT_OBJECTS - len(objects[1:]))
+        fdo = tuple(fds) + (0,) * (CONT_FDS - len(fds))
         with self._settled_lock:
-            f = (ctypes.c_int64 * (8 + 2 * len(offsets)))(
+            f = (ctypes.c_int64 * (8 + 2 * len(offsets) + 3 + CONT_OBJECTS + CONT_FDS))(
                 dev, ino, cmd, size, self._sandbox_tag(sess.caller.uid, sess.pidns),
                 self._sandbox_tag(caller.uid, caller.pidns), kind, len(offsets), *offsets,
-                *handles)
+                *handles, max(0, len(objects) - 1), objects[0] if objects else 0, *objs,
+                len(fds), *fdo)
             pidfd = os.dup(caller_pidfd)
             slot = self.lib.dvb_continue_put(self.shared, (ctypes.c_uint64 * 3)(*epochs), f,
                                              tid, pidfd, self._evicted)

@@ -60,7 +60,7 @@
 #endif
 #define DVB_PIDFD_THREAD O_EXCL /* Linux 6.9: a pidfd for a (non-leader) thread */
 
-#define DVB_ABI 13 /* bumped with any change of the structures below (nativelane.py checks) */
+#define DVB_ABI 14 /* bumped with any change of the structures below (nativelane.py checks) */
 
 struct dvb_notif { /* struct seccomp_notif */
     uint64_t id;
@@ -83,13 +83,15 @@ struct dvb_resp { /* struct seccomp_notif_resp */
 enum { DVB_NOTIF = 1, DVB_IDLE, DVB_WAKE, DVB_HUP, DVB_FOLD, DVB_LATE, DVB_WRITE_FAILED,
        DVB_ERROR, DVB_QUIET };
 enum { ACT_DECLINE = 0, ACT_CONTINUE = 1, ACT_CONTROL = 2, ACT_FAIL = 3 };
+/* struct dvb_call.finish: when the broker's on_finish runs for a call the loop admitted */
+enum { FINISH_NONE = 0, FINISH_BEFORE = 1, FINISH_AFTER = 2 };
 
 /* counters, in nativelane.COUNTERS order */
 enum { C_NOTIFICATIONS, C_OPENS_CONTINUED, C_IOCTLS, C_CONTROLS_FAST, C_STALE,
        C_LANE_NS_READ, C_LANE_NS_ADMIT, C_LANE_NS_DUP, C_LANE_NS_DRIVER, C_LANE_NS_FINISH,
        C_LANE_NS_WRITE, C_NS_RECV, C_NS_SEND, C_NS_IOCTL, C_NS_OPEN, C_ANSWERED,
        C_SETTLED, C_CONT_SETTLED, C_MMAPS_CONTINUED, C_MMAPS_SETTLED, C_NS_MMAP,
-       C_OPENS_PREPARED, C_NS_OPEN_PREPARED, C_COUNT };
+       C_OPENS_PREPARED, C_NS_OPEN_PREPARED, C_FINISHED_AFTER, C_COUNT };
 
 #define DVB_HDR_MAX 1024 /* the largest lane argument (NV_ESC_NUMA_INFO: 560) */
 #define DVB_PARAMS_MAX 16384
@@ -98,13 +100,16 @@ enum { C_NOTIFICATIONS, C_OPENS_CONTINUED, C_IOCTLS, C_CONTROLS_FAST, C_STALE,
 #define DVB_PATCH_MAX 16
 #define DVB_EMBED_MAX 4 /* embedded buffers of one control (FIFO_GET_CHANNELLIST: 2) */
 #define DVB_FD_MAX 2 /* fd fields of one escape (REGISTER_FD: 1) */
-#define DVB_SETTLED_LAYOUTS 4   /* RM_CONTROL header layouts (one per ioctl number) */
+#define DVB_SETTLED_LAYOUTS 8   /* RM_CONTROL and RM_ALLOC header layouts (one per ioctl number) */
 #define DVB_SETTLED_CONTROLS 256 /* settled controls: (ABI, ioctl number, control) */
 #define DVB_SETTLED_OBJECTS 2048 /* settled objects: (file, client, object) */
 #define DVB_SETTLED_CALLERS 1024 /* threads the broker accepted as callers */
 #define DVB_SETTLED_BUCKETS 32   /* latency buckets of the call counters (callstats.py) */
 #define DVB_CONT_FACTS 512       /* settled continuations: (file, command, client handles) */
 #define DVB_CONT_HANDLES 4       /* client-handle fields of one command (UVM: at most 2) */
+#define DVB_CONT_OBJECTS 2       /* object fields of one command (RM_MAP_MEMORY: device, memory) */
+#define DVB_CONT_FDS 1           /* fd fields of one command with objects (RM_MAP_MEMORY: 1) */
+#define DVB_CONT_ARG 256         /* the largest argument such a command's fact reads whole */
 #define DVB_OPEN_SLOTS 32        /* prepared opens (struct dvb_open_slot) */
 #define DVB_SETTLED_PTRS 2       /* pointers a settled control's check tests NULL */
 #define DVB_GPU_IDS 32           /* the tenant's GPU ids (a settled control's GPU-id check) */
@@ -119,7 +124,9 @@ struct dvb_call {
      * parameter block, the header alone: RM_FREE, a plain escape) */
     int64_t params_ptr, params_size, params_off;
     int64_t driver;                        /* 1: make the driver call here; 0: on_finish runs it */
-    int64_t finish;                        /* 1: call on_finish after the driver call */
+    int64_t finish;                        /* FINISH_BEFORE: call on_finish after the driver
+                                              call, before the answer; FINISH_AFTER: after
+                                              the answer (books only, nothing written back) */
     int64_t check;                         /* 1: call on_check on the private parameters
                                               before the driver call (a checked control) */
     /* filled for on_finish */
@@ -193,10 +200,15 @@ typedef int (*dvb_callback)(int slot);
  * (`credit`). Everything else is the same run_control as for a decided call.
  */
 struct dvb_settled_layout { /* where NVOS54's fields are, for one ioctl number */
-    uint32_t ioctl_cmd;      /* (8 × 4 bytes in this order: dvb_settled_layout's argument) */
+    uint32_t ioctl_cmd;      /* (10 × 4 bytes in this order: dvb_settled_layout's argument) */
     int32_t size, client, object, control, params, params_size, status;
+    /* An allocation's header (NVOS21/NVOS64; alloc 1): client is hRoot, object the parent,
+     * control the class; its paramsSize may also be 0 (the driver then reads the class's
+     * own size); rights: the 8 bytes of its access-rights pointer, which must be 0 (-1:
+     * none in this layout). */
+    int32_t rights, alloc;
 };
-_Static_assert(sizeof(struct dvb_settled_layout) == 8 * 4, "copied from an int32_t[8]");
+_Static_assert(sizeof(struct dvb_settled_layout) == 10 * 4, "copied from an int32_t[10]");
 
 struct dvb_settled_control {
     uint64_t epoch;          /* the policy epoch it was decided at; 0: empty */
@@ -246,6 +258,14 @@ struct dvb_cont_fact {
     int32_t n;               /* client-handle fields (0..DVB_CONT_HANDLES) */
     int32_t off[DVB_CONT_HANDLES];
     uint32_t handle[DVB_CONT_HANDLES];
+    /* A decision that also reads objects and fds (RM_MAP_MEMORY's: the device and the
+     * memory the client's, on GPUs the tenant keeps; the fd one of the tenant's NVIDIA
+     * files): the offsets of the client handle and of n_obj object handles, each of which
+     * must have an object fact on this file under that client, and of n_fd fds, each -1
+     * or naming a file with a mapping fact in the caller's sandbox (a ctl or GPU file of
+     * the tenant's). The loop then reads the whole argument privately. */
+    int32_t n_obj, obj_client, obj_off[DVB_CONT_OBJECTS];
+    int32_t n_fd, fd_off[DVB_CONT_FDS];
     /* its calls since the last fold (the call counters' row: continued) */
     int64_t count, sum_ns, buckets[DVB_SETTLED_BUCKETS + 1];
 };
@@ -308,6 +328,8 @@ struct dvb_settled {
     const volatile struct dvb_removal *ring;
     uint64_t ring_size, ring_seen;   /* the ring's entries, the last one read */
     int64_t credit;                  /* calls it may still admit (-1: the tenant is unpaced) */
+    int64_t alloc_credit;            /* objects settled allocations may still make (the
+                                        tenant's limits.rm_objects, less a margin) */
     int64_t unfolded;                /* settled calls counted since the last fold */
     int64_t conts_unfolded;          /* ... settled continuations */
     int64_t bounds[DVB_SETTLED_BUCKETS];
@@ -342,6 +364,11 @@ struct dvb_shared {
     size_t names_len;
     dvb_callback on_ioctl, on_check, on_finish, on_after;
     pthread_mutex_t recv_lock;
+    /* Calls answered whose books are not written yet (FINISH_AFTER: raised just before
+     * the answer is sent, lowered when on_finish returns). Python's decisions on other
+     * listener threads wait while it is not 0 (dvb_bookings), so none decides on books
+     * that miss an object the tenant already has its answer for. */
+    int64_t bookings;
     struct dvb_settled settled;
 };
 
@@ -453,6 +480,7 @@ void dvb_set_memfd_dev(struct dvb_shared *sh, int64_t dev)
     __atomic_store_n(&sh->memfd_dev, dev, __ATOMIC_RELEASE);
 }
 void dvb_set_quiet(struct dvb_shared *sh) { __atomic_store_n(&sh->quiet, 1, __ATOMIC_RELEASE); }
+int64_t dvb_bookings(struct dvb_shared *sh) { return __atomic_load_n(&sh->bookings, __ATOMIC_ACQUIRE); }
 
 struct dvb_thread *dvb_thread_new(struct dvb_shared *sh, int slot)
 {
@@ -642,6 +670,46 @@ static int run_control(struct dvb_thread *t, struct dvb_notif *n, int64_t t0, in
     return rc;
 }
 
+/* FINISH_AFTER: the broker's books for a call the driver ran (an allocation's new object,
+ * a free's removal, the quota the call held), written once the tenant has its answer: the
+ * tenant's next instructions run meanwhile (a CUDA init spends ~300 µs of its own between
+ * two NVIDIA calls on average). The count of such bookings is raised before the answer is
+ * sent, so a decision on another listener thread about the tenant's next call waits for
+ * them (nativelane: `SeccompSupervisor._await_bookings`); what the loop decides by itself
+ * meanwhile cannot name the new object (no fact names an object before the broker booked
+ * it) and a fact of a freed one sends its call to the driver, which refuses it (docs/
+ * security.md). Nothing is written to the tenant here. */
+static void finish_after(struct dvb_thread *t)
+{
+    int64_t t0 = now_ns();
+    t->sh->on_finish(t->slot); /* (a failure was logged there: books only, no answer) */
+    t->counters[C_LANE_NS_FINISH] += now_ns() - t0;
+    t->counters[C_FINISHED_AFTER]++;
+}
+
+static void answer_then_book(struct dvb_thread *t, uint64_t id, int64_t val, int error)
+{
+    struct dvb_call *c = &t->call;
+    if (c->finish != FINISH_AFTER) {
+        send_resp(t, id, val, error, 0);
+        return;
+    }
+    __atomic_add_fetch(&t->sh->bookings, 1, __ATOMIC_ACQ_REL);
+    send_resp(t, id, val, error, 0);
+    finish_after(t);
+    __atomic_sub_fetch(&t->sh->bookings, 1, __ATOMIC_ACQ_REL);
+}
+
+/* A call with FINISH_AFTER that the loop does not answer itself (stale, a failed or stalled
+ * write-back, whose answer comes from the Python listener or the watchdog): its books now,
+ * before the loop returns, as they were written before the answer. */
+static int book_now(struct dvb_thread *t, int rc)
+{
+    if (t->call.finish == FINISH_AFTER)
+        finish_after(t);
+    return rc;
+}
+
 static int run_control_once(struct dvb_thread *t, struct dvb_notif *n, int64_t t0,
                             int64_t t1, int64_t t2)
 {
@@ -730,7 +798,9 @@ static int run_control_once(struct dvb_thread *t, struct dvb_notif *n, int64_t t
         memcpy(c->hdr_out + c->fd_off[k], &orig, 4);
     }
     int64_t t5 = now_ns();
-    if (!c->driver || c->finish) {
+    if (c->finish == FINISH_AFTER && !c->driver)
+        c->finish = FINISH_BEFORE; /* (on_finish runs the call itself: before the answer) */
+    if (!c->driver || c->finish == FINISH_BEFORE) {
         int fin = sh->on_finish(t->slot); /* run (emulated) and/or books and post-hook */
         if (fin == 0)
             return DVB_NOTIF; /* the backend could not run it here: the general way */
@@ -761,12 +831,12 @@ static int run_control_once(struct dvb_thread *t, struct dvb_notif *n, int64_t t
     t->counters[C_LANE_NS_DRIVER] += t5 - t4;
     t->counters[C_LANE_NS_FINISH] += t6 - t5;
     if (c->err) { /* the driver's failure: the tenant's buffers stay as they were */
-        send_resp(t, n->id, 0, (int)c->err, 0);
+        answer_then_book(t, n->id, 0, (int)c->err);
         return 0;
     }
     if (!id_valid(sh, n->id)) {
         t->counters[C_STALE]++;
-        return 0;
+        return book_now(t, 0);
     }
     if (c->embed_n) {
         uint32_t status = 1;
@@ -777,10 +847,10 @@ static int run_control_once(struct dvb_thread *t, struct dvb_notif *n, int64_t t
             struct iovec r = {(void *)(uintptr_t)c->embed_ptr[k], (size_t)c->embed_len[k]};
             ssize_t w = tenant_rw(t, n->pid, 1, &l, &r, 1);
             if (t->abandoned)
-                return DVB_LATE;
+                return book_now(t, DVB_LATE);
             if (w != (ssize_t)c->embed_len[k]) {
                 t->err = errno ? errno : EFAULT;
-                return DVB_WRITE_FAILED;
+                return book_now(t, DVB_WRITE_FAILED);
             }
         }
     }
@@ -788,13 +858,13 @@ static int run_control_once(struct dvb_thread *t, struct dvb_notif *n, int64_t t
                                        (uint64_t)c->argp, c->hdr_out, hlen)
                        : tenant_write2(t, n->pid, (uint64_t)c->argp, c->hdr_out, hlen, 0, NULL, 0);
     if (t->abandoned)
-        return DVB_LATE;
+        return book_now(t, DVB_LATE);
     if (put != (ssize_t)(size + hlen)) {
         t->err = errno ? errno : EFAULT;
-        return DVB_WRITE_FAILED; /* the Python listener audits it and answers EFAULT */
+        return book_now(t, DVB_WRITE_FAILED); /* the Python listener audits it, answers EFAULT */
     }
     t->counters[C_LANE_NS_WRITE] += now_ns() - t6;
-    send_resp(t, n->id, c->ret, 0, 0);
+    answer_then_book(t, n->id, c->ret, 0);
     if (c->after)
         sh->on_after(t->slot); /* (the tenant runs on meanwhile) */
     return 0;
@@ -841,15 +911,17 @@ int dvb_settled_start(struct dvb_shared *sh, const uint64_t *epochs,
 
 /* Where NVOS54's fields are for one RM_CONTROL ioctl number (one per driver layout). */
 int dvb_settled_layout(struct dvb_shared *sh, const int32_t *f /* ioctl, size, client,
-                       object, control, params, params_size, status */)
+                       object, control, params, params_size, status, rights, alloc */)
 {
     struct dvb_settled *m = &sh->settled;
     int rc = -1;
-    if (f[1] <= 0 || f[1] > DVB_HDR_MAX)
+    if (f[1] <= 0 || f[1] > DVB_HDR_MAX || (f[9] != 0 && f[9] != 1))
         return -1;
     for (int k = 2; k < 8; k++)
         if (f[k] < 0 || f[k] + (k == 5 ? 8 : 4) > f[1])
             return -1;
+    if (f[8] < -1 || f[8] + 8 > f[1] || (f[8] >= 0 && !f[9]))
+        return -1;
     pthread_mutex_lock(&m->lock);
     for (int i = 0; i < m->n_layouts; i++)
         if (m->layouts[i].ioctl_cmd == (uint32_t)f[0]) { /* two ABIs that disagree: none */
@@ -1036,6 +1108,32 @@ static int put_begin(struct dvb_settled *m, const uint64_t *epochs, int no_remov
     return -1;
 }
 
+/* The object fact obj (dev, ino, client, object, ABI tag, the session's sandbox tag) for the
+ * policy epoch now, in its slot (under m->lock); the patch values kept only when the slot
+ * held this very fact already. */
+static struct dvb_settled_object *object_fact_put(struct dvb_settled *m, uint64_t now,
+                                                  const int64_t *obj)
+{
+    int64_t dev = obj[0], ino = obj[1];
+    uint32_t client = (uint32_t)obj[2], object = (uint32_t)obj[3];
+    int oi = PICK_SLOT(m->objects, DVB_SETTLED_OBJECTS, object_home(client, object),
+                       e->dev == dev && e->ino == ino && e->client == client
+                           && e->object == object && e->epoch,
+                       e->epoch != now);
+    struct dvb_settled_object *o = &m->objects[oi];
+    if (!(o->epoch == now && o->dev == dev && o->ino == ino && o->client == client
+          && o->object == object))
+        o->patch_control = 0; /* a new fact: no patch values yet */
+    o->epoch = now;
+    o->dev = dev;
+    o->ino = ino;
+    o->client = client;
+    o->object = object;
+    o->abi = (uint32_t)obj[4];
+    o->sandbox = (uint64_t)obj[5];
+    return o;
+}
+
 /*
  * The broker settled a control (nativelane.NativeLane.settle): write down its two facts
  * and its caller. obj: dev, ino, client, object, abi, the session's sandbox tag, the
@@ -1068,25 +1166,9 @@ int dvb_settled_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t
     if (put_begin(m, epochs, 0, pidfd, &now) < 0) /* (a removal: no object fact, below) */
         return -1;
     /* the object: only if nothing was removed while the broker decided */
-    int64_t dev = obj[0], ino = obj[1];
-    uint32_t client = (uint32_t)obj[2], object = (uint32_t)obj[3];
     uint32_t control = (uint32_t)ctl[2];
     if (epochs[2] == m->ring_seen) {
-        int oi = PICK_SLOT(m->objects, DVB_SETTLED_OBJECTS, object_home(client, object),
-                           e->dev == dev && e->ino == ino && e->client == client
-                               && e->object == object && e->epoch,
-                           e->epoch != now);
-        struct dvb_settled_object *o = &m->objects[oi];
-        if (!(o->epoch == now && o->dev == dev && o->ino == ino && o->client == client
-              && o->object == object))
-            o->patch_control = 0; /* a new fact: no patch values yet */
-        o->epoch = now;
-        o->dev = dev;
-        o->ino = ino;
-        o->client = client;
-        o->object = object;
-        o->abi = (uint32_t)obj[4];
-        o->sandbox = (uint64_t)obj[5];
+        struct dvb_settled_object *o = object_fact_put(m, now, obj);
         if (patch_n) {
             o->patch_control = control;
             o->patch_epoch = epochs[1];
@@ -1150,6 +1232,39 @@ void dvb_settled_credit(struct dvb_shared *sh, int64_t n, int unpaced)
     else
         m->credit = (m->credit < 0 ? 0 : m->credit) + n;
     pthread_mutex_unlock(&m->lock);
+}
+
+/* Objects the loop's settled allocations may still make before the broker looks again
+ * (SeccompSupervisor._alloc_credit: the tenant's limits.rm_objects less what its books
+ * hold and a margin, refreshed at each allocation it books). */
+void dvb_settled_alloc_credit(struct dvb_shared *sh, int64_t n)
+{
+    struct dvb_settled *m = &sh->settled;
+    pthread_mutex_lock(&m->lock);
+    m->alloc_credit = n < 0 ? 0 : n;
+    pthread_mutex_unlock(&m->lock);
+}
+
+/*
+ * An object fact written when the broker books a new object (an allocation it admitted or
+ * a settled one): on this file, this client and object are the tenant's, on one of its GPUs
+ * (the parent's, which the admission checked against the policy), and the opener's sandbox
+ * — what a control fact's decision reads of the object, true of a new object as of the
+ * epochs read before it was booked (nothing is written if a removal came since: the parent
+ * may be gone). Controls and allocations on it are then settled from their first call when
+ * their control fact stands (CUDA's channels: each gets its copy engine object, engine id
+ * and work-submit token once). obj: dev, ino, client, object, abi, the session's sandbox
+ * tag. Returns 0, or -1 when not written.
+ */
+int dvb_settled_object_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t *obj)
+{
+    struct dvb_settled *m = &sh->settled;
+    uint64_t now;
+    if (put_begin(m, epochs, 1, -1, &now) < 0)
+        return -1;
+    object_fact_put(m, now, obj);
+    pthread_mutex_unlock(&m->lock);
+    return 0;
 }
 
 int64_t dvb_settled_credit_left(struct dvb_shared *sh)
@@ -1263,20 +1378,36 @@ static int settled_admit(struct dvb_thread *t)
     if (!o)
         goto out;
     struct dvb_settled_control *e = find_control(m, now, o->abi, (uint32_t)c->cmd, control);
-    if (!e || e->params_size != params_size || !params || params_size > DVB_PARAMS_MAX)
+    if (!e || !params || e->params_size > DVB_PARAMS_MAX
+        || (e->params_size != params_size && !(l->alloc && params_size == 0)))
         goto out;
+    if (l->alloc) {
+        /* An allocation settled (nativelane.NativeLane.settle, ControlLane.settleable): no
+         * access rights asked for, an object of the tenant's allowance left; the driver
+         * refuses a handle that exists in the client itself (NV_ERR_INSERT_DUPLICATE_NAME,
+         * the general path's answer too), and the broker books the new object after the
+         * answer (FINISH_AFTER), before it decides anything else. */
+        uint64_t rights = 0;
+        if (l->rights >= 0)
+            memcpy(&rights, c->hdr + l->rights, 8);
+        if (rights || m->alloc_credit <= 0)
+            goto out;
+    }
     if (e->patched && (o->patch_control != control || o->patch_epoch != epoch_now(m, 1)))
         goto out; /* its patch values are for another control, or memory changed since */
     if (!m->credit || !o->sandbox || caller_sandbox(m, c->tid) != o->sandbox)
         goto out; /* (the session's own check: the caller in the opener's sandbox) */
     if (m->credit > 0)
         m->credit--;
+    if (l->alloc)
+        m->alloc_credit--;
     c->params_ptr = (int64_t)params;
-    c->params_size = params_size;
+    c->params_size = e->params_size; /* (an allocation's 0: the class's size, read here) */
     c->params_off = l->params;
     c->status_off = l->status;
     c->driver = 1;
-    c->finish = c->check = 0;
+    c->check = 0;
+    c->finish = l->alloc ? FINISH_AFTER : FINISH_NONE;
     c->gpu_id_off = e->gpu_id_off;
     c->n_null = e->n_null;
     for (int k = 0; k < DVB_SETTLED_PTRS; k++)
@@ -1384,6 +1515,22 @@ int dvb_continue_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_
                 close(pidfd);
             return -1;
         }
+    /* then: n_obj, the client's offset, DVB_CONT_OBJECTS object offsets, n_fd, DVB_CONT_FDS
+     * fd offsets */
+    const int64_t *x = f + 8 + 2 * n;
+    int n_obj = (int)x[0], n_fd = (int)x[2 + DVB_CONT_OBJECTS];
+    int bad = n_obj < 0 || n_obj > DVB_CONT_OBJECTS || n_fd < 0 || n_fd > DVB_CONT_FDS
+              || ((n_obj || n_fd) && (kind != DVB_FACT_IOCTL || f[3] > DVB_CONT_ARG))
+              || (n_obj && (x[1] < 0 || x[1] + 4 > f[3]));
+    for (int k = 0; k < n_obj && !bad; k++)
+        bad = x[2 + k] < 0 || x[2 + k] + 4 > f[3];
+    for (int k = 0; k < n_fd && !bad; k++)
+        bad = x[3 + DVB_CONT_OBJECTS + k] < 0 || x[3 + DVB_CONT_OBJECTS + k] + 4 > f[3];
+    if (bad) {
+        if (pidfd >= 0)
+            close(pidfd);
+        return -1;
+    }
     uint64_t now;
     if (put_begin(m, epochs, 1, pidfd, &now) < 0)
         return -1;
@@ -1413,6 +1560,13 @@ int dvb_continue_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_
         e->off[k] = k < n ? (int32_t)f[8 + k] : 0;
         e->handle[k] = handle[k];
     }
+    e->n_obj = n_obj;
+    e->obj_client = n_obj ? (int32_t)x[1] : 0;
+    for (int k = 0; k < DVB_CONT_OBJECTS; k++)
+        e->obj_off[k] = k < n_obj ? (int32_t)x[2 + k] : 0;
+    e->n_fd = n_fd;
+    for (int k = 0; k < DVB_CONT_FDS; k++)
+        e->fd_off[k] = k < n_fd ? (int32_t)x[3 + DVB_CONT_OBJECTS + k] : 0;
     if (pidfd >= 0)
         caller_put(m, tid, pidfd, (uint64_t)f[5]);
     slot = i;
@@ -1459,13 +1613,51 @@ static void fact_count(struct dvb_settled *m, struct dvb_cont_fact *e, int64_t n
  * when the read of a handle field came back after the watchdog answered. The lock is not
  * held while tenant memory is read (a page the tenant controls must never stall other
  * listener threads' lookups): the fact is looked up again after the read. */
+static int tenant_fd_statx(pid_t pid, int fd, unsigned int mask, struct statx *sx);
+
+/* A continue fact's objects and fds against what the loop read (under m->lock): each object
+ * handle has an object fact on this file under the client the argument names, each fd is
+ * -1 (fd_ok) or names a file with a mapping fact in the fact's sandbox. */
+static int cont_objects_hold(struct dvb_settled *m, uint64_t now, const struct dvb_cont_fact *e,
+                             const struct dvb_call *c, const uint8_t *arg, const int *fd_ok,
+                             const int64_t *fd_dev, const int64_t *fd_ino)
+{
+    uint32_t client, object;
+    if (e->n_obj) {
+        memcpy(&client, arg + e->obj_client, 4);
+        for (int k = 0; k < e->n_obj && k < DVB_CONT_OBJECTS; k++) {
+            memcpy(&object, arg + e->obj_off[k], 4);
+            struct dvb_settled_object *o = find_object(m, now, c->dev, c->ino, client, object);
+            if (!o || o->sandbox != e->sandbox)
+                return 0;
+        }
+    }
+    for (int k = 0; k < e->n_fd && k < DVB_CONT_FDS; k++) {
+        if (fd_ok[k])
+            continue;
+        int found = 0;
+        uint64_t home = cont_home(fd_dev[k], fd_ino[k], 0);
+        for (int j = 0; j < SETTLED_PROBE && !found; j++) {
+            const struct dvb_cont_fact *f = &m->conts[(home + j) % DVB_CONT_FACTS];
+            found = f->epoch == now && f->dev == fd_dev[k] && f->ino == fd_ino[k]
+                    && f->kind == DVB_FACT_MMAP && f->sandbox == e->sandbox;
+        }
+        if (!found)
+            return 0;
+    }
+    return 1;
+}
+
 static int continue_admit(struct dvb_thread *t, int64_t t0)
 {
     struct dvb_settled *m = &t->sh->settled;
     struct dvb_call *c = &t->call;
     uint32_t cmd = (uint32_t)c->cmd, handle[DVB_CONT_HANDLES] = {0};
     int32_t off[DVB_CONT_HANDLES] = {0};
-    int n = -1, ok = 0;
+    int n = -1, ok = 0, whole = 0;
+    uint32_t size = 0;
+    uint8_t arg[DVB_CONT_ARG];
+    int64_t fd_dev[DVB_CONT_FDS] = {0}, fd_ino[DVB_CONT_FDS] = {0};
     if (!m->epochs || t->sh->mem_off)
         return 0;
     uint64_t home = cont_home(c->dev, c->ino, cmd);
@@ -1478,12 +1670,28 @@ static int continue_admit(struct dvb_thread *t, int64_t t0)
             && e->kind == DVB_FACT_IOCTL && e->cmd == cmd) {
             n = e->n;
             memcpy(off, e->off, sizeof(off));
+            whole = e->n_obj || e->n_fd;
+            size = e->size;
         }
     }
     pthread_mutex_unlock(&m->lock);
     if (n < 0)
         return 0;
-    if (n > 0) {
+    if (whole) {
+        /* The whole argument, privately (its handles, objects and fds read from this copy,
+         * as the broker's decision reads its own; the kernel re-reads the argument when the
+         * tenant's thread runs the call, as after that decision: the row's `race`). */
+        struct iovec l = {arg, size}, r = {(void *)(uintptr_t)(uint64_t)c->argp, size};
+        if (size > DVB_CONT_ARG)
+            return 0;
+        ssize_t got = tenant_rw(t, (pid_t)c->tid, 0, &l, &r, 1);
+        if (t->abandoned)
+            return DVB_LATE;
+        if (got != (ssize_t)size)
+            return 0;
+        for (int k = 0; k < n; k++)
+            memcpy(&handle[k], arg + off[k], 4);
+    } else if (n > 0) {
         struct iovec l[DVB_CONT_HANDLES], r[DVB_CONT_HANDLES];
         for (int k = 0; k < n; k++) {
             l[k] = (struct iovec){&handle[k], 4};
@@ -1494,6 +1702,39 @@ static int continue_admit(struct dvb_thread *t, int64_t t0)
             return DVB_LATE;
         if (got != (ssize_t)(4 * n))
             return 0; /* the broker reads it again and answers */
+    }
+    int fd_ok[DVB_CONT_FDS] = {0};
+    if (whole) {
+        /* the fds' files, by their identity in the caller's table (outside the lock) */
+        pthread_mutex_lock(&m->lock);
+        int32_t fo[DVB_CONT_FDS] = {0};
+        int nf = 0;
+        for (int k = 0; k < SETTLED_PROBE; k++) {
+            struct dvb_cont_fact *e = &m->conts[(home + k) % DVB_CONT_FACTS];
+            if (e->epoch == now && e->dev == c->dev && e->ino == c->ino
+                && e->kind == DVB_FACT_IOCTL && e->cmd == cmd && e->n_fd) {
+                nf = e->n_fd;
+                memcpy(fo, e->fd_off, sizeof(fo));
+                break;
+            }
+        }
+        pthread_mutex_unlock(&m->lock);
+        for (int k = 0; k < nf && k < DVB_CONT_FDS; k++) {
+            int32_t fd;
+            struct statx sx;
+            if ((uint32_t)fo[k] + 4 > size)
+                return 0;
+            memcpy(&fd, arg + fo[k], 4);
+            if (fd == -1) {
+                fd_ok[k] = 1; /* no file: the driver sees -1, as the broker allows */
+                continue;
+            }
+            if (fd < 0 || tenant_fd_statx((pid_t)c->tid, fd, STATX_TYPE | STATX_INO, &sx) < 0
+                || !S_ISCHR(sx.stx_mode))
+                return 0;
+            fd_dev[k] = (int64_t)makedev(sx.stx_dev_major, sx.stx_dev_minor);
+            fd_ino[k] = (int64_t)sx.stx_ino;
+        }
     }
     pthread_mutex_lock(&m->lock);
     catch_up(m);
@@ -1507,6 +1748,10 @@ static int continue_admit(struct dvb_thread *t, int64_t t0)
             continue;
         if (!m->credit || !e->sandbox || caller_sandbox(m, c->tid) != e->sandbox)
             break; /* (the session's own check: the caller in the opener's sandbox) */
+        if ((e->n_obj || e->n_fd)
+            && (!whole || e->size != size
+                || !cont_objects_hold(m, now, e, c, arg, fd_ok, fd_dev, fd_ino)))
+            break; /* (the broker decides it) */
         if (m->credit > 0)
             m->credit--;
         fact_count(m, e, now_ns() - t0);
