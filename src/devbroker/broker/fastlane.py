@@ -859,8 +859,9 @@ class ControlLane:
         """Whether this admitted control's decision may be *settled*: repeated by a front
         end, without asking again, for the same control on the same object until the books
         say that something it read changed (objects.BOOKS: the policy epoch, the ring of
-        removals; native/lane.c, struct dvb_settled). So: a control (not an allocation,
-        free or escape) decided on its header alone — its row, the tenant's capabilities,
+        removals; native/lane.c, struct dvb_settled). An allocation: `_settleable_alloc`.
+        Otherwise: a control (not a free or escape) decided on its header alone — its row,
+        the tenant's capabilities,
         the client and object in the books and on one of the tenant's GPUs, all of which
         those cover — with no check of its parameters but, at most, that its one GPU id is
         one of the tenant's (`Admitted.gpu_id_off`: the front end repeats that test on its
