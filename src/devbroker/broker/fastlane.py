@@ -914,8 +914,8 @@ class ControlLane:
         """An allocation a front end admitted as settled was answered NV_OK by the driver
         (hdr_out: its header as the driver left it): the new object into the tenant's books,
         as `_finish_alloc` books one (on the parent's GPU, nothing charged), and counted.
-        Its (client, new handle, GPU), or None when it was not booked (the session or
-        the parent gone meanwhile: a racing free took the new object with it)."""
+        (The broker's session, client, new handle), or None when it was not booked (the
+        session or the parent gone meanwhile: a racing free took the new object with it)."""
         with STATE_LOCK:
             s = self.broker.sessions.get(session_id)
             if s is None:
@@ -931,7 +931,7 @@ class ControlLane:
                 return None
             client.add(handle, cls, h_parent, gpu=parent.gpu, charged=0)
             self.allocations += 1
-            return client.handle, handle, parent.gpu
+            return s, client.handle, handle
 
     def settled_calls(self, tenant, key, ok: int, err: int, sum_ns: int,
                       buckets) -> None:

@@ -1236,9 +1236,8 @@ class SeccompSupervisor:
             return 1
         epochs = BOOKS.now()  # (before booking: what the object's fact stands on)
         got = self._lane.book_settled(sess.id, hdr_out, c.cmd)
-        bs = self.broker.sessions.get(sess.id)
-        if got is not None and bs is not None:
-            self._booked(t, c, bs, got[0], got[1], epochs)
+        if got is not None:
+            self._booked(t, c, *got, epochs)
         return 1
 
     def _booked(self, t: nativelane.NativeThread, c: nativelane.Call, s, client: int,

@@ -1654,8 +1654,9 @@ static int continue_admit(struct dvb_thread *t, int64_t t0)
     struct dvb_call *c = &t->call;
     uint32_t cmd = (uint32_t)c->cmd, handle[DVB_CONT_HANDLES] = {0};
     int32_t off[DVB_CONT_HANDLES] = {0};
-    int n = -1, ok = 0, whole = 0;
+    int n = -1, ok = 0, whole = 0, nf = 0;
     uint32_t size = 0;
+    int32_t fo[DVB_CONT_FDS] = {0};
     uint8_t arg[DVB_CONT_ARG];
     int64_t fd_dev[DVB_CONT_FDS] = {0}, fd_ino[DVB_CONT_FDS] = {0};
     if (!m->epochs || t->sh->mem_off)
@@ -1672,6 +1673,8 @@ static int continue_admit(struct dvb_thread *t, int64_t t0)
             memcpy(off, e->off, sizeof(off));
             whole = e->n_obj || e->n_fd;
             size = e->size;
+            nf = e->n_fd; /* (one plan per command: every fact of it has these) */
+            memcpy(fo, e->fd_off, sizeof(fo));
         }
     }
     pthread_mutex_unlock(&m->lock);
@@ -1706,19 +1709,6 @@ static int continue_admit(struct dvb_thread *t, int64_t t0)
     int fd_ok[DVB_CONT_FDS] = {0};
     if (whole) {
         /* the fds' files, by their identity in the caller's table (outside the lock) */
-        pthread_mutex_lock(&m->lock);
-        int32_t fo[DVB_CONT_FDS] = {0};
-        int nf = 0;
-        for (int k = 0; k < SETTLED_PROBE; k++) {
-            struct dvb_cont_fact *e = &m->conts[(home + k) % DVB_CONT_FACTS];
-            if (e->epoch == now && e->dev == c->dev && e->ino == c->ino
-                && e->kind == DVB_FACT_IOCTL && e->cmd == cmd && e->n_fd) {
-                nf = e->n_fd;
-                memcpy(fo, e->fd_off, sizeof(fo));
-                break;
-            }
-        }
-        pthread_mutex_unlock(&m->lock);
         for (int k = 0; k < nf && k < DVB_CONT_FDS; k++) {
             int32_t fd;
             struct statx sx;
@@ -1749,7 +1739,8 @@ static int continue_admit(struct dvb_thread *t, int64_t t0)
         if (!m->credit || !e->sandbox || caller_sandbox(m, c->tid) != e->sandbox)
             break; /* (the session's own check: the caller in the opener's sandbox) */
         if ((e->n_obj || e->n_fd)
-            && (!whole || e->size != size
+            && (!whole || e->size != size || e->n_fd != nf
+                || memcmp(e->fd_off, fo, sizeof(fo))
                 || !cont_objects_hold(m, now, e, c, arg, fd_ok, fd_dev, fd_ino)))
             break; /* (the broker decides it) */
         if (m->credit > 0)
