@@ -11,7 +11,13 @@ tenant process, timed call by call (devbroker.tools.hotpath), through:
 3. devbroker's FUSE front end with the real backend, its relay process driving a stand-in
    driver node: the same C server mounted as the backend's /dev (every RM call answered
    NV_OK with the argument as sent, so the broker's decode, relay, rewrite and write-back all
-   run) and a /proc/driver/nvidia made from the emulator's view;
+   run) and a /proc/driver/nvidia made from the emulator's view; then the same against a
+   stand-in that answers in the kernel, as the driver does: nodes of /dev/null's device and
+   a seccomp filter on the broker's processes that returns 0 for every 'F' ioctl without
+   running it (tests/nvok_standin.py, the stand-in of the real-backend tests) — the same
+   answers without the C server's own FUSE round trip — and that once more with the lane's
+   calls sent through the relay process instead of run on the broker's own duplicates of
+   its files (DEVBROKER_RELAYED_LOCAL=0: what those duplicates buy);
 4. the seccomp front end with the emulated backend (`devbroker exec --frontend seccomp`),
    the same with the Python listener instead of the native loop (frontends/nativelane.py;
    what the loop buys), and with the broker's control lane off (broker/fastlane.py);
@@ -186,9 +192,35 @@ class Daemon:
 
 
 # ------------------------------------------------------------------ the stand-in broker
-def serve_standin(work: Path, echo_bin: Path) -> int:
-    """(In a child process.) A broker with the real backend whose /dev is fuse_echo and whose
-    /proc/driver/nvidia is the emulator's view, serving the FUSE front end at work/nodes."""
+STANDIN_NODES = ["nvidiactl"] + [f"nvidia{i}" for i in range(8)] + ["nvidia-uvm",
+                                                                    "nvidia-uvm-tools"]
+
+
+class KernelStandin:
+    """A /dev of nodes with /dev/null's device (c 1:3) under the names of the driver's: the
+    broker's processes run under tests/nvok_standin.py's filter, so an 'F' ioctl on them
+    returns 0 with the argument as sent, answered by the kernel (KERNEL_STANDIN)."""
+
+    def __init__(self, mount: Path):
+        self.mount = mount
+        mount.mkdir(parents=True, exist_ok=True)
+        os.chmod(mount, 0o755)
+        for name in STANDIN_NODES:
+            os.mknod(mount / name, 0o666 | 0o020000, os.makedev(1, 3))
+            os.chmod(mount / name, 0o666)
+
+    def stop(self) -> None:
+        pass
+
+
+KERNEL_STANDIN = [sys.executable, str(REPO / "tests" / "nvok_standin.py")]
+
+
+def serve_standin(work: Path, echo_bin: Path, kind: str = "fuse") -> int:
+    """(In a child process.) A broker with the real backend whose /dev is fuse_echo (kind
+    "fuse") or KernelStandin's nodes ("kernel": this process runs under nvok_standin.py) and
+    whose /proc/driver/nvidia is the emulator's view, serving the FUSE front end at
+    work/nodes."""
     import trio
 
     from devbroker.backends.emulated import EmulatedGpu
@@ -201,7 +233,8 @@ def serve_standin(work: Path, echo_bin: Path) -> int:
     from devbroker.daemon import tenant_tree
     from devbroker.frontends.fuse import FuseFrontend
 
-    dev = EchoServer(echo_bin, work / "standin-dev")
+    dev = (EchoServer(echo_bin, work / "standin-dev") if kind == "fuse"
+           else KernelStandin(work / "standin-dev"))
     proc = work / "standin-proc"
     gpu = EmulatedGpu(index=0, name="NVIDIA H200", uuid="GPU-11111111-2222-3333-4444-555555555555",
                       pci_bus_id="0000:00:06.0", memory_bytes=141 << 30)
@@ -295,6 +328,38 @@ def summarize(path: Path, top: int = 25) -> str:
 
 
 # ------------------------------------------------------------------ the run
+def standin_row(a, work: Path, echo_bin: Path, rows: dict, key: str, kind: str,
+                wrap: list[str], **env_extra: str) -> None:
+    """FUSE + real backend against a stand-in driver (serve_standin's `kind`), in a child
+    process started through `wrap` with `env_extra` in its environment; its latency row
+    under rows[key]."""
+    log(f"FUSE + real backend against the stand-in node ({kind}) {env_extra or ''}")
+    sw = work / key
+    sw.mkdir()
+    os.chmod(sw, 0o755)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(REPO / "src")] + [p for p in [os.environ.get("PYTHONPATH")] if p]), **env_extra)
+    host = subprocess.Popen(wrap + [sys.executable, __file__, "_standin", str(sw),
+                                    str(echo_bin), kind],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        json_line(host, "ready", 60)
+        from devbroker.backends.real import gpu_id_of
+
+        prof = Profile(a.profile, key, host.pid)
+        d = run_json(HOTPATH + ["latency", "--n", str(a.n), "--dev", str(sw / "nodes" / "quiet"),
+                                "--gpu-id", hex(gpu_id_of("0000:00:06.0"))], "latency")
+        prof.stop()
+        rows[key] = {"ns": d["ns"]}
+    finally:
+        host.stdin.close()
+        try:
+            host.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            host.kill()
+            host.wait()
+
+
 def measure(a) -> dict:
     work = Path(tempfile.mkdtemp(prefix="devbroker-hotpath-"))
     os.chmod(work, 0o755)  # the relay (uid 65534) opens the stand-in's nodes under it
@@ -314,28 +379,10 @@ def measure(a) -> dict:
     finally:
         echo.stop()
 
-    log("FUSE + real backend against the stand-in node")
-    sw = work / "standin"
-    sw.mkdir()
-    os.chmod(sw, 0o755)
-    host = subprocess.Popen([sys.executable, __file__, "_standin", str(sw), str(echo_bin)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        json_line(host, "ready", 60)
-        from devbroker.backends.real import gpu_id_of
-
-        prof = Profile(a.profile, "fuse-real", host.pid)
-        d = run_json(HOTPATH + ["latency", "--n", str(n), "--dev", str(sw / "nodes" / "quiet"),
-                                "--gpu-id", hex(gpu_id_of("0000:00:06.0"))], "latency")
-        prof.stop()
-        rows["fuse-real"] = {"ns": d["ns"]}
-    finally:
-        host.stdin.close()
-        try:
-            host.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            host.kill()
-            host.wait()
+    standin_row(a, work, echo_bin, rows, "fuse-real", "fuse", [])
+    standin_row(a, work, echo_bin, rows, "fuse-real-kernel", "kernel", KERNEL_STANDIN)
+    standin_row(a, work, echo_bin, rows, "fuse-real-kernel-relay", "kernel", KERNEL_STANDIN,
+                DEVBROKER_RELAYED_LOCAL="0")
 
     log("devbroker run (emulated backend)")
     daemon = Daemon(work / "daemon")
@@ -423,6 +470,10 @@ LATENCY_ROWS = [
     ("floor", "C libfuse3 server answering the ioctl (the floor)", None),
     ("fuse-emulated", "devbroker FUSE + emulated backend", 100),
     ("fuse-real", "devbroker FUSE + real backend, relay → stand-in node (C FUSE server)", 150),
+    ("fuse-real-kernel", "the same, the stand-in answering in the kernel (nvok_standin.py)",
+     150),
+    ("fuse-real-kernel-relay", "the same, lane calls through the relay process "
+     "(DEVBROKER_RELAYED_LOCAL=0)", None),
     ("seccomp-emulated", "devbroker seccomp front end + emulated backend", None),
     ("seccomp-emulated-python", "the same, the Python listener (DEVBROKER_NATIVE_LANE=0)", None),
     ("seccomp-emulated-nolane", "the same, control lane off (DEVBROKER_CONTROL_LANE=0)", None),
@@ -481,8 +532,8 @@ def write_doc(path: Path, text: str) -> None:
 
 
 def main() -> int:
-    if len(sys.argv) == 4 and sys.argv[1] == "_standin":
-        return serve_standin(Path(sys.argv[2]), Path(sys.argv[3]))
+    if len(sys.argv) == 5 and sys.argv[1] == "_standin":
+        return serve_standin(Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4])
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--short", action="store_true", help="CI's run: fewer calls, same rows")
     ap.add_argument("--n", type=int, help="calls per latency row (default 2000; short 200)")

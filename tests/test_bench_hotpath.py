@@ -21,8 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (FUSE mounts)")
 
-ROWS = ["floor", "fuse-emulated", "fuse-real", "seccomp-emulated", "seccomp-emulated-python",
-        "seccomp-emulated-nolane"]
+ROWS = ["floor", "fuse-emulated", "fuse-real", "fuse-real-kernel", "fuse-real-kernel-relay",
+        "seccomp-emulated", "seccomp-emulated-python", "seccomp-emulated-nolane"]
 
 
 def test_short_run_reports_every_path(tmp_path):
@@ -47,6 +47,7 @@ def test_short_run_reports_every_path(tmp_path):
     # the marked section was replaced, what is around it kept
     assert text.startswith("# before\n") and text.rstrip().endswith("after")
     assert "old" not in text and text.count("<!-- bench_hotpath:begin -->") == 1
-    for label in ("the floor", "FUSE + emulated", "stand-in node", "seccomp front end",
+    for label in ("the floor", "FUSE + emulated", "stand-in node", "answering in the kernel",
+                  "through the relay process", "seccomp front end",
                   "16 tenant processes", "floods"):
         assert label in text, label

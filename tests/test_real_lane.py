@@ -62,10 +62,54 @@ def test_a_lane_call_on_a_relayed_file_answers_as_the_general_path(backend, kind
     assert (ret, err) == (-1, errno.ENOTTY) == (general.result, general.errno)
     assert hdr_out == bytes(hdr) == general.arg  # the tenant's pointer, as it sent it
     assert params.startswith(b"private parameter block")
-    # the thread channel taken (another reader thread's call): the general way
+    # On the broker's own duplicate of the relay's file (RealBackend._lend): the same file
+    # the relay holds, kept for the file's next calls, answered while the relay's channel
+    # for threads is taken (another reader thread's call) ...
+    local = f.local_fd
+    assert local >= 0 and f.users == 0
+    relay_file = os.stat(f"/proc/{backend.relay.pid}/fd/{f.rfd}")
+    assert (os.fstat(local).st_rdev, os.fstat(local).st_ino) == (relay_file.st_rdev,
+                                                                 relay_file.st_ino)
     with backend.relay.thread_chan.lock:
-        with pytest.raises(NotHere):
-            backend.run_control(f, -1, bytes(hdr), params, header, abi)
+        assert backend.run_control(f, -1, bytes(hdr), params, header, abi) == (ret, err,
+                                                                             hdr_out)
+    assert f.local_fd == local
+    # ... and through the relay with DEVBROKER_RELAYED_LOCAL=0: NotHere (the general way)
+    # while that channel is taken.
+    backend.LOCAL_RELAYED = False
+    try:
+        assert backend.run_control(f, -1, bytes(hdr), params, header, abi)[:2] == (ret, err)
+        with backend.relay.thread_chan.lock:
+            with pytest.raises(NotHere):
+                backend.run_control(f, -1, bytes(hdr), params, header, abi)
+    finally:
+        del backend.LOCAL_RELAYED
+    # Closed with the file; a closed file's calls go the general way (which refuses them).
+    backend.close(f)
+    assert f.local_fd == -1
+    try:
+        now = os.fstat(local)
+    except OSError:
+        now = None
+    assert now is None or (now.st_rdev, now.st_ino) != (relay_file.st_rdev, relay_file.st_ino)
+    with pytest.raises(NotHere):
+        backend.run_control(f, -1, bytes(hdr), params, header, abi)
+
+
+def test_a_relayed_files_duplicate_outlives_a_close_only_while_a_call_is_on_it(backend):
+    """The file closed while a lane call holds its duplicate (a FUSE release racing a reader
+    thread's call): the duplicate is closed by that call when it ends, never under it (its
+    number cannot be reused by another open while the call runs)."""
+    f = backend.open(NodeKind.CTL, 0)
+    fd = backend._lend(f)
+    assert fd is not None and f.users == 1
+    backend.close(f)
+    assert f.closed and f.local_fd == fd
+    os.fstat(fd)  # still ours
+    backend._unlend(f)
+    assert f.local_fd == -1 and f.users == 0
+    with pytest.raises(NotHere):
+        backend._lend(f)
 
 
 def _on_stand_in_nodes(tmp_path, name: str, env: dict, frontend: str, argv: list[str],

@@ -84,3 +84,23 @@ probe_broker() { local run=$1 pol=$2 audit=$3 logf=$4
 }
 ptexec() { timeout "${PTEXEC_TIMEOUT:-120}" "$PY" -m devbroker.cli.main --run-dir "$PROBE_RUN" \
     exec --tenant c16 --uid 0 "${BINDS[@]}" -- env PYTHONPATH="$PYTHONPATH" "$@"; }
+
+# Native and tenant processes taking turns on the GPU (cuda_checks.py turns): turns_setup
+# makes the two FIFOs in $TD and binds them into later tenants; turns_pair N DEV NAT
+# TEXEC... runs `turns DEV` as a tenant (through the command TEXEC...) and `turns NAT`
+# natively at once, both on CPU $BENCH_CPU (3), and records turnsN_native / turnsN_dev.
+# scripts/gpu/turns_summary.py RES compares them.
+turns_setup() {
+  TD=/tmp/devbroker-turns; rm -rf "$TD"; mkdir -p "$TD"; mkfifo -m 666 "$TD/to-a" "$TD/to-b"
+  BINDS+=(--bind "$TD:$TD:rw")
+}
+turns_pair() { local n=$1 dev=$2 nat=$3; shift 3
+  local cpu=${BENCH_CPU:-3}
+  "$@" env BENCH_CPU=$cpu "$PY" scripts/gpu/cuda_checks.py turns "$dev" "$TD" > "$W/turns$n-dev.txt" 2>&1 &
+  local tp=$!
+  env BENCH_CPU=$cpu "$PY" scripts/gpu/cuda_checks.py turns "$nat" "$TD" > "$W/turns$n-native.txt" 2>&1
+  wait $tp
+  put "turns${n}_native" "$(last < "$W/turns$n-native.txt")"
+  put "turns${n}_dev" "$(last < "$W/turns$n-dev.txt")"
+  tail -n 2 "$W/turns$n-native.txt" "$W/turns$n-dev.txt" | cut -c1-300
+}

@@ -178,6 +178,12 @@ ab() { local what=$1 i=$2 pre=${3:-}
   fi; }
 for i in $(seq 1 "$ROUNDS"); do ab init "$i"; done
 for i in $(seq 1 "$ROUNDS"); do ab bench "$i" BENCH_CPU=3; done
+# The same two measures with a native process and a tenant alive at once, taking turns unit
+# by unit (cuda_checks.py turns, lib.sh turns_pair): twice, each side going first once.
+step "native and devbroker taking turns: the launch-bound loop, bf16 matmul"
+turns_setup
+turns_pair 1 b a texec c16  # native first
+turns_pair 2 a b texec c16  # devbroker first
 "$PY" - "$RES" "$ROUNDS" <<'PYX' | tee "$W/targets.txt"
 import json, statistics, sys
 d, rounds = json.load(open(sys.argv[1])), int(sys.argv[2])
@@ -206,6 +212,7 @@ if isinstance(nc, dict) and isinstance(dc, dict) and nc.get("p50_us") and dc.get
     print(f"RM_CONTROL p50 (us): native {nc['p50_us']}, devbroker {dc['p50_us']}: "
           f"+{dc['p50_us'] - nc['p50_us']:.1f} (target <= +40)")
 PYX
+"$PY" scripts/gpu/turns_summary.py "$RES" | tee -a "$W/targets.txt"
 cp "$W/targets.txt" "$OUT/targets.txt" 2>/dev/null
 
 step "stop the broker"

@@ -31,6 +31,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -94,6 +95,13 @@ class RealFile:
     path: str
     map_length: int = 0  # set by a successful RM_MAP_MEMORY naming this file
     closed: bool = False
+    # The broker's own duplicate of the relay's file, for lane calls from front-end threads
+    # (RealBackend._lend; -1 until the first), and how many calls use it now: it is closed
+    # with the file, by the last of them (never while a call is on it, so its number is
+    # never reused under one). Not handed over: a successor makes its own.
+    local_fd: int = -1
+    users: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
 @dataclass(frozen=True)
@@ -362,6 +370,9 @@ class RelayProcess:
                                      stdin=subprocess.DEVNULL, close_fds=True)
         for s in theirs:
             s.close()
+        # A pidfd of the relay for pidfd_getfd (take_fd): a pid number could name another
+        # process once the relay has exited and been reaped.
+        self._pidfd = os.pidfd_open(self.proc.pid)
         chans = [Channel(a) for a, _ in pairs]
         self.sync = chans[0]
         self.pool = chans[1:]
@@ -392,6 +403,16 @@ class RelayProcess:
 
     def ioctl(self, chan: Channel, req: w.IoctlRequest) -> w.IoctlReply:
         return w.parse_ioctl_reply(chan.call(lambda rid: w.encode_ioctl(rid, req), w.IOCTL))
+
+    def take_fd(self, rfd: int) -> int:
+        """The broker's own duplicate of the relay's fd `rfd` (pidfd_getfd). After a hand-over
+        the relay is not this broker's child and its proc carries the pidfd."""
+        from devbroker.broker.procmem import pidfd_getfd_at
+
+        pidfd = getattr(self.proc, "pidfd", None)
+        if pidfd is None:
+            pidfd = self._pidfd
+        return pidfd_getfd_at(pidfd, rfd)
 
     def ioctl_here(self, req: w.IoctlRequest) -> w.IoctlReply:
         """A blocking ioctl from a front end's own thread (a FUSE reader, issue 14) on the
@@ -436,6 +457,9 @@ class RelayProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        if getattr(self, "_pidfd", None) is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
 
 
 # --------------------------------------------------------------------------- the backend
@@ -445,6 +469,27 @@ def _ioctl_in_place(fd: int, cmd: int, arg: bytearray) -> tuple[int, int]:
         return fcntl.ioctl(fd, cmd, arg, True), 0
     except OSError as e:
         return -1, e.errno or errno.EIO
+
+
+def _run_control_on(fd: int, hdr: bytes, params: bytearray, header) -> tuple[int, int, bytes]:
+    """A lane call on the broker's own duplicate `fd` of a driver file: the driver reads the
+    private header, whose params pointer names the private parameter block (answered in
+    place), never the tenant's memory; without the capabilities the driver checks.
+    (return value, errno, the header as the driver left it, with the tenant's pointer)."""
+    off = header.params_offset
+    if off < 0:  # the header alone (RM_FREE, a plain escape)
+        priv = bytearray(hdr)
+        ret, err = _uncapable_ioctl_in_place(fd, header.ioctl_cmd, priv)
+        return ret, err, bytes(priv)
+    block = (ctypes.c_char * len(params)).from_buffer(params)
+    priv = bytearray(hdr)
+    struct.pack_into("<Q", priv, off, ctypes.addressof(block))
+    try:
+        ret, err = _uncapable_ioctl_in_place(fd, header.ioctl_cmd, priv)
+    finally:
+        del block  # (releases params for resizing)
+    priv[off:off + 8] = hdr[off:off + 8]  # the tenant's pointer, as the driver leaves it
+    return ret, err, bytes(priv)
 
 
 def _uncapable_ioctl_in_place(fd: int, cmd: int, arg: bytearray) -> tuple[int, int]:
@@ -614,9 +659,14 @@ class RealBackend:
                 file.install_fd = -1
             file.closed = True
             return
-        if not file.closed:
+        with file.lock:
+            if file.closed:
+                return
             file.closed = True
-            self.relay.close(file.rfd)
+            if not file.users and file.local_fd >= 0:  # (else the last user closes it)
+                os.close(file.local_fd)
+                file.local_fd = -1
+        self.relay.close(file.rfd)
 
     def map_read(self, file: RealFile, offset: int, length: int) -> bytes:
         if not file.map_length:
@@ -699,32 +749,76 @@ class RealBackend:
             return self._run_control_relayed(file, hdr, params, header)
         if fd < 0:
             raise NotHere
-        off = header.params_offset
-        if off < 0:  # the header alone (RM_FREE, a plain escape)
-            priv = bytearray(hdr)
-            ret, err = _uncapable_ioctl_in_place(fd, header.ioctl_cmd, priv)
-            return ret, err, bytes(priv)
-        block = (ctypes.c_char * len(params)).from_buffer(params)
-        priv = bytearray(hdr)
-        struct.pack_into("<Q", priv, off, ctypes.addressof(block))
-        try:
-            ret, err = _uncapable_ioctl_in_place(fd, header.ioctl_cmd, priv)
-        finally:
-            del block  # (releases params for resizing)
-        priv[off:off + 8] = hdr[off:off + 8]  # the tenant's pointer, as the driver leaves it
-        return ret, err, bytes(priv)
+        return _run_control_on(fd, hdr, params, header)
+
+    # -- the broker's own duplicates of relayed files (issue 14) ---------------------------
+    LOCAL_RELAYED = os.environ.get("DEVBROKER_RELAYED_LOCAL", "1") != "0"
+
+    def _lend(self, file: RealFile) -> int | None:
+        """The broker's duplicate of a relayed file for one lane call, made at the first
+        (pidfd_getfd of the relay's fd, checked to be the node the relay opened); None when
+        it cannot be had (the relay's channel then). NotHere when the file is closed. Every
+        _lend is followed by one _unlend."""
+        with file.lock:
+            if file.closed:
+                raise NotHere
+            if file.local_fd < 0:
+                try:
+                    fd = self.relay.take_fd(file.rfd)
+                except OSError as e:
+                    self._note(("take_fd", e.errno),
+                                      f"relayed files: no duplicate of the relay's file "
+                                      f"({e.strerror}); lane calls go through the relay")
+                    return None
+                try:
+                    same = os.fstat(fd).st_rdev == os.stat(file.path).st_rdev
+                except OSError:
+                    same = False
+                if not same:  # (a bug: never call the driver on another file)
+                    os.close(fd)
+                    log.error("relayed file %s: the relay's fd %d is not that node",
+                              file.path, file.rfd)
+                    return None
+                file.local_fd = fd
+            file.users += 1
+            return file.local_fd
+
+    def _unlend(self, file: RealFile) -> None:
+        with file.lock:
+            file.users -= 1
+            if file.closed and not file.users and file.local_fd >= 0:
+                os.close(file.local_fd)
+                file.local_fd = -1
 
     def _run_control_relayed(self, file, hdr: bytes, params: bytearray,
                              header) -> tuple[int, int, bytes]:
-        """A lane call (control or allocation) on a relayed file, through the relay's channel
-        for front-end threads: the header with its parameter pointer cleared and the
-        private parameter block as the buffer that pointer names (the relay points it at
-        its own copy), so the driver reads the broker's copies only, from the relay's
-        capability-less process. What the general path's prepare_ioctl builds for the same
-        call: the lane's calls hold no fd and no other pointer (a checked call's pointers
-        are NULL). NotHere when the channel is taken (the general way then)."""
+        """A lane call (control or allocation) on a relayed file. On the broker's own
+        duplicate of the relay's file (`_lend`), on this thread without the capabilities
+        the driver checks, as the seccomp front end runs the same calls on duplicates of
+        tenant files: the driver validates the client by the open file, not the process
+        (BRIEF §8; an RM client's accounting stays its creator's, the relay's), and the
+        lane's calls are none of those the driver binds to the calling process. This saves
+        the relay's round trip (~30 µs of a FUSE tenant's call on the development machine,
+        docs/benchmarks.md). `DEVBROKER_RELAYED_LOCAL=0`, or no duplicate: through the
+        relay's channel for front-end threads — the header with its parameter pointer
+        cleared and the private parameter block as the buffer that pointer names (the
+        relay points it at its own copy), so the driver reads the broker's copies only,
+        from the relay's capability-less process. What the general path's prepare_ioctl
+        builds for the same call: the lane's calls hold no fd and no other pointer (a
+        checked call's pointers are NULL). NotHere when the channel is taken (the general
+        way then)."""
         if getattr(file, "closed", False):
             raise NotHere
+        if self.LOCAL_RELAYED:
+            fd = self._lend(file)
+            if fd is not None:
+                try:
+                    t0 = time.monotonic_ns()
+                    out = _run_control_on(fd, hdr, params, header)
+                    self.last_ns = time.monotonic_ns() - t0
+                    return out
+                finally:
+                    self._unlend(file)
         off = header.params_offset
         if off < 0:  # the header alone (RM_FREE, a plain escape)
             rep = self.relay.ioctl_here(w.IoctlRequest(file.rfd, header.ioctl_cmd,

@@ -48,8 +48,10 @@ REAL_ATTRS = frozenset({
     "_limiter",  # never set (None)
 })
 RELAY_ATTRS = frozenset({"proc", "sync", "pool", "thread_chan",  # passed (channels, pidfd)
-                         "idle", "_free", "_achans"})  # rebuilt (trio's wrappers: lazily)
-REAL_FILE_FIELDS = frozenset({"node", "minor", "rfd", "path", "map_length", "closed"})
+                         "idle", "_free", "_achans",  # rebuilt (trio's wrappers: lazily)
+                         "_pidfd"})  # the successor's proc carries the pidfd
+REAL_FILE_FIELDS = frozenset({"node", "minor", "rfd", "path", "map_length", "closed",
+                              "local_fd", "users", "lock"})  # (the last three: rebuilt)
 TENANT_FILE_FIELDS = frozenset({"node", "minor", "path", "key", "install_fd", "runs_in_caller",
                                 "closed", "continued_root_allocs", "adopted"})
 GPU_FIELDS = frozenset({"index", "name", "uuid", "pci_bus_id", "gpu_id", "memory_bytes",
@@ -105,6 +107,8 @@ def export_real(backend, files: list) -> tuple[dict[str, Any], list[int]]:
         raise RealHandoverError("a relayed call is in flight (or a channel broke)")
     if any(c.lock.locked() for c in chans):
         raise RealHandoverError("a synchronous relay call is in flight")
+    if any(isinstance(f, RealFile) and f.users for f in files):
+        raise RealHandoverError("a lane call is in flight on a relayed file")
     if relay.proc.poll() is not None:
         raise RealHandoverError(f"the relay process exited ({relay.proc.returncode})")
     err = w.parse_keep_reply(relay.sync.call(w.encode_keep, w.KEEP))
