@@ -1,6 +1,8 @@
 """The control lane on the real backend's relayed files (FUSE/CUSE/kmod front ends with
-`--backend real`, issue 14): `RealBackend.run_control` sends the lane's call through the
-relay's channel for front-end threads, built from the private header and parameter block.
+`--backend real`, issue 14): `RealBackend.run_control` runs the lane's call, built from the
+private header and parameter block, on the broker's own duplicate of the relay's file when
+called from a thread that dropped the capabilities the driver checks (a FUSE reader's), and
+through the relay's channel for front-end threads otherwise.
 
 No GPU here: the relay runs for real (its own capability-less process) against stand-in
 driver nodes — /dev/null's device as nvidiactl, so every ioctl meets the kernel's ENOTTY —
@@ -12,12 +14,14 @@ from __future__ import annotations
 import errno
 import os
 import struct
+import threading
 
 import pytest
 
 from devbroker.abi import registry
 from devbroker.abi.nodes import NodeKind
 from devbroker.backends.base import DriverCall, NotHere
+from devbroker.backends.tenantfile import drop_driver_capabilities_for_thread
 from devbroker.broker import fastlane
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mknod)")
@@ -56,32 +60,52 @@ def test_a_lane_call_on_a_relayed_file_answers_as_the_general_path(backend, kind
     else:
         struct.pack_into("<IIIIQQI", hdr, 0, 0xC1D00001, 0xC1D00001, 0x5C000001, 0x2080,
                          0x7FFF00001000, 0, 0)
+    # From a thread that keeps the capabilities the driver checks: through the relay.
     ret, err, hdr_out = backend.run_control(f, -1, bytes(hdr), params, header, abi)
+    assert f.local_fd == -1
     call = abi.decode_ioctl(NodeKind.CTL, header.ioctl_cmd, bytes(hdr))
     general = backend.ioctl_blocking(f, DriverCall(call, bytes(params), {}, abi=abi))
     assert (ret, err) == (-1, errno.ENOTTY) == (general.result, general.errno)
     assert hdr_out == bytes(hdr) == general.arg  # the tenant's pointer, as it sent it
     assert params.startswith(b"private parameter block")
-    # On the broker's own duplicate of the relay's file (RealBackend._lend): the same file
-    # the relay holds, kept for the file's next calls, answered while the relay's channel
-    # for threads is taken (another reader thread's call) ...
+    # From a thread without them for its life (a FUSE reader's): on the broker's own
+    # duplicate of the relay's file (RealBackend._lend) — the same file the relay holds,
+    # kept for the file's next calls — answered alike, also while the relay's channel for
+    # threads is taken (another reader thread's call) ...
+    def on_safe_thread(fn):
+        got = []
+
+        def main():
+            drop_driver_capabilities_for_thread()
+            try:
+                got.append(fn())
+            except Exception as e:  # noqa: BLE001 - handed to the test's thread
+                got.append(e)
+        t = threading.Thread(target=main)
+        t.start()
+        t.join()
+        if isinstance(got[0], Exception):
+            raise got[0]
+        return got[0]
+
+    run = lambda: backend.run_control(f, -1, bytes(hdr), params, header, abi)  # noqa: E731
+    assert on_safe_thread(run) == (ret, err, hdr_out)
     local = f.local_fd
     assert local >= 0 and f.users == 0
     relay_file = os.stat(f"/proc/{backend.relay.pid}/fd/{f.rfd}")
     assert (os.fstat(local).st_rdev, os.fstat(local).st_ino) == (relay_file.st_rdev,
                                                                  relay_file.st_ino)
     with backend.relay.thread_chan.lock:
-        assert backend.run_control(f, -1, bytes(hdr), params, header, abi) == (ret, err,
-                                                                             hdr_out)
+        assert on_safe_thread(run) == (ret, err, hdr_out)
     assert f.local_fd == local
     # ... and through the relay with DEVBROKER_RELAYED_LOCAL=0: NotHere (the general way)
     # while that channel is taken.
     backend.LOCAL_RELAYED = False
     try:
-        assert backend.run_control(f, -1, bytes(hdr), params, header, abi)[:2] == (ret, err)
+        assert on_safe_thread(run)[:2] == (ret, err)
         with backend.relay.thread_chan.lock:
             with pytest.raises(NotHere):
-                backend.run_control(f, -1, bytes(hdr), params, header, abi)
+                on_safe_thread(run)
     finally:
         del backend.LOCAL_RELAYED
     # Closed with the file; a closed file's calls go the general way (which refuses them).
@@ -93,7 +117,7 @@ def test_a_lane_call_on_a_relayed_file_answers_as_the_general_path(backend, kind
         now = None
     assert now is None or (now.st_rdev, now.st_ino) != (relay_file.st_rdev, relay_file.st_ino)
     with pytest.raises(NotHere):
-        backend.run_control(f, -1, bytes(hdr), params, header, abi)
+        on_safe_thread(run)
 
 
 def test_a_relayed_files_duplicate_outlives_a_close_only_while_a_call_is_on_it(backend):
@@ -174,10 +198,24 @@ def test_header_only_lane_calls_on_stand_in_driver_files(tmp_path, frontend):
 
     prog = str(Path(__file__).resolve().parent / "real_lane_prog.py")
 
+    readers: list = []
+
+    def thread_caps(b) -> None:
+        # every thread of the broker's process tree: (name, CapEff, CapPrm)
+        todo, seen = [b.proc.pid], []
+        while todo:
+            pid = todo.pop()
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                st = dict(ln.split(":\t", 1) for ln in (task / "status").read_text().splitlines()
+                          if ":\t" in ln)
+                seen.append((st["Name"], int(st["CapEff"], 16), int(st["CapPrm"], 16)))
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        readers.extend(seen)
+
     def run(lane: bool) -> tuple[dict, dict]:
         return _on_stand_in_nodes(tmp_path, f"lane{int(lane)}",
                                   {"DEVBROKER_CONTROL_LANE": "1" if lane else "0"}, frontend,
-                                  [sys.executable, prog])
+                                  [sys.executable, prog], inspect=thread_caps)
 
     on, lane_on = run(True)
     off, lane_off = run(False)
@@ -216,6 +254,15 @@ def test_header_only_lane_calls_on_stand_in_driver_files(tmp_path, frontend):
     # (+ the root allocation and the control of the unknown client: declined at admission)
     assert lane_on["declined"] == (7 if frontend == "seccomp" else 9), (lane_on, lane_off)
     assert lane_off["admitted"] == 0, lane_off
+    # The FUSE reader threads, which run lane calls on the broker's own duplicates of the
+    # relay's files, hold none of the capabilities the driver checks (CAP_SYS_ADMIN,
+    # CAP_SYS_NICE, CAP_PERFMON), neither effective nor permitted; the broker's main
+    # thread still holds CAP_SYS_ADMIN (mounts).
+    driver_caps = (1 << 21) | (1 << 23) | (1 << 38)
+    if frontend == "fuse":
+        fuse = [r for r in readers if r[0] == "dvb-fuse-reader"]
+        assert fuse and all(not ((eff | prm) & driver_caps) for _n, eff, prm in fuse), readers
+    assert any(eff & (1 << 21) for n, eff, _p in readers if n.startswith("python")), readers
 
 
 @pytest.mark.parametrize("first", [True, False], ids=["settle-first", "settle-second"])

@@ -792,15 +792,17 @@ class RealBackend:
 
     def _run_control_relayed(self, file, hdr: bytes, params: bytearray,
                              header) -> tuple[int, int, bytes]:
-        """A lane call (control or allocation) on a relayed file. On the broker's own
-        duplicate of the relay's file (`_lend`), on this thread without the capabilities
-        the driver checks, as the seccomp front end runs the same calls on duplicates of
-        tenant files: the driver validates the client by the open file, not the process
+        """A lane call (control or allocation) on a relayed file. From a thread that has
+        dropped the capabilities the driver checks for its life (a FUSE reader thread,
+        tenantfile.drop_driver_capabilities_for_thread: effective and permitted sets, so no
+        bug can raise them again), on the broker's own duplicate of the relay's file
+        (`_lend`), as the seccomp listeners run the same calls on duplicates of tenant
+        files: the driver validates the client by the open file, not the process
         (BRIEF §8; an RM client's accounting stays its creator's, the relay's), and the
         lane's calls are none of those the driver binds to the calling process. This saves
-        the relay's round trip (~30 µs of a FUSE tenant's call on the development machine,
-        docs/benchmarks.md). `DEVBROKER_RELAYED_LOCAL=0`, or no duplicate: through the
-        relay's channel for front-end threads — the header with its parameter pointer
+        the relay's round trip (docs/benchmarks.md, "The hot path"). Any other thread,
+        `DEVBROKER_RELAYED_LOCAL=0`, or no duplicate: through the relay's channel for
+        front-end threads — the header with its parameter pointer
         cleared and the private parameter block as the buffer that pointer names (the
         relay points it at its own copy), so the driver reads the broker's copies only,
         from the relay's capability-less process. What the general path's prepare_ioctl
@@ -809,7 +811,7 @@ class RealBackend:
         way then)."""
         if getattr(file, "closed", False):
             raise NotHere
-        if self.LOCAL_RELAYED:
+        if self.LOCAL_RELAYED and thread_is_driver_safe():
             fd = self._lend(file)
             if fd is not None:
                 try:

@@ -5,6 +5,7 @@ own threads to the trio loop. Front ends are thin adapters over their wire codec
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 from typing import Any, Callable
 
@@ -50,3 +51,15 @@ def control_lane_of(broker: Any) -> tuple[Any, frozenset[int]]:
     if lane is None or os.environ.get("DEVBROKER_CONTROL_LANE", "1") == "0":
         return None, frozenset()
     return lane, lane.ioctl_cmds(registry.get(v) for v in registry.versions())
+
+
+_PR_SET_NAME = 15
+_libc_prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+
+def name_os_thread(name: str) -> None:
+    """Give the calling thread `name` (≤ 15 bytes) where the kernel shows it (/proc/<pid>/
+    task/<tid>/comm, top -H, ps -L): Python's thread names stay inside the interpreter.
+    Best effort."""
+    _libc_prctl(ctypes.c_int(_PR_SET_NAME), ctypes.c_char_p(name.encode()[:15]),
+                ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))

@@ -36,6 +36,7 @@ import trio
 from devbroker.abi.nodes import NodeKind
 from devbroker.broker import limits, memgate
 from devbroker.backends.base import NotHere
+from devbroker.backends.tenantfile import drop_driver_capabilities_for_thread
 from devbroker.broker.effects import (
     Await, HandOver, ReadMemory, Steps, WriteMemory, perform_async, perform_blocking, run_async,
     run_blocking,
@@ -52,7 +53,7 @@ from devbroker.broker.interface import (
 )
 from devbroker.frontends import fusewire as w
 from devbroker.frontends.common import (
-    GENERAL, WHOAMI_IOCTL, control_lane_of, sanitize_errno, to_trio,
+    GENERAL, WHOAMI_IOCTL, control_lane_of, name_os_thread, sanitize_errno, to_trio,
 )
 from devbroker.frontends.fusetree import Content, NodeSpec, TenantTree, desired, render
 from devbroker.frontends.fusetree import split as split_path
@@ -697,6 +698,15 @@ class FuseFrontend:
 
     def _reader_main(self) -> None:
         me = threading.get_native_id()
+        name_os_thread("dvb-fuse-reader")
+        try:
+            # Lane calls on the real backend's relayed files run on this thread, on the
+            # broker's own duplicates (RealBackend._run_control_relayed): never with the
+            # capabilities the driver checks (tenantfile.DRIVER_CAPS), dropped for the
+            # thread's life as a seccomp listener's. Nothing a reader does needs them.
+            drop_driver_capabilities_for_thread()
+        except OSError as e:  # (then the relayed files' lane calls take the relay)
+            log.warning("FUSE reader: driver capabilities not dropped: %s", e)
         fd = self._tfd
         buf = bytearray(self._bufsize)  # one buffer for the thread's life
         view = memoryview(buf)
