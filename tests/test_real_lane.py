@@ -254,6 +254,9 @@ def test_header_only_lane_calls_on_stand_in_driver_files(tmp_path, frontend):
     # (+ the root allocation and the control of the unknown client: declined at admission)
     assert lane_on["declined"] == (7 if frontend == "seccomp" else 9), (lane_on, lane_off)
     assert lane_off["admitted"] == 0, lane_off
+    # FUSE: every call the lane admitted ran on the broker's own duplicate of the relay's
+    # file (none went through the relay); seccomp has no relayed files.
+    assert lane_on["relayed_here"] == (3 if frontend == "fuse" else 0), lane_on
     # The FUSE reader threads, which run lane calls on the broker's own duplicates of the
     # relay's files, hold none of the capabilities the driver checks (CAP_SYS_ADMIN,
     # CAP_SYS_NICE, CAP_PERFMON), neither effective nor permitted; the broker's main

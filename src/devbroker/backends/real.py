@@ -95,8 +95,8 @@ class RealFile:
     path: str
     map_length: int = 0  # set by a successful RM_MAP_MEMORY naming this file
     closed: bool = False
-    # The broker's own duplicate of the relay's file, for lane calls from front-end threads
-    # (RealBackend._lend; -1 until the first), and how many calls use it now: it is closed
+    # The broker's own duplicate of the relay's file, for lane calls from FUSE reader
+    # threads (RealBackend._lend; -1 until the first), and how many calls use it now: it is closed
     # with the file, by the last of them (never while a call is on it, so its number is
     # never reused under one). Not handed over: a successor makes its own.
     local_fd: int = -1
@@ -539,6 +539,7 @@ class RealBackend:
         self.relay = RelayProcess(channels, uid=relay_uid)
         self._limiter = None
         self._noticed: set = set()
+        self.relayed_here = 0  # lane calls run on the broker's duplicates of relayed files
         self._keep: list[int] = []  # GPU fds held open so that tenant opens find it ready
         info = self.relay.info()
         self.relay_info = info
@@ -767,8 +768,8 @@ class RealBackend:
                     fd = self.relay.take_fd(file.rfd)
                 except OSError as e:
                     self._note(("take_fd", e.errno),
-                                      f"relayed files: no duplicate of the relay's file "
-                                      f"({e.strerror}); lane calls go through the relay")
+                               f"relayed files: no duplicate of the relay's file "
+                               f"({e.strerror}); lane calls go through the relay")
                     return None
                 try:
                     same = os.fstat(fd).st_rdev == os.stat(file.path).st_rdev
@@ -800,15 +801,14 @@ class RealBackend:
         files: the driver validates the client by the open file, not the process
         (BRIEF §8; an RM client's accounting stays its creator's, the relay's), and the
         lane's calls are none of those the driver binds to the calling process. This saves
-        the relay's round trip (docs/benchmarks.md, "The hot path"). Any other thread,
-        `DEVBROKER_RELAYED_LOCAL=0`, or no duplicate: through the relay's channel for
-        front-end threads — the header with its parameter pointer
-        cleared and the private parameter block as the buffer that pointer names (the
-        relay points it at its own copy), so the driver reads the broker's copies only,
-        from the relay's capability-less process. What the general path's prepare_ioctl
-        builds for the same call: the lane's calls hold no fd and no other pointer (a
-        checked call's pointers are NULL). NotHere when the channel is taken (the general
-        way then)."""
+        the relay's round trip (docs/benchmarks.md, "The hot path"); `relayed_here` counts
+        such calls. Any other thread, `DEVBROKER_RELAYED_LOCAL=0`, or no duplicate: through
+        the relay's channel for front-end threads — the header with its parameter pointer
+        cleared and the private parameter block as the buffer that pointer names (the relay
+        points it at its own copy), so the driver reads the broker's copies only, from the
+        relay's capability-less process. What the general path's prepare_ioctl builds for
+        the same call: the lane's calls hold no fd and no other pointer (a checked call's
+        pointers are NULL). NotHere when the channel is taken (the general way then)."""
         if getattr(file, "closed", False):
             raise NotHere
         if self.LOCAL_RELAYED and thread_is_driver_safe():
@@ -818,6 +818,7 @@ class RealBackend:
                     t0 = time.monotonic_ns()
                     out = _run_control_on(fd, hdr, params, header)
                     self.last_ns = time.monotonic_ns() - t0
+                    self.relayed_here += 1
                     return out
                 finally:
                     self._unlend(file)

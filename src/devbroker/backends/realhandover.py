@@ -46,6 +46,7 @@ REAL_ATTRS = frozenset({
     "notice",  # the successor's audit log
     "_executor",  # capability-less threads: the successor starts its own
     "_limiter",  # never set (None)
+    "relayed_here",  # a counter: the successor's starts at 0
 })
 RELAY_ATTRS = frozenset({"proc", "sync", "pool", "thread_chan",  # passed (channels, pidfd)
                          "idle", "_free", "_achans",  # rebuilt (trio's wrappers: lazily)

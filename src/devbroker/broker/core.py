@@ -918,7 +918,10 @@ class Broker:
                                  "frees": self.control_lane.frees,
                                  # of the admitted: by a decision the native loop had
                                  # settled (no question to the broker)
-                                 "settled": self.control_lane.settled},
+                                 "settled": self.control_lane.settled,
+                                 # of them, those run on the broker's own duplicates of
+                                 # the real backend's relayed files (FUSE readers)
+                                 "relayed_here": getattr(self.backend, "relayed_here", 0)},
                 "continue_lane": {"admitted": self.continue_lane.admitted,
                                   "declined": self.continue_lane.passed,
                                   # of admitted: continued by the native loop's settled
