@@ -27,13 +27,10 @@ native 1
 n=0
 for mode in $MODES; do
   n=$((n + 1))
-  name=${mode%%:*}; vars=""; [ "$mode" != "$name" ] && vars=${mode#*:}
-  step "broker $n: $name ($vars)"
+  name=$(mode_name "$mode")
+  step "broker $n: $name ($(mode_vars "$mode"))"
   RUN=/run/devbroker-ab$n
-  IFS=, read -r -a assigns <<< "$vars"
-  for v in "${assigns[@]}"; do [ -n "$v" ] && export "$v"; done  # (the broker's environment)
-  probe_broker "$RUN" scripts/gpu/h200-cuda-policy.toml "$W/audit$n.log" "$W/broker$n.log"
-  for v in "${assigns[@]}"; do [ -n "$v" ] && unset "${v%%=*}"; done
+  mode_broker "$mode" "$RUN" scripts/gpu/h200-cuda-policy.toml "$W/audit$n.log" "$W/broker$n.log"
   grep "seccomp listeners" "$W/broker$n.log"
   put "${name}_control" "$(ptexec "$PY" scripts/gpu/tenant_checks.py bench-control 2000 2>&1 | last)"
   put "${name}_nvml_seq" "$(ptexec "$PY" scripts/gpu/tenant_checks.py bench-nvml 30 2>&1 | last)"

@@ -17,12 +17,9 @@ put native_nvml_seq "$($TC bench-nvml 30 2>&1 | last)"
 n=0
 for mode in $MODES; do
   n=$((n + 1))
-  name=${mode%%:*}; vars=""; [ "$mode" != "$name" ] && vars=${mode#*:}
-  step "broker $n: $name ($vars)"
-  IFS=, read -r -a assigns <<< "$vars"
-  for v in "${assigns[@]}"; do [ -n "$v" ] && export "$v"; done  # (the broker's environment)
-  probe_broker /run/devbroker-fuse$n scripts/gpu/h200-cuda-policy.toml "$W/audit$n.log" "$W/broker$n.log"
-  for v in "${assigns[@]}"; do [ -n "$v" ] && unset "${v%%=*}"; done
+  name=$(mode_name "$mode")
+  step "broker $n: $name ($(mode_vars "$mode"))"
+  mode_broker "$mode" /run/devbroker-fuse$n scripts/gpu/h200-cuda-policy.toml "$W/audit$n.log" "$W/broker$n.log"
   fexec() { timeout 120 "$PY" -m devbroker.cli.main --run-dir "$PROBE_RUN" exec --tenant c16 \
       --uid 0 --frontend fuse "${BINDS[@]}" -- env PYTHONPATH="$PYTHONPATH" "$@"; }
   put "${name}_nvml" "$(fexec $TC nvml 2>&1 | last)"

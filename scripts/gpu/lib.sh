@@ -82,6 +82,18 @@ probe_broker() { local run=$1 pol=$2 audit=$3 logf=$4
   for i in $(seq 1 150); do [ -S "$run/seccomp.sock" ] && [ -S "$run/control.sock" ] && break; sleep 0.2; done
   sleep 0.5
 }
+# MODES words (ab_probe.sh, nvml_debug.sh, fuse_probe.sh): "name" or "name:VAR=value,...",
+# the VARs being the broker's environment. mode_name WORD prints the name, mode_vars WORD
+# the assignments (space-separated); mode_broker WORD RUN POLICY AUDIT LOG is probe_broker
+# with them in the broker's environment only.
+mode_name() { echo "${1%%:*}"; }
+mode_vars() { local n=${1%%:*}; [ "$1" != "$n" ] && echo "${1#*:}" | tr , ' '; }
+mode_broker() { local word=$1 v; shift
+  local assigns; read -r -a assigns <<< "$(mode_vars "$word")"
+  for v in "${assigns[@]}"; do export "$v"; done
+  probe_broker "$@"
+  for v in "${assigns[@]}"; do unset "${v%%=*}"; done
+}
 ptexec() { timeout "${PTEXEC_TIMEOUT:-120}" "$PY" -m devbroker.cli.main --run-dir "$PROBE_RUN" \
     exec --tenant c16 --uid 0 "${BINDS[@]}" -- env PYTHONPATH="$PYTHONPATH" "$@"; }
 

@@ -12,13 +12,10 @@ N=${N:-10}
 n=0
 for mode in $MODES; do
   n=$((n + 1))
-  name=${mode%%:*}; vars=""; [ "$mode" != "$name" ] && vars=${mode#*:}
-  step "broker $n: $name ($vars)"
+  name=$(mode_name "$mode")
+  step "broker $n: $name ($(mode_vars "$mode"))"
   RUN=/run/devbroker-dbg$n
-  IFS=, read -r -a assigns <<< "$vars"
-  for v in "${assigns[@]}"; do [ -n "$v" ] && export "$v"; done
-  probe_broker "$RUN" scripts/gpu/h200-cuda-policy.toml "$OUT/audit-$name.log" "$OUT/broker-$name.log"
-  for v in "${assigns[@]}"; do [ -n "$v" ] && unset "${v%%=*}"; done
+  mode_broker "$mode" "$RUN" scripts/gpu/h200-cuda-policy.toml "$OUT/audit-$name.log" "$OUT/broker-$name.log"
   ptexec "$PY" -X faulthandler -c "
 import json, sys, traceback, pynvml as nv
 for i in range($N):
