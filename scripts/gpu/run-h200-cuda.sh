@@ -6,7 +6,10 @@
 # Native baseline first, then `devbroker run --backend real` and tenants started with plain
 # `devbroker exec --tenant T -- CMD` (the default front end for the real backend is
 # seccomp). Writes into $OUT: run.log, results.json, and bundle.tgz (audit logs, broker logs,
-# the recording session.nvtrace, profiles).
+# the recording session.nvtrace, profiles). targets.txt: issue 12's timed targets, measured
+# natively and through devbroker one process after the other (ABBA, ROUNDS each) and, for
+# the launch-bound loop and the matmul, with a native process and a tenant taking turns on
+# the GPU (lib.sh turns_pair, scripts/gpu/turns_summary.py).
 set -u
 REPO=$(cd "$(dirname "$0")/../.." && pwd); cd "$REPO"
 . scripts/gpu/lib.sh
