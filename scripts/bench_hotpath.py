@@ -110,6 +110,16 @@ def json_line(proc: subprocess.Popen, what: str, timeout: float) -> dict:
     raise RuntimeError(f"no {what!r} line within {timeout} s")
 
 
+def end_child(p: subprocess.Popen) -> None:
+    """A child that runs until its stdin closes: close it, wait up to 30 s, else kill."""
+    p.stdin.close()
+    try:
+        p.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+
+
 def run_json(argv: list[str], what: str, timeout: float = 300) -> dict:
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
     try:
@@ -352,12 +362,7 @@ def standin_row(a, work: Path, echo_bin: Path, rows: dict, key: str, kind: str,
         prof.stop()
         rows[key] = {"ns": d["ns"]}
     finally:
-        host.stdin.close()
-        try:
-            host.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            host.kill()
-            host.wait()
+        end_child(host)
 
 
 def measure(a) -> dict:
@@ -454,12 +459,7 @@ def quiet_run(daemon: Daemon, argv: list[str], flood_procs: int | None) -> dict:
         return {"ns": d["ns"]}
     finally:
         if f is not None:
-            f.stdin.close()
-            try:
-                f.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                f.kill()
-                f.wait()
+            end_child(f)
         if q.poll() is None:
             q.kill()
             q.wait()
