@@ -371,8 +371,12 @@ class RelayProcess:
         for s in theirs:
             s.close()
         # A pidfd of the relay for pidfd_getfd (take_fd): a pid number could name another
-        # process once the relay has exited and been reaped.
-        self._pidfd = os.pidfd_open(self.proc.pid)
+        # process once the relay has exited and been reaped. (None on a kernel without
+        # pidfds: the lane's calls then go through the relay.)
+        try:
+            self._pidfd: int | None = os.pidfd_open(self.proc.pid)
+        except OSError:
+            self._pidfd = None
         chans = [Channel(a) for a, _ in pairs]
         self.sync = chans[0]
         self.pool = chans[1:]
@@ -412,6 +416,8 @@ class RelayProcess:
         pidfd = getattr(self.proc, "pidfd", None)
         if pidfd is None:
             pidfd = self._pidfd
+        if pidfd is None:
+            raise OSError(errno.ENOSYS, "no pidfd of the relay")
         return pidfd_getfd_at(pidfd, rfd)
 
     def ioctl_here(self, req: w.IoctlRequest) -> w.IoctlReply:
