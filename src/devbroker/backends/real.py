@@ -411,14 +411,14 @@ class RelayProcess:
     def take_fd(self, rfd: int) -> int:
         """The broker's own duplicate of the relay's fd `rfd` (pidfd_getfd). After a hand-over
         the relay is not this broker's child and its proc carries the pidfd."""
-        from devbroker.broker.procmem import pidfd_getfd_at
+        from devbroker.sandbox.linux import pidfd_getfd
 
         pidfd = getattr(self.proc, "pidfd", None)
         if pidfd is None:
             pidfd = self._pidfd
         if pidfd is None:
             raise OSError(errno.ENOSYS, "no pidfd of the relay")
-        return pidfd_getfd_at(pidfd, rfd)
+        return pidfd_getfd(pidfd, rfd)
 
     def ioctl_here(self, req: w.IoctlRequest) -> w.IoctlReply:
         """A blocking ioctl from a front end's own thread (a FUSE reader, issue 14) on the

@@ -165,19 +165,13 @@ def pidfd_getfd(pid: int, fd: int) -> int:
         raise OSError(errno.EBADF, f"bad fd {fd!r}")
     pidfd = os.pidfd_open(pid)
     try:
-        return pidfd_getfd_at(pidfd, fd)
+        got = _libc.syscall(
+            ctypes.c_long(_SYS_PIDFD_GETFD), ctypes.c_long(pidfd), ctypes.c_long(fd),
+            ctypes.c_long(0),
+        )
+        if got < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+        return int(got)
     finally:
         os.close(pidfd)
-
-
-def pidfd_getfd_at(pidfd: int, fd: int) -> int:
-    """pidfd_getfd through a pidfd the caller holds (the process cannot be another one that
-    took its pid number). Same errors as pidfd_getfd."""
-    if not isinstance(fd, int) or fd < 0 or fd > 0x7FFFFFFF:
-        raise OSError(errno.EBADF, f"bad fd {fd!r}")
-    got = _libc.syscall(ctypes.c_long(_SYS_PIDFD_GETFD), ctypes.c_long(pidfd),
-                        ctypes.c_long(fd), ctypes.c_long(0))
-    if got < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return int(got)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import os
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
@@ -128,6 +129,19 @@ def move_mount(tree_fd: int, target: str | os.PathLike) -> None:
                          ctypes.c_int(AT_FDCWD), _b(target),
                          ctypes.c_uint(MOVE_MOUNT_F_EMPTY_PATH)), "move_mount",
            os.fspath(target))
+
+
+_SYS_PIDFD_GETFD = 438  # same number on every architecture that has it
+
+
+def pidfd_getfd(pidfd: int, fd: int) -> int:
+    """Duplicate file descriptor `fd` of the process `pidfd` names into this process
+    (close-on-exec). Needs ptrace access to it. OSError: EBADF (no such fd or a bad
+    number), ESRCH (the process has exited), EPERM."""
+    if not isinstance(fd, int) or fd < 0 or fd > 0x7FFFFFFF:
+        raise OSError(errno.EBADF, f"bad fd {fd!r}")
+    return _check(_libc.syscall(ctypes.c_long(_SYS_PIDFD_GETFD), ctypes.c_long(pidfd),
+                                ctypes.c_long(fd), ctypes.c_long(0)), "pidfd_getfd")
 
 
 def umount2(target: str | os.PathLike, flags: int = 0) -> None:
