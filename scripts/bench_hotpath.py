@@ -469,7 +469,7 @@ def quiet_run(daemon: Daemon, argv: list[str], flood_procs: int | None) -> dict:
 LATENCY_ROWS = [
     ("floor", "C libfuse3 server answering the ioctl (the floor)", None),
     ("fuse-emulated", "devbroker FUSE + emulated backend", 100),
-    ("fuse-real", "devbroker FUSE + real backend, relay → stand-in node (C FUSE server)", 150),
+    ("fuse-real", "devbroker FUSE + real backend against a stand-in node (C FUSE server)", 150),
     ("fuse-real-kernel", "the same, the stand-in answering in the kernel (nvok_standin.py)",
      150),
     ("fuse-real-kernel-relay", "the same, lane calls through the relay process "
