@@ -11,13 +11,14 @@ import errno
 import os
 import threading
 
+from devbroker.sandbox import linux
+
 # A nested NVIDIA argument is at most a few MiB (RM control parameter blocks, UVM
 # ranges are described, not copied). Anything far larger is a bug or an attack, and is
 # refused before it can make the broker allocate it.
 MAX_TRANSFER = 64 << 20
 _ADDR_LIMIT = 1 << 64
 
-_SYS_PIDFD_GETFD = 438  # same number on every architecture that has it
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -165,13 +166,6 @@ def pidfd_getfd(pid: int, fd: int) -> int:
         raise OSError(errno.EBADF, f"bad fd {fd!r}")
     pidfd = os.pidfd_open(pid)
     try:
-        got = _libc.syscall(
-            ctypes.c_long(_SYS_PIDFD_GETFD), ctypes.c_long(pidfd), ctypes.c_long(fd),
-            ctypes.c_long(0),
-        )
-        if got < 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err))
-        return int(got)
+        return linux.pidfd_getfd(pidfd, fd)
     finally:
         os.close(pidfd)
