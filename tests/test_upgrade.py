@@ -578,6 +578,11 @@ def test_real_backend_broker_upgrade_with_stand_in_nodes(tmp_path, successors):
         # the new broker decides the seccomp tenant's ioctls on its (adopted) file
         assert sup_after["ioctls"] > sup_before["ioctls"]
         assert sup_after["ioctls_continued"] == 0 and sup_after["refused_foreign"] == 0
+        # the FUSE tenant's version checks (lane calls on a relayed file) ran on the
+        # broker's own duplicates of the relay's file, before and after: the successor
+        # takes them through the pidfd of the relay it was handed (its counter starts at 0)
+        assert before["control_lane"]["relayed_here"] > 0, before["control_lane"]
+        assert after["control_lane"]["relayed_here"] > 0, after["control_lane"]
         adopted = [a for a in broker.audit() if a["event"] == "notice"
                    and f"relay pid {relay_pid} adopted with" in a["message"]]
         assert len(adopted) == 1, broker.audit()

@@ -124,6 +124,9 @@ class Backend(Protocol):
     # The host's memory block size (what SYS_PARAMS sets once per boot), None where unknown:
     # a tenant asking for another value is refused (broker/handlers.sys_params).
     memblock_size: int | None
+    # A counter, not a capability: the control lane's calls run on the broker's own
+    # duplicates of relayed files (the real backend, from FUSE readers); 0 without any.
+    relayed_here: int
 
     def gpus(self) -> "list[GpuInfo]": ...
 

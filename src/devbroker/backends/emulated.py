@@ -97,6 +97,7 @@ class EmulatedBackend:
     reports_tenant_pids = True
     counts_process_memory = False
     handover_format = "emulated"
+    relayed_here = 0  # (no relayed files: base.py Backend.relayed_here)
 
     def __init__(self, gpus: list[EmulatedGpu] | None = None, *, version: str = "580.159.04",
                  notice: Callable[[str], None] | None = None):

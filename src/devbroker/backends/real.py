@@ -518,6 +518,9 @@ class RealBackend:
     reports_tenant_pids = False
     counts_process_memory = True
     handover_format = "real"
+    # Lane calls run on the broker's own duplicates of relayed files (a counter; a class
+    # default, so a backend rebuilt by a live upgrade starts at 0 too).
+    relayed_here = 0
 
     def __init__(self, notice: Callable[[str], None] | None = None, *, dev: str = "/dev",
                  proc: Path = PROC, relay_uid: int | None = 65534, channels: int = 8,
@@ -545,7 +548,6 @@ class RealBackend:
         self.relay = RelayProcess(channels, uid=relay_uid)
         self._limiter = None
         self._noticed: set = set()
-        self.relayed_here = 0  # lane calls run on the broker's duplicates of relayed files
         self._keep: list[int] = []  # GPU fds held open so that tenant opens find it ready
         info = self.relay.info()
         self.relay_info = info

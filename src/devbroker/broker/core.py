@@ -921,7 +921,7 @@ class Broker:
                                  "settled": self.control_lane.settled,
                                  # of them, those run on the broker's own duplicates of
                                  # the real backend's relayed files (FUSE readers)
-                                 "relayed_here": getattr(self.backend, "relayed_here", 0)},
+                                 "relayed_here": self.backend.relayed_here},
                 "continue_lane": {"admitted": self.continue_lane.admitted,
                                   "declined": self.continue_lane.passed,
                                   # of admitted: continued by the native loop's settled
