@@ -12,6 +12,7 @@ there directly (MemoryGate.direct); a watchdog keeps the gate's deadline. What m
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -175,3 +176,33 @@ async def test_many_processes_of_two_tenants_all_get_right_answers(tmp_path):
     await _with_mount(tmp_path, body)
     assert len(rcs) == 12
     assert all(rc == 0 for rc, _ in rcs.values()), rcs
+
+
+async def test_a_request_handed_over_as_the_front_end_closes_is_answered_eio(tmp_path):
+    """A reader thread hands a request to the trio thread just as the front end's nursery
+    closes (seen in CI: a tenant holding pages of the broker's own mount met the broker's
+    SIGTERM). The request is answered EIO and the trio run goes on: a run_sync_soon callback
+    that raised ended the whole run before (TrioInternalError, the broker exiting 1)."""
+    from devbroker.frontends import fusewire as w
+
+    emu = EmulatedBackend([EmulatedGpu(index=0, name="NVIDIA H200",
+                                       uuid="GPU-14141414-2222-3333-4444-555555555555",
+                                       pci_bus_id="0000:00:06.0", memory_bytes=141 << 30)],
+                          version="580.159.04")
+    broker = Broker(load_policy_text(POLICY, "test"), emu, AuditLog(tmp_path / "audit.log"))
+    fe = FuseFrontend(tmp_path / "unmounted", broker)
+    sent: list[bytes] = []
+    fe._send = sent.append  # (no /dev/fuse: the reply is what would be written)
+    async with trio.open_nursery() as nursery:
+        pass
+    fe._nursery = nursery  # closed to new tasks now
+    opened = w.Open(w.InHeader(40, 14, 77, 5, 0, 0, 1234), flags=os.O_RDWR)
+    token = trio.lowlevel.current_trio_token()
+    with fe._tlock:
+        fe._handed += 1
+    # as a reader thread hands requests over: from another thread, through run_sync_soon
+    await trio.to_thread.run_sync(
+        lambda: token.run_sync_soon(fe._take_handed, fe._dispatch_request, opened))
+    await trio.sleep(0.05)
+    assert sent == [w.encode_error(77, errno.EIO)]
+    assert fe._handed == 0 and fe._inflight == 0 and fe._idle.is_set()

@@ -825,10 +825,29 @@ class FuseFrontend:
                 self._handed -= 1
 
     def _take_handed(self, fn, *args) -> None:
-        """(Trio thread.) Take up what a reader thread handed over."""
+        """(Trio thread.) Take up what a reader thread handed over. This runs as a trio
+        run_sync_soon callback, where an exception would end the whole run
+        (TrioInternalError: the broker exits 1): one that escapes costs that request EIO."""
         with self._tlock:
             self._handed -= 1
-        fn(*args)
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("FUSE: a handed-over request failed")
+            req = args[0] if args else None
+            if hasattr(req, "unique"):
+                self._error(req.unique, errno.EIO)
+
+    def _start_for(self, req, fn, *args) -> None:
+        """(Trio thread.) A task answering `req`. A request handed over while the front end
+        shuts down (its nursery closed to new tasks: seen in CI as a tenant holding pages
+        of the broker's own mount met the broker's SIGTERM) is answered EIO instead."""
+        self._begin()
+        try:
+            self._nursery.start_soon(fn, *args)
+        except RuntimeError:  # "Nursery is closed to new arrivals"
+            self._end()
+            self._error(req.unique, errno.EIO)
 
     def _serve_next(self, me: int) -> bool:
         """(Reader thread.) Answer the next queued ioctl here (False: none waits)."""
@@ -863,8 +882,7 @@ class FuseFrontend:
         return True
 
     def _finish_on_trio(self, req: w.Ioctl, steps: Steps, pending) -> None:
-        self._begin()
-        self._nursery.start_soon(self._finish_task, req, steps, pending)
+        self._start_for(req, self._finish_task, req, steps, pending)
 
     async def _finish_task(self, req: w.Ioctl, steps: Steps, pending) -> None:
         try:
@@ -937,15 +955,13 @@ class FuseFrontend:
                 # they are answered at once; without, they wait in a task of their own.
                 tenant = self._tenant_of(req)
                 if not limits.pace_nowait(self.broker, tenant):
-                    self._begin()
-                    self._nursery.start_soon(self._paced_sync, handler, req, tenant)
+                    self._start_for(req, self._paced_sync, handler, req, tenant)
                     return
             self._run_sync(handler, req)
             return
         handler = self._ASYNC.get(type(req))
         if handler is not None:
-            self._begin()
-            self._nursery.start_soon(self._run_async, handler, req)
+            self._start_for(req, self._run_async, handler, req)
             return
         self._error(req.unique, errno.ENOSYS)
 
