@@ -206,3 +206,44 @@ async def test_a_request_handed_over_as_the_front_end_closes_is_answered_eio(tmp
     await trio.sleep(0.05)
     assert sent == [w.encode_error(77, errno.EIO)]
     assert fe._handed == 0 and fe._inflight == 0 and fe._idle.is_set()
+
+
+async def test_work_a_thread_hands_to_trio_cannot_end_the_run(tmp_path, caplog):
+    """Front ends hand work from their threads to the trio loop (common.to_trio), and the
+    broker starts background tasks from listener threads (Broker._start_soon): an exception
+    in such a callback used to end the whole trio run — every tenant's broker. Now it is
+    logged and the run goes on: a callback that raises, a task offered to a nursery that
+    has closed (the broker stopping) and one offered while it is open."""
+    import logging
+
+    from devbroker.frontends.common import to_trio
+
+    token = trio.lowlevel.current_trio_token()
+
+    def boom():
+        raise ValueError("a bug in handed-over work")
+
+    with caplog.at_level(logging.ERROR, logger="devbroker.frontends"):
+        assert await trio.to_thread.run_sync(lambda: to_trio(token, boom))
+        await trio.sleep(0.05)
+    assert "a bug in handed-over work" in caplog.text
+
+    emu = EmulatedBackend([EmulatedGpu(index=0, name="NVIDIA H200",
+                                       uuid="GPU-14141414-2222-3333-4444-555555555555",
+                                       pci_bus_id="0000:00:06.0", memory_bytes=141 << 30)],
+                          version="580.159.04")
+    broker = Broker(load_policy_text(POLICY, "test"), emu, AuditLog(tmp_path / "audit.log"))
+    ran = []
+
+    async def job():
+        ran.append(1)
+
+    async with trio.open_nursery() as nursery:
+        broker.set_spawner(nursery.start_soon)
+        await trio.to_thread.run_sync(broker._start_soon, job)
+        await trio.sleep(0.05)
+    assert ran == [1]
+    # the nursery has closed: the next offer is dropped with a warning, the run goes on
+    await trio.to_thread.run_sync(broker._start_soon, job)
+    await trio.sleep(0.05)
+    assert ran == [1]

@@ -238,8 +238,17 @@ class Broker:
             self.spawn(fn)
             return
         try:
-            self._trio_token.run_sync_soon(self.spawn, fn)
+            self._trio_token.run_sync_soon(self._spawn_guarded, fn)
         except Exception as e:  # the run has finished: no more background work
+            log.warning("background task not started: %s", e)
+
+    def _spawn_guarded(self, fn: Callable) -> None:
+        """(Trio thread, a run_sync_soon callback from a listener thread.) An exception here
+        would end the whole trio run; a nursery already closed (the broker stopping) means
+        no more background work."""
+        try:
+            self.spawn(fn)
+        except Exception as e:
             log.warning("background task not started: %s", e)
 
     # ------------------------------------------------------------------ helpers

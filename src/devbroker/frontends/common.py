@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 from typing import Any, Callable
 
 import trio
+
+log = logging.getLogger("devbroker.frontends")
 
 # The private "which session is this file?" ioctl the broker issues on a tenant's file it
 # duplicated with pidfd_getfd (FUSE, CUSE and the module's nodes alike): _IOR(0xDB, 1, u64).
@@ -27,12 +30,23 @@ def sanitize_errno(e: int) -> int:
 
 def to_trio(token: trio.lowlevel.TrioToken, fn: Callable[..., Any], *args: Any) -> bool:
     """Run fn(*args) on the trio loop from a front end's reader or listener thread; False
-    once the loop has finished (the caller answers the request itself then)."""
+    once the loop has finished (the caller answers the request itself then). Guarded: an
+    exception escaping a run_sync_soon callback ends the whole trio run (TrioInternalError:
+    the broker, every tenant's, exits), so one is logged instead — callers that must answer
+    something then do it themselves (FuseFrontend._take_handed, SeccompSupervisor
+    ._start_or_fail)."""
     try:
-        token.run_sync_soon(fn, *args)
+        token.run_sync_soon(_guarded, fn, args)
         return True
     except trio.RunFinishedError:
         return False
+
+
+def _guarded(fn: Callable[..., Any], args: tuple) -> None:
+    try:
+        fn(*args)
+    except Exception:
+        log.exception("front end: work handed to the trio thread failed")
 
 
 # A front end's "not for the control lane: decide it the general way" (broker/fastlane.py).

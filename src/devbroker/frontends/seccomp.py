@@ -1296,6 +1296,23 @@ class SeccompSupervisor:
     def _to_trio(self, fn, *args) -> bool:
         return to_trio(self._token, fn, *args)
 
+    def _start_or_fail(self, n, fn, *args) -> None:
+        """(Trio thread.) A task finishing notification n. When the supervisor is stopping
+        (its nursery closed to new tasks: the tenant's last task is exiting while a thread
+        hands n over) n is answered EIO instead."""
+        try:
+            self._nursery.start_soon(fn, *args)
+        except RuntimeError:  # "Nursery is closed to new arrivals"
+            self._send_quietly(w.NotifResp.fail(n.id, errno.EIO))
+
+    def _start_quietly(self, fn, *args) -> None:
+        """(Trio thread.) A background task, none once the supervisor is stopping (what is
+        left then is released by the shutdown's sweep)."""
+        try:
+            self._nursery.start_soon(fn, *args)
+        except RuntimeError:
+            pass
+
     def _answer_here(self, n: w.Notif, lanes: bool = True, looked: tuple | None = None,
                      path: bytes | None = None) -> None:
         """Decide one notification on this thread; hand it to trio when it must wait.
@@ -1322,7 +1339,7 @@ class SeccompSupervisor:
             resp = run_blocking(steps, self._perform_here)
         except HandOver as h:
             self.stats.handed_to_trio += 1
-            if not self._to_trio(self._nursery.start_soon, self._finish_on_trio, n,
+            if not self._to_trio(self._start_or_fail, n, self._finish_on_trio, n,
                                  h.steps, h.pending):
                 self._send_quietly(w.NotifResp.fail(n.id, errno.EIO))
             return
@@ -1722,7 +1739,7 @@ class SeccompSupervisor:
             except OSError as e:
                 self._forget(sess)
                 self.stats.released_on_failed_install += 1
-                self._to_trio(self._nursery.start_soon, self._release, sess)
+                self._to_trio(self._start_quietly, self._release, sess)
                 if e.errno == errno.ENOENT:
                     self.stats.stale += 1
                 else:
