@@ -42,6 +42,16 @@ def to_trio(token: trio.lowlevel.TrioToken, fn: Callable[..., Any], *args: Any) 
         return False
 
 
+def start_task(nursery: trio.Nursery, fn: Callable[..., Any], *args: Any) -> bool:
+    """(Trio thread.) nursery.start_soon(fn, *args); False when the nursery is closed to new
+    tasks (its front end stopping), where start_soon raises — the caller answers then."""
+    try:
+        nursery.start_soon(fn, *args)
+        return True
+    except RuntimeError:  # "Nursery is closed to new arrivals"
+        return False
+
+
 def _guarded(fn: Callable[..., Any], args: tuple) -> None:
     try:
         fn(*args)

@@ -53,7 +53,8 @@ from devbroker.broker.interface import (
 )
 from devbroker.frontends import fusewire as w
 from devbroker.frontends.common import (
-    GENERAL, WHOAMI_IOCTL, control_lane_of, name_os_thread, sanitize_errno, to_trio,
+    GENERAL, WHOAMI_IOCTL, control_lane_of, name_os_thread, sanitize_errno, start_task,
+    to_trio,
 )
 from devbroker.frontends.fusetree import Content, NodeSpec, TenantTree, desired, render
 from devbroker.frontends.fusetree import split as split_path
@@ -843,9 +844,7 @@ class FuseFrontend:
         shuts down (its nursery closed to new tasks: seen in CI as a tenant holding pages
         of the broker's own mount met the broker's SIGTERM) is answered EIO instead."""
         self._begin()
-        try:
-            self._nursery.start_soon(fn, *args)
-        except RuntimeError:  # "Nursery is closed to new arrivals"
+        if not start_task(self._nursery, fn, *args):
             self._end()
             self._error(req.unique, errno.EIO)
 

@@ -66,7 +66,9 @@ from devbroker.backends.tenantfile import (
 )
 from devbroker.frontends import nativelane
 from devbroker.frontends import seccompwire as w
-from devbroker.frontends.common import GENERAL as _GENERAL, control_lane_of, to_trio
+from devbroker.frontends.common import (
+    GENERAL as _GENERAL, control_lane_of, start_task, to_trio,
+)
 from devbroker.frontends.procmem import vm_write_many
 
 log = logging.getLogger("devbroker.seccomp")
@@ -1300,18 +1302,13 @@ class SeccompSupervisor:
         """(Trio thread.) A task finishing notification n. When the supervisor is stopping
         (its nursery closed to new tasks: the tenant's last task is exiting while a thread
         hands n over) n is answered EIO instead."""
-        try:
-            self._nursery.start_soon(fn, *args)
-        except RuntimeError:  # "Nursery is closed to new arrivals"
+        if not start_task(self._nursery, fn, *args):
             self._send_quietly(w.NotifResp.fail(n.id, errno.EIO))
 
     def _start_quietly(self, fn, *args) -> None:
         """(Trio thread.) A background task, none once the supervisor is stopping (what is
         left then is released by the shutdown's sweep)."""
-        try:
-            self._nursery.start_soon(fn, *args)
-        except RuntimeError:
-            pass
+        start_task(self._nursery, fn, *args)
 
     def _answer_here(self, n: w.Notif, lanes: bool = True, looked: tuple | None = None,
                      path: bytes | None = None) -> None:
