@@ -3,7 +3,10 @@
     python3 tenant_checks.py nvml            # pynvml: init, count, name, UUID, memory, processes
     python3 tenant_checks.py dangerous       # privileged/dangerous calls; prints how each was refused
     python3 tenant_checks.py bench-nvml N    # NVML init sequence N times: p50/p90 (µs)
-    python3 tenant_checks.py bench-control N # one RM_CONTROL (FB_GET_INFO_V2) N times: p50/p90 (µs)
+    python3 tenant_checks.py bench-control N [GAP_US]
+                                             # one RM_CONTROL (FB_GET_INFO_V2) N times: p50/p90 (µs);
+                                             # GAP_US: sleep that long between calls (a CUDA
+                                             # init's pace: the CPUs go idle between calls)
     python3 tenant_checks.py dup-handle      # RM_ALLOC of a subdevice with a handle the client holds
 
 Each prints one JSON object on stdout.
@@ -131,7 +134,7 @@ def bench_nvml(n: int) -> dict:
             **_stats(ts)}
 
 
-def bench_control(n: int) -> dict:
+def bench_control(n: int, gap_us: int = 0) -> dict:
     from devbroker.tools.probe import Client
 
     c = Client()
@@ -144,12 +147,15 @@ def bench_control(n: int) -> dict:
     p = p.replace(fbInfoListSize=1, fbInfoList=entries)
     ts = []
     for i in range(n + 10):
+        if gap_us:
+            time.sleep(gap_us / 1e6)
         t0 = time.perf_counter()
         c.control(g["hsubdevice"], 0x20801303, p)
         if i >= 10:
             ts.append(time.perf_counter() - t0)
     c.close()
-    return {"what": "RM_CONTROL NV2080_CTRL_CMD_FB_GET_INFO_V2 (1 entry)", **_stats(ts)}
+    return {"what": "RM_CONTROL NV2080_CTRL_CMD_FB_GET_INFO_V2 (1 entry)", "gap_us": gap_us,
+            **_stats(ts)}
 
 
 def dup_handle() -> dict:
@@ -189,7 +195,7 @@ def main(argv: list[str]) -> int:
     elif what == "bench-nvml":
         res = bench_nvml(n)
     elif what == "bench-control":
-        res = bench_control(n)
+        res = bench_control(n, int(argv[2]) if len(argv) > 2 else 0)
     else:
         print(__doc__, file=sys.stderr)
         return 2

@@ -1,0 +1,86 @@
+#!/bin/bash
+# CUDA init + first allocation, native against brokers in several settings, paired round by
+# round: every broker of MODES (words as ab_probe.sh's: "name" or "name:VAR=value,...") is
+# started first and stays up, then each of ROUNDS rounds runs one native init and one
+# tenant init per broker, in an order rotated every round, so that each tenant init has a
+# native one beside it on the same host minutes (the host drifts by 10-15 % within minutes:
+# docs/benchmarks.md, "CUDA init on this session's hosts"). The summary gives per mode the
+# ratio of the medians and the median of the per-round ratios. In the first and the last
+# round also one RM_CONTROL x N with each of GAPS (µs of sleep between calls: with a gap the
+# CPUs go idle between calls, as in a CUDA init), natively and per broker.
+#   run(command="MODES='base sync:DEVBROKER_SECCOMP_SYNC_WAKE=1,DEVBROKER_SECCOMP_SPIN_US=0' \
+#       ROUNDS=6 bash scripts/gpu/init_pairs.sh", carry=[".whl"], timeout_s=540)
+set -u
+REPO=$(cd "$(dirname "$0")/../.." && pwd); cd "$REPO"
+. scripts/gpu/lib.sh
+probe_start init-pairs
+MODES=${MODES:-"base sync:DEVBROKER_SECCOMP_SYNC_WAKE=1,DEVBROKER_SECCOMP_SPIN_US=0"}
+ROUNDS=${ROUNDS:-6}
+GAPS=${GAPS:-"0 300"}
+N=${N:-1000}
+CHK="$PY scripts/gpu/cuda_checks.py"
+TC="$PY scripts/gpu/tenant_checks.py"
+declare -a RUNS PIDS NAMES
+n=0
+for mode in $MODES; do
+  n=$((n + 1))
+  step "broker $n: $(mode_name "$mode") ($(mode_vars "$mode"))"
+  mode_broker "$mode" "/run/devbroker-ip$n" scripts/gpu/h200-cuda-policy.toml "$W/audit$n.log" "$W/broker$n.log"
+  RUNS[$n]=$PROBE_RUN; PIDS[$n]=$BROKER; NAMES[$n]=$(mode_name "$mode")
+  grep "seccomp listeners" "$W/broker$n.log"
+done
+# in_slot I CMD...: CMD natively (I = 0) or as a tenant of broker I
+in_slot() { local i=$1; shift
+  if [ "$i" = 0 ]; then "$@"; else PROBE_RUN=${RUNS[$i]} ptexec "$@"; fi; }
+slot_name() { if [ "$1" = 0 ]; then echo native; else echo "${NAMES[$1]}"; fi; }
+for r in $(seq "$ROUNDS"); do
+  step "round $r"
+  order=()
+  for k in $(seq 0 "$n"); do order+=($(( (k + r - 1) % (n + 1) ))); done
+  for i in "${order[@]}"; do
+    name=$(slot_name "$i")
+    put "r${r}_${name}_init" "$(in_slot "$i" $CHK init 2>&1 | last)"
+    [ "$i" != 0 ] && put "r${r}_${name}_listener" "$(grep '"tenant-detached"' "$W/audit$i.log" | tail -1)"
+    if [ "$r" = 1 ] || [ "$r" = "$ROUNDS" ]; then
+      for g in $GAPS; do
+        put "r${r}_${name}_control_gap$g" "$(in_slot "$i" $TC bench-control "$N" "$g" 2>&1 | last)"
+      done
+    fi
+  done
+done
+for i in $(seq "$n"); do
+  kill -TERM "${PIDS[$i]}"; wait "${PIDS[$i]}"
+done
+step "summary"
+NAMES="${NAMES[*]}" ROUNDS="$ROUNDS" GAPS="$GAPS" "$PY" - "$RES" <<'PYX' | tee "$OUT/summary.txt"
+import json, os, statistics, sys
+d = json.load(open(sys.argv[1]))
+rounds = range(1, int(os.environ["ROUNDS"]) + 1)
+def init(r, name):
+    v = d.get(f"r{r}_{name}_init")
+    return v.get("init_first_alloc_s") if isinstance(v, dict) else None
+def ctl(r, name, g):
+    v = d.get(f"r{r}_{name}_control_gap{g}")
+    return v.get("p50_us") if isinstance(v, dict) else None
+nat = [init(r, "native") for r in rounds]
+print("native inits (s):", nat)
+for name in os.environ["NAMES"].split():
+    mine = [init(r, name) for r in rounds]
+    pairs = [m / x for m, x in zip(mine, nat) if m and x]
+    ok_m, ok_n = [m for m in mine if m], [x for x in nat if x]
+    rom = statistics.median(ok_m) / statistics.median(ok_n) if ok_m and ok_n else None
+    print(f"{name}: inits {mine}; per-round ratios {[round(p, 3) for p in pairs]}; "
+          f"median of ratios {statistics.median(pairs) if pairs else None:.3f}; "
+          f"ratio of medians {rom:.3f}" if pairs and rom else f"{name}: inits {mine}")
+    for g in os.environ["GAPS"].split():
+        first, lastr = min(rounds), max(rounds)
+        print(f"  RM_CONTROL p50 gap {g} us: native {[ctl(r, 'native', g) for r in (first, lastr)]}"
+              f" {name} {[ctl(r, name, g) for r in (first, lastr)]}")
+    ls = [d.get(f"r{r}_{name}_listener") for r in rounds]
+    ls = [x for x in ls if isinstance(x, dict)]
+    if ls:
+        ms = {k: round(statistics.median(x.get(k, 0) for x in ls) / 1e6, 1)
+              for k in ls[0] if k.startswith(("lane_ns", "ns_"))}
+        print(f"  listener per init (median of {len(ls)}, ms): {ms}; "
+              f"sync_wake_up {ls[0].get('sync_wake_up')}")
+PYX
