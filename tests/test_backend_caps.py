@@ -38,6 +38,7 @@ def test_each_backend_class_says_what_it_offers(cls):
     for m in METHODS:
         assert callable(getattr(cls, m, None)), f"{cls.__name__}.{m}"
     assert callable(getattr(cls, "process_vidmem", None)) == cls.counts_process_memory
+    assert callable(getattr(cls, "process_vidmem_many", None)) == cls.counts_process_memory
 
 
 def test_emulated_instance():

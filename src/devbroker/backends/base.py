@@ -114,7 +114,8 @@ class Backend(Protocol):
     # broker answers from its own books.
     reports_tenant_pids: bool
     # The driver keeps its own per-process account of device memory (process_vidmem), which
-    # the broker compares with quotas after an allocation to catch a racing thread.
+    # the broker's quota watch compares with quotas to catch a racing thread's allocation
+    # (broker/quotawatch.py).
     counts_process_memory: bool
     # How a live upgrade carries this backend's state: "emulated" (its books as JSON,
     # broker/handover.py), "real" (backends/realhandover.py: the relay's channels as fds),
@@ -197,6 +198,7 @@ class Backend(Protocol):
 
     # Only where counts_process_memory:
     # `process_vidmem(tgid) -> dict[int, int]`: the driver's account of tgid's device memory
-    # (GPU index -> bytes).
+    # (GPU index -> bytes); `process_vidmem_many(tgids) -> {tgid: {GPU index: bytes}}`: the
+    # same for several processes in one read (thread-safe: the quota watch's worker thread).
 
     def map_read(self, file: DriverFile, offset: int, length: int) -> bytes: ...

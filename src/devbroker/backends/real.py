@@ -899,9 +899,13 @@ class RealBackend:
 
     def process_vidmem(self, tgid: int) -> dict[int, int]:
         """The driver's per-process video-memory accounting for tgid (GPU index -> bytes)."""
+        return self.process_vidmem_many([tgid])[tgid]
+
+    def process_vidmem_many(self, tgids: list[int]) -> dict[int, dict[int, int]]:
+        """The same for several processes at once (tgid -> GPU index -> bytes)."""
         if self._monitor is None:
             self._monitor = VidmemMonitor(self)
-        return self._monitor.usage(tgid)
+        return self._monitor.usage(list(tgids))
 
     def stop(self) -> None:
         self.relay.stop()
@@ -967,6 +971,18 @@ class RelayRmClient:
                                      f"{nvs.name(out.status)}")
         return pspec.decode(nested)
 
+    def control_raw(self, obj: int, cmd: int, params: bytes) -> bytes:
+        """control() with the parameters as bytes in and out (no decoding: the quota watch
+        reads 200-entry blocks from a worker thread, where the codec's Python would hold
+        the interpreter lock that listener threads want)."""
+        v = self.new("NVOS54_PARAMETERS", hClient=self.client, hObject=obj, cmd=cmd,
+                     paramsSize=len(params))
+        out, nested = self.esc(self.ctl, "NV_ESC_RM_CONTROL", v, params, "params")
+        if out.status != nvs.NV_OK:
+            raise OSError(errno.EIO, f"control {self.abi.control_name(cmd)}: "
+                                     f"{nvs.name(out.status)}")
+        return nested
+
     def open_gpu(self, index: int, device_instance: int) -> tuple[int, int]:
         """A device and subdevice of this client on GPU `index` (its node file stays open in
         the relay, like the persistence daemon's). Returns (hDevice, hSubdevice)."""
@@ -991,12 +1007,17 @@ class VidmemMonitor:
     VIDEO_MEMORY_USAGE: memory of the clients whose owner is that pid), read on a client of
     the broker's own. The broker uses it to catch device memory a tenant got past the
     broker's books (a racing thread rewriting a continued allocation,
-    allow._RACE_ALLOC_MEMORY)."""
+    rules._RACE_ALLOC_MEMORY; broker/quotawatch.py). Thread-safe: the quota watch reads it
+    from a worker thread."""
+
+    PER_CALL = 200  # entries of one GET_PID_INFO (NV2080_CTRL_GPU_GET_PID_INFO_MAX_COUNT)
 
     def __init__(self, backend: "RealBackend"):
         self.backend = backend
         self.rm: RelayRmClient | None = None
         self.subdevices: dict[int, int] = {}  # GPU index -> subdevice handle
+        self.lock = threading.Lock()
+        self._layout: tuple | None = None  # GET_PID_INFO's offsets, from the ABI tables
 
     def _open(self) -> None:
         rm = RelayRmClient(self.backend, 0xDB100000)
@@ -1005,23 +1026,42 @@ class VidmemMonitor:
             self.subdevices[g.index] = rm.open_gpu(g.index, info.deviceInstance)[1]
         self.rm = rm
 
-    def usage(self, tgid: int) -> dict[int, int]:
-        """Bytes of video memory the driver accounts to process tgid, per GPU index."""
-        if self.rm is None:
-            self._open()
-        out = {}
-        for i, hsub in self.subdevices.items():
+    def usage(self, tgids: list[int]) -> dict[int, dict[int, int]]:
+        """Bytes of video memory the driver accounts to each process, per GPU index: one
+        control per GPU for up to PER_CALL processes."""
+        with self.lock:
+            if self.rm is None:
+                self._open()
+            out: dict[int, dict[int, int]] = {t: {} for t in tgids}
+            for i, hsub in self.subdevices.items():
+                for k in range(0, len(tgids), self.PER_CALL):
+                    part = tgids[k:k + self.PER_CALL]
+                    for tgid, n in zip(part, self._read(hsub, part)):
+                        out[tgid][i] = n
+            return out
+
+    def _read(self, hsub: int, tgids: list[int]) -> list[int]:
+        if self._layout is None:
             p = self.rm.abi.control(0x2080018E).params
-            p = p.decode(bytes(p.size))
-            entries = list(p.pidInfoList)
-            entries[0] = entries[0].replace(pid=tgid, index=0)  # VIDEO_MEMORY_USAGE
-            got = self.rm.control(hsub, 0x2080018E,
-                                  p.replace(pidInfoListCount=1, pidInfoList=entries))
-            e = list(got.pidInfoList)[0]
-            raw = bytes(e.data.raw) if hasattr(e.data, "raw") else e.data.encode()
-            priv, shared = struct.unpack_from("<QQ", raw, 0)
-            out[i] = (priv + shared) if e.result == nvs.NV_OK else 0
-        return out
+            e = self.rm.abi.struct("NV2080_CTRL_GPU_PID_INFO")
+            f = {x.name: x.offset for x in e.fields}
+            self._layout = (p.size, p.by_name["pidInfoList"].offset, e.size,
+                            f["pid"], f["index"], f["result"], f["data"])
+        size, base, stride, o_pid, o_index, o_result, o_data = self._layout
+        req = bytearray(size)
+        struct.pack_into("<I", req, 0, len(tgids))  # pidInfoListCount
+        for j, tgid in enumerate(tgids):
+            at = base + j * stride
+            struct.pack_into("<I", req, at + o_pid, tgid)
+            struct.pack_into("<I", req, at + o_index, 0)  # VIDEO_MEMORY_USAGE
+        got = self.rm.control_raw(hsub, 0x2080018E, bytes(req))
+        res = []
+        for j in range(len(tgids)):
+            at = base + j * stride
+            result, = struct.unpack_from("<I", got, at + o_result)
+            priv, shared = struct.unpack_from("<QQ", got, at + o_data)
+            res.append((priv + shared) if result == nvs.NV_OK else 0)
+        return res
 
 
 # --------------------------------------------------------------------------- discovery

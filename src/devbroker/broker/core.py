@@ -16,7 +16,6 @@ import errno
 import itertools
 import logging
 import os
-import signal
 import time
 import types
 from dataclasses import dataclass, field
@@ -54,6 +53,7 @@ from devbroker.broker.handlers import CallContext, embedded_buffers
 from devbroker.broker.objects import BOOKS, ClientRegistry, RmClient
 from devbroker.broker.policy import Policy, TenantPolicy
 from devbroker.broker.procinfo import pid_namespace, stat_nosync
+from devbroker.broker.quotawatch import QuotaWatch
 from devbroker.broker.record import Recorder
 from devbroker.broker.ratelimit import TokenBucket
 from devbroker.broker.refusal import Refusal
@@ -175,6 +175,11 @@ class Broker:
         # work (quota watch off). Set with set_spawner (it may be called from any thread).
         self.spawn: Callable | None = None
         self._trio_token: Any = None
+        # Device memory past the books (a rewritten continued call), from the driver's own
+        # per-process accounting: only where the backend has one.
+        self.quota_watch: QuotaWatch | None = (
+            QuotaWatch(backend.process_vidmem_many, lambda: self.tenants, self.audit,
+                       self._start_soon) if backend.counts_process_memory else None)
         self.apply_policy(policy)
         self._logged_once: set[tuple] = set()
 
@@ -228,19 +233,24 @@ class Broker:
         self.spawn = start_soon
         self._trio_token = trio.lowlevel.current_trio_token()
         compute.schedule_preempt(self)  # low-priority tenants yield to high ones (compute.py)
+        if self.quota_watch is not None:
+            self.quota_watch.resume()  # processes watched before the run (a live upgrade)
         turns.schedule(self, startup=True)  # weighted turns, when the policy asks (turns.py)
 
-    def _start_soon(self, fn: Callable) -> None:
-        """Start a background task from the trio thread or from a listener thread."""
+    def _start_soon(self, fn: Callable) -> bool:
+        """Start a background task from the trio thread or from a listener thread. False:
+        there is no trio run to start it in (none yet, or it has finished)."""
         if self.spawn is None:
-            return
+            return False
         if self._trio_token is None:
             self.spawn(fn)
-            return
+            return True
         try:
             self._trio_token.run_sync_soon(self._spawn_guarded, fn)
         except Exception as e:  # the run has finished: no more background work
             log.warning("background task not started: %s", e)
+            return False
+        return True
 
     def _spawn_guarded(self, fn: Callable) -> None:
         """(Trio thread, a run_sync_soon callback from a listener thread.) An exception here
@@ -710,55 +720,13 @@ class Broker:
         return self._client(s, h, where)
 
     # ------------------------------------------------------------------ race detection
-    QUOTA_WATCH_DELAYS = (0.05, 1.0)  # seconds after a continued allocation
-    QUOTA_WATCH_SLACK = 64 << 20  # driver-side bytes beyond the quota tolerated
-
     def _watch_quota(self, s: Session) -> None:
-        """After a continued allocation: compare the driver's own per-process accounting of
-        the tenant's process with its quota, and end a tenant found holding more (a racing
-        thread turned a decided call into an allocation the broker never saw)."""
-        if not self.backend.counts_process_memory or self.spawn is None:
-            return
-        usage = self.backend.process_vidmem
-        tgid, tenant = s.caller.pid, s.tenant
-        try:
-            # Taken now, while the process waits in this very call: the kill below reaches
-            # this process even if it exits meanwhile and its pid is reused.
-            pidfd = os.pidfd_open(tgid)
-        except OSError:
-            return
-
-        async def watch() -> None:
-            try:
-                await watch_loop(signal, trio)
-            finally:
-                os.close(pidfd)
-
-        async def watch_loop(signal, trio) -> None:
-            for delay in self.QUOTA_WATCH_DELAYS:
-                await trio.sleep(delay)
-                try:
-                    used = usage(tgid)
-                except OSError as e:
-                    self._once(("watch", str(e)), f"quota watch unavailable: {e}")
-                    return
-                self._once(("watch-seen", tenant.name),
-                           f"quota watch: the driver accounts {used} bytes per GPU to pid "
-                           f"{tgid} of tenant {tenant.name} (books: {tenant.used()})")
-                over = {g: n for g, n in used.items()
-                        if n > tenant.quota(g) + self.QUOTA_WATCH_SLACK}
-                if over:
-                    self.audit.write("violation", tenant=tenant.name, pid=tgid,
-                                     what="device memory beyond the quota",
-                                     reason=f"the driver accounts {over} bytes per GPU to the "
-                                            f"process (quota {tenant.quota(next(iter(over)))}"
-                                            "): a continued call was rewritten; process killed")
-                    try:
-                        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                    return
-        self._start_soon(watch)
+        """After a continued call a racing thread could have turned into device memory the
+        books never saw: the quota watch (quotawatch.py) reads the driver's own accounting
+        of the process from now on, for its life, and ends the tenant's processes when the
+        tenant holds more than its quota."""
+        if self.quota_watch is not None and self.spawn is not None:
+            self.quota_watch.watch(s.caller.pid, s.tenant.name)
 
     def _check_clients(self, s: Session, value: Any, *, where: str,
                        zero_ok: bool = False) -> int | None:

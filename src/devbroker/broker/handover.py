@@ -36,6 +36,8 @@ BROKER_ATTRS = frozenset({
     "recorder",  # an upgrade is refused while recording (check_supported)
     "on_policy_change", "spawn", "_trio_token",  # set up by the successor's daemon
     "control_lane", "continue_lane",  # plans derived again; counters start afresh
+    # rebuilt: the successor watches every process holding a tenant's files (import_broker)
+    "quota_watch",
 })
 SESSION_FIELDS = frozenset({"id", "tenant", "node", "minor", "caller", "file", "closed",
                             "pidns", "prepared"})
@@ -272,6 +274,12 @@ def import_broker(broker, state: dict[str, Any], files: dict[int, Any]) -> None:
                     prepared=bool(sd.get("prepared", False)))
         broker.sessions[s.id] = s
         t.sessions[s.id] = s
+    # The quota watch's list of processes is not passed: the successor watches every
+    # process that holds a tenant's files (a superset), from its first look on.
+    if broker.quota_watch is not None:
+        for t in broker.tenants.values():
+            for tgid in t.tgids():
+                broker.quota_watch.watch(tgid, t.name)
     # The clients go into the registry through their sessions, in the order they were made
     # (that of client_owner), each into its tenant's books.
     made = {}

@@ -137,7 +137,7 @@ def nvos02_class(client, tries: int = 300) -> dict:
         # The driver writes the parameters back as it read them: NV_OK with class 0x40 is
         # the rewritten request allocated.
         if not err and got.params.status == nvs.NV_OK and got.params.hClass == 0x40:
-            time.sleep(3)  # the quota watch looks 50 ms and 1 s after the call
+            time.sleep(3)  # the quota watch looks 50 ms after the call, then every second or less
             return {"won": True, "alive": True, "statuses": statuses}
         if not err and got.params.status == nvs.NV_OK:
             c.free(g["hdevice"], h)
