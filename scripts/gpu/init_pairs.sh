@@ -7,7 +7,10 @@
 # docs/benchmarks.md, "CUDA init on this session's hosts"). The summary gives per mode the
 # ratio of the medians and the median of the per-round ratios. In the first and the last
 # round also one RM_CONTROL x N with each of GAPS (µs of sleep between calls: with a gap the
-# CPUs go idle between calls, as in a CUDA init), natively and per broker.
+# CPUs go idle between calls, as in a CUDA init), natively and per broker. SYSTIME=1: every
+# init under systime.so (scripts/gpu/systime.c), and per mode a table of what the broker adds
+# to each kind of NVIDIA call (scripts/gpu/calls.py kinds) in $OUT/kinds.txt.
+# A mode may run another source tree's broker: "old:PYTHONPATH=$PWD/old-src:/tmp/site".
 #   run(command="MODES='base sync:DEVBROKER_SECCOMP_SYNC_WAKE=1,DEVBROKER_SECCOMP_SPIN_US=0' \
 #       ROUNDS=6 bash scripts/gpu/init_pairs.sh", carry=[".whl"], timeout_s=540)
 set -u
@@ -20,6 +23,14 @@ GAPS=${GAPS:-"0 300"}
 N=${N:-1000}
 CHK="$PY scripts/gpu/cuda_checks.py"
 TC="$PY scripts/gpu/tenant_checks.py"
+SYSTIME=${SYSTIME:-0}
+ST=/tmp/systime; rm -rf $ST; mkdir -p $ST; chmod 1777 $ST
+if [ "$SYSTIME" = 1 ]; then
+  cc -O2 -shared -fPIC -o /tmp/site/systime.so scripts/gpu/systime.c -ldl || SYSTIME=0
+fi
+# timed NAME R: the command prefix that runs a command under systime.so when SYSTIME=1
+# (records in $ST/NAME-rR.jsonl); nothing otherwise
+timed() { [ "$SYSTIME" = 1 ] && echo "env LD_PRELOAD=/tmp/site/systime.so SYSTIME_KINDS=1 SYSTIME_OUT=$ST/$1-r$2.jsonl"; }
 declare -a RUNS PIDS NAMES
 n=0
 for mode in $MODES; do
@@ -29,6 +40,7 @@ for mode in $MODES; do
   RUNS[$n]=$PROBE_RUN; PIDS[$n]=$BROKER; NAMES[$n]=$(mode_name "$mode")
   grep "seccomp listeners" "$W/broker$n.log"
 done
+BINDS+=(--bind "$ST:$ST:rw")
 # in_slot I CMD...: CMD natively (I = 0) or as a tenant of broker I
 in_slot() { local i=$1; shift
   if [ "$i" = 0 ]; then "$@"; else PROBE_RUN=${RUNS[$i]} ptexec "$@"; fi; }
@@ -39,7 +51,7 @@ for r in $(seq "$ROUNDS"); do
   for k in $(seq 0 "$n"); do order+=($(( (k + r - 1) % (n + 1) ))); done
   for i in "${order[@]}"; do
     name=$(slot_name "$i")
-    put "r${r}_${name}_init" "$(in_slot "$i" $CHK init 2>&1 | last)"
+    put "r${r}_${name}_init" "$(in_slot "$i" $(timed "$name" "$r") $CHK init 2>&1 | last)"
     [ "$i" != 0 ] && put "r${r}_${name}_listener" "$(grep '"tenant-detached"' "$W/audit$i.log" | tail -1)"
     if [ "$r" = 1 ] || [ "$r" = "$ROUNDS" ]; then
       for g in $GAPS; do
@@ -51,6 +63,14 @@ done
 for i in $(seq "$n"); do
   kill -TERM "${PIDS[$i]}"; wait "${PIDS[$i]}"
 done
+if [ "$SYSTIME" = 1 ]; then
+  step "per call kind (systime.so): what each broker adds, per init"
+  for i in $(seq "$n"); do
+    echo "== ${NAMES[$i]}"
+    "$PY" scripts/gpu/calls.py kinds $ST native- "${NAMES[$i]}-" "$(cat /sys/module/nvidia/version 2>/dev/null)" | head -45
+  done > "$OUT/kinds.txt"
+  head -30 "$OUT/kinds.txt"
+fi
 step "summary"
 NAMES="${NAMES[*]}" ROUNDS="$ROUNDS" GAPS="$GAPS" "$PY" - "$RES" <<'PYX' | tee "$OUT/summary.txt"
 import json, os, statistics, sys
