@@ -88,11 +88,13 @@ probe_broker() { local run=$1 pol=$2 audit=$3 logf=$4
 # with them in the broker's environment only.
 mode_name() { echo "${1%%:*}"; }
 mode_vars() { local n=${1%%:*}; [ "$1" != "$n" ] && echo "${1#*:}" | tr , ' '; }
-mode_broker() { local word=$1 v; shift
-  local assigns; read -r -a assigns <<< "$(mode_vars "$word")"
-  for v in "${assigns[@]}"; do export "$v"; done
+mode_broker() { local word=$1 v k; shift
+  local assigns saved=(); read -r -a assigns <<< "$(mode_vars "$word")"
+  for v in "${assigns[@]}"; do  # (a variable the script has, e.g. PYTHONPATH, is put back)
+    k=${v%%=*}; if [ -n "${!k+x}" ]; then saved+=("$k=${!k}"); fi; export "$v"; done
   probe_broker "$@"
   for v in "${assigns[@]}"; do unset "${v%%=*}"; done
+  for v in "${saved[@]}"; do export "$v"; done
 }
 ptexec() { timeout "${PTEXEC_TIMEOUT:-120}" "$PY" -m devbroker.cli.main --run-dir "$PROBE_RUN" \
     exec --tenant c16 --uid 0 "${BINDS[@]}" -- env PYTHONPATH="$PYTHONPATH" "$@"; }
