@@ -31,6 +31,11 @@ fi
 # timed NAME R: the command prefix that runs a command under systime.so when SYSTIME=1
 # (records in $ST/NAME-rR.jsonl); nothing otherwise
 timed() { [ "$SYSTIME" = 1 ] && echo "env LD_PRELOAD=/tmp/site/systime.so SYSTIME_KINDS=1 SYSTIME_OUT=$ST/$1-r$2.jsonl"; }
+for mode in $MODES; do  # another source tree's native loop is built for it here
+  case " $(mode_vars "$mode") " in *" PYTHONPATH="*)
+    env $(mode_vars "$mode") "$PY" -m devbroker.native >/dev/null || echo "$(mode_name "$mode"): native loop did not build" ;;
+  esac
+done
 declare -a RUNS PIDS NAMES
 n=0
 for mode in $MODES; do
@@ -61,13 +66,15 @@ for r in $(seq "$ROUNDS"); do
   done
 done
 for i in $(seq "$n"); do
+  grep -h 'quota watch' "$W/audit$i.log" | head -2  # the quota watch's first look, per broker
   kill -TERM "${PIDS[$i]}"; wait "${PIDS[$i]}"
 done
 if [ "$SYSTIME" = 1 ]; then
   step "per call kind (systime.so): what each broker adds, per init"
   for i in $(seq "$n"); do
     echo "== ${NAMES[$i]}"
-    "$PY" scripts/gpu/calls.py kinds $ST native- "${NAMES[$i]}-" "$(cat /sys/module/nvidia/version 2>/dev/null)" | head -45
+    "$PY" scripts/gpu/calls.py kinds $ST native- "${NAMES[$i]}-" "$(cat /sys/module/nvidia/version 2>/dev/null)" > "$W/kinds$i.txt" 2>&1
+    head -45 "$W/kinds$i.txt"
   done > "$OUT/kinds.txt"
   head -30 "$OUT/kinds.txt"
 fi

@@ -114,6 +114,10 @@ cat "$W/race_nvos02.txt" | tail -5
 put race_nvos02 "$(tail -2 "$W/race_nvos02.txt" | head -1)"
 put race_nvos02_exit "$(tail -1 "$W/race_nvos02.txt")"
 grep '"violation"' "$W/audit.log" | tail -3
+# the quota watch's reads of the driver's accounting (broker/quotawatch.py): one notice per
+# tenant with the first look's figures against the books, or why it could not read them
+grep -E 'quota watch' "$W/audit.log" | head -5
+put quota_watch "$(grep -E 'quota watch' "$W/audit.log" | head -3)"
 put host_after_races "$("$PY" scripts/gpu/tenant_checks.py nvml 2>&1 | last)"
 
 step "broker death: the tenant's NVIDIA calls fail closed"
