@@ -247,3 +247,24 @@ async def test_work_a_thread_hands_to_trio_cannot_end_the_run(tmp_path, caplog):
     await trio.to_thread.run_sync(broker._start_soon, job)
     await trio.sleep(0.05)
     assert ran == [1]
+
+
+def test_extra_reader_threads_coming_back_together_leave_one_to_read():
+    """As the seccomp listener threads (test_seccomp_frontend.py): extra FUSE reader threads
+    the watchdog started while every reader was held up come back together; each asks
+    `_surplus` before any has counted itself out, and exactly the surplus retires."""
+    import threading
+
+    from devbroker.frontends.fuse import FuseFrontend
+
+    fe = FuseFrontend.__new__(FuseFrontend)
+    fe.threads, fe._serving, fe._tlock, fe._spare_until = 1, {}, threading.Lock(), 0.0
+    for live, leave in ((2, 1), (3, 2), (1, 0)):
+        fe._live, fe._leaving = live, 0
+        said = []
+        for _ in range(live):
+            t = threading.Thread(target=lambda: said.append(fe._surplus()))
+            t.start()
+            t.join()
+        assert said.count(True) == leave, (live, said)
+        assert fe._live - fe._leaving == fe.threads

@@ -466,3 +466,28 @@ async def test_a_bug_costs_one_call_not_the_listener(tmp_path):
     assert rc == 0, res
     assert res["buggy"] == errno.EIO and res["again"] == errno.EIO, res
     assert res["after"] == [0, "PONMLKJIHGFEDCBA"]
+
+
+def test_extra_listener_threads_coming_back_together_leave_one_to_answer():
+    """The watchdog starts extra listener threads while every thread is held up (a tenant's
+    stalled page); when the stall clears they come back together and each asks
+    `_surplus` whether to retire. Before a thread had counted itself out, the next one saw
+    the same surplus: with one base thread and one extra both left, and the tenant's next
+    call waited forever (the escape harness's tenant hung in CI after `uffd-ptr`). Each
+    thread asks here from its own OS thread, before either has counted itself out."""
+    import threading
+
+    sup = sc.SeccompSupervisor.__new__(sc.SeccompSupervisor)
+    sup.threads, sup._serving, sup._threads_lock = 1, {}, threading.Lock()
+    for live, leave in ((2, 1), (3, 2), (1, 0)):
+        sup._live, sup._leaving = live, 0
+        said = []
+        for _ in range(live):  # every live thread asks, none has left yet
+            t = threading.Thread(target=lambda: said.append(sup._surplus()))
+            t.start()
+            t.join()
+        assert said.count(True) == leave, (live, said)
+        for retired in said:  # those told to retire count themselves out on their way
+            if retired:
+                sup._count_out(True)
+        assert sup._live == sup.threads and sup._leaving == 0

@@ -74,6 +74,7 @@ SUPERVISOR_ATTRS = frozenset({
     "_callers",  # a cache of thread pidfds: the successor fills its own
     # the successor's own: its broker, tables it derives again, threads, locks, events
     "broker", "nvidia_majors", "_basenames", "sizes", "_memfd_dev", "_lfd_refs", "_live",
+    "_leaving",
     "_threads_lock", "_recv_lock", "_stopping", "_serving", "_token", "_nursery", "_hup",
     "_changed", "closed", "_handover_hold",
     "_gate",  # the broker's memory gate (a cached property): the successor's broker's

@@ -240,6 +240,7 @@ class FuseFrontend:
         self._queue = limits.FairQueue()
         self._tlock = threading.Lock()
         self._live = 0  # reader threads running
+        self._leaving = 0  # threads `_surplus` let go that have not counted themselves out
         self._parked_threads = 0
         self._thread_busy = 0  # ioctls read by a thread and not yet answered or handed over
         self._handed = 0  # requests a thread passed to the trio thread, not yet taken up
@@ -722,6 +723,7 @@ class FuseFrontend:
         # cost throughput before the lanes made a call cheap). 0 turns it off.
         spin = int(os.environ.get("DEVBROKER_FUSE_SPIN_US", "100") or 0) / 1e6
         spin_until = 0.0
+        retired = False  # left because `_surplus` said so
         try:
             while not self._closed:
                 if self._pause_requested:
@@ -734,6 +736,7 @@ class FuseFrontend:
                     break
                 if self._serve_next(me):
                     if self._surplus():
+                        retired = True
                         break
                     spin_until = time.monotonic() + spin
                     continue
@@ -741,12 +744,15 @@ class FuseFrontend:
                     poller.poll(0)  # the tenant's next request is usually microseconds away
                     continue
                 if not poller.poll(200) and self._surplus():
+                    retired = True
                     break  # an extra thread retires when idle
         except Exception:  # pragma: no cover - a bug must not end the service silently
             log.exception("FUSE reader thread failed")
         finally:
             with self._tlock:
                 self._live -= 1
+                if retired:
+                    self._leaving -= 1
             self._drop_thread_ref()
 
     def _park(self) -> None:
@@ -760,7 +766,10 @@ class FuseFrontend:
 
     def _surplus(self) -> bool:
         """More threads free to read than `threads` (threads held up in a slow call or a
-        stalled page do not count: they are why the others were started)."""
+        stalled page do not count: they are why the others were started): then the calling
+        thread retires, counted as leaving in the same step (under the lock), so that the
+        next thread to ask sees one fewer — as SeccompSupervisor._surplus, where two extra
+        threads back from a stall both left and nothing served the tenant any more."""
         if self._live <= self.threads:  # the common case, asked after every request
             return False
         now = time.monotonic()
@@ -768,7 +777,10 @@ class FuseFrontend:
                    if now - since > self.busy_hold)
         keep = self.threads + (1 if now < self._spare_until else 0)
         with self._tlock:
-            return self._live - held > keep
+            if self._live - self._leaving - held > keep:
+                self._leaving += 1
+                return True
+            return False
 
     def _drain(self, fd: int, buf: bytearray, view: memoryview) -> bool:
         """Read what the kernel has pending (up to drain_batch requests) and route each.

@@ -415,6 +415,7 @@ class SeccompSupervisor:
         self._lfd = -1  # the threads' duplicate of the listener (serve)
         self._lfd_refs = 1  # the supervisor's own reference, dropped when serve ends
         self._live = 0  # listener threads running
+        self._leaving = 0  # threads `_surplus` let go that have not counted themselves out
         self._threads_lock = threading.Lock()
         self._recv_lock = threading.Lock()
         self._stopping = False
@@ -735,6 +736,7 @@ class SeccompSupervisor:
         poller.register(_HANDOVER_WAKE, select.POLLIN)  # live upgrade: leave poll() now
         spin = self.spin_s
         spin_until = 0.0
+        retired = False  # left because `_surplus` said so
         try:
             while not self._stopping:
                 n = None
@@ -755,6 +757,7 @@ class SeccompSupervisor:
                     revents = next((ev for fd, ev in events if fd == self._lfd), 0)
                     if not revents:
                         if self._surplus():  # an extra thread retires when idle
+                            retired = True
                             break
                         continue
                     if revents & select.POLLIN:
@@ -781,12 +784,12 @@ class SeccompSupervisor:
                 if spin:
                     spin_until = time.monotonic() + spin
                 if self._surplus():
+                    retired = True
                     break
         except Exception:  # pragma: no cover - a bug must not kill the tenant's service
             log.exception("seccomp: listener thread failed")
         finally:
-            with self._threads_lock:
-                self._live -= 1
+            self._count_out(retired)
             self._drop_listener_ref()
 
     def _new_native(self) -> nativelane.NativeLane:
@@ -812,6 +815,7 @@ class SeccompSupervisor:
         nl.lib.dvb_thread_driver_safe(t.ptr, int(t.driver_safe))  # (settled calls need it)
         memgate.MemoryGate.mark_native(me, self.tenant)
         size = max(self.sizes.notif, w.SECCOMP_NOTIF_SIZE)
+        retired = False  # left because `_surplus` said so
         try:
             while not self._stopping:
                 rc = t.serve()
@@ -864,14 +868,14 @@ class SeccompSupervisor:
                     raise OSError(err, f"seccomp listener: {os.strerror(err)}")
                 # DVB_IDLE, DVB_FOLD, DVB_WAKE: the loop's condition and the surplus below
                 if self._surplus():
+                    retired = True
                     break
         except Exception:  # pragma: no cover - a bug must not kill the tenant's service
             log.exception("seccomp: native listener thread failed")
         finally:
             memgate.MemoryGate.unmark_native(me)
             nl.drop(t)
-            with self._threads_lock:
-                self._live -= 1
+            self._count_out(retired)
             self._drop_listener_ref()
 
     @staticmethod
@@ -1286,14 +1290,30 @@ class SeccompSupervisor:
 
     def _surplus(self) -> bool:
         """More threads free to answer than `threads` (threads held up in a slow call or a
-        stalled page do not count: they are why the others were started)."""
+        stalled page do not count: they are why the others were started): then the calling
+        thread leaves, and is counted as leaving under the lock in the same step as the
+        decision, so that the next thread to ask sees one fewer. (Without that, two extra
+        threads coming back from a stall together both saw a surplus and both left, and
+        nothing answered the tenant any more: found in CI, the escape harness's tenant hung
+        after `uffd-ptr`.)"""
         if self._live <= self.threads:  # the common case, asked after every answer
             return False
         now = time.monotonic()
         held = sum(1 for _n, since in list(self._serving.values())
                    if now - since > self.busy_hold)
         with self._threads_lock:
-            return self._live - held > self.threads
+            if self._live - self._leaving - held > self.threads:
+                self._leaving += 1
+                return True
+            return False
+
+    def _count_out(self, retired: bool) -> None:
+        """(A listener thread's last step.) No longer live; nor leaving, if it retired
+        because `_surplus` said so."""
+        with self._threads_lock:
+            self._live -= 1
+            if retired:
+                self._leaving -= 1
 
     def _to_trio(self, fn, *args) -> bool:
         return to_trio(self._token, fn, *args)
