@@ -941,6 +941,11 @@ class FuseFrontend:
                     and live < self.threads + self.max_extra_threads):
                 self._spare_until = now + self.spare_keep
                 self._start_reader()
+            elif not self._closed and not self._pause_requested and live == 0:
+                # No thread reads the mount (one ended on a bug, say): every request would
+                # wait for ever. Another is started, and said.
+                log.warning("FUSE %s: no reader thread left; starting one", self.mountpoint)
+                self._start_reader()
 
     def _send(self, data: bytes) -> None:
         fd = self._tfd if self._tfd >= 0 else self._fd

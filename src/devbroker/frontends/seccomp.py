@@ -1479,6 +1479,11 @@ class SeccompSupervisor:
                     and now - max(busy) > self.busy_hold
                     and live < self.threads + self.max_extra_threads):
                 self._start_thread()
+            elif not self._stopping and live == 0:
+                # No thread reads this tenant's calls (one ended on a bug, say): they would
+                # wait for ever. Another is started, and said.
+                log.warning("seccomp %s: no listener thread left; starting one", self.tenant)
+                self._start_thread()
 
     def _watch_native(self, native: nativelane.NativeLane, now: float) -> list[float]:
         """The watchdog's look at the native loop's threads: an access to the tenant's
