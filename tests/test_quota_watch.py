@@ -46,8 +46,9 @@ class Tenant:
     """What a look needs of the broker's TenantState: name, quota per GPU, the processes
     holding its files, its books."""
 
-    def __init__(self, name: str, quota: int, tgids=()):
+    def __init__(self, name: str, quota: int, tgids=(), books: int = 0):
         self.name, self._quota, self.files_held_by = name, quota, set(tgids)
+        self.books = books
 
     def quota(self, gpu: int) -> int:
         return self._quota
@@ -56,7 +57,7 @@ class Tenant:
         return set(self.files_held_by)
 
     def used(self) -> dict[int, int]:
-        return {0: 0}
+        return {0: self.books}
 
 
 def sleeper() -> subprocess.Popen:
@@ -307,3 +308,19 @@ def test_the_accounting_reads_parameter_block_is_the_codecs():
         entries[j] = entries[j].replace(pid=t, index=0)
     assert mon.rm.sent == want.replace(pidInfoListCount=3, pidInfoList=entries).encode()
     assert got == [(101 << 20) + 7, 0, (303 << 20) + 7]  # 202: not NV_OK -> 0
+
+
+def test_a_quota_lowered_under_what_the_books_hold_is_not_a_violation(procs):
+    """A policy change may lower a tenant's quota under what it already holds (kept until
+    freed). The driver's accounting then matches the books, above the new quota: the bound
+    is the books there, not the quota. Memory beyond the books is still found."""
+    a, b = procs(), procs()
+    acc = Accounting()
+    acc.held = {a.pid: {0: 3 * GiB}, b.pid: {0: 5 * GiB}}
+    tenants = {"t": Tenant("t", GiB, [a.pid], books=3 * GiB),  # quota lowered to 1 GiB
+               "u": Tenant("u", GiB, [b.pid], books=3 * GiB)}  # 2 GiB past its books
+    qw, recs = run_watch(acc, tenants, 0.6,
+                         lambda qw: (qw.watch(a.pid, "t"), qw.watch(b.pid, "u"))[1])
+    assert a.poll() is None, "killed for memory its books hold"
+    assert killed(b, 1)
+    assert [r["tenant"] for r in recs if r["event"] == "violation"] == ["u"]

@@ -16,9 +16,10 @@ a call, for as long as it lives:
   handler the tenant serves when it likes: userfaultfd where the host allows it to tenants),
   so looks that stop after a few delays would miss it;
 * each look sums, per tenant and GPU, the accounting of its watched processes and of its
-  other processes holding its files, and compares the sum with the tenant's quota: the
-  quota is the tenant's, so memory split over processes counts as one. More than
-  quota + SLACK: every process of the tenant holding device memory on that GPU is killed
+  other processes holding its files, and compares the sum with the tenant's quota (or its
+  books, where a policy change lowered the quota under what it already held): the quota is
+  the tenant's, so memory split over processes counts as one. More than that + SLACK:
+  every process of the tenant holding device memory on that GPU is killed
   (SIGKILL through a pidfd taken before the read: never a reused pid), with a `violation`
   audit record.
 
@@ -227,7 +228,11 @@ class QuotaWatch:
         self._once(("seen", t.name),
                    f"quota watch: the driver accounts {total} bytes per GPU to the processes "
                    f"{sorted(used)} of tenant {t.name} (books: {t.used()})")
-        over = {g: n for g, n in total.items() if n > t.quota(g) + SLACK}
+        # The bound is the quota, or the books where they hold more (a policy change lowered
+        # the quota under what the tenant already held: kept, not a violation).
+        books = t.used()
+        over = {g: n for g, n in total.items()
+                if n > max(t.quota(g), books.get(g, 0)) + SLACK}
         if not over:
             return
         holders = sorted(tgid for tgid, per_gpu in used.items()
