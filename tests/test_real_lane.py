@@ -15,6 +15,7 @@ import errno
 import os
 import struct
 import threading
+import time
 
 import pytest
 
@@ -653,3 +654,46 @@ def test_a_continue_decisions_read_stalled_on_the_tenants_page_is_answered_efaul
     # above times out; how long it took is in `out`, not asserted)
     assert out["stalled"][0] == errno.EFAULT, out
     assert out["plain"][0] == errno.ENOTTY, out
+
+
+def test_a_continued_os_descriptor_allocation_puts_the_process_under_the_quota_watch(tmp_path):
+    """The quota watch (broker/quotawatch.py) wired end to end on the real backend: a
+    seccomp tenant's NV_ESC_RM_ALLOC_MEMORY of an OS descriptor (class 0x71, which the kernel
+    runs in the tenant after the broker decided it: the stand-in node answers ENOTTY) puts
+    its process under the watch, which reads the driver's per-process accounting through the
+    relay — GET_PID_INFO's block built at the ABI tables' offsets, here answered by the
+    NV-OK stand-in as sent: 0 bytes — and says what it read against the books, once. No
+    violation. After the process is gone the next look forgets it (status: nothing watched).
+    The H200 run reads the real driver's figures this way (docs/hardware.md, `-s15full`)."""
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    seen: dict = {}
+
+    def inspect(b):
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            seen["status"] = b.status().get("quota_watch")
+            if seen["status"] and seen["status"]["watching"] == 0:
+                break
+            time.sleep(0.2)
+        seen["audit"] = b.audit()
+
+    out, _ = _on_stand_in_nodes(tmp_path, "watch", {}, "seccomp",
+                                [sys.executable, str(here / "quota_watch_prog.py"), "1.5"],
+                                wrap=(sys.executable, str(here / "nvok_standin.py")),
+                                inspect=inspect)
+    # the root allocation and the OS descriptor ran in the tenant (the stand-in: ENOTTY);
+    # the adoption's control and the device are the broker's (the NV-OK stand-in)
+    assert out == {"root": errno.ENOTTY, "adopted": [0, 0], "device": 0,
+                   "os_descriptor": errno.ENOTTY}, out
+    st = seen["status"]
+    # a look 50 ms after the call and another within the next second, while it stayed 1.5 s
+    assert st is not None and st["looks"] >= 2 and st["killed"] == 0, st
+    assert st["watching"] == 0, st  # the process exited: forgotten at the next look
+    notes = [r.get("message", "") for r in seen["audit"] if r.get("event") == "notice"]
+    watch = [m for m in notes if m.startswith("quota watch")]
+    assert len(watch) == 1 and "the driver accounts {0: 0} bytes per GPU" in watch[0] \
+        and "of tenant t0" in watch[0], notes
+    assert not [r for r in seen["audit"] if r.get("event") == "violation"]

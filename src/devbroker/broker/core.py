@@ -903,7 +903,13 @@ class Broker:
                                   "declined": self.continue_lane.passed,
                                   # of admitted: continued by the native loop's settled
                                   # decisions (no question to the broker)
-                                  "settled": self.continue_lane.settled}}
+                                  "settled": self.continue_lane.settled},
+                # quotawatch.py (real backend only): processes watched for device memory
+                # past the books, the looks at the driver's accounting, processes killed
+                **({"quota_watch": {"watching": len(self.quota_watch.watching()),
+                                    "looks": self.quota_watch.looks,
+                                    "killed": self.quota_watch.killed}}
+                   if self.quota_watch is not None else {})}
 
 
 class _RevokedTenant:

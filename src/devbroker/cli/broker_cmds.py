@@ -242,6 +242,10 @@ def cmd_status(args) -> int:
                         + (f" ({c['allocations']} allocations)" if c.get("allocations") else "")
                         + (f", {c['settled']} of them settled" if c.get("settled") else "")
                         + f", {c['declined']} sent the general way" for name, c in lanes))
+    qw = snap.get("quota_watch")
+    if qw:  # broker/quotawatch.py: the driver's own accounting against the books
+        print(f"quota watch: {qw['watching']} processes watched, {qw['looks']} looks at the "
+              f"driver's accounting, {qw['killed']} processes killed")
     listeners = snap.get("seccomp") or []
     if listeners:  # frontends/nativelane.py: which loop answers each tenant process tree
         print("seccomp listeners: " + ", ".join(
