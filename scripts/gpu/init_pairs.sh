@@ -11,6 +11,8 @@
 # init under systime.so (scripts/gpu/systime.c), and per mode a table of what the broker adds
 # to each kind of NVIDIA call (scripts/gpu/calls.py kinds) in $OUT/kinds.txt.
 # A mode may run another source tree's broker: "old:PYTHONPATH=$PWD/old-src:/tmp/site".
+# NVML=1: in every round and slot also NVML's init sequence x10 and one RM_CONTROL x500 (issue
+# 14's H200 targets, paired the same way: median of the per-round ratios / differences).
 #   run(command="MODES='base sync:DEVBROKER_SECCOMP_SYNC_WAKE=1,DEVBROKER_SECCOMP_SPIN_US=0' \
 #       ROUNDS=6 bash scripts/gpu/init_pairs.sh", carry=[".whl"], timeout_s=540)
 set -u
@@ -58,6 +60,10 @@ for r in $(seq "$ROUNDS"); do
     name=$(slot_name "$i")
     put "r${r}_${name}_init" "$(in_slot "$i" $(timed "$name" "$r") $CHK init 2>&1 | last)"
     [ "$i" != 0 ] && put "r${r}_${name}_listener" "$(grep '"tenant-detached"' "$W/audit$i.log" | tail -1)"
+    if [ "${NVML:-0}" = 1 ]; then
+      put "r${r}_${name}_nvml" "$(in_slot "$i" $TC bench-nvml 10 2>&1 | last)"
+      put "r${r}_${name}_ctl" "$(in_slot "$i" $TC bench-control 500 2>&1 | last)"
+    fi
     if [ "$r" = 1 ] || [ "$r" = "$ROUNDS" ]; then
       for g in $GAPS; do
         put "r${r}_${name}_control_gap$g" "$(in_slot "$i" $TC bench-control "$N" "$g" 2>&1 | last)"
@@ -103,6 +109,19 @@ for name in os.environ["NAMES"].split():
         first, lastr = min(rounds), max(rounds)
         print(f"  RM_CONTROL p50 gap {g} us: native {[ctl(r, 'native', g) for r in (first, lastr)]}"
               f" {name} {[ctl(r, name, g) for r in (first, lastr)]}")
+    def p50(r, n, what):
+        v = d.get(f"r{r}_{n}_{what}")
+        return v.get("p50_us") if isinstance(v, dict) else None
+    nv = [(p50(r, name, "nvml"), p50(r, "native", "nvml")) for r in rounds]
+    nv = [a / b for a, b in nv if a and b]
+    if nv:
+        print(f"  NVML sequence: per-round ratios {[round(x, 2) for x in nv]}; median "
+              f"{statistics.median(nv):.3f}x (issue 14: <= 1.5)")
+    ct = [(p50(r, name, "ctl"), p50(r, "native", "ctl")) for r in rounds]
+    ct = [a - b for a, b in ct if a and b]
+    if ct:
+        print(f"  RM_CONTROL p50 over native per round (us) {[round(x, 1) for x in ct]}; "
+              f"median +{statistics.median(ct):.1f} (issue 14: <= +50; issue 12: <= +40)")
     ls = [d.get(f"r{r}_{name}_listener") for r in rounds]
     ls = [x for x in ls if isinstance(x, dict)]
     if ls:
