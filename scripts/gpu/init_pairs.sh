@@ -21,7 +21,7 @@ REPO=$(cd "$(dirname "$0")/../.." && pwd); cd "$REPO"
 probe_start init-pairs
 MODES=${MODES:-"base sync:DEVBROKER_SECCOMP_SYNC_WAKE=1,DEVBROKER_SECCOMP_SPIN_US=0"}
 ROUNDS=${ROUNDS:-6}
-GAPS=${GAPS:-"0 300"}
+GAPS=${GAPS-"0 300"}  # (GAPS="": none)
 N=${N:-1000}
 CHK="$PY scripts/gpu/cuda_checks.py"
 TC="$PY scripts/gpu/tenant_checks.py"
