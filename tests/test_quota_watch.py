@@ -20,6 +20,7 @@ import trio
 
 from devbroker.broker import quotawatch
 from devbroker.broker.audit import AuditLog
+from devbroker.broker.procinfo import pid_namespace
 from devbroker.broker.quotawatch import QuotaWatch
 
 GiB = 1 << 30
@@ -49,12 +50,15 @@ class Tenant:
     def __init__(self, name: str, quota: int, tgids=(), books: int = 0):
         self.name, self._quota, self.files_held_by = name, quota, set(tgids)
         self.books = books
+        self.opened_in: dict[int, str | None] = {}
 
     def quota(self, gpu: int) -> int:
         return self._quota
 
-    def tgids(self) -> set[int]:
-        return set(self.files_held_by)
+    def openers(self) -> dict[int, str | None]:
+        """As TenantState.openers: pid -> the pid namespace its file was opened in (here
+        the process's own, unless the test recorded another in `opened_in`)."""
+        return {p: self.opened_in.get(p, pid_namespace(p)) for p in self.files_held_by}
 
     def used(self) -> dict[int, int]:
         return {0: self.books}
@@ -324,3 +328,40 @@ def test_a_quota_lowered_under_what_the_books_hold_is_not_a_violation(procs):
     assert a.poll() is None, "killed for memory its books hold"
     assert killed(b, 1)
     assert [r["tenant"] for r in recs if r["event"] == "violation"] == ["u"]
+
+
+def test_a_pid_reused_outside_the_sandbox_is_neither_read_nor_killed(procs):
+    """A file outlives its opener (another process of the tenant holds it), and the
+    opener's pid is reused by a process of another sandbox or the host. The look checks a
+    non-watched opener's pid namespace against the one the file was opened in: that
+    process is not the tenant's, so its memory is not added to the tenant's and it is not
+    killed."""
+    a, stranger = procs(), procs()
+    acc = Accounting()
+    acc.held = {a.pid: {0: 100 << 20}, stranger.pid: {0: 5 * GiB}}
+    t = Tenant("t", GiB, [a.pid, stranger.pid])
+    t.opened_in[stranger.pid] = "pid:[4026531000]"  # opened in another sandbox
+    qw, recs = run_watch(acc, {"t": t}, 0.6, lambda qw: qw.watch(a.pid, "t"))
+    assert a.poll() is None and stranger.poll() is None, recs
+    assert not [r for r in recs if r["event"] == "violation"]
+    assert all(stranger.pid not in r for r in acc.reads), acc.reads
+
+
+def test_memory_accounted_to_an_exited_opener_ends_the_tenant(procs):
+    """A client's memory is accounted to the pid that created it. Its creator (a file's
+    opener) has exited; another process of the tenant holds the file and allocated past
+    the books under that client. The look reads the exited opener's pid too (no process
+    has it now), finds the tenant over its quota and ends the tenant: its live processes
+    are killed, although none of them holds the memory itself."""
+    a, d = procs(), procs()
+    d.kill()
+    d.wait()  # exited and reaped: its pid belongs to no process now
+    acc = Accounting()
+    acc.held = {a.pid: {0: 0}, d.pid: {0: 2 * GiB}}
+    t = Tenant("t", GiB, [a.pid, d.pid])
+    t.opened_in[d.pid] = "pid:[4026531836]"
+    qw, recs = run_watch(acc, {"t": t}, 0.6, lambda qw: qw.watch(a.pid, "t"))
+    assert killed(a, 1), (recs, acc.reads)
+    v = [r for r in recs if r["event"] == "violation"]
+    assert len(v) == 1 and f"[{d.pid}]" in v[0]["reason"] and f"[{a.pid}] killed" in v[0]["reason"]
+    assert d.pid in acc.reads[0]

@@ -146,6 +146,11 @@ class TenantState:
     def tgids(self) -> set[int]:
         return {s.caller.pid for s in self.sessions.values() if not s.prepared}
 
+    def openers(self) -> dict[int, str | None]:
+        """The processes that opened its files (pid -> the pid namespace they were opened
+        in; the pid may have exited, or been reused since, while the file lives on)."""
+        return {s.caller.pid: s.pidns for s in self.sessions.values() if not s.prepared}
+
 
 class Broker:
     """Implements devbroker.broker.interface.BrokerInterface."""

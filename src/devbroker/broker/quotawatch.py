@@ -15,13 +15,15 @@ a call, for as long as it lives:
   can come later than any fixed delay after the decision (the argument's page faulting to a
   handler the tenant serves when it likes: userfaultfd where the host allows it to tenants),
   so looks that stop after a few delays would miss it;
-* each look sums, per tenant and GPU, the accounting of its watched processes and of its
-  other processes holding its files, and compares the sum with the tenant's quota (or its
-  books, where a policy change lowered the quota under what it already held): the quota is
-  the tenant's, so memory split over processes counts as one. More than that + SLACK:
-  every process of the tenant holding device memory on that GPU is killed
-  (SIGKILL through a pidfd taken before the read: never a reused pid), with a `violation`
-  audit record.
+* each look sums, per tenant and GPU, the accounting of its watched processes, of its
+  other processes holding its files (each checked to be in the sandbox the file was opened
+  in: a pid reused by another process is neither read nor killed) and of openers that have
+  exited while their files live on in other processes (a client's memory is accounted to
+  the pid that created it), and compares the sum with the tenant's quota (or its books,
+  where a policy change lowered the quota under what it already held): the quota is the
+  tenant's, so memory split over processes counts as one. More than that + SLACK: the
+  tenant is ended — every live process of it the watch knows is killed (SIGKILL through a
+  pidfd taken before the read), with a `violation` audit record.
 
 On the H200 the driver's accounting matched the broker's books to the byte
 (docs/hardware.md), so the sum stays within the quota unless something went past the books.
@@ -43,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from devbroker.broker.effects import STATE_LOCK
+from devbroker.broker.procinfo import pid_namespace
 
 log = logging.getLogger("devbroker.quotawatch")
 
@@ -183,9 +186,13 @@ class QuotaWatch:
                 with self._lock:
                     self._watched.pop(tgid, None)
                 os.close(w.pidfd)
-        # Per tenant: its watched processes and its other processes with files open.
+        # Per tenant: its watched processes, its other processes with files open (each
+        # checked to be the opener, not a process that reused its pid), and openers that
+        # have exited while their files live on (their clients' memory is still
+        # accounted to their pid).
         pidfds: dict[int, int] = {}
         mine: dict[str, set[int]] = {}
+        gone: dict[str, set[int]] = {}
         extra: list[int] = []
         try:
             with self._lock:
@@ -194,33 +201,63 @@ class QuotaWatch:
                     mine.setdefault(w.tenant, set()).add(tgid)
             with STATE_LOCK:
                 tenants = self.tenants()
-                others = {name: tenants[name].tgids() for name in mine if name in tenants}
-            for name, tgids in others.items():
-                for tgid in tgids:
+                others = {name: tenants[name].openers() for name in mine if name in tenants}
+            for name, openers in others.items():
+                for tgid, ns in openers.items():
                     if tgid in pidfds:
                         continue
-                    try:
-                        pidfds[tgid] = os.pidfd_open(tgid)
-                    except OSError:
-                        continue  # gone: its memory went with it
+                    fd = self._opener(tgid, ns)
+                    if fd is None:
+                        continue
+                    if fd < 0:
+                        gone.setdefault(name, set()).add(tgid)
+                        continue
+                    pidfds[tgid] = fd
                     extra.append(tgid)
                     mine[name].add(tgid)
             if not pidfds:
                 return
             self.looks += 1
-            used = await trio.to_thread.run_sync(self.read, sorted(pidfds))
+            dead = sorted({t for ts in gone.values() for t in ts})
+            used = await trio.to_thread.run_sync(self.read, sorted(pidfds) + dead)
+            for tgid in dead:  # still no process of that pid, so the figure was its clients'
+                if self._opener(tgid, None) != -1:
+                    used.pop(tgid, None)
             for name, tgids in mine.items():
                 with STATE_LOCK:
                     t = self.tenants().get(name)
                     if t is not None:
-                        self._judge(t, {g: used.get(g, {}) for g in tgids}, pidfds)
+                        read = tgids | gone.get(name, set())
+                        self._judge(t, {p: used.get(p, {}) for p in read},
+                                    {p: pidfds[p] for p in tgids})
         except OSError as e:
             self._once(("unavailable", str(e)), f"quota watch unavailable: {e}")
         finally:
             for tgid in extra:
                 os.close(pidfds[tgid])
 
-    def _judge(self, t: Any, used: dict[int, dict[int, int]], pidfds: dict[int, int]) -> None:
+    @staticmethod
+    def _opener(tgid: int, ns: str | None) -> int | None:
+        """A pidfd of the process with pid tgid if it is in the pid namespace `ns` (the
+        sandbox the tenant's file was opened in: a pid reused by a process of another
+        sandbox or the host is not the tenant's, and is neither read nor killed); -1 when
+        no process has that pid; None otherwise."""
+        try:
+            fd = os.pidfd_open(tgid)
+        except ProcessLookupError:
+            return -1
+        except OSError:
+            return None
+        # The namespace read through /proc is this pidfd's process's only while the pidfd
+        # shows it alive after the read (a pid is not reused while the process lives).
+        if ns is not None and pid_namespace(tgid) == ns and not exited(fd):
+            return fd
+        os.close(fd)
+        return None
+
+    def _judge(self, t: Any, used: dict[int, dict[int, int]], live: dict[int, int]) -> None:
+        """used: the driver's figures of the tenant's processes (live and exited openers);
+        live: pidfds of its live processes, every one ended on a violation."""
         total: dict[int, int] = {}
         for per_gpu in used.values():
             for g, n in per_gpu.items():
@@ -235,16 +272,19 @@ class QuotaWatch:
                 if n > max(t.quota(g), books.get(g, 0)) + SLACK}
         if not over:
             return
-        holders = sorted(tgid for tgid, per_gpu in used.items()
+        holders = sorted(p for p, per_gpu in used.items()
                          if any(per_gpu.get(g, 0) for g in over))
+        # The tenant is ended: every live process of it the watch knows, not only those the
+        # memory is accounted to (that may be an exited opener's pid).
+        ended = sorted(live)
         self.audit.write("violation", tenant=t.name, pid=holders[0] if holders else None,
                          what="device memory beyond the quota",
                          reason=f"the driver accounts {over} bytes per GPU to processes "
                                 f"{holders} of the tenant (quota {t.quota(next(iter(over)))}):"
-                                " a continued call was rewritten; processes killed")
-        for tgid in holders:
+                                f" a continued call was rewritten; processes {ended} killed")
+        for tgid in ended:
             try:
-                signal.pidfd_send_signal(pidfds[tgid], signal.SIGKILL)
+                signal.pidfd_send_signal(live[tgid], signal.SIGKILL)
                 self.killed += 1
             except ProcessLookupError:
                 pass
