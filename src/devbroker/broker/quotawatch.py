@@ -70,8 +70,8 @@ def exited(pidfd: int) -> bool:
 class QuotaWatch:
     """Per broker. `read(tgids) -> {tgid: {gpu: bytes}}` is the driver's accounting
     (Backend.process_vidmem_many); `tenants()` the broker's tenants by name, whose
-    `quota(gpu)`, `used()` and `openers()` a look uses; `start_soon(fn) -> bool` starts the look task
-    from any thread (Broker._start_soon; False: no trio run to start it in)."""
+    `quota(gpu)`, `used()` and `openers()` a look uses; `start_soon(fn) -> bool` starts
+    the look task from any thread (Broker._start_soon; False: no trio run to start it in)."""
 
     def __init__(self, read: Callable[[list[int]], dict[int, dict[int, int]]],
                  tenants: Callable[[], dict[str, Any]], audit: Any,
