@@ -963,17 +963,11 @@ class RelayRmClient:
     def control(self, obj: int, cmd: int, params=None, **kw):
         pspec = self.abi.control(cmd).params
         p = params if params is not None else pspec.decode(bytes(pspec.size)).replace(**kw)
-        v = self.new("NVOS54_PARAMETERS", hClient=self.client, hObject=obj, cmd=cmd,
-                     paramsSize=pspec.size)
-        out, nested = self.esc(self.ctl, "NV_ESC_RM_CONTROL", v, p.encode(), "params")
-        if out.status != nvs.NV_OK:
-            raise OSError(errno.EIO, f"control {self.abi.control_name(cmd)}: "
-                                     f"{nvs.name(out.status)}")
-        return pspec.decode(nested)
+        return pspec.decode(self.control_raw(obj, cmd, p.encode()))
 
     def control_raw(self, obj: int, cmd: int, params: bytes) -> bytes:
-        """control() with the parameters as bytes in and out (no decoding: the quota watch
-        reads 200-entry blocks from a worker thread, where the codec's Python would hold
+        """control() with the parameters as bytes in and out (the quota watch reads
+        200-entry blocks from a worker thread without the codec, whose Python would hold
         the interpreter lock that listener threads want)."""
         v = self.new("NVOS54_PARAMETERS", hClient=self.client, hObject=obj, cmd=cmd,
                      paramsSize=len(params))

@@ -144,7 +144,7 @@ class TenantState:
         return frozenset(self.policy.capabilities)
 
     def tgids(self) -> set[int]:
-        return {s.caller.pid for s in self.sessions.values() if not s.prepared}
+        return set(self.openers())
 
     def openers(self) -> dict[int, str | None]:
         """The processes that opened its files (pid -> the pid namespace they were opened

@@ -70,6 +70,7 @@ from devbroker.frontends.common import (
     GENERAL as _GENERAL, control_lane_of, start_task, to_trio,
 )
 from devbroker.frontends.procmem import vm_write_many
+from devbroker.sandbox import linux
 
 log = logging.getLogger("devbroker.seccomp")
 
@@ -148,11 +149,7 @@ def _pidfd_getfd(tid: int, fd: int) -> int:
     except OSError:
         pidfd = os.pidfd_open(tid)  # a thread-group leader, on kernels without PIDFD_THREAD
     try:
-        got = _libc.syscall(ctypes.c_long(w.NR["pidfd_getfd"]), ctypes.c_long(pidfd),
-                            ctypes.c_long(fd), ctypes.c_long(0))
-        if got < 0:
-            _raise_errno("pidfd_getfd")
-        return int(got)
+        return linux.pidfd_getfd(pidfd, fd)
     finally:
         os.close(pidfd)
 
