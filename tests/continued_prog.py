@@ -3,8 +3,10 @@ stand-in driver that answers NV_OK to every call the broker makes (nvok_standin.
 stand-in nodes whose own ioctls answer the tenant ENOTTY (a continued call reaches the
 node: ENOTTY; a refused one gets the broker's answer). A root client of its own (adopted
 by the broker at its first control), then UVM commands many times each on its UVM file:
-one that names nothing (CREATE_RANGE_GROUP), one that names the tenant's client
-(REGISTER_GPU), the same naming a client that is not the tenant's; RM_MAP_MEMORY of the
+one that names nothing (INITIALIZE), one that names the tenant's client
+(REGISTER_GPU), the same naming a client that is not the tenant's; two that the filter
+lets the kernel run unasked (CREATE_RANGE_GROUP, and REGISTER_CHANNEL naming a client that
+is not the tenant's: rules.kernel_commands); RM_MAP_MEMORY of the
 tenant's memory objects through its GPU file or no file, of memory it does not hold, and
 through a file that is not one of its NVIDIA files; and — after the
 tenant freed its client — the one naming it again; and one without an argument
@@ -64,7 +66,11 @@ err, v = escape(ctl, "NV_ESC_RM_CONTROL", "NVOS54_PARAMETERS", hClient=CLIENT, h
                 cmd=0x1F0, params=ctypes.addressof(block), paramsSize=4)
 out["adopted"] = [err, v.status]
 u = os.open("/dev/nvidia-uvm", os.O_RDWR)
+out["initialize"] = uvm(u, "UVM_INITIALIZE", REPEAT)
+# in-kernel rows (rules.kernel_commands): the filter lets them reach the node unasked, the
+# one naming a client that is not the tenant's too (the real driver refuses that one)
 out["range_group"] = uvm(u, "UVM_CREATE_RANGE_GROUP", REPEAT)
+out["channel_foreign"] = uvm(u, "UVM_REGISTER_CHANNEL", 3, rmCtrlFd=ctl, hClient=FOREIGN)
 out["register_own"] = uvm(u, "UVM_REGISTER_GPU", REPEAT, rmCtrlFd=ctl, hClient=CLIENT)
 out["register_foreign"] = uvm(u, "UVM_REGISTER_GPU", 3, rmCtrlFd=ctl, hClient=FOREIGN)
 # RM_MAP_MEMORY (a continue decision naming the client's device and memory and an fd):
@@ -117,6 +123,7 @@ out["map_null_file"] = map_memory(MEMORY[1], null, 3)
 out["free"] = escape(ctl, "NV_ESC_RM_FREE", "NVOS00_PARAMETERS", hRoot=CLIENT,
                      hObjectParent=0, hObjectOld=CLIENT)[1].status
 out["register_freed"] = uvm(u, "UVM_REGISTER_GPU", 3, rmCtrlFd=ctl, hClient=CLIENT)
+out["initialize_after"] = uvm(u, "UVM_INITIALIZE", 3)
 out["range_group_after"] = uvm(u, "UVM_CREATE_RANGE_GROUP", 3)
 # a command without an argument (UVM_DEINITIALIZE): continued as well
 seen_bare: list = []

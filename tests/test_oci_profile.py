@@ -60,6 +60,27 @@ def compiled():
             for fe in profile.FRONTENDS}
 
 
+def test_section_with_in_kernel_commands_decides_like_the_exec_filter():
+    """The same comparison with a real-file tenant's in-kernel UVM rows cut out of the raw
+    block (rules.kernel_commands): libseccomp's BPF and build_filter agree on every ioctl
+    number around them."""
+    from devbroker.abi import registry
+    from devbroker.broker import rules
+
+    kernel = rules.kernel_commands(registry.get("580.159.04"),
+                                   frozenset(rules.DEFAULT_CAPABILITIES))
+    assert kernel
+    ours = w.build_filter(w.FilterOptions(kernel_ioctls=kernel))
+    theirs = compile_section(profile.seccomp_section(
+        "seccomp", "/run/devbroker/oci-seccomp.sock", kernel_ioctls=kernel))
+    cmds = sorted({c + d for c in (*kernel, 1, 0x7FF) for d in (-1, 0, 1)} - {-1})
+    diffs = [hex(c) for c in cmds for h in (0, HIGH)
+             if _decide(ours, w.NR["ioctl"], (3, c | h)) != _decide(theirs, w.NR["ioctl"], (3, c | h))]
+    assert not diffs, diffs
+    assert _decide(theirs, w.NR["ioctl"], (3, kernel[0])) == ALLOW
+    assert _decide(theirs, w.NR["ioctl"], (3, 1)) == NOTIFY
+
+
 @pytest.mark.parametrize("frontend", profile.FRONTENDS)
 def test_section_decides_like_the_exec_filter(compiled, frontend):
     ours = w.build_filter() if frontend == "seccomp" else w.build_stat_shim_filter()

@@ -423,7 +423,11 @@ def test_settled_continuations_answer_as_the_broker_and_follow_the_books(tmp_pat
     native/lane.c struct dvb_cont_fact), end to end: a broker on the real backend (its own
     driver calls meet the NV-OK stand-in, nvok_standin.py), a seccomp tenant
     (tests/continued_prog.py) sending UVM commands ten times each on its UVM file, whose
-    continued calls reach the stand-in node (ENOTTY). With settled continuations on, the
+    continued calls reach the stand-in node (ENOTTY). The UVM rows the kernel runs unasked
+    (rules.kernel_commands: `devbroker exec` puts them in the filter with the real backend)
+    reach the node without the broker, also when they name a client that is not the
+    tenant's (ENOTTY where the broker would have refused: the real driver's check is the
+    one that holds for them), and are counted nowhere in the broker. With settled continuations on, the
     loop continues every call after the first of each (file, command, client handles) by
     itself, and the tenant sees exactly what it sees with them off (DEVBROKER_SETTLED=0):
     a command naming nothing and one naming the tenant's client continued (ENOTTY), one
@@ -452,7 +456,9 @@ def test_settled_continuations_answer_as_the_broker_and_follow_the_books(tmp_pat
     invalid_client = 0x23  # NV_ERR_INVALID_CLIENT
     assert on == off == {
         "root": errno.ENOTTY, "adopted": [0, 0],
+        "initialize": [[errno.ENOTTY, 0]],
         "range_group": [[errno.ENOTTY, 0]],
+        "channel_foreign": [[errno.ENOTTY, 0]],
         "register_own": [[errno.ENOTTY, 0]],
         "register_foreign": [[0, invalid_client]],
         "device": 0, "memory": [0],
@@ -464,6 +470,7 @@ def test_settled_continuations_answer_as_the_broker_and_follow_the_books(tmp_pat
         "map_unknown_memory": [[0, 0x33]], "map_null_file": [[0, 0x1F]],
         "free": 0,
         "register_freed": [[0, invalid_client]],
+        "initialize_after": [[errno.ENOTTY, 0]],
         "range_group_after": [[errno.ENOTTY, 0]],
         "deinitialize": [errno.ENOTTY],
         "last": invalid_client,

@@ -24,6 +24,7 @@ from devbroker.broker.interface import (
     ReleaseRequest,
 )
 from devbroker.frontends import seccomp as sc
+from devbroker.frontends import seccompwire as w
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64",
                                 reason="x86_64 Linux only")
@@ -263,6 +264,39 @@ async def test_other_fds_keep_working(tmp_path):
     st = h.supervisor.stats
     assert st.ioctls_continued >= 2 and st.mmaps_continued >= 1 and st.opens_continued >= 1
 
+
+
+@pytest.mark.parametrize("in_kernel", [False, True])
+async def test_in_kernel_commands_never_reach_the_supervisor(tmp_path, in_kernel):
+    """A real-file tenant's in-kernel UVM rows (FilterOptions.kernel_ioctls, loaded into the
+    kernel here): the kernel runs those numbers without a notification, on any fd, while
+    every other NVIDIA-looking number still stops at the supervisor. FIGETBSZ is 2, a UVM
+    raw number: listed, its five calls are never notified; not listed, each one is (and is
+    CONTINUEd: the answer is the same)."""
+    blksize = os.statvfs(sys.executable).f_bsize
+    b = FakeBroker()
+    rc, res, h = await run(
+        """
+        f = os.open(sys.executable, os.O_RDONLY)
+        got = set()
+        for _ in range(5):
+            bs = bytearray(4)
+            fcntl.ioctl(f, 2, bs, True)  # FIGETBSZ
+            got.add(struct.unpack("=i", bs)[0])
+        res["figetbsz"] = sorted(got)
+        r, wr = os.pipe()
+        res["pipe_3"] = err(fcntl.ioctl, r, 3, bytearray(8), True)  # UVM number 3: not listed
+        """,
+        b,
+        tmp_path,
+        opts=w.FilterOptions(kernel_ioctls=(2,) if in_kernel else ()),
+    )
+    assert rc == 0, res
+    assert res["figetbsz"] == [blksize]
+    assert res["pipe_3"] == errno.ENOTTY
+    assert b.ioctls == []
+    # notified and CONTINUEd: the unlisted number once, FIGETBSZ five times unless listed
+    assert h.supervisor.stats.ioctls_continued == (1 if in_kernel else 6)
 
 
 async def test_mmap_of_a_node_is_served(tmp_path):

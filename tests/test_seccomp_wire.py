@@ -135,6 +135,33 @@ def test_predicate_matches_filter():
         assert w.run_filter(PROG, w.syscall_data("ioctl", 3, cmd, 0)) == want, hex(cmd)
 
 
+def test_in_kernel_commands_are_allowed_and_nothing_else_changes():
+    """rules.kernel_commands for both tables' drivers: exactly those numbers go to the kernel
+    unasked (high bits ignored, as the kernel ignores them); every other number decides as
+    the default filter; a number outside the UVM raw range is refused at build time."""
+    from devbroker.abi import registry
+    from devbroker.broker import rules
+
+    caps = frozenset(rules.DEFAULT_CAPABILITIES)
+    for version in ("535.309.01", "580.159.04"):
+        kernel = rules.kernel_commands(registry.get(version), caps)
+        assert {"UVM_REGISTER_CHANNEL", "UVM_CREATE_EXTERNAL_RANGE", "UVM_MAP_EXTERNAL_ALLOCATION"} \
+            <= {registry.get(version).uvm(c).name for c in kernel}
+        names = {registry.get(version).uvm(c).name for c in kernel}
+        # the GPU-binding steps and the va space's own life stay with the broker
+        assert not names & {"UVM_REGISTER_GPU", "UVM_REGISTER_GPU_VASPACE", "UVM_INITIALIZE",
+                            "UVM_MM_INITIALIZE", "UVM_DEINITIALIZE"}
+        prog = w.build_filter(w.FilterOptions(kernel_ioctls=kernel))
+        for cmd in list(range(0, 4200)) + [0x30000001, 0x30000002, 0xC0104629, 0x46FF]:
+            want = ALLOW if cmd in kernel else w.run_filter(PROG, w.syscall_data("ioctl", 3, cmd, 0))
+            for high in (0, 0xDEAD << 32):
+                assert w.run_filter(prog, w.syscall_data("ioctl", 3, cmd | high, 0)) == want, hex(cmd)
+    assert rules.kernel_commands(registry.get("580.159.04"), frozenset({"nvml", "compute"})) == ()
+    for bad in ((0,), (0x800,), (0x30000001,), (0xC0104629,)):
+        with pytest.raises(ValueError, match="UVM command numbers"):
+            w.FilterOptions(kernel_ioctls=bad)
+
+
 def test_options_drop_branches():
     prog = w.build_filter(w.FilterOptions(notify_mmap=False, deny_io_uring=False))
     assert w.run_filter(prog, w.syscall_data("mmap", 0, 4096, 3, 1, 5, 0)) == ALLOW

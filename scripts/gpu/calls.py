@@ -61,12 +61,22 @@ def _kinds(paths: list[str]) -> tuple[dict[str, list[float]], int]:
             row = out.setdefault(key, [0.0, 0.0])
             row[0] += count
             row[1] += ms
+        for key in _TOTALS:  # the process's other system calls, one row each (not ioctls)
+            row = out.setdefault("=" + key, [0.0, 0.0])
+            row[0] += r.get(key, [0, 0])[0]
+            row[1] += r.get(key, [0, 0])[1]
     return out, n
 
 
+# systime.c's totals besides the NVIDIA ioctls (rows "=name" of the kinds table)
+_TOTALS = ("open_nvidia", "open_other", "ioctl_other", "mmap_nvidia", "mmap_other", "close")
+
+
 def _kind_name(key: str, abi) -> str:
-    if abi is None:
-        return key
+    if abi is None or key.startswith("="):
+        return key[1:] + " (all such system calls)" if key.startswith("=") else key
+    if key.startswith("="):
+        return key[1:] + " (all such system calls)"
     if key.startswith("U"):
         op = abi.uvm(int(key[1:], 16))
         return op.name if op is not None else key
@@ -98,8 +108,8 @@ def kinds(folder: str, native: str, dev: str, version: str) -> None:
         a, b = nat.get(key, [0, 0]), got.get(key, [0, 0])
         rows.append((b[1] / nd - a[1] / nn, key, a[0] / nn, a[1] / nn, b[0] / nd, b[1] / nd))
     rows.sort(reverse=True)
-    tn = sum(r[3] for r in rows)
-    td = sum(r[5] for r in rows)
+    tn = sum(r[3] for r in rows if not r[1].startswith("="))
+    td = sum(r[5] for r in rows if not r[1].startswith("="))
     print(f"per run ({nn} native, {nd} devbroker): NVIDIA ioctls {tn:.1f} ms native, "
           f"{td:.1f} ms devbroker, +{td - tn:.1f} ms")
     print("  extra ms   native: calls     ms   devbroker: calls     ms   us/call extra  kind")

@@ -9,7 +9,8 @@
 # round also one RM_CONTROL x N with each of GAPS (µs of sleep between calls: with a gap the
 # CPUs go idle between calls, as in a CUDA init), natively and per broker. SYSTIME=1: every
 # init under systime.so (scripts/gpu/systime.c), and per mode a table of what the broker adds
-# to each kind of NVIDIA call (scripts/gpu/calls.py kinds) in $OUT/kinds.txt.
+# to each kind of NVIDIA call (scripts/gpu/calls.py kinds) in $OUT/kinds.txt (with NVML=1
+# also for NVML's sequence).
 # A mode may run another source tree's broker: "old:PYTHONPATH=$PWD/old-src:/tmp/site".
 # NVML=1: in every round and slot also NVML's init sequence x10 and one RM_CONTROL x500 (issue
 # 14's H200 targets, paired the same way: median of the per-round ratios / differences).
@@ -61,7 +62,7 @@ for r in $(seq "$ROUNDS"); do
     put "r${r}_${name}_init" "$(in_slot "$i" $(timed "$name" "$r") $CHK init 2>&1 | last)"
     [ "$i" != 0 ] && put "r${r}_${name}_listener" "$(grep '"tenant-detached"' "$W/audit$i.log" | tail -1)"
     if [ "${NVML:-0}" = 1 ]; then
-      put "r${r}_${name}_nvml" "$(in_slot "$i" $TC bench-nvml 10 2>&1 | last)"
+      put "r${r}_${name}_nvml" "$(in_slot "$i" $(timed "nvml_$name" "$r") $TC bench-nvml 10 2>&1 | last)"
       put "r${r}_${name}_ctl" "$(in_slot "$i" $TC bench-control 500 2>&1 | last)"
     fi
     if [ "$r" = 1 ] || [ "$r" = "$ROUNDS" ]; then
@@ -81,6 +82,10 @@ if [ "$SYSTIME" = 1 ]; then
     echo "== ${NAMES[$i]}"
     "$PY" scripts/gpu/calls.py kinds $ST native- "${NAMES[$i]}-" "$(cat /sys/module/nvidia/version 2>/dev/null)" > "$W/kinds$i.txt" 2>&1
     head -45 "$W/kinds$i.txt"
+    if [ "${NVML:-0}" = 1 ]; then  # NVML's sequence x10, the same table per run of ten
+      echo "== ${NAMES[$i]}: NVML's sequence x10"
+      "$PY" scripts/gpu/calls.py kinds $ST nvml_native- "nvml_${NAMES[$i]}-" "$(cat /sys/module/nvidia/version 2>/dev/null)" 2>&1 | head -40
+    fi
   done > "$OUT/kinds.txt"
   head -30 "$OUT/kinds.txt"
 fi

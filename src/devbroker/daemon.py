@@ -232,6 +232,8 @@ class BrokerService:
         return {"dir": str(self.paths.tenant_dir(t)), "gpus": list(self.broker.tenants[t].gpus),
                 "seccomp": str(self.paths.seccomp), "backend": self.backend.name,
                 "real_files": self.backend.tenant_files,
+                # ioctl numbers the tenant's seccomp filter lets the kernel run unasked
+                "kernel_ioctls": list(self.broker.kernel_ioctls(t)),
                 # for `devbroker exec` to hide it when it is outside the run dir
                 "audit": str(self.audit.path) if self.audit.path else None}
 

@@ -68,6 +68,19 @@ def allowlist_markdown(version: str = "580.159.04") -> str:
     out += [f"| `{' / '.join(sorted(r.in_caller_via))}` of class `{c:#06x}` "
             f"({abi.class_name(c)}) | {r.in_caller} | {r.race} |"
             for c, r in sorted(rules.CLASSES.items()) if r.in_caller]
+    kernel = [(n, r) for n, r in escapes_and_uvm if r.in_kernel]
+    out += ["", "### Calls the kernel runs alone (seccomp front end, real driver files)", "",
+            "Of the rows above, these never reach the broker with real driver files: the "
+            "tenant's seccomp filter lets the kernel run their command numbers without a "
+            "notification (`rules.kernel_commands`, put in the filter by `devbroker exec` "
+            "from the broker's answer, only for a tenant that holds the row's capability). "
+            "Each was an in-caller row whose argument the kernel re-reads after a CONTINUE "
+            "anyway, so the broker's look at it was never the boundary; what holds is the "
+            "last column of the table above. The broker neither counts nor audits them, and a "
+            "policy change does not reach them in processes already running "
+            "(docs/security.md).", "",
+            "| call | capability | why the broker need not see it |", "| --- | --- | --- |"]
+    out += [f"| `{n}` | {r.capability} | {r.in_kernel} |" for n, r in kernel]
     out += ["", "### Controls answered by the broker (the driver never sees them)", "",
             "| control | name | capability | what and why |", "| --- | --- | --- | --- |"]
     out += [f"| `{c:#010x}` | {abi.control_name(c)} | {cap} | {why} |"

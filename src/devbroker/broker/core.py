@@ -266,6 +266,16 @@ class Broker:
         except Exception as e:
             log.warning("background task not started: %s", e)
 
+    def kernel_ioctls(self, tenant: str) -> tuple[int, ...]:
+        """The ioctl numbers a seccomp tenant's filter lets the kernel run without asking
+        (rules.kernel_commands): only where the backend hands out real driver files (an
+        emulated backend's files are placeholders, every call of theirs is answered here),
+        for the tenant's capabilities now."""
+        t = self.tenants.get(tenant)
+        if t is None or not getattr(self.backend, "tenant_files", False):
+            return ()
+        return rules.kernel_commands(registry.get(self.backend.version), t.capabilities())
+
     # ------------------------------------------------------------------ helpers
     def _abi(self, session: Session):
         t = session.tenant

@@ -86,6 +86,12 @@ class EscapeRule:
     # the broker decided (the kernel re-reads it), cannot turn the call into one the policy
     # refuses, or how the broker detects it.
     race: str = ""
+    # With real driver files (seccomp front end + real backend): why the broker need not see
+    # this call at all, so that the tenant's seccomp filter lets the kernel run it without a
+    # notification (kernel_commands). Only for in-caller rows whose every check the kernel
+    # would redo anyway: a continued call's argument is re-read after the broker decided, so
+    # the broker's look at it was never the boundary (`race` says what is).
+    in_kernel: str = ""
 
     def granted(self, caps: frozenset[str]) -> bool:
         return self.capability in caps
@@ -214,6 +220,22 @@ UVM_COMMANDS: dict[str, EscapeRule] = {
 
 # UVM calls CUDA makes; each acts on the caller's own va space, and those naming an RM
 # client are checked to name the tenant's own.
+#
+# Most of them the broker only ever CONTINUEs after looking at client handles that the
+# kernel then reads again (a racing thread can change them in between: the driver's own
+# checks are what holds, `_OWN_MM`). With real driver files those rows run in the kernel
+# without a notification (`in_kernel`): a CUDA init makes ~150 of them, each a round trip
+# through the broker of 35-130 us on the H200 for nothing the broker could enforce
+# (docs/benchmarks.md). Two steps stay with the broker: giving a va space a GPU
+# (REGISTER_GPU) and an RM VA space (REGISTER_GPU_VASPACE), once per process each. Every
+# in-kernel command acts only within what those steps, and the RM objects the broker
+# admitted, put in the va space; the nvidia-uvm file itself comes only from the broker's
+# open (`check_open`), and a tenant without the "uvm" capability gets no in-kernel rows.
+_UVM_GPU_STEPS = frozenset({"UVM_REGISTER_GPU", "UVM_REGISTER_GPU_VASPACE"})
+_UVM_IN_KERNEL = ("the broker's look at its argument was never the boundary (the kernel "
+                  "re-reads it after a CONTINUE); UVM acts on the caller's own va space, "
+                  "on GPUs and RM VA spaces registered through the broker, and the driver "
+                  "validates every RM handle against the tenant's own files and pid")
 for _name, _why in {
     "UVM_REGISTER_GPU": "registers a GPU the tenant's client already opened",
     "UVM_UNREGISTER_GPU": "unregisters the tenant's GPU from its own va space",
@@ -239,7 +261,8 @@ for _name, _why in {
 }.items():
     UVM_COMMANDS[_name] = Rule("uvm", _why, handler=handlers.uvm, nodes=UVM_NODES,
                           in_caller="UVM acts on the caller's mm and checks that RM objects "
-                          "belong to the calling process (pid share policy)", race=_OWN_MM)
+                          "belong to the calling process (pid share policy)", race=_OWN_MM,
+                          in_kernel="" if _name in _UVM_GPU_STEPS else _UVM_IN_KERNEL)
 
 # Refused on purpose (listed so that the audit line and the docs give the reason).
 REFUSED_ESCAPES: dict[str, str] = {
@@ -256,6 +279,16 @@ REFUSED_ESCAPES: dict[str, str] = {
     "NV_ESC_RM_VID_HEAP_CONTROL": "legacy heap allocator (ALLOC_SIZE bypasses class-based "
                                   "accounting)",
 }
+
+
+def kernel_commands(abi, caps: frozenset[str]) -> tuple[int, ...]:
+    """The ioctl command numbers of driver ABI `abi` that a real-file seccomp tenant with
+    capabilities `caps` makes without a notification: the UVM rows with `in_kernel` whose
+    capability it holds (sorted). The filter is fixed when the tenant starts; what a policy
+    change does to them is in docs/security.md ("Calls the kernel runs alone")."""
+    return tuple(sorted(cmd for cmd, op in abi.uvm_cmds.items()
+                        if (row := UVM_COMMANDS.get(op.name)) is not None
+                        and row.in_kernel and row.granted(caps)))
 
 
 def escape_rule(call) -> EscapeRule | None:

@@ -190,7 +190,9 @@ def cmd_exec(args) -> int:
         return exec_main(Path(info["dir"]), argv, uid=uid, gid=gid, cwd=args.cwd,
                          hide=hide, stat_shim=args.stat_shim,
                          frontend=frontend, seccomp_socket=info.get("seccomp"),
-                         tenant=args.tenant, binds=[Bind.parse(b) for b in args.bind])
+                         tenant=args.tenant, binds=[Bind.parse(b) for b in args.bind],
+                         kernel_ioctls=info.get("kernel_ioctls", ()) if frontend == "seccomp"
+                         else ())
     except SandboxError as e:
         print(f"devbroker exec: cannot set up the sandbox: {e}", file=sys.stderr)
         return 125

@@ -2353,7 +2353,7 @@ async def run_tenant(
     broker: BrokerInterface,
     tenant: str,
     nodes: Mapping[str, NodeSpec | tuple[NodeKind, int]] | None = None,
-    opts: w.FilterOptions = w.FilterOptions(),
+    opts: w.FilterOptions | None = None,
     real_files: bool = False,
     task_status=trio.TASK_STATUS_IGNORED,
     **process_kw,
@@ -2366,7 +2366,12 @@ async def run_tenant(
     (env, cwd, stdin, stdout, stderr, pass_fds, …). With ``nursery.start(run_tenant, …)``
     the started value is a :class:`Tenant` (process handle, supervisor, stats).
     ``real_files``: the broker's backend hands out real driver files (the real backend).
+    ``opts``: the filter; default the one `devbroker exec` installs, with the broker's
+    in-kernel UVM rows for this tenant when the files are real (Broker.kernel_ioctls).
     """
+    if opts is None:
+        kernel = getattr(broker, "kernel_ioctls", None)
+        opts = w.FilterOptions(kernel_ioctls=kernel(tenant) if real_files and kernel else ())
     sup = SeccompSupervisor(broker, tenant, nodes, real_files=real_files)
     parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:

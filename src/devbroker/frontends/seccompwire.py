@@ -402,6 +402,16 @@ class FilterOptions:
     deny_io_uring: bool = True  # io_uring_* -> ENOSYS (its openat bypasses seccomp)
     uvm_raw_max: int = UVM_RAW_MAX
     notify_stat: bool = False  # STAT_SYSCALLS -> USER_NOTIF (the stat shim, statshim.py)
+    # UVM command numbers the kernel runs without a notification: a real-file tenant's
+    # in-kernel rows (rules.kernel_commands). Each must be a raw UVM number (1..uvm_raw_max).
+    kernel_ioctls: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        bad = [c for c in self.kernel_ioctls
+               if not isinstance(c, int) or not 1 <= c <= self.uvm_raw_max]
+        if bad:
+            raise ValueError(f"kernel_ioctls must be UVM command numbers 1..{self.uvm_raw_max}: "
+                             f"{bad}")
 
 
 def build_filter(opts: FilterOptions = FilterOptions()) -> bytes:
@@ -412,8 +422,10 @@ def build_filter(opts: FilterOptions = FilterOptions()) -> bytes:
 
     ===================== ===================================================================
     open/openat/openat2   USER_NOTIF (the supervisor reads the path, opens or CONTINUEs)
-    ioctl                 USER_NOTIF when cmd's type is 'F' or cmd is a UVM number
-                          (1..uvm_raw_max, 0x30000000..0x300000ff), else ALLOW
+    ioctl                 ALLOW for the numbers in kernel_ioctls (a real-file tenant's
+                          in-kernel UVM rows); USER_NOTIF when cmd's type is 'F' or cmd
+                          is a UVM number (1..uvm_raw_max, 0x30000000..0x300000ff); else
+                          ALLOW
     mmap                  USER_NOTIF unless MAP_ANONYMOUS, else ALLOW
     mknod/mknodat         ERRNO(EPERM) for S_IFCHR/S_IFBLK, else ALLOW
     open_by_handle_at     ERRNO(EPERM)
@@ -452,6 +464,8 @@ def build_filter(opts: FilterOptions = FilterOptions()) -> bytes:
     if opts.notify_ioctl:
         a.label("ioctl")
         a.ld(OFF_ARG_LO(1))  # the kernel's ioctl cmd is an unsigned int: low 32 bits
+        for cmd in sorted(set(opts.kernel_ioctls)):  # cmd is a register: no later re-read
+            a.jmp(BPF_JEQ, cmd, "allow2", 0)
         a.tax()
         a.and_(0xFF00)
         a.jmp(BPF_JEQ, NV_IOCTL_MAGIC << 8, "notify", 0)

@@ -33,6 +33,7 @@ Two things libseccomp forces on the translation:
 """
 from __future__ import annotations
 
+import dataclasses
 import errno as _errno
 
 from devbroker.frontends import seccompwire as w
@@ -75,8 +76,14 @@ def syscall_rules(opts: w.FilterOptions = w.FilterOptions()) -> list[dict]:
     if opts.notify_ioctl:
         # 'F' type (frontend and RM escapes), then the UVM numbers (raw 1..uvm_raw_max and
         # UVM_INITIALIZE/DEINITIALIZE's 0x300000xx block): seccompwire.is_nvidia_ioctl.
+        # A real-file tenant's in-kernel UVM rows (opts.kernel_ioctls) are cut out of the raw
+        # block: libseccomp lets the more restrictive action win where two rules match.
         blocks = [(0xFF00, w.NV_IOCTL_MAGIC << 8)]
-        blocks += aligned_blocks(1, opts.uvm_raw_max)
+        lo = 1
+        for cmd in sorted(set(opts.kernel_ioctls)) + [opts.uvm_raw_max + 1]:
+            if lo <= cmd - 1:
+                blocks += aligned_blocks(lo, cmd - 1)
+            lo = cmd + 1
         blocks += aligned_blocks(w.UVM_HIGH_BASE, w.UVM_HIGH_MAX)
         for mask, value in blocks:
             rules.append({"names": ["ioctl"], "action": _NOTIFY,
@@ -121,14 +128,17 @@ def encode_metadata(frontend: str, tenant: str | None = None) -> str:
 
 
 def seccomp_section(frontend: str, listener_path: str, *, tenant: str | None = None,
-                    flags: list[str] | tuple[str, ...] = ()) -> dict:
+                    flags: list[str] | tuple[str, ...] = (),
+                    kernel_ioctls: tuple[int, ...] = ()) -> dict:
     """The ``linux.seccomp`` object of a container's config.json.
 
     ``tenant`` goes into ``listenerMetadata`` (one of the places the broker's agent takes
     the tenant's name from; an annotation ``devbroker.io/tenant`` or a CDI device request
     are the others). ``flags``: OCI seccomp flags, e.g.
     ``SECCOMP_FILTER_FLAG_WAIT_KILLABLE_RECV`` where the runtime knows it (runc 1.1 and
-    crun 1.8 do not).
+    crun 1.8 do not). ``kernel_ioctls``: UVM command numbers the kernel runs without a
+    notification (seccomp front end with the real backend: rules.kernel_commands); empty,
+    every NVIDIA-looking ioctl is notified.
     """
     if frontend not in FRONTENDS:
         raise ValueError(f"front end {frontend!r}: one of {', '.join(FRONTENDS)}")
@@ -139,7 +149,9 @@ def seccomp_section(frontend: str, listener_path: str, *, tenant: str | None = N
         "architectures": list(ARCHITECTURES[frontend]),
         "listenerPath": listener_path,
         "listenerMetadata": encode_metadata(frontend, tenant),
-        "syscalls": syscall_rules(FRONTEND_OPTIONS[frontend]),
+        "syscalls": syscall_rules(dataclasses.replace(FRONTEND_OPTIONS[frontend],
+                                                      kernel_ioctls=tuple(kernel_ioctls))
+                                  if kernel_ioctls else FRONTEND_OPTIONS[frontend]),
     }
     if flags:
         section["flags"] = list(flags)

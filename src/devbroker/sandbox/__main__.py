@@ -36,6 +36,9 @@ def parse_args(argv: list[str]) -> SandboxSpec:
     ap.add_argument("--frontend", choices=["fuse", "seccomp"], default="fuse")
     ap.add_argument("--seccomp-socket")
     ap.add_argument("--tenant")
+    ap.add_argument("--kernel-ioctls", type=_ints, default=(),
+                    help="seccomp front end: comma-separated UVM command numbers the kernel "
+                    "runs without asking the broker (the broker's tenant.dir answer)")
     ap.add_argument("--bind", action="append", default=[], metavar="SRC[:DST][:ro|rw]",
                     help="show a host path (read-only unless :rw); repeatable")
     ap.add_argument("command", nargs=argparse.REMAINDER)
@@ -48,6 +51,7 @@ def parse_args(argv: list[str]) -> SandboxSpec:
                        driver_version=a.driver_version, pass_fds=tuple(a.pass_fd),
                        stat_shim=a.stat_shim, frontend=a.frontend,
                        seccomp_socket=a.seccomp_socket, tenant=a.tenant,
+                       kernel_ioctls=tuple(a.kernel_ioctls),
                        binds=tuple(Bind.parse(b) for b in a.bind))
 
 

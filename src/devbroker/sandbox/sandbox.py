@@ -149,6 +149,9 @@ class SandboxSpec:
     frontend: str = "fuse"
     seccomp_socket: str | None = None
     tenant: str | None = None
+    # seccomp front end: UVM command numbers the filter lets the kernel run without a
+    # notification (the broker's answer to tenant.dir: rules.kernel_commands, real files only)
+    kernel_ioctls: tuple[int, ...] = ()
     # Host paths made visible (read-only unless writable): the host file system is
     # otherwise read-only to the command, and /tmp is a tmpfs of its own.
     binds: tuple[Bind, ...] = ()
@@ -161,6 +164,7 @@ class SandboxSpec:
         object.__setattr__(self, "capabilities", frozenset(self.capabilities))
         object.__setattr__(self, "groups", tuple(self.groups))
         object.__setattr__(self, "pass_fds", tuple(self.pass_fds))
+        object.__setattr__(self, "kernel_ioctls", tuple(int(c) for c in self.kernel_ioctls))
         object.__setattr__(self, "binds", tuple(b if isinstance(b, Bind) else Bind.parse(b)
                                                 for b in self.binds))
         if self.frontend not in ("fuse", "seccomp"):
@@ -180,7 +184,7 @@ def exec_main(tenant_dir: Path, argv: Sequence[str], *, uid: int | None = None,
               readonly: Sequence[Path] = (), driver_version: str | None = None,
               stat_shim: bool = True, frontend: str = "fuse",
               seccomp_socket: str | None = None, tenant: str | None = None,
-              binds: Sequence[Bind | str] = ()) -> int:
+              binds: Sequence[Bind | str] = (), kernel_ioctls: Sequence[int] = ()) -> int:
     """What `devbroker exec` runs: the command's exit status (128+N if killed by signal N;
     125 if the sandbox failed, 126/127 if the command could not be executed).
 
@@ -191,7 +195,7 @@ def exec_main(tenant_dir: Path, argv: Sequence[str], *, uid: int | None = None,
                        groups=tuple(groups), cwd=cwd, env=env, hide=tuple(hide),
                        readonly=tuple(readonly), driver_version=driver_version,
                        stat_shim=stat_shim, frontend=frontend, seccomp_socket=seccomp_socket,
-                       tenant=tenant, binds=tuple(binds))
+                       tenant=tenant, binds=tuple(binds), kernel_ioctls=tuple(kernel_ioctls))
     return run_here(spec)
 
 
@@ -236,6 +240,8 @@ def spec_to_args(spec: SandboxSpec) -> list[str]:
     if spec.frontend == "seccomp":
         args += ["--frontend", "seccomp", "--seccomp-socket", str(spec.seccomp_socket),
                  "--tenant", str(spec.tenant)]
+        if spec.kernel_ioctls:
+            args += ["--kernel-ioctls", ",".join(str(c) for c in spec.kernel_ioctls)]
     return args
 
 
@@ -561,7 +567,8 @@ def _command_main(spec: SandboxSpec, shim_fd: int | None = None) -> None:
                 from devbroker.frontends.seccompwire import FilterOptions, build_filter
 
                 step = "installing the seccomp front end's filter"
-                install_and_send(shim_fd, build_filter(FilterOptions()))
+                install_and_send(shim_fd, build_filter(FilterOptions(
+                    kernel_ioctls=spec.kernel_ioctls)))
             else:
                 install_and_send(shim_fd)
             step = "exec"
