@@ -451,8 +451,39 @@ def test_settled_continuations_answer_as_the_broker_and_follow_the_books(tmp_pat
                                   wrap=(sys.executable, str(here / "nvok_standin.py")),
                                   lane="continue_lane")
 
-    on, lane_on = run(True)
+    sections = []
+
+    def oci_section(b):  # what a container of tenant t0 would get (devbroker oci-seccomp)
+        import json
+        import subprocess
+
+        from conftest import DEVBROKER
+
+        r = subprocess.run([*DEVBROKER, "--run-dir", str(b.run_dir), "oci-seccomp",
+                            "--frontend", "seccomp", "--tenant", "t0"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        sections.append(json.loads(r.stdout))
+
+    on, lane_on = _on_stand_in_nodes(tmp_path, "continued1", {"DEVBROKER_SETTLED": "1"},
+                                     "seccomp",
+                                     [sys.executable, str(here / "continued_prog.py"), "10"],
+                                     wrap=(sys.executable, str(here / "nvok_standin.py")),
+                                     lane="continue_lane", inspect=oci_section)
     off, lane_off = run(False)
+    # The container section for the same tenant cuts the same rows out of what it notifies:
+    # CREATE_RANGE_GROUP and REGISTER_CHANNEL reach the kernel unasked, REGISTER_GPU and
+    # UVM_INITIALIZE (its block) still stop at the broker.
+    # (SCMP_CMP_MASKED_EQ: "value" is the mask, "valueTwo" the datum)
+    notified = [(r["args"][0]["value"], r["args"][0]["valueTwo"])
+                for r in sections[0]["syscalls"] if r["names"] == ["ioctl"]]
+
+    def notifies(cmd):
+        return any(cmd & mask == value for mask, value in notified)
+
+    uvm = {s.name: c for c, s in rm_escape_abi().uvm_cmds.items()}
+    assert not notifies(uvm["UVM_CREATE_RANGE_GROUP"]) and not notifies(uvm["UVM_REGISTER_CHANNEL"])
+    assert notifies(uvm["UVM_REGISTER_GPU"]) and notifies(uvm["UVM_INITIALIZE"])
     invalid_client = 0x23  # NV_ERR_INVALID_CLIENT
     assert on == off == {
         "root": errno.ENOTTY, "adopted": [0, 0],
@@ -487,6 +518,12 @@ def test_settled_continuations_answer_as_the_broker_and_follow_the_books(tmp_pat
     # every continued call counted as admitted either way
     assert lane_on["admitted"] == lane_off["admitted"] == 10 + 10 + 3 + 5 + 12 + 3, (
         lane_on, lane_off)
+
+
+def rm_escape_abi():
+    from devbroker.abi import registry
+
+    return registry.get("580.159.04")
 
 
 _BURST_OF_OPENS = r"""

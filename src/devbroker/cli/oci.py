@@ -118,6 +118,29 @@ def cmd_cdi(args) -> int:
     return 0
 
 
+def _kernel_ioctls(args) -> tuple[int, ...]:
+    """The UVM numbers the named tenant's filter may let the kernel run unasked, as the
+    running broker answers `devbroker exec` (rules.kernel_commands: real driver files and
+    the tenant's capabilities only). Without --tenant, or without an answer, none: every
+    NVIDIA-looking ioctl is notified, which is always safe, only slower."""
+    if not args.tenant:
+        return ()
+    from devbroker.broker.control import ControlError, call
+    from devbroker.daemon import RunPaths
+
+    try:
+        info = call(RunPaths(Path(args.run_dir)).control,
+                    {"op": "tenant.dir", "tenant": args.tenant})
+    except ControlError as e:
+        print(f"devbroker oci-seccomp: no in-kernel rows (the broker did not answer: {e})",
+              file=sys.stderr)
+        return ()
+    if not info.get("ok"):
+        print(f"devbroker oci-seccomp: no in-kernel rows: {info.get('error')}", file=sys.stderr)
+        return ()
+    return tuple(int(c) for c in info.get("kernel_ioctls", ()))
+
+
 def cmd_oci_seccomp(args) -> int:
     from devbroker.daemon import RunPaths
     from devbroker.oci.profile import seccomp_section
@@ -125,7 +148,9 @@ def cmd_oci_seccomp(args) -> int:
 
     frontend = _frontend(args, "oci-seccomp")
     listener = str(RunPaths(Path(args.run_dir).resolve()).oci_seccomp)
-    section = seccomp_section(frontend, listener, tenant=args.tenant, flags=args.flag)
+    kernel = _kernel_ioctls(args) if frontend == "seccomp" else ()
+    section = seccomp_section(frontend, listener, tenant=args.tenant, flags=args.flag,
+                              kernel_ioctls=kernel)
     if not args.config:
         print(json.dumps(section, indent=2))
         return 0
