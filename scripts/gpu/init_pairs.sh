@@ -14,6 +14,9 @@
 # A mode may run another source tree's broker: "old:PYTHONPATH=$PWD/old-src:/tmp/site".
 # NVML=1: in every round and slot also NVML's init sequence x10 and one RM_CONTROL x500 (issue
 # 14's H200 targets, paired the same way: median of the per-round ratios / differences).
+# FLOORS="floor floor_sync:-s": also slots that run the command natively under
+# scripts/gpu/notify_floor.c (devbroker's filter, every notification CONTINUEd at once by a
+# minimal C supervisor; "-s" synchronous wake-ups): what the interception alone costs here.
 #   run(command="MODES='base sync:DEVBROKER_SECCOMP_SYNC_WAKE=1,DEVBROKER_SECCOMP_SPIN_US=0' \
 #       ROUNDS=6 bash scripts/gpu/init_pairs.sh", carry=[".whl"], timeout_s=540)
 set -u
@@ -39,7 +42,7 @@ for mode in $MODES; do  # another source tree's native loop is built for it here
     env $(mode_vars "$mode") "$PY" -m devbroker.native >/dev/null || echo "$(mode_name "$mode"): native loop did not build" ;;
   esac
 done
-declare -a RUNS PIDS NAMES
+declare -a RUNS PIDS NAMES FARGS
 n=0
 for mode in $MODES; do
   n=$((n + 1))
@@ -48,10 +51,25 @@ for mode in $MODES; do
   RUNS[$n]=$PROBE_RUN; PIDS[$n]=$BROKER; NAMES[$n]=$(mode_name "$mode")
   grep "seccomp listeners" "$W/broker$n.log"
 done
+NB=$n  # slots 1..NB are brokers; after them come the FLOORS
+# FLOORS: words "name" or "name:ARGS" (notify_floor's options, "+" for a space, e.g.
+# "floor floor_sync:-s"): the command runs natively under scripts/gpu/notify_floor.c, a
+# minimal C supervisor that CONTINUEs every notification of devbroker's own filter (with
+# the real backend's in-kernel rows) at once: the host's floor for the seccomp path.
+if [ -n "${FLOORS:-}" ]; then
+  cc -O2 -o /tmp/site/notify_floor scripts/gpu/notify_floor.c || FLOORS=""
+  FILTER=$("$PY" -c 'from devbroker.abi import registry; from devbroker.broker import rules; from devbroker.frontends.seccompwire import FilterOptions, build_filter; v = open("/sys/module/nvidia/version").read().strip(); print(build_filter(FilterOptions(kernel_ioctls=rules.kernel_commands(registry.get(v), frozenset(rules.DEFAULT_CAPABILITIES)))).hex())')
+  for f in ${FLOORS:-}; do
+    n=$((n + 1)); NAMES[$n]=$(mode_name "$f"); FARGS[$n]=$(echo "${f#*:}" | tr + ' ')
+    [ "$f" = "${NAMES[$n]}" ] && FARGS[$n]=""
+  done
+fi
 BINDS+=(--bind "$ST:$ST:rw")
-# in_slot I CMD...: CMD natively (I = 0) or as a tenant of broker I
+# in_slot I CMD...: CMD natively (I = 0), as a tenant of broker I, or under floor I
 in_slot() { local i=$1; shift
-  if [ "$i" = 0 ]; then "$@"; else PROBE_RUN=${RUNS[$i]} ptexec "$@"; fi; }
+  if [ "$i" = 0 ]; then "$@"
+  elif [ "$i" -gt "$NB" ]; then /tmp/site/notify_floor ${FARGS[$i]} -r "$W/floors.txt" "$FILTER" "$@"
+  else PROBE_RUN=${RUNS[$i]} ptexec "$@"; fi; }
 slot_name() { if [ "$1" = 0 ]; then echo native; else echo "${NAMES[$1]}"; fi; }
 for r in $(seq "$ROUNDS"); do
   step "round $r"
@@ -60,7 +78,7 @@ for r in $(seq "$ROUNDS"); do
   for i in "${order[@]}"; do
     name=$(slot_name "$i")
     put "r${r}_${name}_init" "$(in_slot "$i" $(timed "$name" "$r") $CHK init 2>&1 | last)"
-    [ "$i" != 0 ] && put "r${r}_${name}_listener" "$(grep '"tenant-detached"' "$W/audit$i.log" | tail -1)"
+    [ "$i" != 0 ] && [ "$i" -le "$NB" ] && put "r${r}_${name}_listener" "$(grep '"tenant-detached"' "$W/audit$i.log" | tail -1)"
     if [ "${NVML:-0}" = 1 ]; then
       put "r${r}_${name}_nvml" "$(in_slot "$i" $(timed "nvml_$name" "$r") $TC bench-nvml 10 2>&1 | last)"
       put "r${r}_${name}_ctl" "$(in_slot "$i" $TC bench-control 500 2>&1 | last)"
@@ -72,7 +90,7 @@ for r in $(seq "$ROUNDS"); do
     fi
   done
 done
-for i in $(seq "$n"); do
+for i in $(seq "$NB"); do
   grep -h 'quota watch' "$W/audit$i.log" | head -2  # the quota watch's first look, per broker
   kill -TERM "${PIDS[$i]}"; wait "${PIDS[$i]}"
 done
