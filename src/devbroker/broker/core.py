@@ -274,7 +274,11 @@ class Broker:
         t = self.tenants.get(tenant)
         if t is None or not getattr(self.backend, "tenant_files", False):
             return ()
-        return rules.kernel_commands(registry.get(self.backend.version), t.capabilities())
+        try:
+            abi = registry.get(self.backend.version)
+        except Exception:  # no tables for this driver: every call is notified (always safe)
+            return ()
+        return rules.kernel_commands(abi, t.capabilities())
 
     # ------------------------------------------------------------------ helpers
     def _abi(self, session: Session):
