@@ -1,5 +1,5 @@
-"""A tenant program of tests/test_real_lane.py: a UVM command (UVM_CREATE_RANGE_GROUP, the
-continue lane's) whose argument lies in a userfaultfd page the tenant never serves, so the
+"""A tenant program of tests/test_real_lane.py: a UVM command (UVM_INITIALIZE, the continue
+lane's; not one of the rows the kernel runs unasked, rules.kernel_commands) whose argument lies in a userfaultfd page the tenant never serves, so the
 broker's read of it (the native loop's callback, through the memory gate) waits for the
 tenant; then the same command with its argument in ordinary memory. Prints one JSON line:
 each call's errno (0: it returned) and seconds."""
@@ -20,7 +20,7 @@ libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype = ctypes.c_void_p
 libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                       ctypes.c_int, ctypes.c_long]
-CMD = next(c for c, s in abi.uvm_cmds.items() if s.name == "UVM_CREATE_RANGE_GROUP")
+CMD = next(c for c, s in abi.uvm_cmds.items() if s.name == "UVM_INITIALIZE")
 
 
 def call(fd: int, addr: int) -> tuple[int, float]:

@@ -272,7 +272,7 @@ class Broker:
         emulated backend's files are placeholders, every call of theirs is answered here),
         for the tenant's capabilities now."""
         t = self.tenants.get(tenant)
-        if t is None or not getattr(self.backend, "tenant_files", False):
+        if t is None or not self.backend.tenant_files:
             return ()
         try:
             abi = registry.get(self.backend.version)
