@@ -73,10 +73,10 @@ _TOTALS = ("open_nvidia", "open_other", "ioctl_other", "mmap_nvidia", "mmap_othe
 
 
 def _kind_name(key: str, abi) -> str:
-    if abi is None or key.startswith("="):
-        return key[1:] + " (all such system calls)" if key.startswith("=") else key
     if key.startswith("="):
         return key[1:] + " (all such system calls)"
+    if abi is None:
+        return key
     if key.startswith("U"):
         op = abi.uvm(int(key[1:], 16))
         return op.name if op is not None else key

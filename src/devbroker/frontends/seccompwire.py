@@ -464,8 +464,6 @@ def build_filter(opts: FilterOptions = FilterOptions()) -> bytes:
     if opts.notify_ioctl:
         a.label("ioctl")
         a.ld(OFF_ARG_LO(1))  # the kernel's ioctl cmd is an unsigned int: low 32 bits
-        for cmd in sorted(set(opts.kernel_ioctls)):  # cmd is a register: no later re-read
-            a.jmp(BPF_JEQ, cmd, "allow2", 0)
         a.tax()
         a.and_(0xFF00)
         a.jmp(BPF_JEQ, NV_IOCTL_MAGIC << 8, "notify", 0)
@@ -474,7 +472,12 @@ def build_filter(opts: FilterOptions = FilterOptions()) -> bytes:
         a.jmp(BPF_JGT, UVM_HIGH_MAX, "allow2", "notify")
         a.label("ioctl_low")
         a.jmp(BPF_JGE, 1, 0, "allow2")
-        a.jmp(BPF_JGT, opts.uvm_raw_max, "allow2", "notify")
+        kernel = sorted(set(opts.kernel_ioctls))
+        a.jmp(BPF_JGT, opts.uvm_raw_max, "allow2", "uvm_raw" if kernel else "notify")
+        if kernel:  # only raw UVM numbers come this far ('F' ioctls are decided above)
+            a.label("uvm_raw")
+            for i, cmd in enumerate(kernel):  # cmd is a register: nothing re-reads it
+                a.jmp(BPF_JEQ, cmd, "allow2", "notify" if i == len(kernel) - 1 else 0)
     if opts.notify_mmap:
         a.label("mmap")
         a.ld(OFF_ARG_LO(3))
