@@ -453,7 +453,9 @@ class RelayProcess:
         return data
 
     def stop(self) -> None:
-        for c in [self.sync, *self.pool]:
+        # Every channel, the front-end threads' one too: the relay exits when its last
+        # channel closes (relay.main); one left open kept it waiting for the kill below.
+        for c in [self.sync, *self.pool, *([self.thread_chan] if self.thread_chan else [])]:
             try:
                 c.sock.close()
             except OSError:
