@@ -35,6 +35,10 @@ if ! .venv/bin/python -m pip install -q -e ".$extras" >"$log" 2>&1; then
     exit 1
 fi
 .venv/bin/python -c "import devbroker.cli.main, trio" || { echo "setup: install failed" >&2; exit 1; }
+# Byte-compiled once here: an editable install writes no .pyc, and where
+# PYTHONDONTWRITEBYTECODE is set (some CI hosts) every broker, tenant and QEMU-guest process
+# would compile the ABI tables (~1 MB of source) again at its start.
+.venv/bin/python -m compileall -q -j0 src >/dev/null || echo "setup: compileall failed" >&2
 # The seccomp listener's native loop (src/devbroker/native/lane.c, loaded with ctypes): built
 # now so the broker does not build it at its first tenant. Without a compiler the broker
 # still runs, on its Python listener (slower: docs/benchmarks.md).

@@ -2,8 +2,8 @@
 # The README's second command (and what CI runs): install what the tests need, run them.
 #   scripts/test.sh [pytest args...]
 # Environment: DEVBROKER_SKIP_INSTALL=1 skips the apt installs (nvidia-smi 535, runc/crun,
-# Environment: DEVBROKER_SKIP_INSTALL=1 skips the apt installs (nvidia-smi 535, Prometheus,
-# libfuse3-dev, QEMU guest kernel) when they are already there; DEVBROKER_SLOW=1 also runs the suites marked slow.
+# Prometheus, libfuse3-dev, QEMU guest kernel) when they are already there; DEVBROKER_SLOW=1
+# also runs the suites marked slow.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --test

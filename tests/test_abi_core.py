@@ -120,6 +120,17 @@ def test_names_and_versions(abi):
     assert old.control(0x20801303).size == 436 and abi.control(0x20801303).size == 1028
 
 
+@pytest.mark.parametrize("version", registry.versions())
+def test_op_names_are_the_built_specs_names(version):
+    """registry.op_names reads names from the tables alone (a broker's start): the same
+    names, for the same numbers, as the specs get() builds."""
+    a, names = registry.get(version), registry.op_names(version)
+    for table, specs in (("escapes", a.escapes), ("controls", a.controls),
+                         ("classes", a.classes), ("uvm", a.uvm_cmds)):
+        assert names[table] == {k: spec.name for k, spec in specs.items()}, (version, table)
+    assert any("_UNPUBLISHED_" in n for n in names["controls"].values())
+
+
 def test_status_codes():
     assert (status.NV_OK, status.NV_ERR_GENERIC) == (0, 0xFFFF)
     assert status.NV_ERR_INSUFFICIENT_PERMISSIONS == 0x1B

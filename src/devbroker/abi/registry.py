@@ -262,6 +262,20 @@ def _build(version: str, v: dict) -> DriverABI:
                      classes=classes, uvm=uvm, structs=structs, unpublished=unpublished)
 
 
+def op_names(version: str) -> dict[str, dict[int, str]]:
+    """The names of a version's escapes, controls, classes and UVM commands, read from its
+    tables without building a layout: what labels need (building every control's layout,
+    as iterating ``get(version).controls`` does, takes a second or more of a broker's start).
+    The same names as the built specs'."""
+    tabs = raw_tables(version)
+    controls = {cmd: entry[0] for cmd, entry in tabs["CONTROLS"].items()}
+    for cmd in _base.UNPUBLISHED_CONTROLS:
+        controls.setdefault(cmd, unpublished_control_name(cmd, tabs["CATEGORIES"]))
+    return {"escapes": dict(tabs["ESCAPES"]), "controls": controls,
+            "classes": {cid: entry[0] for cid, entry in tabs["CLASSES"].items()},
+            "uvm": {cmd: entry[0] for cmd, entry in tabs["UVM"].items()}}
+
+
 def unpublished_control_name(cmd: int, categories: dict) -> str:
     """A stable name for a control in no header: its class, the name of its category (the
     range NVIDIA's headers name, e.g. CLK_LEGACY_NON_PRIVILEGED for 0x2080_90xx) and its

@@ -58,15 +58,12 @@ class _Names:
         self.classes: dict[int, str] = {}
         self.uvm: dict[int, str] = {}
         for version in registry.versions():
-            abi = registry.get(version)
-            for nr, spec in abi.escapes.items():
-                self.escapes.setdefault(nr, spec.name)
-            for cmd, spec in abi.controls.items():
-                self.controls.setdefault(cmd, spec.name)
-            for cls, spec in abi.classes.items():
-                self.classes.setdefault(cls, spec.name)
-            for cmd, spec in abi.uvm_cmds.items():
-                self.uvm.setdefault(cmd, spec.name)
+            names = registry.op_names(version)  # (no layouts built: a broker's start)
+            for table, into in ((names["escapes"], self.escapes),
+                                (names["controls"], self.controls),
+                                (names["classes"], self.classes), (names["uvm"], self.uvm)):
+                for key, name in table.items():
+                    into.setdefault(key, name)
         by_name = {v: k for k, v in self.escapes.items()}
         self._sub = {by_name.get("NV_ESC_RM_CONTROL", -1): _CONTROL,
                      by_name.get("NV_ESC_RM_ALLOC", -1): _ALLOC}
