@@ -372,6 +372,8 @@ struct dvb_shared {
     struct dvb_settled settled;
 };
 
+#define DVB_PIDFDS 8
+
 struct dvb_thread {
     struct dvb_shared *sh;
     int slot;
@@ -387,6 +389,9 @@ struct dvb_thread {
     int64_t counters[C_COUNT];
     unsigned char notif[256];       /* the notification handed back (DVB_NOTIF) */
     struct dvb_call call;
+    /* pidfds of the tenant threads this thread made driver calls for (thread_pidfd) */
+    struct { int64_t tid; int fd; } pidfds[DVB_PIDFDS];
+    unsigned pidfd_next;
 };
 
 static int64_t now_ns(void)
@@ -488,11 +493,21 @@ struct dvb_thread *dvb_thread_new(struct dvb_shared *sh, int slot)
     if (t) {
         t->sh = sh;
         t->slot = slot;
+        for (int k = 0; k < DVB_PIDFDS; k++)
+            t->pidfds[k].fd = -1;
     }
     return t;
 }
 
-void dvb_thread_free(struct dvb_thread *t) { free(t); }
+void dvb_thread_free(struct dvb_thread *t)
+{
+    if (!t)
+        return;
+    for (int k = 0; k < DVB_PIDFDS; k++)
+        if (t->pidfds[k].fd >= 0)
+            close(t->pidfds[k].fd);
+    free(t);
+}
 void dvb_thread_driver_safe(struct dvb_thread *t, int safe) { t->driver_safe = safe; }
 struct dvb_call *dvb_call_of(struct dvb_thread *t) { return &t->call; }
 unsigned char *dvb_notif_of(struct dvb_thread *t) { return t->notif; }
@@ -518,6 +533,39 @@ void dvb_watch(struct dvb_thread *t, int64_t *out)
 void dvb_abandon(struct dvb_thread *t) { t->abandoned = 1; }
 
 /* ---------------------------------------------------------------- the listener's calls */
+
+/* The broker's own duplicate of fd `fd` of tenant thread `tid` (pidfd_getfd), or -1.
+ * Through a pidfd of that thread this listener thread keeps (one of DVB_PIDFDS, the oldest
+ * replaced): a CUDA process makes hundreds of driver calls from a few threads, and a
+ * pidfd_open + close per call were two of the loop's system calls per executed call. A
+ * pidfd names one task for its life and is this thread's alone (no other thread can close
+ * it or see its number reused meanwhile). When the task it names has exited, pidfd_getfd
+ * fails with ESRCH, even if a new thread now has the number `tid`: then a fresh pidfd is
+ * opened for the thread that made this call (pending in its notification, so alive). */
+static int tenant_fd_dup(struct dvb_thread *t, int64_t tid, int fd)
+{
+    int k = 0;
+    while (k < DVB_PIDFDS && !(t->pidfds[k].fd >= 0 && t->pidfds[k].tid == tid))
+        k++;
+    if (k < DVB_PIDFDS) {
+        int dup = (int)syscall(SYS_pidfd_getfd, t->pidfds[k].fd, fd, 0);
+        if (dup >= 0 || errno != ESRCH)
+            return dup;
+        close(t->pidfds[k].fd); /* that task is gone: the number is another thread's now */
+        t->pidfds[k].fd = -1;
+    } else {
+        k = (int)(t->pidfd_next++ % DVB_PIDFDS);
+        if (t->pidfds[k].fd >= 0)
+            close(t->pidfds[k].fd);
+        t->pidfds[k].fd = -1;
+    }
+    int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)tid, DVB_PIDFD_THREAD);
+    if (pidfd < 0)
+        return -1;
+    t->pidfds[k].tid = tid;
+    t->pidfds[k].fd = pidfd;
+    return (int)syscall(SYS_pidfd_getfd, pidfd, fd, 0);
+}
 
 static int id_valid(struct dvb_shared *sh, uint64_t id)
 {
@@ -756,11 +804,7 @@ static int run_control_once(struct dvb_thread *t, struct dvb_notif *n, int64_t t
     if (c->driver) {
         /* The broker's own duplicate of the tenant's file, through a pidfd of the calling
          * thread opened here (never one another thread could close meanwhile). */
-        int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)n->pid, DVB_PIDFD_THREAD);
-        if (pidfd < 0)
-            return DVB_NOTIF;
-        dup = (int)syscall(SYS_pidfd_getfd, pidfd, (int)c->fd, 0);
-        close(pidfd);
+        dup = tenant_fd_dup(t, n->pid, (int)c->fd);
         if (dup < 0)
             return DVB_NOTIF;
         struct stat st;
