@@ -227,10 +227,12 @@ def test_status_command_reports_tenants(broker):
 
 
 def test_the_startups_objects_are_out_of_the_collectors_sight(broker):
-    """daemon.run_forever freezes what the broker loaded before serving (the ABI and rule
-    tables: ~250,000 objects), so no full collection over them can stall every listener
-    in the middle of a tenant's call: the broker says how many it froze."""
-    assert broker.status()["gc_frozen"] > 100_000
+    """daemon.run_forever freezes what the broker loaded before serving (its modules, the
+    ABI tables' raw data and the rule tables: ~50,000 objects; before the metrics' names
+    were read from the raw tables, every control's layout was built too, ~250,000), so no
+    full collection over them can stall every listener in the middle of a tenant's call:
+    the broker says how many it froze (0 without the freeze)."""
+    assert broker.status()["gc_frozen"] > 20_000
 
 
 def test_cuda_calls_decided_case_by_case(broker):
