@@ -41,6 +41,7 @@ libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 libc.syscall.restype = ctypes.c_long
 
 MiB = 1 << 20
+TWO_MIB = 2 * MiB
 PAGE = 4096
 SYS_open_by_handle_at = 304
 SYS_io_uring_setup = 425
@@ -1112,6 +1113,108 @@ def a_uvm_foreign_client(ctx):
     return combine(outs)
 
 
+UVM_MM_INITIALIZE = 75
+UVM_MAP_EXTERNAL_ALLOCATION = 33
+UVM_CREATE_EXTERNAL_RANGE = 73
+FERMI_VASPACE_A = 0x90F1
+
+
+def _uvm_call(c, fd: int, cmd: int, what: str, **fields) -> tuple[str, int]:
+    """One UVM ioctl with the ABI's layout: ("errno", e) or ("status", rmStatus)."""
+    spec = c.abi.uvm(cmd).params
+    buf = bytearray(spec.decode(bytes(spec.size)).replace(**fields).encode())
+    e = raw_ioctl(fd, cmd, buf)
+    return ("errno", e) if e else ("status", spec.decode(bytes(buf)).rmStatus)
+
+
+def a_uvm_external_foreign(ctx):
+    """UVM_MAP_EXTERNAL_ALLOCATION of the victim's device memory by (victim's client, its
+    memory handle) — memory the victim shared with everyone, as CUDA IPC shares it — into a
+    va space of the attacker's own. With real driver files this is a call the kernel runs
+    alone (rules.kernel_commands: no broker decision, no audit record), so the driver's own
+    check of the client against the caller is the whole boundary. The setup is CUDA's (the recorded H200 trace):
+    UVM_INITIALIZE and MM_INITIALIZE, the GPU registered, an RM VA space (FERMI_VASPACE_A,
+    CUDA's flags) registered, then an external range over 2 MiB of reserved address space.
+    The same mapping of the attacker's OWN memory must succeed first: a refusal of a setup
+    that cannot map anything proves nothing (an error, not a refusal)."""
+    c = ctx.client()
+    g = c.gpu
+    uuid = bytes.fromhex(g["uuid"].removeprefix("GPU-").replace("-", ""))
+    if len(uuid) != 16:
+        return Outcome("error", "setup", f"GPU uuid {g['uuid']!r}")
+    fds, steps = [], []
+
+    def step(what, kind, code):
+        steps.append(f"{what}: {code_name(kind, code)}")
+        return kind == "status" and code == nvs.NV_OK
+
+    span, addr = 6 * MiB, None
+    try:
+        ufd = os.open("/dev/nvidia-uvm", os.O_RDWR | os.O_CLOEXEC)
+        fds.append(ufd)
+        mfd = os.open("/dev/nvidia-uvm", os.O_RDWR | os.O_CLOEXEC)
+        fds.append(mfd)
+        ok = (step("UVM_INITIALIZE", *_uvm_call(c, ufd, UVM_INITIALIZE, "init"))
+              and step("UVM_MM_INITIALIZE", *_uvm_call(c, mfd, UVM_MM_INITIALIZE, "mm",
+                                                        uvmFd=ufd))
+              and step("UVM_REGISTER_GPU", *_uvm_call(
+                  c, ufd, UVM_REGISTER_GPU, "gpu", gpu_uuid={"uuid": uuid},
+                  numaNodeId=-1, rmCtrlFd=-1)))
+        if ok:
+            va = c.new("NV_VASPACE_ALLOCATION_PARAMETERS", index=0, flags=0x48,
+                       vaSize=0x1FFFFFFFFFFF000, vaBase=4096)
+            kind, code, hva = rm_alloc(c, g["hdevice"], FERMI_VASPACE_A, va.encode(),
+                                       size=len(va.encode()))
+            ok = step("FERMI_VASPACE_A", kind, code) and step(
+                "UVM_REGISTER_GPU_VASPACE", *_uvm_call(
+                    c, ufd, UVM_REGISTER_GPU_VASPACE, "vaspace", gpuUuid={"uuid": uuid},
+                    rmCtrlFd=c.ctl, hClient=c.hclient, hVaSpace=hva))
+        own = c.alloc_device_memory(g["hdevice"], TWO_MIB) if ok else 0
+        if ok:
+            raw = libc.mmap(None, span, 0, 0x22 | 0x4000, -1, 0)  # PROT_NONE, private anon
+            if raw in (None, ctypes.c_void_p(-1).value):  # noreserve
+                return Outcome("error", "setup", "mmap of the address range failed")
+            addr = raw
+        bases = []
+        if ok:
+            first = (addr + TWO_MIB - 1) & ~(TWO_MIB - 1)
+            bases = [first, first + TWO_MIB]
+        att = None
+        if ok:
+            spec = c.abi.uvm(UVM_MAP_EXTERNAL_ALLOCATION).params
+            att = list(spec.decode(bytes(spec.size)).perGpuAttributes)
+            att[0] = att[0].replace(gpuUuid={"uuid": uuid}, gpuMappingType=1)
+
+        def map_at(base, client, memory, what):
+            k, code = _uvm_call(c, ufd, UVM_CREATE_EXTERNAL_RANGE, "range", base=base,
+                                length=TWO_MIB)
+            if not step(f"UVM_CREATE_EXTERNAL_RANGE ({what})", k, code):
+                return None
+            return _uvm_call(c, ufd, UVM_MAP_EXTERNAL_ALLOCATION, "map", base=base,
+                             length=TWO_MIB, offset=0, perGpuAttributes=att,
+                             gpuAttributesCount=1, rmCtrlFd=c.ctl, hClient=client,
+                             hMemory=memory)
+
+        control = map_at(bases[0], c.hclient, own, "own memory") if ok else None
+        if control is None or not step("UVM_MAP_EXTERNAL_ALLOCATION of its own memory",
+                                       *control):
+            return Outcome("error", "setup", "the mapping of the attacker's own memory "
+                           "did not succeed, so a refusal would prove nothing: "
+                           + "; ".join(steps))
+        outs = []
+        # a fresh range for each attempt (a failed mapping leaves its range behind)
+        got = map_at(bases[1], ctx.victim["client"], ctx.victim["hmemory"],
+                     "victim's client")
+        outs.append(Outcome("error", "setup", "; ".join(steps)) if got is None else
+                    judge(*got, "MAP_EXTERNAL_ALLOCATION (victim's client, its memory)"))
+        return combine(outs)
+    finally:
+        if addr:
+            libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(span))
+        for fd in fds:
+            os.close(fd)
+
+
 def a_wrong_node(ctx):
     """RM escapes on the UVM node, UVM commands on nvidiactl, a root client on a GPU node."""
     c = ctx.client()
@@ -1785,6 +1888,17 @@ ATTACKS += [
            E, ("NOT_WON",), "broker (decides on its private copy, which the driver answers)",
            r"GET_ID_INFO_V2.*is not one of the tenant's GPUs", _races.a_race_checked_gpu_id,
            True, gpus=2),
+    Attack("uvm-external-foreign", "UVM_MAP_EXTERNAL_ALLOCATION of the victim's shared "
+           "device memory by its client and handle (a call the kernel runs alone)",
+           "cross-tenant", E,
+           ("NV_ERR_INVALID_CLIENT", "NV_ERR_INSUFFICIENT_PERMISSIONS",
+            "NV_ERR_INVALID_OBJECT_HANDLE", "NV_ERR_OBJECT_NOT_FOUND", "NV_ERR_INVALID_OBJECT"),
+           "driver (the client checked against the caller)", None, a_uvm_external_foreign,
+           True, frontends=("seccomp",), backends=("real",),
+           na={"fuse": "calls the kernel runs alone exist only with driver files in the "
+                       "tenant (seccomp front end, real backend)"},
+           no_audit="the broker does not see the call (rules.kernel_commands: the tenant's "
+                    "filter lets the kernel run it): the driver's status is the evidence"),
     Attack("race-direct-open", "the real nvidiactl opened past the broker's path check "
            "(/proc/self/root/dev/nvidiactl), then an ioctl and an mmap of it", "front end", E,
            ("EPERM",), "front end (files the broker did not give out)", "did not give out",
