@@ -326,7 +326,7 @@ def test_the_tenant_file_is_found_in_the_holders_fd_table(tmp_path):
         tenant = SimpleNamespace(tgids=lambda: {holder.pid})
         s = SimpleNamespace(file=SimpleNamespace(key=(st.st_dev, st.st_ino)),
                             caller=SimpleNamespace(pid=holder.pid), tenant=tenant)
-        lent = compute._lend_tenant_file(s)
+        lent = compute.lend_tenant_file(s)
         assert lent is not None and lent.fd == fd_in_holder
         dup = lent.dup_fd(lent.fd)
         try:
@@ -335,7 +335,7 @@ def test_the_tenant_file_is_found_in_the_holders_fd_table(tmp_path):
             os.close(dup)
         gone = os.stat(tmp_path)  # a key no process holds
         s.file.key = (gone.st_dev, gone.st_ino)
-        assert compute._lend_tenant_file(s) is None
+        assert compute.lend_tenant_file(s) is None
     finally:
         holder.stdin.close()
         holder.wait(timeout=10)

@@ -325,14 +325,25 @@ class EmulatedBackend:
 
     def NV_ESC_RM_SHARE(self, f, dc):
         """The share policy of an object (rmapiShare): the client and the object must exist.
-        The emulated duplicates follow the default policy (any client may duplicate), so a
-        policy changes nothing else here."""
+        The policy is kept on the object as the driver keeps its list (COMPOSE adds to it,
+        REVOKE takes the same policy out, anything else replaces the list) but not enforced:
+        the emulated duplicates follow the default policy (any client may duplicate)."""
         v = dc.call.value
         c = self.clients.get(v.hClient)
         if c is None:
             return self._status(dc, nvs.NV_ERR_INVALID_CLIENT)
-        if v.hObject not in c.objects:
+        obj = c.objects.get(v.hObject)
+        if obj is None:
             return self._status(dc, nvs.NV_ERR_INVALID_OBJECT_HANDLE)
+        p = v.sharePolicy
+        entry = (int(p.type), int(p.target), int(list(p.accessMask.limbs)[0]),
+                 int(p.action) & 0x2)  # (REQUIRE: part of what the policy is)
+        if p.action & 0x1:  # RS_SHARE_ACTION_FLAG_REVOKE
+            obj.policies = [e for e in obj.policies if e[:3] != entry[:3]]
+        elif p.action & 0x4:  # RS_SHARE_ACTION_FLAG_COMPOSE
+            obj.policies.append(entry)
+        else:
+            obj.policies = [entry]
         return self._status(dc, nvs.NV_OK)
 
     def NV_ESC_ATTACH_GPUS_TO_FD(self, f, dc):

@@ -19,6 +19,9 @@ class EmuObject:
     # Handles of one object (RM_DUP_OBJECT): the memory is released with the last of them.
     share: list | None = field(default=None, repr=False, compare=False)
     client: Any = field(default=None, repr=False, compare=False)  # the EmuClient holding it
+    # The share policies the driver was given for it (NV_ESC_RM_SHARE), as
+    # (type, target, access mask, action) in order; kept, not enforced (see RM_SHARE).
+    policies: list = field(default_factory=list, repr=False, compare=False)
 
 
 @dataclass

@@ -439,7 +439,7 @@ def apply_all(broker: Any) -> Steps:
         if getattr(s.file, "runs_in_caller", False):
             # The tenant's own driver file: no call of the tenant's lends it now, so the
             # broker takes a duplicate from a process that holds it (checked by inode).
-            lent = yield Blocking(_lend_tenant_file, (s,), g.tenant,
+            lent = yield Blocking(lend_tenant_file, (s,), g.tenant,
                                   f"find the file of channel group {g.handle:#x}")
             if lent is None:
                 g.error = "no process of the tenant holds the group's file any more"
@@ -454,7 +454,7 @@ def apply_all(broker: Any) -> Steps:
     return changed
 
 
-def _lend_tenant_file(s: Any) -> Any:
+def lend_tenant_file(s: Any) -> Any:
     """Find a process of the tenant that holds the session's file (its inode key), and lend it
     to `_execute_on_tenant_file` the way a tenant call does (fd number + pidfd_getfd).
     Only /proc of the tenant's own processes is read, with stat that never waits on a file
@@ -545,7 +545,7 @@ def _stop(broker: Any, tenant: Any, gpu: int, chans: dict[int, list[int]], stop:
         lent = req
         try:
             if lent is None and getattr(s.file, "runs_in_caller", False):
-                lent = yield Blocking(_lend_tenant_file, (s,), tenant.name,
+                lent = yield Blocking(lend_tenant_file, (s,), tenant.name,
                                       f"find the file of client {ch:#x}")
                 if lent is None:
                     continue  # no process holds it any more: nothing of it runs

@@ -19,7 +19,7 @@ from devbroker.abi import registry, vidmem
 from devbroker.abi.driver import DriverABI, IoctlCall, NestedRef
 from devbroker.abi import status as nvstatus
 from devbroker.abi.nodes import NodeKind
-from devbroker.broker import limits, rewrite
+from devbroker.broker import limits, rewrite, shares
 from devbroker.broker.effects import ResolveFd, Steps
 from devbroker.broker.interface import IoctlReply, IoctlRequest, RunInCaller
 from devbroker.broker.objects import RmClient, drop_objects, share
@@ -388,9 +388,10 @@ def rm_alloc_memory(ctx: CallContext) -> Steps:
 
 def rm_dup(ctx: CallContext) -> Steps:
     """NV_ESC_RM_DUP_OBJECT (NVOS55): object hObjectSrc of client hClientSrc gets a new
-    handle hObject under hParent of client hClient. The driver lets any client that knows
-    a handle duplicate it (default share policy), so the broker allows it only inside the
-    tenant: both clients, the source object and the parent must be its own. The new
+    handle hObject under hParent of client hClient. The driver lets a client duplicate what
+    the object's share policy grants it; the broker allows it only inside the tenant: both
+    clients, the source object and the parent must be its own, and a broad share the tenant
+    made is given to this one client just before (broker/shares.py). The new
     handle shares the source's charge (objects.share): the memory stays charged until its
     last handle is freed, whichever that is."""
     b, s, abi, req, call = ctx.broker, ctx.session, ctx.abi, ctx.req, ctx.call
@@ -419,6 +420,15 @@ def rm_dup(ctx: CallContext) -> Steps:
     if v.hObject and v.hObject in dst.objects:
         raise Refusal(f"{where}: handle {v.hObject:#x} already exists",
                       status=nvstatus.NV_ERR_INSERT_DUPLICATE_NAME, what=where)
+    if obj is not None and obj.tenant_share & shares.ACCESS_DUP_OBJECT and src is not dst:
+        # A broad share the broker kept inside the tenant (rm_share): now, for this client
+        # of the tenant's only. (A failure leaves the duplicate to the driver's own check.)
+        st = yield from shares.grant_for_dup(b, s, req, src, v.hObjectSrc, v.hClient)
+        if st != nvstatus.NV_OK:
+            b.audit.write("error", tenant=s.tenant.name, pid=s.caller.pid, what=where,
+                          reason=f"{where}: the share of object {v.hObjectSrc:#x} with client "
+                                 f"{v.hClient:#x} was not granted "
+                                 f"({'no file' if st is None else nvstatus.name(st)})")
     result = yield from b._call_backend(s, call, req=req)
     out = abi.decode_ioctl(s.node, req.cmd, result.arg).value
     if not result.errno and out.status == nvstatus.NV_OK and out.hObject:
@@ -530,7 +540,10 @@ def object_fd_control(ctx: CallContext, ctl: ControlCall) -> Steps:
 
 
 def rm_share(ctx: CallContext) -> Steps:
-    """NV_ESC_RM_SHARE (NVOS57): the share policy of one of the tenant's own objects."""
+    """NV_ESC_RM_SHARE (NVOS57): the share policy of one of the tenant's own objects, kept
+    inside the tenant (broker/shares.py): a grant to every client, or to every client of the
+    same user, is kept in the broker's books and answered NV_OK without the driver; one to a
+    client not the tenant's is refused; the rest reach the driver as sent."""
     b, s, req, call = ctx.broker, ctx.session, ctx.req, ctx.call
     v = call.value
     where = call.name
@@ -541,6 +554,23 @@ def rm_share(ctx: CallContext) -> Steps:
                       status=nvstatus.NV_ERR_INVALID_OBJECT_HANDLE, what=where)
     if obj is not None:
         b._refuse_revoked(s, obj.gpu, where)
+    verdict = shares.judge(v.sharePolicy, lambda h: b.clients.owner(h) == s.tenant.name)
+    if verdict.action == "refuse":
+        raise Refusal(f"{where}: {verdict.why}: a share policy may not reach beyond the tenant",
+                      status=nvstatus.NV_ERR_INSUFFICIENT_PERMISSIONS, what=where)
+    if verdict.action == "confine":
+        if obj is None:  # (made by a call the kernel continued: no books to keep it in)
+            raise Refusal(f"{where}: {verdict.why} of object {v.hObject:#x}, which the "
+                          "broker's books do not hold: a share policy may not reach beyond "
+                          "the tenant", status=nvstatus.NV_ERR_INSUFFICIENT_PERMISSIONS,
+                          what=where)
+        if not obj.tenant_share:
+            b.audit.write("notice", tenant=s.tenant.name, pid=s.caller.pid, node=s.node_name,
+                          message=f"{where}: {verdict.why} of object {v.hObject:#x} kept "
+                                  "inside the tenant: granted to the tenant's own client "
+                                  "that duplicates it, never passed to the driver")
+        obj.tenant_share |= shares.access_mask(v.sharePolicy)
+        return b._status_reply(ctx.abi, call, nvstatus.NV_OK)
     result = yield from b._call_backend(s, call, req=req)
     return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 

@@ -105,6 +105,10 @@ class RmObject:
     share: list | None = field(default=None, repr=False, compare=False)
     # The client whose books hold this object (its running totals follow a moved charge).
     owner: "RmClient | None" = field(default=None, repr=False, compare=False)
+    # Access rights (RS_ACCESS mask) the tenant granted beyond its own process with a broad
+    # share policy, kept here instead of by the driver (broker/shares.py): given, at each
+    # duplicate by one of the tenant's own clients, to exactly that client.
+    tenant_share: int = 0
 
 
 DEVICE_CLASS = 0x80  # NV01_DEVICE_0

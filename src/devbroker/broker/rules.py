@@ -39,7 +39,7 @@ from devbroker.abi import registry
 from devbroker.abi import status as nvstatus
 from devbroker.abi.nodes import NodeKind
 from devbroker.backends.emulated import CONTROL_HANDLERS as EMULATED_CONTROLS  # (all registered)
-from devbroker.broker import compute, handlers, rewrite
+from devbroker.broker import compute, handlers, rewrite, shares
 
 CAPABILITIES = {
     "nvml": "GPU queries NVML and nvidia-smi need (names, UUIDs, memory, utilization)",
@@ -193,10 +193,13 @@ ESCAPES: dict[str, EscapeRule] = {
     # CUDA's legacy IPC (cudaIpcGetMemHandle, torch.multiprocessing) shares the memory
     # before another process duplicates it (two-H200 run, issue 16).
     "NV_ESC_RM_SHARE": Rule("compute", "sets the share policy of one of the tenant's own "
-                            "objects (client and object checked to be its own); what another "
-                            "client may then do with it goes through RM_DUP_OBJECT, which the "
-                            "broker allows only between the tenant's own clients whatever the "
-                            "policy says (a host process outside devbroker is trusted)",
+                            "objects (client and object checked to be its own), kept inside "
+                            "the tenant (broker/shares.py): a grant to every client or every "
+                            "client of the user is kept in the broker's books and given, at a "
+                            "duplicate through the broker, to that one client of the tenant's "
+                            "(UVM's mapping calls duplicate under the driver's policy too, in "
+                            "the tenant's process); one naming another tenant's client is "
+                            "refused",
                             handler=handlers.rm_share),
     "NV_ESC_RM_ALLOC_MEMORY": Rule("compute", "memory for the tenant's own client: same class "
                                    "allowlist and quota as RM_ALLOC",
@@ -603,6 +606,12 @@ _COMPUTE_CONTROLS = [
 
 _CUDA_TRACE = "used by CUDA on the tenant's own objects (seen in the PyTorch trace)"
 CONTROLS.update({c: _compute(_CUDA_TRACE) for c in _COMPUTE_CONTROLS})
+# The policy a client's later objects start with: nothing that reaches beyond the tenant
+# (broker/shares.py; CUDA sets PID policies here).
+CONTROLS[0xD04] = _compute("NV0000_CTRL_CMD_CLIENT_SET_INHERITED_SHARE_POLICY: the share "
+                           "policy the tenant's client gives its later objects; only policies "
+                           "that grant nothing beyond the calling process (PID, REQUIRE, "
+                           "REVOKE, the tenant's own clients)", pre=shares.inherited_policy)
 # GET_ACTIVE_DEVICE_IDS (issue 13 item 6): only the tenant's GPUs are listed.
 CONTROLS[0x288] = _compute(_CUDA_TRACE, post=rewrite.active_device_ids)
 CONTROLS[0x83DE0309] = ControlRule("compute", "which SM exceptions the tenant's own context "
