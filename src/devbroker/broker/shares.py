@@ -1,9 +1,9 @@
 """Share policies kept inside the tenant (NV_ESC_RM_SHARE, and the inherited policy a client
 gives its future objects: NV0000_CTRL_CMD_CLIENT_SET_INHERITED_SHARE_POLICY).
 
-Why (found on the H200, 2026-12-02, docs/security.md "Share policies"): an object's share
-policy is what the driver checks when a client of *another* process duplicates it, and the
-broker is not the only door to such a duplicate. UVM_MAP_EXTERNAL_ALLOCATION (and the other
+Why (found on the H200, 2026-12-02; docs/security.md, "An escape through the driver's share
+policies"): an object's share policy is what the driver checks when a client of *another*
+process duplicates it, and the broker is not the only door to such a duplicate. UVM_MAP_EXTERNAL_ALLOCATION (and the other
 UVM calls that take RM handles) duplicate the named client's object into UVM's own client
 inside the kernel, under the same share check, and those calls run in the tenant's process
 (calls the kernel runs alone, or continued, which a racing thread can rewrite). So memory a
