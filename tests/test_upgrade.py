@@ -134,6 +134,11 @@ async def test_state_round_trips(tmp_path):
                 size=64 << 20, alignment=2 << 20)
     _, out, _ = await t.alloc(ctl, client, 0xA0, 0x40, mem, new=0xC0)
     _, out, _ = await t.alloc(ctl, client, 0xA0, 0x40, mem.replace(size=4 << 30), new=0xC1)
+    # Shared with every client (as CUDA IPC does): kept in the broker's books (shares.py)
+    rep, out, _ = await t.esc(ctl, "NV_ESC_RM_SHARE", t.new(
+        "NVOS57_PARAMETERS", hClient=client, hObject=0xC0,
+        sharePolicy={"target": 0, "accessMask": {"limbs": [1]}, "type": 1, "action": 0}))
+    assert rep.errno == 0 and out.status == 0
     # A second client holds a duplicate of the 64 MiB (RM_DUP_OBJECT): one charge, shared.
     ctl2 = await t.open(NodeKind.CTL)
     _, out, _ = await t.alloc(ctl2, 0, 0, 0x41)
@@ -166,6 +171,9 @@ async def test_state_round_trips(tmp_path):
              "backend": handover.export_emulated(fresh.backend)}
     assert json.loads(json.dumps(again)) == state
     assert fresh.sessions[t.fds[ctl]].file.attached
+    # the share kept in the books, and the grant the driver got for the duplicate, passed
+    assert fresh.tenants["alice"].clients[client].objects[0xC0].tenant_share == 1
+    assert fresh.backend.clients[client].objects[0xC0].policies == [(3, client2, 1, 0)]
     assert [f.attached for f in fresh.backend.files.values()].count(True) == 1
     [ex] = [f.export for f in fresh.backend.files.values() if f.export is not None]
     assert ex.client is fresh.backend.clients[ex.client.handle] and len(ex.slots) == 4

@@ -47,7 +47,8 @@ CLIENT_FIELDS = frozenset({"handle", "session", "tgid", "objects",
                            "charged", "devices"})  # running totals: rebuilt from the objects
 OBJECT_FIELDS = frozenset({"handle", "rm_class", "parent", "gpu", "charged", "children",
                            "share",  # duplicate groups: exported as groups of handles
-                           "owner"})  # the client holding it: rebuilt
+                           "owner",  # the client holding it: rebuilt
+                           "tenant_share"})  # a broad share kept in the books (shares.py)
 EMULATED_ATTRS = frozenset({"version", "_gpus", "abi", "files", "clients", "_file_ids",
                             "_client_ids", "_object_ids", "used", "notice", "_noticed",
                             "memblock_size", "started",
@@ -59,7 +60,7 @@ EMU_FILE_FIELDS = frozenset({"id", "node", "minor", "mapping", "registered_ctl",
                              "attached"})
 EMU_CLIENT_FIELDS = frozenset({"handle", "file_id", "tgid", "objects"})
 EMU_OBJECT_FIELDS = frozenset({"handle", "rm_class", "parent", "gpu", "size", "children",
-                               "share", "client"})
+                               "share", "client", "policies"})
 # frontends/fuse.py exports these itself (FuseFrontend.export_state)
 FUSE_INODE_FIELDS = frozenset({"nodeid", "kind", "parent", "name", "tenant", "node", "content",
                                "children", "nlookup", "removed"})
@@ -202,8 +203,8 @@ def _link_shares(groups, clients: dict[int, Any]) -> None:
 
 # ------------------------------------------------------------------------------ broker core
 def _objects(objects: dict) -> list[list]:
-    return [[o.handle, o.rm_class, o.parent, o.gpu, o.charged, sorted(o.children)]
-            for o in objects.values()]
+    return [[o.handle, o.rm_class, o.parent, o.gpu, o.charged, sorted(o.children),
+             o.tenant_share] for o in objects.values()]
 
 
 def export_broker(broker, file_id=lambda f: f.id) -> dict[str, Any]:
@@ -286,9 +287,12 @@ def import_broker(broker, state: dict[str, Any], files: dict[int, Any]) -> None:
     made = {}
     for td in state["tenants"]:
         for cd in td["clients"]:
+            # (a predecessor without share books sends six fields: nothing kept)
             objects = {handle: RmObject(handle, cls, parent, gpu=gpu, charged=charged,
-                                        children=set(children))
-                       for handle, cls, parent, gpu, charged, children in cd["objects"]}
+                                        children=set(children),
+                                        tenant_share=int(rest[0]) if rest else 0)
+                       for handle, cls, parent, gpu, charged, children, *rest
+                       in cd["objects"]}
             # RmClient's running totals and each object's owner follow from its objects.
             c = RmClient(cd["handle"], cd["session"], cd["tgid"], objects=objects)
             s = broker.sessions.get(c.session)
@@ -325,7 +329,8 @@ def export_emulated(backend) -> dict[str, Any]:
                     list(f.export.slots)]] for f in backend.files.values()],
         "clients": [{"handle": c.handle, "file_id": c.file_id, "tgid": c.tgid,
                      "objects": [[o.handle, o.rm_class, o.parent, o.gpu, o.size,
-                                  sorted(o.children)] for o in c.objects.values()]}
+                                  sorted(o.children), [list(p) for p in o.policies]]
+                                 for o in c.objects.values()]}
                     for c in backend.clients.values()],
         "shares": _share_groups(backend.clients.values()),
         "next_file": _next(backend._file_ids), "next_client": _next(backend._client_ids),
@@ -355,9 +360,11 @@ def import_emulated(backend, state: dict[str, Any]) -> dict[int, Any]:
     backend.clients = {}
     for cd in state["clients"]:
         c = EmuClient(cd["handle"], cd["file_id"], cd["tgid"])
-        for handle, cls, parent, gpu, size, children in cd["objects"]:
+        for handle, cls, parent, gpu, size, children, *rest in cd["objects"]:
             c.objects[handle] = EmuObject(handle, cls, parent, gpu=gpu, size=size,
-                                          children=set(children), client=c)
+                                          children=set(children), client=c,
+                                          policies=[tuple(p) for p in (rest[0] if rest
+                                                                       else [])])
         backend.clients[c.handle] = c
     _link_shares(state.get("shares", []), backend.clients)
     from devbroker.backends.emulated_export import ExportSlots
