@@ -554,7 +554,7 @@ def rm_share(ctx: CallContext) -> Steps:
                       status=nvstatus.NV_ERR_INVALID_OBJECT_HANDLE, what=where)
     if obj is not None:
         b._refuse_revoked(s, obj.gpu, where)
-    verdict = shares.judge(v.sharePolicy, lambda h: b.clients.owner(h) == s.tenant.name)
+    verdict = shares.judge_for(b, s, v.sharePolicy)
     if verdict.action == "refuse":
         raise Refusal(f"{where}: {verdict.why}: a share policy may not reach beyond the tenant",
                       status=nvstatus.NV_ERR_INSUFFICIENT_PERMISSIONS, what=where)

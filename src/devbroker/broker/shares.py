@@ -83,6 +83,11 @@ def judge(policy: Any, own_client: Any) -> Verdict:
     return Verdict("refuse", f"share type {kind} (unknown)")
 
 
+def judge_for(b: Any, s: Any, policy: Any) -> Verdict:
+    """`judge` for session `s`'s tenant: its clients are the ones the registry gives it."""
+    return judge(policy, lambda h: b.clients.owner(h) == s.tenant.name)
+
+
 def access_mask(policy: Any) -> int:
     limbs = list(policy.accessMask.limbs)
     return int(limbs[0]) if limbs else 0
@@ -135,7 +140,7 @@ def inherited_policy(ctx: Any, params: Any) -> Any:
     from devbroker.broker.refusal import Refusal
 
     b, s = ctx.broker, ctx.session
-    verdict = judge(params.sharePolicy, lambda h: b.clients.owner(h) == s.tenant.name)
+    verdict = judge_for(b, s, params.sharePolicy)
     if verdict.action != "pass":
         why = verdict.why or ""
         raise Refusal(f"NV0000_CTRL_CMD_CLIENT_SET_INHERITED_SHARE_POLICY: {why}: a share "

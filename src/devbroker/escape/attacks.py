@@ -1119,7 +1119,7 @@ UVM_CREATE_EXTERNAL_RANGE = 73
 FERMI_VASPACE_A = 0x90F1
 
 
-def _uvm_call(c, fd: int, cmd: int, what: str, **fields) -> tuple[str, int]:
+def _uvm_call(c, fd: int, cmd: int, **fields) -> tuple[str, int]:
     """One UVM ioctl with the ABI's layout: ("errno", e) or ("status", rmStatus)."""
     spec = c.abi.uvm(cmd).params
     buf = bytearray(spec.decode(bytes(spec.size)).replace(**fields).encode())
@@ -1154,11 +1154,11 @@ def a_uvm_external_foreign(ctx):
         fds.append(ufd)
         mfd = os.open("/dev/nvidia-uvm", os.O_RDWR | os.O_CLOEXEC)
         fds.append(mfd)
-        ok = (step("UVM_INITIALIZE", *_uvm_call(c, ufd, UVM_INITIALIZE, "init"))
-              and step("UVM_MM_INITIALIZE", *_uvm_call(c, mfd, UVM_MM_INITIALIZE, "mm",
+        ok = (step("UVM_INITIALIZE", *_uvm_call(c, ufd, UVM_INITIALIZE))
+              and step("UVM_MM_INITIALIZE", *_uvm_call(c, mfd, UVM_MM_INITIALIZE,
                                                         uvmFd=ufd))
               and step("UVM_REGISTER_GPU", *_uvm_call(
-                  c, ufd, UVM_REGISTER_GPU, "gpu", gpu_uuid={"uuid": uuid},
+                  c, ufd, UVM_REGISTER_GPU, gpu_uuid={"uuid": uuid},
                   numaNodeId=-1, rmCtrlFd=-1)))
         if ok:
             va = c.new("NV_VASPACE_ALLOCATION_PARAMETERS", index=0, flags=0x48,
@@ -1167,7 +1167,7 @@ def a_uvm_external_foreign(ctx):
                                        size=len(va.encode()))
             ok = step("FERMI_VASPACE_A", kind, code) and step(
                 "UVM_REGISTER_GPU_VASPACE", *_uvm_call(
-                    c, ufd, UVM_REGISTER_GPU_VASPACE, "vaspace", gpuUuid={"uuid": uuid},
+                    c, ufd, UVM_REGISTER_GPU_VASPACE, gpuUuid={"uuid": uuid},
                     rmCtrlFd=c.ctl, hClient=c.hclient, hVaSpace=hva))
         own = c.alloc_device_memory(g["hdevice"], TWO_MIB) if ok else 0
         if ok:
@@ -1186,11 +1186,11 @@ def a_uvm_external_foreign(ctx):
             att[0] = att[0].replace(gpuUuid={"uuid": uuid}, gpuMappingType=1)
 
         def map_at(base, client, memory, what):
-            k, code = _uvm_call(c, ufd, UVM_CREATE_EXTERNAL_RANGE, "range", base=base,
+            k, code = _uvm_call(c, ufd, UVM_CREATE_EXTERNAL_RANGE, base=base,
                                 length=TWO_MIB)
             if not step(f"UVM_CREATE_EXTERNAL_RANGE ({what})", k, code):
                 return None
-            return _uvm_call(c, ufd, UVM_MAP_EXTERNAL_ALLOCATION, "map", base=base,
+            return _uvm_call(c, ufd, UVM_MAP_EXTERNAL_ALLOCATION, base=base,
                              length=TWO_MIB, offset=0, perGpuAttributes=att,
                              gpuAttributesCount=1, rmCtrlFd=c.ctl, hClient=client,
                              hMemory=memory)
