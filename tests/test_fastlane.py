@@ -67,7 +67,17 @@ def test_rows_with_answers_runs_or_charges_are_never_laned_and_pre_hooks_only_ch
             continue
         if plan is None:
             continue
-        _cap, post, size, pre, is_checked, ptrs, embedded, gpu_id_off = plan
+        _cap, post, size, pre, is_checked, ptrs, embedded, gpu_id_off, embedded_only = plan
+        if embedded_only:  # a check of its embedded buffers' sizes (and NULL pointers) only
+            assert is_checked and pre is None and gpu_id_off < 0, hex(cmd)
+            assert [p for p, _c, _e in embedded_only] == [o for o, _n in embedded], hex(cmd)
+            assert not [p for p, f, o in op.params.walk()
+                        if f.kind == "fd" or f.name in rules.CLIENT_HANDLE_FIELDS
+                        or f.name in rewrite.GPU_ID_FIELD_NAMES], hex(cmd)
+            for (ptr, count, elem), (_o, name) in zip(embedded_only, embedded):
+                f = op.params.by_name[name]
+                assert op.params.by_name[f.size_field].offset == count, hex(cmd)
+                assert elem == (1 if f.points_to == "bytes" else abi.struct(f.points_to).size)
         assert pre is row.pre and post is row.post and size == op.size
         if gpu_id_off >= 0:  # a check of its one GPU id (and NULL pointers) only
             assert is_checked and pre is None and not embedded and len(ptrs) <= 2, hex(cmd)
@@ -96,7 +106,11 @@ def test_rows_with_answers_runs_or_charges_are_never_laned_and_pre_hooks_only_ch
                                                             "pChannelList"]
     # NVML's per-GPU queries whose check is their GPU id (a front end may repeat it); the id
     # lists (answered, or with a pre-hook) and a control naming a client are not such
-    assert {hex(c) for c in rules.CONTROLS if (lane._plan(abi, c) or (-1,) * 8)[7] >= 0} == {
+    # CUDA's channel list: both lists of 4-byte handles, their count numChannels (offset 0)
+    assert lane._plan(abi, 0x80170D)[8] == ((8, 0, 4), (16, 0, 4))
+    # three embedded strings are more than a settled control carries
+    assert lane._plan(abi, 0x101)[6] and not lane._plan(abi, 0x101)[8]
+    assert {hex(c) for c in rules.CONTROLS if (lane._plan(abi, c) or (-1,) * 9)[7] >= 0} == {
         "0x202", "0x205", "0x21b", "0x279", "0x289"}
     assert checked > 10 and plain > 50, (checked, plain)
 

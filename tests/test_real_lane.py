@@ -741,3 +741,49 @@ def test_a_continued_os_descriptor_allocation_puts_the_process_under_the_quota_w
     assert len(watch) == 1 and "the driver accounts {0: 0} bytes per GPU" in watch[0] \
         and "of tenant t0" in watch[0], notes
     assert not [r for r in seen["audit"] if r.get("event") == "violation"]
+
+
+def test_settled_embedded_lists_answer_as_the_broker(tmp_path):
+    """A control with embedded buffers settled (fastlane._embedded_only, native/lane.c
+    settled_embed): CUDA's FIFO_GET_CHANNELLIST, 20 per init, whose check in Python was all
+    that kept each call ~120 µs over the driver's 4 µs on the H200. A seccomp tenant on the
+    NV_OK stand-in (tests/settled_embedded_prog.py) sends it 20 times with two lists of
+    three handles, then with a NULL output list, an output list in unmapped memory, and
+    lists past what the loop carries. With settled controls on and off the tenant sees the
+    same: every list call NV_OK with its lists as sent (the broker's copies written back),
+    its parameter block still holding its own pointers; the unmapped list EFAULT (the read
+    fails in the loop, the general path reads again and answers); the large lists the
+    general path's. With them on, the loop answers 19 of the 20 and the common call after
+    the others (the fact still stands after a declined one)."""
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+
+    def run(settled: bool) -> tuple[dict, dict]:
+        return _on_stand_in_nodes(tmp_path, f"embedded{int(settled)}",
+                                  {"DEVBROKER_SETTLED": "1" if settled else "0",
+                                   "DEVBROKER_SETTLE_FIRST": "1"},
+                                  "seccomp",
+                                  [sys.executable, str(here / "settled_embedded_prog.py"), "20"],
+                                  wrap=(sys.executable, str(here / "nvok_standin.py")))
+
+    on, lane_on = run(True)
+    off, lane_off = run(False)
+    assert on == off == {
+        "errors": [],
+        "root": errno.ENOTTY,  # (the tenant's own call, on the stand-in node)
+        "device": [0, 0],
+        "lists": [[0, 0, True, True]],
+        "null_list": [0, 0],
+        "unmapped_list": [errno.EFAULT, 0],
+        "big": [0, 0, True, True],
+        "again": [0, 0, True],
+        "last": 0x23,  # (NV_ERR_INVALID_CLIENT: the general path's refusal)
+    }, (on, off)
+    # 19 of the first 20, the NULL list (its fact: the same control on the same object)
+    # and the last one; the unmapped list and the large ones go the general way
+    assert lane_on["settled"] == 19 + 1 + 1, lane_on
+    assert lane_off["settled"] == 0, lane_off
+    # (the unmapped list: with them off, declined after its check, when the read failed)
+    assert lane_on["admitted"] == lane_off["admitted"], (lane_on, lane_off)

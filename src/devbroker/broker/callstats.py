@@ -395,6 +395,9 @@ class _CountedLane:
     def fd_target(self, adm, session_id: int | None) -> bool:
         return self._lane.fd_target(adm, session_id)
 
+    def sent_back(self, adm) -> None:
+        self._lane.sent_back(adm)
+
     def unknown_client(self, session_id: int, ioctl_cmd: int, hdr: bytes) -> int | None:
         return self._lane.unknown_client(session_id, ioctl_cmd, hdr)
 

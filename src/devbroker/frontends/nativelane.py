@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("devbroker.seccomp.native")
 
-ABI = 14  # native/lane.c DVB_ABI
+ABI = 15  # native/lane.c DVB_ABI
 (DVB_NOTIF, DVB_IDLE, DVB_WAKE, DVB_HUP, DVB_FOLD, DVB_LATE, DVB_WRITE_FAILED, DVB_ERROR,
  DVB_QUIET) = range(1, 10)
 ACT_DECLINE, ACT_CONTINUE, ACT_CONTROL, ACT_FAIL = 0, 1, 2, 3
@@ -87,6 +87,7 @@ CONT_FDS = 1  # native/lane.c DVB_CONT_FDS: its fd fields
 CONT_ARG = 256  # native/lane.c DVB_CONT_ARG: the largest argument such a fact reads whole
 OPEN_SLOTS = 32  # native/lane.c DVB_OPEN_SLOTS: prepared opens the loop holds
 SETTLED_PTRS = 2  # native/lane.c DVB_SETTLED_PTRS (fastlane.SETTLED_NULL_PTRS)
+SETTLED_EMBED = 2  # native/lane.c DVB_SETTLED_EMBED (fastlane.SETTLED_EMBEDDED)
 GPU_IDS = 32  # native/lane.c DVB_GPU_IDS
 OPEN_PATH = 64  # native/lane.c DVB_OPEN_PATH: the longest path a prepared open answers
 SETTLED_BUCKETS = 32  # native/lane.c DVB_SETTLED_BUCKETS
@@ -483,8 +484,13 @@ class NativeLane:
             # its check, if any: the one GPU id and the NULL pointers (settleable says so;
             # an allocation's pointers are NULL-checked as the lane's own check does)
             gpu_id_off = adm.gpu_id_off if adm.checked and not alloc else -1
-            nulls = tuple(adm.null_ptrs) if gpu_id_off >= 0 or alloc else ()
-            if len(nulls) > SETTLED_PTRS:
+            # embedded buffers: the loop reads them itself (settled_embed); the layout's
+            # other pointers are NULL-checked
+            embed = tuple(adm.embedded_only) if adm.checked and not alloc else ()
+            carried = {ptr for ptr, _count, _elem in embed}
+            nulls = (tuple(o for o in adm.null_ptrs if o not in carried)
+                     if gpu_id_off >= 0 or alloc or embed else ())
+            if len(nulls) > SETTLED_PTRS or len(embed) > SETTLED_EMBED:
                 return False
             if gpu_id_off >= 0 and self._gpu_ids_epoch != epochs[0]:
                 ids = list(gpu_ids or ())
@@ -493,9 +499,12 @@ class NativeLane:
                         len(ids)) != 0:
                     return False
                 self._gpu_ids_epoch = epochs[0]
-            ctl = (ctypes.c_int64 * 15)(tag, h.ioctl_cmd, adm.cmd, adm.params_size,
+            embed_words = [w for e in embed for w in e]
+            embed_words += [0] * (3 * SETTLED_EMBED - len(embed_words))
+            ctl = (ctypes.c_int64 * 22)(tag, h.ioctl_cmd, adm.cmd, adm.params_size,
                                         int(patch is not None), *layout, gpu_id_off,
-                                        len(nulls), *(nulls + (0, 0))[:SETTLED_PTRS])
+                                        len(nulls), *(nulls + (0, 0))[:SETTLED_PTRS],
+                                        len(embed), *embed_words)
             values = patch.values if patch is not None else ()
             idx = (ctypes.c_uint32 * PATCH_MAX)(*[i for i, _v in values])
             val = (ctypes.c_uint32 * PATCH_MAX)(*[v for _i, v in values])

@@ -1092,6 +1092,7 @@ class SeccompSupervisor:
             t.adm = None
             return nativelane.ACT_DECLINE
         if adm.embedded and not self._native_embedded(t, c, adm, params):
+            self._lane.sent_back(adm)
             t.adm = None
             return nativelane.ACT_DECLINE
         if adm.pre is not None or adm.embedded:

@@ -60,7 +60,7 @@
 #endif
 #define DVB_PIDFD_THREAD O_EXCL /* Linux 6.9: a pidfd for a (non-leader) thread */
 
-#define DVB_ABI 14 /* bumped with any change of the structures below (nativelane.py checks) */
+#define DVB_ABI 15 /* bumped with any change of the structures below (nativelane.py checks) */
 
 struct dvb_notif { /* struct seccomp_notif */
     uint64_t id;
@@ -112,6 +112,8 @@ enum { C_NOTIFICATIONS, C_OPENS_CONTINUED, C_IOCTLS, C_CONTROLS_FAST, C_STALE,
 #define DVB_CONT_ARG 256         /* the largest argument such a command's fact reads whole */
 #define DVB_OPEN_SLOTS 32        /* prepared opens (struct dvb_open_slot) */
 #define DVB_SETTLED_PTRS 2       /* pointers a settled control's check tests NULL */
+#define DVB_SETTLED_EMBED 2      /* embedded buffers a settled control carries (CHANNELLIST: 2) */
+#define DVB_EMBED_BYTES (64 << 10) /* their bytes in all (fastlane.ControlLane.EMBEDDED_BYTES) */
 #define DVB_GPU_IDS 32           /* the tenant's GPU ids (a settled control's GPU-id check) */
 #define DVB_OPEN_PATH 64         /* the longest node path a prepared open answers */
 
@@ -216,6 +218,11 @@ struct dvb_settled_control {
     int32_t patched;         /* 1: the answer is patched with the object's values */
     /* its check, when it has one (ControlLane.settleable: a GPU id and NULL pointers) */
     int32_t gpu_id_off, n_null, null_off[DVB_SETTLED_PTRS];
+    /* its embedded buffers (fastlane._embedded_only): the pointer at embed_ptr_off names
+     * (the u32 at embed_count_off) × embed_elem bytes, read here into the loop's own
+     * buffer (settled_embed) as the broker's check would have its front end read them */
+    int32_t n_embed, embed_ptr_off[DVB_SETTLED_EMBED], embed_count_off[DVB_SETTLED_EMBED],
+            embed_elem[DVB_SETTLED_EMBED];
     int32_t patch_table_off, patch_entry_size, patch_index_off, patch_data_off,
             patch_capacity, patch_count_off;
     /* the call counters' row of this control (folded by Python: dvb_settled_fold) */
@@ -389,6 +396,11 @@ struct dvb_thread {
     int64_t counters[C_COUNT];
     unsigned char notif[256];       /* the notification handed back (DVB_NOTIF) */
     struct dvb_call call;
+    /* a settled control's embedded buffers (settled_admit fills it from the control's
+     * fact, answer_ioctl empties it) and the loop's copies of them */
+    struct { int32_t n, ptr_off[DVB_SETTLED_EMBED], count_off[DVB_SETTLED_EMBED],
+             elem[DVB_SETTLED_EMBED]; } sembed;
+    uint8_t embed_buf[DVB_EMBED_BYTES];
     /* pidfds of the tenant threads this thread made driver calls for (thread_pidfd) */
     struct { int64_t tid; int fd; } pidfds[DVB_PIDFDS];
     unsigned pidfd_next;
@@ -758,6 +770,48 @@ static int book_now(struct dvb_thread *t, int rc)
     return rc;
 }
 
+/* A settled control's embedded buffers, sized from the private parameters as the broker's
+ * check sizes them (handlers.embedded_buffers: count × element bytes; a NULL pointer stays
+ * NULL for the driver and names no buffer): each read once from the tenant into the
+ * loop's own buffer, whose address replaces the tenant's pointer in the private block the
+ * driver gets; run_control_once puts the tenant's pointers back after the driver call and
+ * writes the copies back on NV_OK, as for a checked control's (c->embed_*). 0: more than
+ * DVB_EMBED_BYTES in all, or a read that fell short (the general way reads again and
+ * answers, with its refusal for an absurd size). */
+static int settled_embed(struct dvb_thread *t, struct dvb_notif *n, size_t size)
+{
+    struct dvb_call *c = &t->call;
+    size_t used = 0;
+    c->embed_n = 0;
+    for (int k = 0; k < t->sembed.n && k < DVB_SETTLED_EMBED; k++) {
+        int32_t po = t->sembed.ptr_off[k], co = t->sembed.count_off[k];
+        if (po < 0 || (size_t)po + 8 > size || co < 0 || (size_t)co + 4 > size)
+            return 0;
+        uint64_t ptr, len;
+        uint32_t count;
+        memcpy(&ptr, c->params + po, 8);
+        memcpy(&count, c->params + co, 4);
+        if (!ptr)
+            continue;
+        len = (uint64_t)count * (uint64_t)(uint32_t)t->sembed.elem[k];
+        used = (used + 7) & ~(size_t)7;
+        if (len > DVB_EMBED_BYTES - used)
+            return 0;
+        uint8_t *copy = t->embed_buf + used;
+        if (len && tenant_read(t, n->pid, ptr, copy, (size_t)len) != (ssize_t)len)
+            return 0;
+        int i = (int)c->embed_n++;
+        uint64_t addr = (uint64_t)(uintptr_t)copy;
+        c->embed_off[i] = po;
+        c->embed_ptr[i] = (int64_t)ptr;
+        c->embed_addr[i] = (int64_t)addr;
+        c->embed_len[i] = (int64_t)len;
+        memcpy(c->params + po, &addr, 8);
+        used += (size_t)len;
+    }
+    return 1;
+}
+
 static int run_control_once(struct dvb_thread *t, struct dvb_notif *n, int64_t t0,
                             int64_t t1, int64_t t2)
 {
@@ -778,6 +832,13 @@ static int run_control_once(struct dvb_thread *t, struct dvb_notif *n, int64_t t
     }
     if ((c->gpu_id_off >= 0 || c->n_null) && !settled_check(sh, c, size))
         return DVB_NOTIF; /* the broker's general way decides it (and refuses it there) */
+    if (c->settled >= 0 && t->sembed.n) {
+        int r = settled_embed(t, n, size);
+        if (t->abandoned)
+            return DVB_LATE;
+        if (!r)
+            return DVB_NOTIF; /* (too large, or unreadable: the general way reads again) */
+    }
     if (c->check) {
         /* A checked control: the broker decides on this private copy (client handles, GPU
          * ids, the row's pre-hook, which may rewrite c->params in place) before anything
@@ -1201,7 +1262,12 @@ int dvb_settled_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t
     if (patch_n < 0 || patch_n > DVB_PATCH_MAX || (ctl[4] && !patch_n)
         || ctl[11] < -1 || ctl[11] + 4 > ctl[3] || ctl[12] < 0 || ctl[12] > DVB_SETTLED_PTRS
         || (ctl[12] > 0 && (ctl[13] < 0 || ctl[13] + 8 > ctl[3]))
-        || (ctl[12] > 1 && (ctl[14] < 0 || ctl[14] + 8 > ctl[3]))) {
+        || (ctl[12] > 1 && (ctl[14] < 0 || ctl[14] + 8 > ctl[3]))
+        || ctl[15] < 0 || ctl[15] > DVB_SETTLED_EMBED || (ctl[15] && ctl[4])
+        || (ctl[15] > 0 && (ctl[16] < 0 || ctl[16] + 8 > ctl[3] || ctl[17] < 0
+                            || ctl[17] + 4 > ctl[3] || ctl[18] < 1 || ctl[18] > DVB_EMBED_BYTES))
+        || (ctl[15] > 1 && (ctl[19] < 0 || ctl[19] + 8 > ctl[3] || ctl[20] < 0
+                            || ctl[20] + 4 > ctl[3] || ctl[21] < 1 || ctl[21] > DVB_EMBED_BYTES))) {
         if (pidfd >= 0)
             close(pidfd);
         return -1;
@@ -1253,6 +1319,12 @@ int dvb_settled_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t
     c->n_null = (int32_t)ctl[12];
     c->null_off[0] = (int32_t)ctl[13];
     c->null_off[1] = (int32_t)ctl[14];
+    c->n_embed = (int32_t)ctl[15];
+    for (int k = 0; k < DVB_SETTLED_EMBED; k++) {
+        c->embed_ptr_off[k] = (int32_t)ctl[16 + 3 * k];
+        c->embed_count_off[k] = (int32_t)ctl[17 + 3 * k];
+        c->embed_elem[k] = (int32_t)ctl[18 + 3 * k];
+    }
     if (c->patched) {
         c->patch_table_off = (int32_t)ctl[5];
         c->patch_entry_size = (int32_t)ctl[6];
@@ -1456,6 +1528,12 @@ static int settled_admit(struct dvb_thread *t)
     c->n_null = e->n_null;
     for (int k = 0; k < DVB_SETTLED_PTRS; k++)
         c->null_off[k] = e->null_off[k];
+    t->sembed.n = e->n_embed;
+    for (int k = 0; k < DVB_SETTLED_EMBED; k++) {
+        t->sembed.ptr_off[k] = e->embed_ptr_off[k];
+        t->sembed.count_off[k] = e->embed_count_off[k];
+        t->sembed.elem[k] = e->embed_elem[k];
+    }
     c->patch_n = 0;
     if (e->patched) {
         c->patch_table_off = e->patch_table_off;
@@ -1824,6 +1902,7 @@ static int answer_ioctl(struct dvb_thread *t, struct dvb_notif *n)
     c->ret = c->err = 0;
     c->patch_n = 0;
     c->embed_n = 0;
+    t->sembed.n = 0; /* (a settled control's: settled_admit sets them) */
     c->fd_n = 0;
     c->settled = -1;
     c->after = 0;
