@@ -787,3 +787,41 @@ def test_settled_embedded_lists_answer_as_the_broker(tmp_path):
     assert lane_off["settled"] == 0, lane_off
     # (the unmapped list: with them off, declined after its check, when the read failed)
     assert lane_on["admitted"] == lane_off["admitted"], (lane_on, lane_off)
+
+
+def test_settled_id_lists_are_filtered_as_the_broker_filters_them(tmp_path):
+    """A post-hook given as data to the native loop (rewrite.IdFilter, native/lane.c
+    apply_id_filter): GET_PROBED_IDS and GET_ATTACHED_IDS, whose answers the broker cuts
+    down to the tenant's GPUs (NVML sends them ~5 times per init, CUDA 7; ~235 and ~90 µs
+    each over the driver's 5 with the hook in Python on the H200). A seccomp tenant on the
+    NV_OK stand-in (tests/settled_ids_prog.py: the stand-in leaves the lists as the
+    tenant filled them) sends each 20 times, another GPU's id before its own. With settled
+    controls on and off the answers are the same: only the tenant's id (0x6) listed, then
+    INVALID_GPU_ID; its flag moved with it (580's gpuFlags), the others 0; no GPU
+    excluded. With them on, the loop answers 19 of each 20."""
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+
+    def run(settled: bool) -> tuple[dict, dict]:
+        return _on_stand_in_nodes(tmp_path, f"ids{int(settled)}",
+                                  {"DEVBROKER_SETTLED": "1" if settled else "0",
+                                   "DEVBROKER_SETTLE_FIRST": "1"},
+                                  "seccomp",
+                                  [sys.executable, str(here / "settled_ids_prog.py"), "20"],
+                                  wrap=(sys.executable, str(here / "nvok_standin.py")))
+
+    on, lane_on = run(True)
+    off, lane_off = run(False)
+    invalid = 0xFFFFFFFF
+    assert on == off == {
+        "errors": [],
+        "root": errno.ENOTTY,  # (the tenant's own call, on the stand-in node)
+        "probed": [[0, 0, [0x6, invalid, invalid], [invalid] * 3, [0x22, 0, 0]]],
+        "attached": [[0, 0, [0x6, invalid, invalid]]],
+        "last": 0x23,  # (NV_ERR_INVALID_CLIENT: the general path's refusal)
+    }, (on, off)
+    assert lane_on["settled"] == 19 + 19, lane_on
+    assert lane_off["settled"] == 0, lane_off
+    assert lane_on["admitted"] == lane_off["admitted"], (lane_on, lane_off)

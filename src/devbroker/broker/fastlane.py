@@ -936,12 +936,29 @@ class ControlLane:
         post-hook only as a TablePatch, and nothing for `finish` to do (no recording)."""
         if adm.alloc is not None:
             return self._settleable_alloc(adm)
+        id_filter = self._id_filter_only(adm)
         return (adm.header.kind == "control" and adm.alloc is None
-                and (not adm.checked or adm.gpu_id_off >= 0 or bool(adm.embedded_only))
+                and (not adm.checked or adm.gpu_id_off >= 0 or bool(adm.embedded_only)
+                     or id_filter)
                 and adm.pre is None and not adm.answered
                 and (not adm.embedded_fields or bool(adm.embedded_only))
-                and (adm.post is None or adm.post in rewrite.AS_TABLE_PATCH)
+                and (adm.post is None or adm.post in rewrite.AS_TABLE_PATCH or id_filter)
                 and self.broker.recorder is None)
+
+    def _id_filter_only(self, adm: Admitted) -> bool:
+        """A control whose post-hook is an IdFilter (rewrite.AS_ID_FILTER: the GPU-id lists
+        the broker answers, GPU_IDS_ANSWERED) and whose check reads nothing — no pointer, fd
+        or client handle in its layout, its GPU ids the driver's answer, not the tenant's
+        question (rewrite.require_own_gpu_ids skips them): a front end may apply the filter
+        itself with the tenant's GPU ids of the policy epoch."""
+        flt = rewrite.AS_ID_FILTER.get(adm.post)
+        if flt is None or adm.pre is not None or adm.null_ptrs or adm.embedded_fields \
+                or adm.cmd not in rewrite.GPU_IDS_ANSWERED:
+            return False
+        spec = adm.abi.control(adm.cmd).params
+        return flt(spec) is not None and not any(
+            f.kind in ("fd", "ptr") or f.name in rules.CLIENT_HANDLE_FIELDS
+            for _p, f, _o in spec.walk())
 
     def _settleable_alloc(self, adm: Admitted) -> bool:
         """Whether an admitted allocation's decision may be settled: decided on its header

@@ -49,11 +49,6 @@ def gpu_index_for_id(broker, gpu_id: int) -> int | None:
     return None
 
 
-def _filtered_ids(ids: list[int], keep: list[int]) -> list[int]:
-    kept = [i for i in ids if i in keep]
-    return kept + [INVALID_GPU_ID] * (len(ids) - len(kept))
-
-
 # --------------------------------------------------------------------------- escapes
 def card_info(ctx, value):
     """NV_ESC_CARD_INFO: entries of GPUs that are not the tenant's read as empty slots.
@@ -233,17 +228,84 @@ def require_own_gpu_ids(broker, s, abi, cmd: int, params) -> None:
 
 
 # --------------------------------------------------------------------------- controls: post
+@dataclass(frozen=True)
+class IdFilter:
+    """A post-hook as data: the GPU-id list of a control's answer keeps, in the driver's
+    order, only the tenant's GPU ids, padded with INVALID_GPU_ID — what attached_ids and
+    probed_ids do, in a form a front end may apply itself after an NV_OK answer with the
+    tenant's GPU ids of the policy epoch (native/lane.c apply_id_filter). `ids_offset`:
+    the list (`count` u32 entries); `along_offset`: a list of per-GPU u32 values that move
+    with their ids (PROBED_IDS' gpuFlags; emptied slots 0; -1: none); `clear_offset`: a
+    list of `count` u32 that reads all INVALID_GPU_ID (PROBED_IDS' excludedGpuIds; -1:
+    none)."""
+    ids_offset: int
+    count: int
+    along_offset: int = -1
+    clear_offset: int = -1
+
+    def apply_block(self, params: bytearray, keep) -> None:
+        n = self.count
+        ids = [int.from_bytes(params[self.ids_offset + 4 * i:self.ids_offset + 4 * i + 4],
+                              "little") for i in range(n)]
+        along = ([int.from_bytes(params[self.along_offset + 4 * i:self.along_offset + 4 * i + 4],
+                                 "little") for i in range(n)] if self.along_offset >= 0 else None)
+        kept = [i for i in range(n) if ids[i] in keep]
+        new_ids = [ids[i] for i in kept] + [INVALID_GPU_ID] * (n - len(kept))
+        params[self.ids_offset:self.ids_offset + 4 * n] = b"".join(
+            v.to_bytes(4, "little") for v in new_ids)
+        if along is not None:
+            new_along = [along[i] for i in kept] + [0] * (n - len(kept))
+            params[self.along_offset:self.along_offset + 4 * n] = b"".join(
+                v.to_bytes(4, "little") for v in new_along)
+        if self.clear_offset >= 0:
+            params[self.clear_offset:self.clear_offset + 4 * n] = \
+                INVALID_GPU_ID.to_bytes(4, "little") * n
+
+
+def _id_filter(spec, along: str | None = None, clear: str | None = None) -> IdFilter | None:
+    """The IdFilter of a layout whose `gpuIds` is a list of u32 (and whose `along` and
+    `clear` lists, where it has them, are u32 lists of the same length); None else."""
+    f = spec.by_name.get("gpuIds")
+    if f is None or f.kind != "array" or not f.count or f.size != 4 * f.count:
+        return None
+    offs = []
+    for name in (along, clear):
+        g = spec.by_name.get(name) if name else None
+        if g is not None and (g.kind != "array" or g.count != f.count or g.size != f.size):
+            return None
+        offs.append(g.offset if g is not None else -1)
+    return IdFilter(f.offset, f.count, *offs)
+
+
+def _filter_ids(ctx, out, flt: IdFilter | None):
+    if flt is None:  # (a layout without a u32 id list: nothing this hook knows to filter)
+        return out
+    block = bytearray(out.encode())
+    flt.apply_block(block, set(tenant_gpu_ids(ctx.broker, ctx.session)))
+    return out.spec.decode(bytes(block))
+
+
+def attached_ids_filter(spec) -> IdFilter | None:
+    return _id_filter(spec)
+
+
+def probed_ids_filter(spec) -> IdFilter | None:
+    return _id_filter(spec, along="gpuFlags", clear="excludedGpuIds")
+
+
 def attached_ids(ctx, out):
-    broker, s = ctx.broker, ctx.session
-    return out.replace(gpuIds=_filtered_ids(list(out.gpuIds), tenant_gpu_ids(broker, s)))
+    return _filter_ids(ctx, out, attached_ids_filter(out.spec))
 
 
 def probed_ids(ctx, out):
-    broker, s = ctx.broker, ctx.session
-    out = out.replace(gpuIds=_filtered_ids(list(out.gpuIds), tenant_gpu_ids(broker, s)))
-    if hasattr(out, "excludedGpuIds"):
-        out = out.replace(excludedGpuIds=[INVALID_GPU_ID] * len(out.excludedGpuIds))
-    return out
+    """GET_PROBED_IDS: the tenant's GPUs only; their flags (580: gpuFlags, one per id) move
+    with them; no GPU is listed as excluded."""
+    return _filter_ids(ctx, out, probed_ids_filter(out.spec))
+
+
+# Post-hooks that can also be given as data (IdFilter) whose values are the tenant's GPU
+# ids: hook -> fn(params spec) -> IdFilter | None.
+AS_ID_FILTER = {attached_ids: attached_ids_filter, probed_ids: probed_ids_filter}
 
 
 # NV2080_CTRL_FB_INFO_INDEX_* whose value is a size of device memory (KiB), and what the

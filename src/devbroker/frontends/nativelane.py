@@ -53,7 +53,7 @@ import time
 from typing import TYPE_CHECKING
 
 from devbroker import native
-from devbroker.broker import callstats
+from devbroker.broker import callstats, rewrite
 from devbroker.broker.objects import BOOKS
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("devbroker.seccomp.native")
 
-ABI = 15  # native/lane.c DVB_ABI
+ABI = 16  # native/lane.c DVB_ABI
 (DVB_NOTIF, DVB_IDLE, DVB_WAKE, DVB_HUP, DVB_FOLD, DVB_LATE, DVB_WRITE_FAILED, DVB_ERROR,
  DVB_QUIET) = range(1, 10)
 ACT_DECLINE, ACT_CONTINUE, ACT_CONTROL, ACT_FAIL = 0, 1, 2, 3
@@ -484,6 +484,11 @@ class NativeLane:
             # its check, if any: the one GPU id and the NULL pointers (settleable says so;
             # an allocation's pointers are NULL-checked as the lane's own check does)
             gpu_id_off = adm.gpu_id_off if adm.checked and not alloc else -1
+            # a post-hook as an IdFilter (the loop applies it with the tenant's GPU ids)
+            to_filter = rewrite.AS_ID_FILTER.get(adm.post) if not alloc else None
+            id_filter = to_filter(adm.abi.control(adm.cmd).params) if to_filter else None
+            if to_filter is not None and (id_filter is None or patch is not None):
+                return False
             # embedded buffers: the loop reads them itself (settled_embed); the layout's
             # other pointers are NULL-checked
             embed = tuple(adm.embedded_only) if adm.checked and not alloc else ()
@@ -492,7 +497,7 @@ class NativeLane:
                      if gpu_id_off >= 0 or alloc or embed else ())
             if len(nulls) > SETTLED_PTRS or len(embed) > SETTLED_EMBED:
                 return False
-            if gpu_id_off >= 0 and self._gpu_ids_epoch != epochs[0]:
+            if (gpu_id_off >= 0 or id_filter) and self._gpu_ids_epoch != epochs[0]:
                 ids = list(gpu_ids or ())
                 if not ids or len(ids) > GPU_IDS or self.lib.dvb_set_gpu_ids(
                         self.shared, epochs[0], (ctypes.c_uint32 * max(1, len(ids)))(*ids),
@@ -501,10 +506,12 @@ class NativeLane:
                 self._gpu_ids_epoch = epochs[0]
             embed_words = [w for e in embed for w in e]
             embed_words += [0] * (3 * SETTLED_EMBED - len(embed_words))
-            ctl = (ctypes.c_int64 * 22)(tag, h.ioctl_cmd, adm.cmd, adm.params_size,
+            idf = ((id_filter.ids_offset, id_filter.count, id_filter.along_offset,
+                    id_filter.clear_offset) if id_filter is not None else (0, 0, -1, -1))
+            ctl = (ctypes.c_int64 * 26)(tag, h.ioctl_cmd, adm.cmd, adm.params_size,
                                         int(patch is not None), *layout, gpu_id_off,
                                         len(nulls), *(nulls + (0, 0))[:SETTLED_PTRS],
-                                        len(embed), *embed_words)
+                                        len(embed), *embed_words, *idf)
             values = patch.values if patch is not None else ()
             idx = (ctypes.c_uint32 * PATCH_MAX)(*[i for i, _v in values])
             val = (ctypes.c_uint32 * PATCH_MAX)(*[v for _i, v in values])

@@ -942,9 +942,11 @@ class SeccompSupervisor:
             if not finish and not adm.checked:  # (a checked one: once its check passed)
                 lane.book(adm)
                 t.unfinished, t.done_seen = adm, c.done_count  # its row: _settle
-            if ((not finish or (adm.alloc is not None and self.settled_allocs))
+            # (a post-hook as an IdFilter runs in Python this time, by the loop once settled)
+            id_filtered = adm.post in rewrite.AS_ID_FILTER
+            if ((not finish or id_filtered or (adm.alloc is not None and self.settled_allocs))
                     and epochs is not None
-                    and driver and (adm.post is None or patched)
+                    and driver and (adm.post is None or patched or id_filtered)
                     and lane.settleable(adm)
                     and t.lane.worth_settling(
                         c.dev, c.ino, adm.client.handle, adm.h_object, adm.cmd,
@@ -992,8 +994,8 @@ class SeccompSupervisor:
         hit = self._callers.get(c.tid)
         if hit is None:
             return
-        ids = (rewrite.tenant_gpu_ids(self.broker, adm.session) if adm.gpu_id_off >= 0
-               else None)
+        ids = (rewrite.tenant_gpu_ids(self.broker, adm.session)
+               if adm.gpu_id_off >= 0 or adm.post in rewrite.AS_ID_FILTER else None)
         try:
             t.lane.settle(adm, c, epochs, patch, hit[1], hit[0],
                           adm.mark[1] if adm.mark is not None else None, self._lane, ids)

@@ -60,7 +60,7 @@
 #endif
 #define DVB_PIDFD_THREAD O_EXCL /* Linux 6.9: a pidfd for a (non-leader) thread */
 
-#define DVB_ABI 15 /* bumped with any change of the structures below (nativelane.py checks) */
+#define DVB_ABI 16 /* bumped with any change of the structures below (nativelane.py checks) */
 
 struct dvb_notif { /* struct seccomp_notif */
     uint64_t id;
@@ -114,6 +114,8 @@ enum { C_NOTIFICATIONS, C_OPENS_CONTINUED, C_IOCTLS, C_CONTROLS_FAST, C_STALE,
 #define DVB_SETTLED_PTRS 2       /* pointers a settled control's check tests NULL */
 #define DVB_SETTLED_EMBED 2      /* embedded buffers a settled control carries (CHANNELLIST: 2) */
 #define DVB_EMBED_BYTES (64 << 10) /* their bytes in all (fastlane.ControlLane.EMBEDDED_BYTES) */
+#define DVB_IDF_MAX 64           /* entries of a settled id filter's lists (the driver's: 32) */
+#define DVB_INVALID_GPU_ID 0xFFFFFFFFu
 #define DVB_GPU_IDS 32           /* the tenant's GPU ids (a settled control's GPU-id check) */
 #define DVB_OPEN_PATH 64         /* the longest node path a prepared open answers */
 
@@ -223,6 +225,11 @@ struct dvb_settled_control {
      * buffer (settled_embed) as the broker's check would have its front end read them */
     int32_t n_embed, embed_ptr_off[DVB_SETTLED_EMBED], embed_count_off[DVB_SETTLED_EMBED],
             embed_elem[DVB_SETTLED_EMBED];
+    /* its post-hook as an id filter (rewrite.IdFilter; idf_count 0: none): the u32 list
+     * at idf_ids_off keeps only the tenant's GPU ids, in order, padded with
+     * INVALID_GPU_ID, the list at idf_along_off moving with it (-1: none), the list at
+     * idf_clear_off all INVALID_GPU_ID (-1: none) */
+    int32_t idf_ids_off, idf_count, idf_along_off, idf_clear_off;
     int32_t patch_table_off, patch_entry_size, patch_index_off, patch_data_off,
             patch_capacity, patch_count_off;
     /* the call counters' row of this control (folded by Python: dvb_settled_fold) */
@@ -401,6 +408,10 @@ struct dvb_thread {
     struct { int32_t n, ptr_off[DVB_SETTLED_EMBED], count_off[DVB_SETTLED_EMBED],
              elem[DVB_SETTLED_EMBED]; } sembed;
     uint8_t embed_buf[DVB_EMBED_BYTES];
+    /* a settled control's id filter (settled_admit fills it, with the tenant's GPU ids of
+     * the policy epoch it admitted the call in; answer_ioctl empties it) */
+    struct { int32_t ids_off, count, along_off, clear_off, n_ids;
+             uint32_t ids[DVB_GPU_IDS]; } sidf;
     /* pidfds of the tenant threads this thread made driver calls for (thread_pidfd) */
     struct { int64_t tid; int fd; } pidfds[DVB_PIDFDS];
     unsigned pidfd_next;
@@ -713,6 +724,7 @@ static void apply_patch(struct dvb_call *c, size_t size)
 
 static int run_control_once(struct dvb_thread *t, struct dvb_notif *n, int64_t t0,
                             int64_t t1, int64_t t2);
+static void apply_id_filter(struct dvb_thread *t, size_t size);
 static void settled_count(struct dvb_thread *t, int64_t ns);
 static int settled_check(struct dvb_shared *sh, const struct dvb_call *c, size_t size);
 
@@ -768,6 +780,47 @@ static int book_now(struct dvb_thread *t, int rc)
     if (t->call.finish == FINISH_AFTER)
         finish_after(t);
     return rc;
+}
+
+/* A settled control's post-hook as an id filter (rewrite.IdFilter.apply_block, the same
+ * steps): on the private parameter block the driver answered NV_OK in, the GPU-id list
+ * keeps the tenant's ids (t->sidf.ids, the policy epoch's) in the driver's order, padded
+ * with INVALID_GPU_ID; the list along it moves with its ids (emptied slots 0); the list
+ * to clear reads all INVALID_GPU_ID. (Offsets within the block: dvb_settled_put.) */
+static void apply_id_filter(struct dvb_thread *t, size_t size)
+{
+    struct dvb_call *c = &t->call;
+    int32_t n = t->sidf.count;
+    uint32_t ids[DVB_IDF_MAX], along[DVB_IDF_MAX], kept_ids[DVB_IDF_MAX], kept_along[DVB_IDF_MAX];
+    if (n <= 0 || n > DVB_IDF_MAX || t->sidf.ids_off < 0
+        || (size_t)t->sidf.ids_off + 4 * (size_t)n > size
+        || (t->sidf.along_off >= 0 && (size_t)t->sidf.along_off + 4 * (size_t)n > size)
+        || (t->sidf.clear_off >= 0 && (size_t)t->sidf.clear_off + 4 * (size_t)n > size))
+        return;
+    memcpy(ids, c->params + t->sidf.ids_off, 4 * (size_t)n);
+    if (t->sidf.along_off >= 0)
+        memcpy(along, c->params + t->sidf.along_off, 4 * (size_t)n);
+    int kept = 0;
+    for (int i = 0; i < n; i++) {
+        int mine = 0;
+        for (int k = 0; k < t->sidf.n_ids && !mine; k++)
+            mine = t->sidf.ids[k] == ids[i];
+        if (!mine)
+            continue;
+        kept_ids[kept] = ids[i];
+        kept_along[kept] = t->sidf.along_off >= 0 ? along[i] : 0;
+        kept++;
+    }
+    for (int i = kept; i < n; i++) {
+        kept_ids[i] = DVB_INVALID_GPU_ID;
+        kept_along[i] = 0;
+    }
+    memcpy(c->params + t->sidf.ids_off, kept_ids, 4 * (size_t)n);
+    if (t->sidf.along_off >= 0)
+        memcpy(c->params + t->sidf.along_off, kept_along, 4 * (size_t)n);
+    if (t->sidf.clear_off >= 0)
+        for (int i = 0; i < n; i++)
+            memcpy(c->params + t->sidf.clear_off + 4 * i, &(uint32_t){DVB_INVALID_GPU_ID}, 4);
 }
 
 /* A settled control's embedded buffers, sized from the private parameters as the broker's
@@ -913,6 +966,13 @@ static int run_control_once(struct dvb_thread *t, struct dvb_notif *n, int64_t t
             send_resp(t, n->id, 0, EIO, 0); /* a bug costs this call, not the listener */
             return 0;
         }
+    }
+    if (t->sidf.count && c->settled >= 0 && !c->err && c->status_off >= 0
+        && (size_t)c->status_off + 4 <= hlen) {
+        uint32_t status;
+        memcpy(&status, c->hdr_out + c->status_off, 4);
+        if (status == 0) /* NV_OK: the post-hook's filter of the answer */
+            apply_id_filter(t, size);
     }
     if (c->patch_n && !c->err && c->status_off >= 0 && (size_t)c->status_off + 4 <= hlen) {
         uint32_t status;
@@ -1267,7 +1327,11 @@ int dvb_settled_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t
         || (ctl[15] > 0 && (ctl[16] < 0 || ctl[16] + 8 > ctl[3] || ctl[17] < 0
                             || ctl[17] + 4 > ctl[3] || ctl[18] < 1 || ctl[18] > DVB_EMBED_BYTES))
         || (ctl[15] > 1 && (ctl[19] < 0 || ctl[19] + 8 > ctl[3] || ctl[20] < 0
-                            || ctl[20] + 4 > ctl[3] || ctl[21] < 1 || ctl[21] > DVB_EMBED_BYTES))) {
+                            || ctl[20] + 4 > ctl[3] || ctl[21] < 1 || ctl[21] > DVB_EMBED_BYTES))
+        || ctl[23] < 0 || ctl[23] > DVB_IDF_MAX
+        || (ctl[23] > 0 && (ctl[4] || ctl[15] || ctl[22] < 0 || ctl[22] + 4 * ctl[23] > ctl[3]
+                            || ctl[24] < -1 || ctl[24] + 4 * ctl[23] > ctl[3]
+                            || ctl[25] < -1 || ctl[25] + 4 * ctl[23] > ctl[3]))) {
         if (pidfd >= 0)
             close(pidfd);
         return -1;
@@ -1325,6 +1389,10 @@ int dvb_settled_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t
         c->embed_count_off[k] = (int32_t)ctl[17 + 3 * k];
         c->embed_elem[k] = (int32_t)ctl[18 + 3 * k];
     }
+    c->idf_ids_off = (int32_t)ctl[22];
+    c->idf_count = (int32_t)ctl[23];
+    c->idf_along_off = (int32_t)ctl[24];
+    c->idf_clear_off = (int32_t)ctl[25];
     if (c->patched) {
         c->patch_table_off = (int32_t)ctl[5];
         c->patch_entry_size = (int32_t)ctl[6];
@@ -1511,6 +1579,8 @@ static int settled_admit(struct dvb_thread *t)
     }
     if (e->patched && (o->patch_control != control || o->patch_epoch != epoch_now(m, 1)))
         goto out; /* its patch values are for another control, or memory changed since */
+    if (e->idf_count && (m->gpu_ids_epoch != now || !m->n_gpu_ids))
+        goto out; /* (the tenant's GPU ids as of this epoch: the filter's values) */
     if (!m->credit || !o->sandbox || caller_sandbox(m, c->tid) != o->sandbox)
         goto out; /* (the session's own check: the caller in the opener's sandbox) */
     if (m->credit > 0)
@@ -1528,6 +1598,14 @@ static int settled_admit(struct dvb_thread *t)
     c->n_null = e->n_null;
     for (int k = 0; k < DVB_SETTLED_PTRS; k++)
         c->null_off[k] = e->null_off[k];
+    t->sidf.count = e->idf_count;
+    if (e->idf_count) {
+        t->sidf.ids_off = e->idf_ids_off;
+        t->sidf.along_off = e->idf_along_off;
+        t->sidf.clear_off = e->idf_clear_off;
+        t->sidf.n_ids = m->n_gpu_ids;
+        memcpy(t->sidf.ids, m->gpu_ids, sizeof(uint32_t) * (size_t)m->n_gpu_ids);
+    }
     t->sembed.n = e->n_embed;
     for (int k = 0; k < DVB_SETTLED_EMBED; k++) {
         t->sembed.ptr_off[k] = e->embed_ptr_off[k];
@@ -1903,6 +1981,7 @@ static int answer_ioctl(struct dvb_thread *t, struct dvb_notif *n)
     c->patch_n = 0;
     c->embed_n = 0;
     t->sembed.n = 0; /* (a settled control's: settled_admit sets them) */
+    t->sidf.count = 0;
     c->fd_n = 0;
     c->settled = -1;
     c->after = 0;
