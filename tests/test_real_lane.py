@@ -825,3 +825,46 @@ def test_settled_id_lists_are_filtered_as_the_broker_filters_them(tmp_path):
     assert lane_on["settled"] == 19 + 19, lane_on
     assert lane_off["settled"] == 0, lane_off
     assert lane_on["admitted"] == lane_off["admitted"], (lane_on, lane_off)
+
+
+def test_card_info_is_answered_again_by_the_loop_from_the_brokers_answer(tmp_path):
+    """An answer fact (rules.EscapeRule.answer_kept, native/lane.c answer_admit): CARD_INFO,
+    whose answer is the driver's table of the host's GPUs cut down to the tenant's (NVML
+    sends it twice per init, CUDA three times; ~400 µs over the driver's few on the H200
+    through the general path). A seccomp tenant on the NV_OK stand-in
+    (tests/card_info_prog.py: the stand-in leaves the table as the tenant filled it) sends
+    it 20 times on one nvidiactl and once on a second one. With settled facts on and off
+    the answers are the same: its own GPU's entry with the BAR addresses cleared, the other
+    GPU's entry empty. With them on, the loop answers 19 of the first 20 and the call on
+    the second file (a file of the tenant's by its mapping fact), none with them off."""
+    import sys
+    import time
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+
+    def run(settled: bool) -> tuple[dict, dict]:
+        got = {}
+
+        def look(b):
+            for _ in range(100):  # (the listener's record comes when the tenant is gone)
+                done = [r for r in b.audit() if r.get("event") == "tenant-detached"]
+                if done:
+                    got.update(done[-1])
+                    return
+                time.sleep(0.05)
+
+        out, _lane = _on_stand_in_nodes(tmp_path, f"card{int(settled)}",
+                                        {"DEVBROKER_SETTLED": "1" if settled else "0"},
+                                        "seccomp",
+                                        [sys.executable, str(here / "card_info_prog.py"), "20"],
+                                        wrap=(sys.executable, str(here / "nvok_standin.py")),
+                                        inspect=look)
+        return out, got
+
+    on, st_on = run(True)
+    off, st_off = run(False)
+    own = [0, 1, 0, 0, 0, 1 << 30, True]  # (valid, minor 0, both BARs cleared; entry 1 empty)
+    assert on == off == {"answers": [own], "second_file": own}, (on, off)
+    assert st_on.get("answers_settled") == 19 + 1, st_on
+    assert st_off.get("answers_settled") == 0, st_off

@@ -482,6 +482,12 @@ class _CountedContinue:
         if key is not None:
             self._stats.record_rows(key, count, 0, sum_ns, buckets)
 
+    def settled_answers(self, tenant, key, count: int, sum_ns: int, buckets) -> None:
+        """Answer facts' rows (the front end counted them by latency bucket)."""
+        self._lane.settled_answers(tenant, key, count, sum_ns, buckets)
+        if key is not None:
+            self._stats.record_rows(key, count, 0, sum_ns, buckets)
+
     def settled_calls(self, tenant, key, count: int, sum_ns: int, buckets) -> None:
         """Settled continuations' rows (the front end counted them by latency bucket)."""
         self._lane.settled_calls(tenant, key, count, sum_ns, buckets)

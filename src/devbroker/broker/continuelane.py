@@ -203,6 +203,12 @@ class ContinueLane:
         """Mappings the native loop let through by a mapping fact (Broker.map_check_now's
         decision for a ctl or GPU file, which counts nothing of the tenant's)."""
 
+    def settled_answers(self, tenant, key, count: int, sum_ns: int, buckets) -> None:
+        """Calls the native loop answered by an answer fact (rules.EscapeRule.answer_kept):
+        the tenant's requests, as the general path counts each such call."""
+        with STATE_LOCK:
+            tenant.requests += count
+
     def settled_calls(self, tenant, key, count: int, sum_ns: int, buckets) -> None:
         """Calls the native loop continued by a settled decision (settle_fields): counted
         as the broker's own admissions (the tenant's requests, its continued calls)."""

@@ -92,6 +92,11 @@ class EscapeRule:
     # would redo anyway: a continued call's argument is re-read after the broker decided, so
     # the broker's look at it was never the boundary (`race` says what is).
     in_kernel: str = ""
+    # Why the broker's whole answer to this call may be given again without asking it
+    # (the seccomp native loop's answer facts, native/lane.c struct dvb_answer): the answer
+    # depends on nothing but the tenant's policy and what the driver fixed when it loaded,
+    # and not on the argument. Empty: every call is decided.
+    answer_kept: str = ""
 
     def granted(self, caps: frozenset[str]) -> bool:
         return self.capability in caps
@@ -135,7 +140,10 @@ ESCAPES: dict[str, EscapeRule] = {
     "NV_ESC_CHECK_VERSION_STR": Rule("nvml", "client/driver version handshake; no state",
                                      handler=handlers.version),
     "NV_ESC_CARD_INFO": Rule("nvml", "lists GPUs; rewritten to the tenant's GPUs only",
-                             rewrite=rewrite.card_info),
+                             rewrite=rewrite.card_info,
+                             answer_kept="the driver's table of the host's GPUs, built when "
+                             "it loaded (nv.c nvidia_read_card_info; the argument is only "
+                             "written), cut down to the tenant's GPUs (the policy epoch)"),
     "NV_ESC_SYS_PARAMS": Rule("nvml", "host-global and set-once: answered by the broker, "
                               "never relayed; a value other than the host's is refused",
                               handler=handlers.sys_params),

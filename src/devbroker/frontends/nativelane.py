@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("devbroker.seccomp.native")
 
-ABI = 16  # native/lane.c DVB_ABI
+ABI = 17  # native/lane.c DVB_ABI
 (DVB_NOTIF, DVB_IDLE, DVB_WAKE, DVB_HUP, DVB_FOLD, DVB_LATE, DVB_WRITE_FAILED, DVB_ERROR,
  DVB_QUIET) = range(1, 10)
 ACT_DECLINE, ACT_CONTINUE, ACT_CONTROL, ACT_FAIL = 0, 1, 2, 3
@@ -75,8 +75,9 @@ COUNTERS = ("notifications", "opens_continued", "ioctls", "controls_fast", "stal
             "settled", ("continued_settled", "continued_decided", "uvm_fast"),
             "mmaps_continued", ("mmaps_settled", "mmaps"), "ns_mmap",
             ("opens_prepared", "opens"), ("ns_open_prepared", "ns_open_node", "ns_open"),
-            "finished_after")
+            "finished_after", ("answers_settled", "native_answered"))
 FACT_IOCTL, FACT_MMAP = 0, 1  # native/lane.c struct dvb_cont_fact's kinds
+ANSWER_MAX = 4096  # native/lane.c DVB_ANSWER_MAX: the largest answer an answer fact holds
 HDR_MAX = 1024
 PARAMS_MAX = 16384
 PATCH_MAX = 16
@@ -225,6 +226,9 @@ def library() -> ctypes.CDLL | None:
     lib.dvb_continue_put.argtypes = [vp, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(i64),
                                      i64, ctypes.c_int, ctypes.POINTER(i64)]
     lib.dvb_continue_fold.argtypes = [vp, ctypes.POINTER(i64), ctypes.c_int]
+    lib.dvb_answer_put.argtypes = [vp, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(i64),
+                                   ctypes.c_char_p, i64, ctypes.c_int, ctypes.POINTER(i64)]
+    lib.dvb_answer_fold.argtypes = [vp, ctypes.POINTER(i64), ctypes.c_int]
     lib.dvb_open_put.argtypes = [vp, ctypes.POINTER(ctypes.c_uint64), ctypes.c_char_p,
                                  ctypes.c_int, ctypes.c_int, ctypes.c_uint64, i64]
     lib.dvb_open_take.argtypes = [vp, ctypes.c_int, ctypes.POINTER(i64), ctypes.c_int]
@@ -342,6 +346,7 @@ class NativeLane:
         # row's key in the call counters), the header layouts given, the ABIs' tags
         self._settled_rows: dict[int, tuple] = {}
         self._cont_rows: dict[int, tuple] = {}  # the same for settled continuations
+        self._answer_rows: dict[int, tuple] = {}  # ... and for answer facts
         self._layouts: set[int] = set()
         self._abi_tags: dict[object, int] = {}
         self._sandboxes: dict[tuple, int] = {}  # (uid, pid namespace) -> tag
@@ -590,6 +595,41 @@ class NativeLane:
         return self._put_fact(dev, ino, FACT_MMAP, 0, 0, sess, caller, (), (), epochs, tid,
                               caller_pidfd, key)
 
+    def settle_answer(self, rdev: int, cmd: int, answer: bytes, sess, epochs, caller,
+                      tid: int, caller_pidfd: int, key) -> bool:
+        """Write down the broker's whole answer to an escape whose answer it may keep
+        (rules.EscapeRule.answer_kept): the loop gives it again, as written, on any file
+        of this node (rdev) that a mapping fact says is the tenant's, to callers in the
+        opener's sandbox, for the policy epoch read before the broker decided (native/
+        lane.c struct dvb_answer); the caller as for settle. False: not written."""
+        if (not self.settled_on or sess.pidns is None or caller.pidns is None
+                or not 0 < len(answer) <= ANSWER_MAX):
+            return False
+        with self._settled_lock:
+            f = (ctypes.c_int64 * 5)(rdev, cmd, len(answer),
+                                     self._sandbox_tag(sess.caller.uid, sess.pidns),
+                                     self._sandbox_tag(caller.uid, caller.pidns))
+            pidfd = os.dup(caller_pidfd)
+            slot = self.lib.dvb_answer_put(self.shared, (ctypes.c_uint64 * 3)(*epochs), f,
+                                           answer, tid, pidfd, self._evicted)
+            ev = self._evicted
+            if ev[0] >= 0:  # another answer's calls left that slot: what it counted
+                self._record_answers(None, ev[0], ev, 0)
+            if slot < 0:
+                return False
+            self._answer_rows[slot] = (sess.tenant, key)
+            self._top_up(sess.tenant)
+        return True
+
+    def _record_answers(self, clane, slot: int, row, base: int) -> None:
+        who = self._answer_rows.get(slot)
+        count, total = row[base + 1], row[base + 3]
+        clane = clane if clane is not None else self.sup._clane
+        if who is None or not count or clane is None:
+            return
+        nb = len(callstats._BOUNDS_NS) + 1
+        clane.settled_answers(who[0], who[1], count, total, row[base + 4:base + 4 + nb])
+
     def _put_fact(self, dev: int, ino: int, kind: int, cmd: int, size: int, sess, caller,
                   offsets, handles, epochs, tid: int, caller_pidfd: int, key,
                   objects=(), fds=()) -> bool:
@@ -673,7 +713,8 @@ class NativeLane:
             rows = self._fold_rows
             for fold, record, to in ((self.lib.dvb_settled_fold, self._record, lane),
                                      (self.lib.dvb_continue_fold, self._record_continued,
-                                      clane)):
+                                      clane),
+                                     (self.lib.dvb_answer_fold, self._record_answers, clane)):
                 while True:
                     n = fold(self.shared, rows, 64)
                     for r in range(n):
@@ -681,7 +722,8 @@ class NativeLane:
                     if n < 64:
                         break
             tenant = next(iter(self._settled_rows.values()),
-                          next(iter(self._cont_rows.values()), (None,)))[0]
+                          next(iter(self._cont_rows.values()),
+                               next(iter(self._answer_rows.values()), (None,))))[0]
             if tenant is not None:
                 self._top_up(tenant)
 

@@ -45,7 +45,7 @@ import trio
 
 from devbroker.abi.nodes import NodeKind
 from devbroker.backends.base import NotHere
-from devbroker.broker import limits, memgate, rewrite
+from devbroker.broker import limits, memgate, rewrite, rules
 from devbroker.broker.objects import BOOKS
 from devbroker.broker.effects import (
     STATE_LOCK, Await, Blocking, HandOver, RateLimit, ReadMemory, Steps, WriteMemory,
@@ -303,6 +303,7 @@ class SupervisorStats:
     lane_ns_driver: int = 0
     lane_ns_finish: int = 0
     finished_after: int = 0  # of the lane's calls: books written after the answer (FINISH_AFTER)
+    answers_settled: int = 0  # of ioctls: answered by the native loop from an answer fact
     lane_ns_write: int = 0
     ns_recv: int = 0
     ns_send: int = 0
@@ -1036,6 +1037,31 @@ class SeccompSupervisor:
             nl.settle_mmap(key[0], key[1], bs, epochs, hit[1], caller.tid, hit[0],
                            clane.map_key(sess.id) if clane is not None else None)
         except OSError:  # (no fd for the pidfd's duplicate: not written, nothing else)
+            pass
+
+    def _answer_kept(self, sess: Session, cmd: int) -> bool:
+        """Whether the broker's answer to this ioctl may be kept for the native loop to give
+        again (rules.EscapeRule.answer_kept, on a node its row allows)."""
+        bs = self.broker.sessions.get(sess.id)
+        if w.IOC_TYPE(cmd) != w.NV_IOCTL_MAGIC or bs is None:
+            return False
+        op = self.broker._abi(bs).escape(w.IOC_NR(cmd))
+        row = rules.ESCAPES.get(op.name) if op is not None else None
+        return bool(row is not None and row.answer_kept and bs.node in row.nodes)
+
+    def _native_answer_fact(self, sess: Session, caller: Caller, tid: int, fd: int, cmd: int,
+                            answer: bytes, epochs: tuple[int, int, int]) -> None:
+        """The native loop may give this answer again on the tenant's files of this node
+        (NativeLane.settle_answer) to callers `_caller_caps` keeps."""
+        nl, hit, clane = self._native, self._callers.get(caller.tid), self._clane
+        bs = self.broker.sessions.get(sess.id) if hit is not None and nl is not None else None
+        if bs is None:
+            return
+        try:
+            rdev = _stat_nosync(f"/proc/{tid}/fd/{fd}").st_rdev
+            nl.settle_answer(rdev, cmd, answer, bs, epochs, hit[1], caller.tid, hit[0],
+                             clane.row_key(sess.id, cmd, answer) if clane is not None else None)
+        except OSError:  # (the file or the pidfd's duplicate gone: not written)
             pass
 
     def _native_check_now(self, t: nativelane.NativeThread, c: nativelane.Call, adm) -> int:
@@ -1851,6 +1877,9 @@ class SeccompSupervisor:
             self.stats.ioctls_continued += 1
             return w.NotifResp.cont(n.id)
         size = w.IOC_SIZE(cmd) if w.IOC_TYPE(cmd) == w.NV_IOCTL_MAGIC else 0
+        # (read before deciding: an answer the loop may keep is written down for this epoch)
+        epochs = (BOOKS.now() if size and sess.real and self._native is not None
+                  and self._native.settled_on else None)
         arg: bytes | None = None
         memory = _NotifMemory(self, tid, n.id)
         if size:
@@ -1912,6 +1941,8 @@ class SeccompSupervisor:
                           len(out), len(arg), cmd)
                 return w.NotifResp.fail(n.id, errno.EIO)
             writes.append((argp, out))
+            if epochs is not None and len(writes) == 1 and self._answer_kept(sess, cmd):
+                self._native_answer_fact(sess, caller, tid, fd, cmd, out, epochs)
         if writes:
             if not self.id_valid(n.id):
                 self.stats.stale += 1

@@ -60,7 +60,7 @@
 #endif
 #define DVB_PIDFD_THREAD O_EXCL /* Linux 6.9: a pidfd for a (non-leader) thread */
 
-#define DVB_ABI 16 /* bumped with any change of the structures below (nativelane.py checks) */
+#define DVB_ABI 17 /* bumped with any change of the structures below (nativelane.py checks) */
 
 struct dvb_notif { /* struct seccomp_notif */
     uint64_t id;
@@ -91,7 +91,7 @@ enum { C_NOTIFICATIONS, C_OPENS_CONTINUED, C_IOCTLS, C_CONTROLS_FAST, C_STALE,
        C_LANE_NS_READ, C_LANE_NS_ADMIT, C_LANE_NS_DUP, C_LANE_NS_DRIVER, C_LANE_NS_FINISH,
        C_LANE_NS_WRITE, C_NS_RECV, C_NS_SEND, C_NS_IOCTL, C_NS_OPEN, C_ANSWERED,
        C_SETTLED, C_CONT_SETTLED, C_MMAPS_CONTINUED, C_MMAPS_SETTLED, C_NS_MMAP,
-       C_OPENS_PREPARED, C_NS_OPEN_PREPARED, C_FINISHED_AFTER, C_COUNT };
+       C_OPENS_PREPARED, C_NS_OPEN_PREPARED, C_FINISHED_AFTER, C_ANSWERS_SETTLED, C_COUNT };
 
 #define DVB_HDR_MAX 1024 /* the largest lane argument (NV_ESC_NUMA_INFO: 560) */
 #define DVB_PARAMS_MAX 16384
@@ -114,6 +114,8 @@ enum { C_NOTIFICATIONS, C_OPENS_CONTINUED, C_IOCTLS, C_CONTROLS_FAST, C_STALE,
 #define DVB_SETTLED_PTRS 2       /* pointers a settled control's check tests NULL */
 #define DVB_SETTLED_EMBED 2      /* embedded buffers a settled control carries (CHANNELLIST: 2) */
 #define DVB_EMBED_BYTES (64 << 10) /* their bytes in all (fastlane.ControlLane.EMBEDDED_BYTES) */
+#define DVB_ANSWERS 8            /* answer facts (struct dvb_answer) */
+#define DVB_ANSWER_MAX 4096      /* the largest answer one holds (CARD_INFO: 32 x 72 bytes) */
 #define DVB_IDF_MAX 64           /* entries of a settled id filter's lists (the driver's: 32) */
 #define DVB_INVALID_GPU_ID 0xFFFFFFFFu
 #define DVB_GPU_IDS 32           /* the tenant's GPU ids (a settled control's GPU-id check) */
@@ -285,6 +287,26 @@ struct dvb_cont_fact {
 };
 
 enum { DVB_FACT_IOCTL = 0, DVB_FACT_MMAP = 1 };
+
+/*
+ * Answer facts (nativelane.NativeLane.settle_answer): an escape whose whole answer the
+ * broker computed from nothing but the tenant's policy and what the driver fixed when it
+ * loaded (rules.EscapeRule.answer_kept: CARD_INFO, the host's GPU table cut down to the
+ * tenant's GPUs) is answered again here, with the same bytes, for the policy epoch it was
+ * computed at: on a file of the tenant's — one with a mapping fact in the caller's
+ * sandbox, i.e. a real ctl or GPU file the broker installed for an opener of that sandbox
+ * and that is still open (the removal ring forgets it at close) — of the same node (rdev),
+ * for a caller in that sandbox, with a token of the tenant's pace. The argument is written,
+ * never read: the answer does not depend on it.
+ */
+struct dvb_answer {
+    uint64_t epoch;          /* the policy epoch it was computed at; 0: empty */
+    uint64_t sandbox;        /* its files' openers' sandbox (the tenant's), as a tag */
+    int64_t rdev;            /* the node it answers on (its char device) */
+    uint32_t cmd, size;      /* the ioctl number (its size in it) and the answer's bytes */
+    int64_t count, sum_ns, buckets[DVB_SETTLED_BUCKETS + 1]; /* folded: dvb_answer_fold */
+    uint8_t data[DVB_ANSWER_MAX];
+};
 /* A mapping fact (kind DVB_FACT_MMAP, no command, no handles): the broker's
  * map_check_now for a real ctl or GPU file of the tenant's — the session open, the caller
  * in its opener's sandbox; nothing else is checked for those files (the driver checks the
@@ -354,6 +376,8 @@ struct dvb_settled {
     struct dvb_settled_object objects[DVB_SETTLED_OBJECTS];
     struct dvb_settled_caller callers[DVB_SETTLED_CALLERS];
     struct dvb_cont_fact conts[DVB_CONT_FACTS];
+    struct dvb_answer answers[DVB_ANSWERS];
+    int64_t answers_unfolded;
     /* the tenant's GPU ids, as of the policy epoch gpu_ids_epoch (0: none given) */
     uint32_t gpu_ids[DVB_GPU_IDS];
     int n_gpu_ids;
@@ -1961,6 +1985,157 @@ static int tenant_fd_statx(pid_t pid, int fd, unsigned int mask, struct statx *s
     return statx(AT_FDCWD, path, AT_STATX_DONT_SYNC, mask, sx);
 }
 
+/* The broker answered an escape whose answer it may keep (rules.EscapeRule.answer_kept):
+ * f = the node's rdev, the ioctl number, the answer's size, the opener's sandbox tag, the
+ * caller's sandbox tag; data: the answer as the tenant got it; epochs as for
+ * dvb_settled_put (the policy epoch read before the broker decided: a change since, and
+ * nothing is written). evicted (3 + buckets): the counts of an answer whose slot this one
+ * takes. Returns its slot, or -1 when nothing was written. */
+int dvb_answer_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t *f,
+                   const uint8_t *data, int64_t tid, int pidfd, int64_t *evicted)
+{
+    struct dvb_settled *m = &sh->settled;
+    evicted[0] = -1;
+    uint32_t cmd = (uint32_t)f[1], size = (uint32_t)f[2];
+    if (f[2] <= 0 || f[2] > DVB_ANSWER_MAX || size != ((cmd >> 16) & 0x3fff) || !f[3]) {
+        if (pidfd >= 0)
+            close(pidfd);
+        return -1;
+    }
+    uint64_t now;
+    if (put_begin(m, epochs, 0, pidfd, &now) < 0)
+        return -1;
+    caller_put(m, tid, pidfd, (uint64_t)f[4]);
+    int slot = -1, stale = -1;
+    for (int k = 0; k < DVB_ANSWERS && slot < 0; k++) {
+        struct dvb_answer *a = &m->answers[k];
+        if (a->epoch && a->sandbox == (uint64_t)f[3] && a->rdev == f[0] && a->cmd == cmd)
+            slot = k;
+        else if (stale < 0 && a->epoch != now)
+            stale = k;
+    }
+    if (slot < 0)
+        slot = stale >= 0 ? stale : (int)(cmd % DVB_ANSWERS);
+    struct dvb_answer *a = &m->answers[slot];
+    if (a->count && !(a->sandbox == (uint64_t)f[3] && a->rdev == f[0] && a->cmd == cmd)) {
+        evicted[0] = slot; /* another answer's calls: Python records them */
+        evicted[1] = a->count;
+        evicted[2] = 0;
+        evicted[3] = a->sum_ns;
+        memcpy(evicted + 4, a->buckets, sizeof(a->buckets));
+        a->count = a->sum_ns = 0;
+        memset(a->buckets, 0, sizeof(a->buckets));
+    }
+    a->epoch = now;
+    a->sandbox = (uint64_t)f[3];
+    a->rdev = f[0];
+    a->cmd = cmd;
+    a->size = size;
+    memcpy(a->data, data, size);
+    pthread_mutex_unlock(&m->lock);
+    return slot;
+}
+
+/* The answer facts' counts since the last fold: rows (slot, count, 0, sum_ns, buckets). */
+int dvb_answer_fold(struct dvb_shared *sh, int64_t *out, int max)
+{
+    struct dvb_settled *m = &sh->settled;
+    int rows = 0, width = 4 + DVB_SETTLED_BUCKETS + 1;
+    if (!__atomic_load_n(&m->answers_unfolded, __ATOMIC_RELAXED))
+        return 0;
+    pthread_mutex_lock(&m->lock);
+    m->answers_unfolded = 0;
+    for (int i = 0; i < DVB_ANSWERS && rows < max; i++) {
+        struct dvb_answer *a = &m->answers[i];
+        if (!a->count)
+            continue;
+        int64_t *row = out + (size_t)rows++ * width;
+        row[0] = i;
+        row[1] = a->count;
+        row[2] = 0;
+        row[3] = a->sum_ns;
+        memcpy(row + 4, a->buckets, sizeof(a->buckets));
+        a->count = a->sum_ns = 0;
+        memset(a->buckets, 0, sizeof(a->buckets));
+    }
+    pthread_mutex_unlock(&m->lock);
+    return rows;
+}
+
+/* Whether a mapping fact of the policy epoch `now` says the file (dev, ino) is a real ctl
+ * or GPU file the broker installed for an opener of `sandbox` (under m->lock). */
+static int file_is_tenants(struct dvb_settled *m, uint64_t now, int64_t dev, int64_t ino,
+                           uint64_t sandbox)
+{
+    uint64_t home = cont_home(dev, ino, 0);
+    for (int k = 0; k < SETTLED_PROBE; k++) {
+        struct dvb_cont_fact *e = &m->conts[(home + k) % DVB_CONT_FACTS];
+        if (e->epoch == now && e->dev == dev && e->ino == ino && e->kind == DVB_FACT_MMAP)
+            return e->sandbox && e->sandbox == sandbox;
+    }
+    return 0;
+}
+
+/* An ioctl an answer fact holds for (struct dvb_answer): the answer written to the
+ * argument and sent. 1: answered (or stale: nothing to answer); 0: the broker decides it
+ * (no fact, or the write fell short: the general path writes again and answers);
+ * DVB_LATE: the write came back after the watchdog answered. */
+static int answer_admit(struct dvb_thread *t, struct dvb_notif *n, int64_t t0)
+{
+    struct dvb_shared *sh = t->sh;
+    struct dvb_settled *m = &sh->settled;
+    struct dvb_call *c = &t->call;
+    uint32_t size = ((uint32_t)c->cmd >> 16) & 0x3fff;
+    int hit = -1;
+    if (!m->epochs || sh->mem_off || !size || size > DVB_ANSWER_MAX || !S_ISCHR(c->mode))
+        return 0;
+    pthread_mutex_lock(&m->lock);
+    catch_up(m);
+    uint64_t now = epoch_now(m, 0);
+    uint64_t sandbox = caller_sandbox(m, c->tid);
+    for (int k = 0; k < DVB_ANSWERS && hit < 0; k++) {
+        struct dvb_answer *a = &m->answers[k];
+        if (a->epoch == now && a->cmd == (uint32_t)c->cmd && a->size == size
+            && a->rdev == c->rdev && a->sandbox && a->sandbox == sandbox)
+            hit = k;
+    }
+    if (hit >= 0 && (!m->credit || !file_is_tenants(m, now, c->dev, c->ino, sandbox)))
+        hit = -1;
+    if (hit >= 0) {
+        if (m->credit > 0)
+            m->credit--;
+        memcpy(t->embed_buf, m->answers[hit].data, size); /* (the thread's own copy) */
+    }
+    pthread_mutex_unlock(&m->lock);
+    if (hit < 0)
+        return 0;
+    if (!id_valid(sh, n->id)) {
+        t->counters[C_STALE]++;
+        return 1;
+    }
+    struct iovec l = {t->embed_buf, size}, r = {(void *)(uintptr_t)(uint64_t)c->argp, size};
+    ssize_t put = tenant_rw(t, (pid_t)c->tid, 1, &l, &r, 1);
+    if (t->abandoned)
+        return DVB_LATE;
+    if (put != (ssize_t)size)
+        return 0;
+    send_resp(t, n->id, 0, 0, 0);
+    int64_t ns = now_ns() - t0;
+    pthread_mutex_lock(&m->lock);
+    struct dvb_answer *a = &m->answers[hit];
+    if (a->epoch) { /* (counted on the fact; a fact written over meanwhile loses one call) */
+        a->count++;
+        a->sum_ns += ns;
+        a->buckets[bucket_of(m, ns)]++;
+        m->answers_unfolded++;
+    }
+    pthread_mutex_unlock(&m->lock);
+    t->counters[C_IOCTLS]++;
+    t->counters[C_ANSWERS_SETTLED]++;
+    t->counters[C_NS_IOCTL] += ns;
+    return 1;
+}
+
 static int answer_ioctl(struct dvb_thread *t, struct dvb_notif *n)
 {
     struct dvb_shared *sh = t->sh;
@@ -2008,6 +2183,11 @@ static int answer_ioctl(struct dvb_thread *t, struct dvb_notif *n)
     }
     int64_t t1 = now_ns();
     if (!c->hdr_len) { /* (a continued call's header is never read as a control's) */
+        int answered = answer_admit(t, n, t0);
+        if (answered == DVB_LATE)
+            return DVB_LATE;
+        if (answered)
+            return 0;
         int cont = continue_admit(t, t0);
         if (cont == DVB_LATE)
             return DVB_LATE;
