@@ -186,6 +186,18 @@ def _on_stand_in_nodes(tmp_path, name: str, env: dict, frontend: str, argv: list
         subprocess.run(["umount", "-l", str(run_dir)], capture_output=True)
 
 
+def _detached_record(b) -> dict:
+    """The listener's `tenant-detached` audit record (its counters), which comes when the
+    tenant is gone; {} after 5 s without one."""
+
+    for _ in range(100):
+        done = [r for r in b.audit() if r.get("event") == "tenant-detached"]
+        if done:
+            return done[-1]
+        time.sleep(0.05)
+    return {}
+
+
 @pytest.mark.parametrize("frontend", ["seccomp", "fuse"])
 def test_header_only_lane_calls_on_stand_in_driver_files(tmp_path, frontend):
     """A broker on the real backend with stand-in driver nodes (test_upgrade.STAND_IN_NS:
@@ -574,7 +586,6 @@ def test_mapping_facts_and_files_not_the_brokers_are_let_through_by_the_native_l
     stand-in ctl and UVM files refuse to be mapped (ENODEV, the kernel's), the GPU file,
     the regular file and the memfd map with their contents."""
     import sys
-    import time
     from pathlib import Path
 
     here = Path(__file__).resolve().parent
@@ -583,12 +594,7 @@ def test_mapping_facts_and_files_not_the_brokers_are_let_through_by_the_native_l
         got = {}
 
         def look(b):
-            for _ in range(100):  # (the listener's record comes when the tenant is gone)
-                done = [r for r in b.audit() if r.get("event") == "tenant-detached"]
-                if done:
-                    got.update(done[-1])
-                    return
-                time.sleep(0.05)
+            got.update(_detached_record(b))
 
         out, _lane = _on_stand_in_nodes(tmp_path, f"mapped{int(settled)}",
                                         {"DEVBROKER_SETTLED": "1" if settled else "0"},
@@ -838,7 +844,6 @@ def test_card_info_is_answered_again_by_the_loop_from_the_brokers_answer(tmp_pat
     GPU's entry empty. With them on, the loop answers 19 of the first 20 and the call on
     the second file (a file of the tenant's by its mapping fact), none with them off."""
     import sys
-    import time
     from pathlib import Path
 
     here = Path(__file__).resolve().parent
@@ -847,12 +852,7 @@ def test_card_info_is_answered_again_by_the_loop_from_the_brokers_answer(tmp_pat
         got = {}
 
         def look(b):
-            for _ in range(100):  # (the listener's record comes when the tenant is gone)
-                done = [r for r in b.audit() if r.get("event") == "tenant-detached"]
-                if done:
-                    got.update(done[-1])
-                    return
-                time.sleep(0.05)
+            got.update(_detached_record(b))
 
         out, _lane = _on_stand_in_nodes(tmp_path, f"card{int(settled)}",
                                         {"DEVBROKER_SETTLED": "1" if settled else "0"},
