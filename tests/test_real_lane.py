@@ -186,6 +186,21 @@ def _on_stand_in_nodes(tmp_path, name: str, env: dict, frontend: str, argv: list
         subprocess.run(["umount", "-l", str(run_dir)], capture_output=True)
 
 
+def _settled_on_stand_in(tmp_path, prog: str, settled: bool) -> tuple[dict, dict]:
+    """tests/`prog` (20 rounds) as a seccomp tenant of a broker whose driver calls meet the
+    NV_OK stand-in (nvok_standin.py), settled facts on or off (written at the first
+    decision): its JSON line and the control lane's counters."""
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    return _on_stand_in_nodes(tmp_path, f"{Path(prog).stem}{int(settled)}",
+                              {"DEVBROKER_SETTLED": "1" if settled else "0",
+                               "DEVBROKER_SETTLE_FIRST": "1"},
+                              "seccomp", [sys.executable, str(here / prog), "20"],
+                              wrap=(sys.executable, str(here / "nvok_standin.py")))
+
+
 def _detached_record(b) -> dict:
     """The listener's `tenant-detached` audit record (its counters), which comes when the
     tenant is gone; {} after 5 s without one."""
@@ -761,21 +776,8 @@ def test_settled_embedded_lists_answer_as_the_broker(tmp_path):
     fails in the loop, the general path reads again and answers); the large lists the
     general path's. With them on, the loop answers 19 of the 20 and the common call after
     the others (the fact still stands after a declined one)."""
-    import sys
-    from pathlib import Path
-
-    here = Path(__file__).resolve().parent
-
-    def run(settled: bool) -> tuple[dict, dict]:
-        return _on_stand_in_nodes(tmp_path, f"embedded{int(settled)}",
-                                  {"DEVBROKER_SETTLED": "1" if settled else "0",
-                                   "DEVBROKER_SETTLE_FIRST": "1"},
-                                  "seccomp",
-                                  [sys.executable, str(here / "settled_embedded_prog.py"), "20"],
-                                  wrap=(sys.executable, str(here / "nvok_standin.py")))
-
-    on, lane_on = run(True)
-    off, lane_off = run(False)
+    on, lane_on = _settled_on_stand_in(tmp_path, "settled_embedded_prog.py", True)
+    off, lane_off = _settled_on_stand_in(tmp_path, "settled_embedded_prog.py", False)
     assert on == off == {
         "errors": [],
         "root": errno.ENOTTY,  # (the tenant's own call, on the stand-in node)
@@ -805,21 +807,8 @@ def test_settled_id_lists_are_filtered_as_the_broker_filters_them(tmp_path):
     controls on and off the answers are the same: only the tenant's id (0x6) listed, then
     INVALID_GPU_ID; its flag moved with it (580's gpuFlags), the others 0; no GPU
     excluded. With them on, the loop answers 19 of each 20."""
-    import sys
-    from pathlib import Path
-
-    here = Path(__file__).resolve().parent
-
-    def run(settled: bool) -> tuple[dict, dict]:
-        return _on_stand_in_nodes(tmp_path, f"ids{int(settled)}",
-                                  {"DEVBROKER_SETTLED": "1" if settled else "0",
-                                   "DEVBROKER_SETTLE_FIRST": "1"},
-                                  "seccomp",
-                                  [sys.executable, str(here / "settled_ids_prog.py"), "20"],
-                                  wrap=(sys.executable, str(here / "nvok_standin.py")))
-
-    on, lane_on = run(True)
-    off, lane_off = run(False)
+    on, lane_on = _settled_on_stand_in(tmp_path, "settled_ids_prog.py", True)
+    off, lane_off = _settled_on_stand_in(tmp_path, "settled_ids_prog.py", False)
     invalid = 0xFFFFFFFF
     assert on == off == {
         "errors": [],

@@ -75,7 +75,7 @@ COUNTERS = ("notifications", "opens_continued", "ioctls", "controls_fast", "stal
             "settled", ("continued_settled", "continued_decided", "uvm_fast"),
             "mmaps_continued", ("mmaps_settled", "mmaps"), "ns_mmap",
             ("opens_prepared", "opens"), ("ns_open_prepared", "ns_open_node", "ns_open"),
-            "finished_after", ("answers_settled", "native_answered"))
+            "finished_after", "answers_settled")
 FACT_IOCTL, FACT_MMAP = 0, 1  # native/lane.c struct dvb_cont_fact's kinds
 ANSWER_MAX = 4096  # native/lane.c DVB_ANSWER_MAX: the largest answer an answer fact holds
 HDR_MAX = 1024
