@@ -139,12 +139,15 @@ def test_a_relayed_files_duplicate_outlives_a_close_only_while_a_call_is_on_it(b
 
 def _on_stand_in_nodes(tmp_path, name: str, env: dict, frontend: str, argv: list[str],
                        wrap: tuple = (), lane: str = "control_lane",
-                       inspect=None, tenant_policy: str = "") -> tuple[dict, dict]:
+                       inspect=None, tenant_policy: str = "",
+                       during=None) -> tuple[dict, dict]:
     """A broker on the real backend with stand-in driver nodes (test_upgrade.STAND_IN_NS:
     /dev/null's and /dev/zero's devices as nvidiactl and nvidia0), its environment
     updated with `env` and its command run under `wrap` (nvok_standin.py); tenant t0 (2 GiB
     on GPU 0, and the policy lines `tenant_policy`) runs `argv` through `frontend`. Its last stdout line as JSON, and the broker's
-    counters of `lane` after it. `inspect(broker)`: called before the broker stops."""
+    counters of `lane` after it. `inspect(broker)`: called before the broker stops.
+    `during(broker, line)`: called when the tenant prints its first line (which it then
+    waits after for a line on stdin: tests/channels_prog.py), with that line as JSON."""
     import json
     import subprocess
 
@@ -176,7 +179,20 @@ def _on_stand_in_nodes(tmp_path, name: str, env: dict, frontend: str, argv: list
     b = StandInBroker()
     try:
         b.frontend = frontend
-        r = b.exec("t0", *argv, timeout=120)
+        if during is not None:
+            p = b.exec_popen("t0", *argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+            try:
+                first = p.stdout.readline()
+                assert first.strip(), p.communicate(timeout=30)[1] + b.output()
+                during(b, json.loads(first))
+                rest, err = p.communicate("go\n", timeout=120)
+            finally:
+                if p.poll() is None:
+                    p.kill()
+            r = subprocess.CompletedProcess(argv, p.returncode, rest, err)
+        else:
+            r = b.exec("t0", *argv, timeout=120)
         assert r.returncode == 0, r.stdout + r.stderr + b.output()
         if inspect is not None:
             inspect(b)
@@ -857,3 +873,61 @@ def test_card_info_is_answered_again_by_the_loop_from_the_brokers_answer(tmp_pat
     assert on == off == {"answers": [own], "second_file": own}, (on, off)
     assert st_on.get("answers_settled") == 19 + 1, st_on
     assert st_off.get("answers_settled") == 0, st_off
+
+
+@pytest.mark.parametrize("priority", ["normal", "low"])
+def test_channel_groups_get_their_share_in_the_lane_and_channels_settle(tmp_path, priority):
+    """A channel group's allocation in the native loop (fastlane.LANE_RUN_AFTER_HOOKS,
+    ControlLane.run_after): the loop runs the driver call, and the broker books the group
+    and sets its compute share (compute.after_alloc: SET_TIMESLICE, SET_INTERLEAVE_LEVEL on
+    the tenant's file) before the tenant has the handle — as the general path does. A broker
+    on the real backend whose driver calls meet the NV_OK stand-in (nvok_standin.py), a
+    seccomp tenant (tests/channels_prog.py) making 4 channel groups with two GPFIFO channels
+    each and waiting while the test reads the broker's books: the tenant's answers and the
+    books' groups with their values are the same with the control lane off
+    (DEVBROKER_CONTROL_LANE=0, every allocation the general way's), and the lane admitted
+    the groups. A channel's after-hook can stop it only for a low-priority tenant or under
+    turns (compute.never_stops_channels): for a normal tenant the channels settle (the
+    class's fact from the second channel in the first group, each group's object fact from
+    its booking: the other six by the loop), for a low one none does."""
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+
+    def run(lane: bool) -> tuple[dict, dict, dict]:
+        books: dict = {}
+
+        def during(b, first) -> None:
+            books["ready"] = first.get("ready")
+            # (the other groups' smaller parts are set by a task of the broker's after each
+            # new group: looked at once they are all the same)
+            for _ in range(200):
+                groups = b.tenant("t0")["compute"]["channel_groups"]
+                if len({g["timeslice_us"] for g in groups}) == 1:
+                    break
+                time.sleep(0.05)
+            books["groups"] = sorted((g["handle"], g["timeslice_us"], g["interleave"],
+                                      g.get("error")) for g in groups)
+
+        env = {"DEVBROKER_SETTLE_FIRST": "1", "DEVBROKER_CONTROL_LANE": "1" if lane else "0"}
+        got, counters = _on_stand_in_nodes(
+            tmp_path, f"chan{int(lane)}{priority}", env, "seccomp",
+            [sys.executable, str(here / "channels_prog.py"), "4"],
+            wrap=(sys.executable, str(here / "nvok_standin.py")),
+            tenant_policy=f'priority = "{priority}"\n', during=during)
+        return got, counters, books
+
+    on, lane_on, books_on = run(True)
+    off, lane_off, books_off = run(False)
+    ok = [0, 0]
+    assert on == off == {"root": errno.ENOTTY, "adopt": ok, "device": ok, "groups": [ok] * 4,
+                         "channels": [ok] * 8, "frees": [ok]}, (on, off)
+    level = {"normal": "MEDIUM", "low": "LOW"}[priority]
+    # the tenant's whole slice (8,192 µs alone on the GPU) shared by its four groups
+    want = [(0xC1A60000 + i, 2048, level, None) for i in range(4)]
+    assert books_on == books_off == {"ready": True, "groups": want}, (books_on, books_off)
+    # the device, the groups and the channels through the lane (settled ones included)
+    assert lane_on["allocations"] == 1 + 4 + 8, lane_on
+    assert lane_on["settled"] == (6 if priority == "normal" else 0), lane_on
+    assert lane_off["admitted"] == 0, lane_off

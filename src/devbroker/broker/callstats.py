@@ -380,9 +380,9 @@ class _CountedLane:
         return self._lane.ioctl_cmds(versions)
 
     def admit(self, session_id: int, caller: Any, ioctl_cmd: int, hdr: bytes,
-              max_params: int | None = None):
+              max_params: int | None = None, run_hooks: bool = False):
         t0 = self._stats.clock()
-        adm = self._lane.admit(session_id, caller, ioctl_cmd, hdr, max_params)
+        adm = self._lane.admit(session_id, caller, ioctl_cmd, hdr, max_params, run_hooks)
         if adm is not None:
             s = adm.session
             adm.mark = (t0, (s.tenant.name, "ioctl",
@@ -439,8 +439,19 @@ class _CountedLane:
     def finish(self, adm, hdr: bytes, params_in: bytes, ret: int, err: int, hdr_out: bytes,
                params_out: bytearray) -> bytes:
         out = self._lane.finish(adm, hdr, params_in, ret, err, hdr_out, params_out)
-        self._done(adm, _ERROR if err else _OK)
+        if err or not self._lane.runs_hook(adm):  # (else its row ends with run_after)
+            self._done(adm, _ERROR if err else _OK)
         return out
+
+    def runs_hook(self, adm) -> bool:
+        return self._lane.runs_hook(adm)
+
+    def run_after(self, adm, hdr_out: bytes, params_in: bytes, req: Any, perform) -> bool:
+        """The after-hook the front end runs before the answer: in the call's row's time."""
+        try:
+            return self._lane.run_after(adm, hdr_out, params_in, req, perform)
+        finally:
+            self._done(adm, _OK)
 
     def _done(self, adm, verdict: int) -> None:
         if adm.mark is not None:

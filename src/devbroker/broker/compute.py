@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import weakref
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -112,13 +113,20 @@ class ChannelGroup:
     error: str = ""  # the last failure to apply, for status
     asked: set = field(default_factory=set)  # tenant values already audited as rewritten
     rewrites: int = 0
+    in_hook: bool = False  # after_alloc is setting it: apply_all leaves it to that
 
 
 @dataclass
 class _Books:
     groups: dict[tuple[str, int, int], ChannelGroup] = field(default_factory=dict)
     installed: bool = False
-    pending: bool = False  # a background apply is scheduled
+    # One background apply at a time (schedule_apply): `pending` while one is scheduled or
+    # runs, `again` when another was asked for meanwhile (it runs once more before it ends:
+    # two at once computed a group's value from a sibling count that had moved, and the
+    # older one's value could land last — found by tests/test_real_lane.py's channel test)
+    pending: bool = False
+    again: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
     # The driver refused SET_INTERLEAVE_LEVEL to the broker (the H200 does to a caller
     # without CAP_SYS_ADMIN: the control is PRIVILEGED_IF_RS_ACCESS_DISABLED there, and the
     # relay runs without capabilities): priorities are then timeslices alone.
@@ -157,6 +165,22 @@ def stops_new_channels(broker: Any, tenant: str, gpu: int) -> bool:
     handle (after_channel_alloc): the tenant is stopped there for a high-priority tenant,
     or it is another tenant's turn (turns.py)."""
     return (tenant, gpu) in books(broker).preempted or out_of_turn(broker, tenant, gpu)
+
+
+def never_stops_channels(broker: Any, tenant: Any) -> bool:
+    """Whether after_channel_alloc has nothing to do for `tenant`'s channels on any GPU
+    until the policy changes: only a low-priority tenant is ever preempted (preempt_all),
+    only turns (turns.py, `compute_turns_ms` > 0) stop a tenant otherwise, and neither
+    holds anything of it stopped now. A settled allocation of a channel
+    (ControlLane._settleable_alloc) rests on this, and a policy change moves the epoch that
+    makes it stale."""
+    from devbroker.broker import turns
+
+    if getattr(tenant.policy, "priority", "normal") == "low" or turns.turns_ms(broker):
+        return False
+    b = books(broker)
+    return (not any(k[0] == tenant.name for k in b.preempted)
+            and not any(out_of_turn(broker, tenant.name, gpu) for gpu in list(b.turn)))
 
 
 def out_of_turn(broker: Any, tenant: str, gpu: int) -> bool:
@@ -328,13 +352,18 @@ def after_alloc(ctx: Any, alloc: Any, handle: int, gpu: int | None) -> Steps:
     broker, s, req, params = ctx.broker, ctx.session, ctx.req, alloc.params
     b = books(broker)
     engine = int(getattr(params, "engineType", 0) or 0) if params is not None else 0
-    g = ChannelGroup(s.tenant.name, s.id, alloc.client.handle, handle, gpu, engine)
+    g = ChannelGroup(s.tenant.name, s.id, alloc.client.handle, handle, gpu, engine,
+                     in_hook=True)
     b.groups[(g.tenant, g.client, g.handle)] = g
-    want = _wanted(broker, g)
-    if want is None:
-        return
-    yield from _apply(broker, s, req, g, want, "allocated")
-    if any(x.applied != _wanted(broker, x) for x in _siblings(broker, g) if x is not g):
+    try:
+        want = _wanted(broker, g)
+        if want is None:
+            return
+        yield from _apply(broker, s, req, g, want, "allocated")
+    finally:
+        g.in_hook = False
+    # (itself too: a sibling made while its driver call ran has changed its part)
+    if any(x.applied != _wanted(broker, x) for x in _siblings(broker, g)):
         schedule_apply(broker)
     if s.tenant.policy.priority == "high":
         schedule_preempt(broker)  # low tenants on this GPU: stopped by the watching task
@@ -407,18 +436,27 @@ def schedule_apply(broker: Any) -> None:
     """Bring every live channel group to its wanted values, in a background task (the policy
     apply path holds the state lock; the driver calls wait on nothing of the broker's)."""
     b = books(broker)
-    if b.pending or broker.spawn is None:
+    if broker.spawn is None:
         return
-    b.pending = True
+    with b.lock:  # (asked from listener threads and the trio thread alike)
+        if b.pending:
+            b.again = True
+            return
+        b.pending, b.again = True, False
 
     async def task() -> None:
-        b.pending = False
-        try:
-            await run_async(locked(apply_all(broker)), broker.perform)
-        except Exception as e:  # a bug must cost this apply, never the broker
-            log.exception("compute: applying the policy's values failed")
-            broker.audit.write("error", what="compute share",
-                               reason=f"internal error: {type(e).__name__}: {e}")
+        while True:
+            try:
+                await run_async(locked(apply_all(broker)), broker.perform)
+            except Exception as e:  # a bug must cost this apply, never the broker
+                log.exception("compute: applying the policy's values failed")
+                broker.audit.write("error", what="compute share",
+                                   reason=f"internal error: {type(e).__name__}: {e}")
+            with b.lock:
+                if not b.again:
+                    b.pending = False
+                    return
+                b.again = False
 
     broker._start_soon(task)
 
@@ -429,6 +467,8 @@ def apply_all(broker: Any) -> Steps:
     changed = 0
     _discover(broker)
     for g in live_groups(broker):
+        if g.in_hook:
+            continue  # a new group whose own after-hook is setting it (after_alloc)
         want = _wanted(broker, g)
         if want is None or want == g.applied:
             continue

@@ -72,6 +72,7 @@ and NVML traces through both paths and compares the decisions.
 """
 from __future__ import annotations
 
+import logging
 import struct
 import threading
 from dataclasses import dataclass
@@ -85,9 +86,11 @@ from devbroker.abi.nodes import NodeKind
 from devbroker.backends.base import DriverResult
 
 from . import compute, handlers, limits, rewrite, rules
-from .effects import STATE_LOCK
+from .effects import STATE_LOCK, HandOver, locked, run_blocking
 from .objects import drop_objects
 from .refusal import Refusal
+
+log = logging.getLogger("devbroker.fastlane")
 
 if TYPE_CHECKING:
     from devbroker.abi.driver import DriverABI
@@ -415,6 +418,22 @@ LANE_CLASS_CHECKS = frozenset({handlers.debugger_on_own_context, handlers.os_eve
 # answer has the channel stopped by the watching task's next look, PREEMPT_TICK_S, or
 # by the next turn's switch).
 LANE_AFTER_HOOKS = frozenset({compute.after_channel_alloc})
+# After-hooks a front end runs itself, between the lane's books and the tenant's answer
+# (`run_after`), when it offers to at admission (`admit(..., run_hooks=True)`: the native
+# seccomp loop with real driver files, whose hook's own driver calls run on this thread on
+# duplicates of the tenant's file, as the general path's do). A channel group's compute
+# share (compute.after_alloc): SET_TIMESLICE on the new group before the tenant has its
+# handle — the general path's order, without the general path's ~0.8 ms per group on the
+# H200 (docs/benchmarks.md, "Channel groups in the lane").
+LANE_RUN_AFTER_HOOKS = frozenset({compute.after_alloc})
+
+
+@dataclass(frozen=True)
+class _HookContext:
+    """What an after-hook run by the lane reads of its call (handlers.CallContext's part)."""
+    broker: Any
+    session: Any
+    req: Any
 
 
 def _mirrored(name: str, handler: Callable) -> rules.EscapeRule | None:
@@ -459,13 +478,16 @@ class ControlLane:
         return frozenset(out)
 
     def admit(self, session_id: int, caller: Caller, ioctl_cmd: int,
-              hdr: bytes, max_params: int | None = None) -> Admitted | None:
+              hdr: bytes, max_params: int | None = None,
+              run_hooks: bool = False) -> Admitted | None:
         """The call if the general path would run it on the driver as sent; None sends it
         down the general path (which decides it again, refusals and audit included).
         max_params: the largest parameter block the front end can copy (a larger one goes
-        the general way, before a rate token is taken)."""
+        the general way, before a rate token is taken). run_hooks: the front end runs an
+        allocation's after-hook of LANE_RUN_AFTER_HOOKS itself (`run_after`) before the
+        tenant has its answer; without it such an allocation goes the general way."""
         with STATE_LOCK:
-            got = self._admit(session_id, caller, ioctl_cmd, hdr, max_params)
+            got = self._admit(session_id, caller, ioctl_cmd, hdr, max_params, run_hooks)
             if got is None:
                 self.passed += 1
             else:
@@ -475,7 +497,8 @@ class ControlLane:
         return got
 
     def _admit(self, session_id: int, caller: Caller, ioctl_cmd: int,
-               hdr: bytes, max_params: int | None = None) -> Admitted | None:
+               hdr: bytes, max_params: int | None = None,
+               run_hooks: bool = False) -> Admitted | None:
         b = self.broker
         s = _usable_session(b, session_id, caller)
         if s is None:
@@ -490,7 +513,7 @@ class ControlLane:
         if h is None or len(hdr) != h.size:
             return None
         if h.kind == "alloc":
-            return self._admit_alloc(s, abi, h, hdr, max_params)
+            return self._admit_alloc(s, abi, h, hdr, max_params, run_hooks)
         if h.kind == "free":
             return self._admit_free(s, abi, h, hdr)
         if h.kind == "escape":
@@ -525,7 +548,7 @@ class ControlLane:
                         embedded_only=embedded_only)
 
     def _admit_alloc(self, s: Session, abi: DriverABI, h: Header, hdr: bytes,
-                     max_params: int | None) -> Admitted | None:
+                     max_params: int | None, run_hooks: bool = False) -> Admitted | None:
         """The allocation lane: an RM_ALLOC the general path (handlers.rm_alloc) would run
         on the driver as sent, decided on its header as the control lane decides a control
         (module docstring, "Allocations"). None: the general way."""
@@ -554,7 +577,9 @@ class ControlLane:
         if params_size not in (0, size) or params_ptr == 0 or (
                 max_params is not None and size > max_params):
             return None
-        if (rule.after is not None and parent.gpu is not None
+        if rule.after in LANE_RUN_AFTER_HOOKS and not run_hooks:
+            return None  # (its hook's driver calls: the general way's, for this front end)
+        if (rule.after in LANE_AFTER_HOOKS and parent.gpu is not None
                 and compute.stops_new_channels(b, tenant.name, parent.gpu)):
             return None  # a channel of a stopped tenant: its after-hook stops it, there
         if limits.alloc_refusal(tenant, root_client=False) is not None:
@@ -617,7 +642,8 @@ class ControlLane:
         first one of a tenant file is the tenant's own call), not bound to the caller
         through RM_ALLOC, whose class check (if any) reads nothing but the call
         (LANE_CLASS_CHECKS) and whose after-hook (if any) can be told from the header to
-        have nothing to do (LANE_AFTER_HOOKS), and whose layout has no fd and no pointer
+        have nothing to do (LANE_AFTER_HOOKS) or is one a front end may run itself
+        (LANE_RUN_AFTER_HOOKS, admitted only where it does), and whose layout has no fd and no pointer
         inside an array. It is *checked* (its parameters decoded on the private copy and
         tested as handlers.rm_alloc tests them) when it has a class check or its layout
         names client handles, GPU ids or pointers, always when it is charged against the
@@ -636,7 +662,8 @@ class ControlLane:
         if (cls not in handlers.ROOT_CLIENT_CLASSES
                 and RM_ALLOC not in rule.in_caller_via
                 and (rule.check is None or rule.check in LANE_CLASS_CHECKS)
-                and (rule.after is None or rule.after in LANE_AFTER_HOOKS)
+                and (rule.after is None or rule.after in LANE_AFTER_HOOKS
+                     or rule.after in LANE_RUN_AFTER_HOOKS)
                 and op is not None and op.params is not None and op.size):
             ptrs = rules.lane_pointers(op.params)
             if ptrs is not None and rule.keys:  # (keys, not pointers: the row says why)
@@ -913,7 +940,8 @@ class ControlLane:
         answer, provided no decision is made in between on books that lack it
         (native/lane.c FINISH_AFTER)."""
         return ((adm.alloc is not None or adm.header.kind == "free") and not adm.answered
-                and adm.post is None and self.broker.recorder is None)
+                and adm.post is None and self.broker.recorder is None
+                and (adm.alloc is None or adm.alloc.after not in LANE_RUN_AFTER_HOOKS))
 
     def answered(self, adm: Admitted, err: int, end_ns: int) -> None:
         """A call the front end answered without `finish` was answered at end_ns
@@ -968,13 +996,18 @@ class ControlLane:
         pace token per call), no class check, nothing charged, its parameters not checked
         (`_alloc_plan`: no client handle, GPU id or pointer in them) or checked only for
         NULL pointers (`_check_alloc` then tests nothing else: system memory's `address`;
-        the front end repeats that test on its private copy), no after-hook (a channel's
-        compute-share state is not in the books' epochs), and no recording. The handle it
+        the front end repeats that test on its private copy), no after-hook — but a
+        channel's, for a tenant the policy never has stopped (compute.never_stops_channels:
+        not low priority, no turns; a channel's stopped state is not in the books' epochs,
+        the policy is) — and no recording. The handle it
         makes is the driver's to refuse when it exists (the general path's answer is the
         driver's NV_ERR_INSERT_DUPLICATE_NAME too); the front end books the new object with
         `book_settled` after the answer."""
         rule = adm.alloc
-        return (rule is not None and rule.check is None and rule.after is None
+        return (rule is not None and rule.check is None
+                and (rule.after is None or (rule.after in LANE_AFTER_HOOKS
+                                            and compute.never_stops_channels(
+                                                self.broker, adm.session.tenant)))
                 and not rule.charge and adm.header.kind == "alloc"
                 and (not adm.checked or self._null_checked_only(adm))
                 and self.broker.recorder is None)
@@ -994,6 +1027,49 @@ class ControlLane:
                 f.kind == "fd" or f.name in rules.CLIENT_HANDLE_FIELDS
                 or f.name in rewrite.GPU_ID_FIELD_NAMES for _p, f, _o in spec.walk())
         return known
+
+    def runs_hook(self, adm: Admitted) -> bool:
+        """Whether the front end must run this admitted allocation's after-hook
+        (`run_after`) before the tenant has its answer."""
+        return adm.alloc is not None and adm.alloc.after in LANE_RUN_AFTER_HOOKS
+
+    def run_after(self, adm: Admitted, hdr_out: bytes, params_in: bytes, req: Any,
+                  perform: Callable) -> bool:
+        """An allocation a front end admitted with `run_hooks`, after `finish` booked it and
+        before the tenant has its answer: the class's after-hook (LANE_RUN_AFTER_HOOKS), as
+        handlers.rm_alloc runs it — on the new handle, with the parameters as sent (the
+        front end's private copy) — its driver calls performed on this thread through
+        `perform` (req: the call's IoctlRequest, whose duplicate of the tenant's file they
+        run on). Only on NV_OK. The hook records its own failures (compute._apply); anything
+        else is logged and audited, never raised: the allocation stands either way, as on
+        the general path. True when a hook ran to its end."""
+        rule, h = adm.alloc, adm.header
+        if rule is None or rule.after not in LANE_RUN_AFTER_HOOKS:
+            return False
+        if h.status_offset < 0 or hdr_out[h.status_offset:h.status_offset + 4] != bytes(4):
+            return False  # (not NV_OK: nothing was made)
+        handle = int.from_bytes(hdr_out[h.new_offset:h.new_offset + 4], "little")
+        where = f"RM_ALLOC {adm.abi.class_name(adm.cmd)}"
+        try:
+            params = (adm.params_value if adm.checked
+                      else adm.abi.rm_class(adm.cmd).params.decode(params_in))
+        except DecodeError:
+            params = None
+        ctx = _HookContext(self.broker, adm.session, req)
+        call = handlers.AllocCall(adm.cmd, adm.client, adm.client.handle, params, where)
+        try:
+            run_blocking(locked(rule.after(ctx, call, handle, adm.gpu)), perform)
+            return True
+        except HandOver as e:  # (a wait this thread cannot do: the steps are dropped)
+            e.steps.close()
+            why = "its driver calls could not run on the listener's thread"
+        except Exception as e:  # a bug must cost the hook, never the tenant's answer
+            why = f"{type(e).__name__}: {e}"
+        log.error("%s: after-hook failed: %s", where, why)
+        self.broker.audit.write("error", tenant=adm.session.tenant.name, what=where,
+                                reason=f"handle {handle:#x}: the after-hook "
+                                       f"({rule.after.__name__}) did not finish: {why}")
+        return False
 
     def book_settled(self, session_id: int, hdr_out: bytes, ioctl_cmd: int) -> tuple | None:
         """An allocation a front end admitted as settled was answered NV_OK by the driver

@@ -73,6 +73,7 @@ SUPERVISOR_ATTRS = frozenset({
     "_ifd", "_lfd", "_listener",  # passed (SCM_RIGHTS): the inotify instance, the listener
     "_pending",  # empty once paused (pause_for_handover waits for it)
     "_callers",  # a cache of thread pidfds: the successor fills its own
+    "_kept_rows",  # a cache of rules.ESCAPES' answer_kept by ioctl: derived again
     # the successor's own: its broker, tables it derives again, threads, locks, events
     "broker", "nvidia_majors", "_basenames", "sizes", "_memfd_dev", "_lfd_refs", "_live",
     "_leaving",

@@ -408,6 +408,7 @@ class SeccompSupervisor:
                             if self._lane is not None and nativelane.enabled() else None)
         self._native: nativelane.NativeLane | None = None
         self.sessions: dict[tuple[int, int], Session] = {}
+        self._kept_rows: dict[tuple, bool] = {}  # (ABI version, node, ioctl) -> _answer_kept
         self._by_wd: dict[int, Session] = {}
         self._listener = -1
         self._lfd = -1  # the threads' duplicate of the listener (serve)
@@ -922,18 +923,26 @@ class SeccompSupervisor:
             hdr = nativelane.NativeLane.hdr(t)
             # (read before deciding: a change meanwhile makes what is settled stale)
             epochs = BOOKS.now() if t.lane.settled_on else None
-            adm = lane.admit(sess.id, caller, c.cmd, hdr, max_params=nativelane.PARAMS_MAX)
+            # where the loop runs the call on its duplicate of the tenant's file, an
+            # allocation's after-hook runs here too, on duplicates of the same file
+            # (_native_finish); `driver` below says whether it does
+            hooks = bool(sess.real and t.driver_safe)
+            adm = lane.admit(sess.id, caller, c.cmd, hdr, max_params=nativelane.PARAMS_MAX,
+                             run_hooks=hooks)
             if adm is None and sess.real and sess.node is NodeKind.CTL:
                 # perhaps a client the tenant allocated itself, named for the first time:
                 # adopted here, then admitted again (counted once as declined)
                 unknown = lane.unknown_client(sess.id, c.cmd, hdr)
                 if unknown is not None and self._native_adopt(c, sess, unknown):
                     adm = lane.admit(sess.id, caller, c.cmd, hdr,
-                                     max_params=nativelane.PARAMS_MAX)
+                                     max_params=nativelane.PARAMS_MAX, run_hooks=hooks)
             if adm is None:
                 return nativelane.ACT_DECLINE
             driver = bool(sess.real and t.driver_safe
                           and self.broker.backend.control_is_plain_ioctl(adm.session.file))
+            if not driver and lane.runs_hook(adm):
+                self._lane.release(adm)
+                return nativelane.ACT_DECLINE  # (its hook: the general way's, there)
             patch = lane.table_patch(adm) if adm.post is not None else None
             patched = patch is not None and nativelane.NativeLane.set_patch(t, c, patch)
             finish = lane.needs_finish(adm, patched)
@@ -1045,9 +1054,15 @@ class SeccompSupervisor:
         bs = self.broker.sessions.get(sess.id)
         if w.IOC_TYPE(cmd) != w.NV_IOCTL_MAGIC or bs is None:
             return False
-        op = self.broker._abi(bs).escape(w.IOC_NR(cmd))
-        row = rules.ESCAPES.get(op.name) if op is not None else None
-        return bool(row is not None and row.answer_kept and bs.node in row.nodes)
+        abi = self.broker._abi(bs)
+        key = (abi.version, bs.node, cmd)  # (the rows are fixed for the broker's life)
+        kept = self._kept_rows.get(key)
+        if kept is None:
+            op = abi.escape(w.IOC_NR(cmd))
+            row = rules.ESCAPES.get(op.name) if op is not None else None
+            kept = self._kept_rows[key] = bool(
+                row is not None and row.answer_kept and bs.node in row.nodes)
+        return kept
 
     def _native_answer_fact(self, sess: Session, caller: Caller, tid: int, fd: int, cmd: int,
                             answer: bytes, epochs: tuple[int, int, int]) -> None:
@@ -1247,6 +1262,11 @@ class SeccompSupervisor:
                 NL.set_params(t, bytes(params))  # the loop applies the patch, if any
                 return 1
         out = self._lane.finish(adm, hdr, NL.params_in(t), ret, err, hdr_out, params)
+        if not err and c.driver and self._lane.runs_hook(adm):
+            # a channel group's compute share, before the tenant has the handle (the loop
+            # answers after this returns), as the general path sets it
+            self._lane.run_after(adm, hdr_out, NL.params_in(t), self._hook_request(c, adm),
+                                 self._perform_here)
         if not err and c.finish != nativelane.FINISH_AFTER:  # (after: already answered)
             NL.set_params(t, out)
         h = adm.header
@@ -1255,6 +1275,21 @@ class SeccompSupervisor:
             handle = int.from_bytes(hdr_out[h.new_offset:h.new_offset + 4], "little")
             self._booked(t, c, adm.session, adm.client.handle, handle, t.adm_epochs)
         return 1
+
+    def _hook_request(self, c: nativelane.Call, adm) -> IoctlRequest:
+        """The request an after-hook's own driver calls run under (ControlLane.run_after):
+        on duplicates of the file the call was made on, through the calling thread's pidfd,
+        with the caller confirmed (NOTIF_ID_VALID) before each — the general path's means,
+        for the call the loop is still answering."""
+        tid, nid = int(c.tid), int(c.id)
+        try:
+            caller = self._caller_caps(tid)[0]  # (cached since this call's admission)
+        except OSError:
+            caller = adm.session.caller  # (gone: confirm fails before any driver call)
+        return IoctlRequest(caller=caller, session=adm.session.id, cmd=int(c.cmd),
+                            arg_ptr=int(c.argp), arg=None, fd=int(c.fd),
+                            dup_fd=lambda fd: self._getfd(tid, fd),
+                            confirm=lambda: self.id_valid(nid))
 
     def _book_settled(self, t: nativelane.NativeThread, c: nativelane.Call) -> int:
         """After the answer to an allocation the loop admitted as settled: the new object
