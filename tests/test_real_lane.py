@@ -909,6 +909,9 @@ def test_channel_groups_get_their_share_in_the_lane_and_channels_settle(tmp_path
                 time.sleep(0.05)
             books["groups"] = sorted((g["handle"], g["timeslice_us"], g["interleave"],
                                       g.get("error")) for g in groups)
+            # (a group the hook failed to set would be set by the background task later:
+            # the hook's own failures are in the audit)
+            books["errors"] = [r["reason"] for r in b.audit() if r.get("event") == "error"]
 
         env = {"DEVBROKER_SETTLE_FIRST": "1", "DEVBROKER_CONTROL_LANE": "1" if lane else "0"}
         got, counters = _on_stand_in_nodes(
@@ -926,7 +929,8 @@ def test_channel_groups_get_their_share_in_the_lane_and_channels_settle(tmp_path
     level = {"normal": "MEDIUM", "low": "LOW"}[priority]
     # the tenant's whole slice (8,192 µs alone on the GPU) shared by its four groups
     want = [(0xC1A60000 + i, 2048, level, None) for i in range(4)]
-    assert books_on == books_off == {"ready": True, "groups": want}, (books_on, books_off)
+    assert books_on == books_off == {"ready": True, "groups": want, "errors": []}, (
+        books_on, books_off)
     # the device, the groups and the channels through the lane (settled ones included)
     assert lane_on["allocations"] == 1 + 4 + 8, lane_on
     assert lane_on["settled"] == (6 if priority == "normal" else 0), lane_on

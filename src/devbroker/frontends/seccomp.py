@@ -1281,7 +1281,7 @@ class SeccompSupervisor:
         on duplicates of the file the call was made on, through the calling thread's pidfd,
         with the caller confirmed (NOTIF_ID_VALID) before each — the general path's means,
         for the call the loop is still answering."""
-        tid, nid = int(c.tid), int(c.id)
+        tid, nid = int(c.tid), c.id & 0xFFFF_FFFF_FFFF_FFFF  # (an unsigned id)
         try:
             caller = self._caller_caps(tid)[0]  # (cached since this call's admission)
         except OSError:
