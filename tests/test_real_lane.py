@@ -761,10 +761,13 @@ def test_a_continued_os_descriptor_allocation_puts_the_process_under_the_quota_w
             time.sleep(0.2)
         seen["audit"] = b.audit()
 
-    out, _ = _on_stand_in_nodes(tmp_path, "watch", {}, "seccomp",
-                                [sys.executable, str(here / "quota_watch_prog.py"), "1.5"],
-                                wrap=(sys.executable, str(here / "nvok_standin.py")),
-                                inspect=inspect)
+    out, clane = _on_stand_in_nodes(tmp_path, "watch", {}, "seccomp",
+                                    [sys.executable, str(here / "quota_watch_prog.py"), "1.5"],
+                                    wrap=(sys.executable, str(here / "nvok_standin.py")),
+                                    inspect=inspect, lane="continue_lane")
+    # the OS descriptor's NVOS02 was the continue lane's decision (continuelane.py
+    # _alloc_continues), which armed the watch as the general steps do
+    assert clane["admitted"] == 1 and clane["settled"] == 0, clane
     # the root allocation and the OS descriptor ran in the tenant (the stand-in: ENOTTY);
     # the adoption's control and the device are the broker's (the NV-OK stand-in)
     assert out == {"root": errno.ENOTTY, "adopted": [0, 0], "device": 0,

@@ -16,7 +16,7 @@ from devbroker.abi import ioc
 from devbroker.abi.driver import NV_IOCTL_MAGIC
 from devbroker.abi.nodes import NodeKind
 
-from . import handlers, rules
+from . import handlers, limits, rules
 from .effects import STATE_LOCK
 from .fastlane import _usable_session
 from .refusal import Refusal
@@ -48,6 +48,11 @@ def _client_offsets(spec, base: int = 0) -> tuple[tuple[int, bool], ...] | None:
 # tenant turns into CONTINUE for an in-caller row), and RM_MAP_MEMORY's, which also needs
 # hDevice and hMemory to be objects of the client on GPUs the tenant still has.
 _CONTINUE_HANDLERS = (handlers.fd, handlers.rm_objects, handlers.rm_map)
+# NV_ESC_RM_ALLOC_MEMORY (NVOS02, handlers.rm_alloc_memory): continued when its class is one
+# the driver binds to the caller through it (rules.ClassRule.in_caller_via: system memory,
+# OS descriptors — CUDA sends 7 per init, ~0.3-0.5 ms each over the driver the general way
+# on the H200); any other class is the broker's to run, the general way.
+_ALLOC_MEMORY = "NV_ESC_RM_ALLOC_MEMORY"
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,7 @@ class _ContinuePlan:
     fds: tuple  # offsets of its fd fields (4-byte ints)
     zero_ok: bool  # every client handle may be 0 (UVM: no RM client of the caller's)
     objects: tuple = ()  # rm_map: offsets of (hClient, hDevice, hMemory)
+    alloc: tuple = ()  # NVOS02: offsets of (hRoot, hObjectParent, hObjectNew, hClass)
 
 
 class ContinueLane:
@@ -126,9 +132,12 @@ class ContinueLane:
         elif (cmd >> 8) & 0xFF == NV_IOCTL_MAGIC:
             spec = abi.escapes.get(cmd & 0xFF)
             row = rules.ESCAPES.get(spec.name) if spec is not None else None
+            alloc_memory = (row is not None and spec.name == _ALLOC_MEMORY
+                            and row.handler is handlers.rm_alloc_memory)
             if (row is not None and spec.params is not None and spec.size
-                    and ioc.ioc_size(cmd) == spec.size and row.in_caller
-                    and row.handler in _CONTINUE_HANDLERS and row.rewrite is None):
+                    and ioc.ioc_size(cmd) == spec.size and (row.in_caller or alloc_memory)
+                    and (row.handler in _CONTINUE_HANDLERS or alloc_memory)
+                    and row.rewrite is None):
                 layout = spec.params
                 fds = row.fd_fields(layout)
                 clients = _client_offsets(layout)
@@ -139,12 +148,15 @@ class ContinueLane:
                     clients = clients + more if more is not None else None
                 where = {path: off for path, _f, off in layout.walk()}
                 fd_offs = tuple(where.get(f) for f in fds)
-                objects = ()
+                objects = alloc = ()
                 if row.handler is handlers.rm_map:
                     objects = tuple(inner.offset + inner.spec.by_name[n].offset
                                     for n in ("hClient", "hDevice", "hMemory"))
+                if alloc_memory:
+                    alloc = tuple(inner.offset + inner.spec.by_name[n].offset
+                                  for n in ("hRoot", "hObjectParent", "hObjectNew", "hClass"))
                 if clients is not None and all(o is not None for o in fd_offs):
-                    plan = _ContinuePlan(spec, row, clients, fd_offs, False, objects)
+                    plan = _ContinuePlan(spec, row, clients, fd_offs, False, objects, alloc)
         if len(self._plans) < 4096:  # command numbers come from the tenant
             self._plans[key] = plan
         return plan
@@ -180,8 +192,8 @@ class ContinueLane:
             if s is None or s.closed:
                 return None
             plan = self._plan(self.broker._abi(s), s.node, cmd)
-        if plan is None or plan.clients is None or len(plan.clients) > 4:
-            return None
+        if plan is None or plan.clients is None or len(plan.clients) > 4 or plan.alloc:
+            return None  # (NVOS02's decision reads its class and handles: asked each time)
         if plan.fds and not plan.objects:  # (an fd with no objects: UVM_MM_INITIALIZE's
             return None                   # nvidia-uvm file, which has no mapping fact)
         if plan.objects and (len(plan.objects) > 3 or len(plan.fds) > 1):
@@ -280,6 +292,8 @@ class ContinueLane:
                 obj = client.objects.get(h)
                 if obj is None or (obj.gpu is not None and obj.gpu not in tenant.gpus):
                     return False
+        if plan.alloc and not self._alloc_continues(s, plan.alloc, arg):
+            return False
         for sid in sids:  # Broker._translate_fds: each one of this tenant's NVIDIA files
             if b.tenant_file(tenant, sid) is None:
                 return False
@@ -287,4 +301,30 @@ class ContinueLane:
             return False
         tenant.requests += 1
         tenant.continued += 1
+        if plan.alloc:  # (its class could be rewritten meanwhile: rules._RACE_ALLOC_MEMORY)
+            b._watch_quota(s)
         return True
+
+    def _alloc_continues(self, s, offsets: tuple, arg: bytes) -> bool:
+        """NVOS02's general steps up to the driver (handlers.rm_alloc_memory) for a class
+        the driver binds to the caller through it: the client the tenant's (known: not one
+        to adopt), the parent one of its objects on a GPU it keeps, the class on the
+        allowlist, granted and in_caller_via this escape (nothing charged: such classes are
+        system memory), the new handle not one the client holds, the object limit. Then
+        the general steps continue it (RunInCaller "watch")."""
+        tenant = s.tenant
+        h_root, h_parent, h_new, cls = (int.from_bytes(arg[o:o + 4], "little")
+                                        for o in offsets)
+        client = tenant.clients.get(h_root)
+        if client is None:
+            return False
+        parent = client.objects.get(h_parent)
+        if parent is None or (parent.gpu is not None and parent.gpu not in tenant.gpus):
+            return False
+        rule = rules.class_rule(cls)
+        if (rule is None or not rule.granted(tenant.capabilities())
+                or _ALLOC_MEMORY not in rule.in_caller_via or rule.charge):
+            return False
+        if h_new in client.objects:
+            return False
+        return limits.alloc_refusal(tenant, root_client=False) is None
