@@ -91,6 +91,15 @@ out["fb_holding"] = fb_info(ctl)
 out["free"] = call(ctl, "NV_ESC_RM_FREE", "NVOS00_PARAMETERS", hRoot=CLIENT,
                    hObjectParent=DEVICE, hObjectOld=MEMORY)[1].status
 out["fb_after"] = fb_info(ctl)
+# the same again: this free is the loop's (a settled free: the free's decision was written
+# down at the first one, the new memory's fact at its booking), and the books follow it
+out["memory2"] = alloc(ctl, DEVICE, MEMORY + 1, 0x40, "NV_MEMORY_ALLOCATION_PARAMS",
+                       owner=CLIENT, flags=0x1C101, attr=0x18000000, size=64 << 20,
+                       alignment=2 << 20)
+out["fb_holding2"] = fb_info(ctl)
+out["free2"] = call(ctl, "NV_ESC_RM_FREE", "NVOS00_PARAMETERS", hRoot=CLIENT,
+                    hObjectParent=DEVICE, hObjectOld=MEMORY + 1)[1].status
+out["fb_after2"] = fb_info(ctl)
 # the client's control again: what the free removed was another object, so the client's
 # facts still stand
 for _ in range(5):

@@ -322,8 +322,9 @@ def test_settled_controls_answer_as_the_broker_and_follow_the_books(tmp_path, fi
     off (DEVBROKER_SETTLED=0): every call NV_OK, FB_GET_INFO_V2 patched with the quota as
     total and free memory; after a 64 MiB allocation the settled answer shows 64 MiB less
     free (a change of charged memory makes the patch values stale), after its free the
-    whole quota again. The free removes that object's facts only: the client's control is
-    settled from its first call after it."""
+    whole quota again — also after a second 64 MiB allocation whose free the loop settled
+    (a settled free's books follow it). The free removes that object's facts only: the
+    client's control is settled from its first call after it."""
     import sys
     from pathlib import Path
 
@@ -347,6 +348,9 @@ def test_settled_controls_answer_as_the_broker_and_follow_the_books(tmp_path, fi
         "fb_before": [[quota_kib, quota_kib]],
         "fb_holding": [[quota_kib, quota_kib - (64 << 10)]],
         "fb_after": [[quota_kib, quota_kib]],
+        "memory2": [0, 0], "free2": 0,
+        "fb_holding2": [[quota_kib, quota_kib - (64 << 10)]],
+        "fb_after2": [[quota_kib, quota_kib]],
         # (a second root client on the same file: the broker allocates it, handlers.rm_alloc)
         "root2": 0, "client2": [0, 0], "device2": [0, 0], "subdevice2": [0, 0],
         "arch": [[0, 0]] * 4,
@@ -370,8 +374,12 @@ def test_settled_controls_answer_as_the_broker_and_follow_the_books(tmp_path, fi
     # there from the booking, its control's is written at the second admission there).
     # With settle-first, the second client's subdevice allocation is settled too (its
     # device's fact from the booking, the subdevice class's from the first client's).
+    # The second 64 MiB round: its two FB info runs 19 settled each (the first call of each
+    # decided: the charge moved), and its free the loop's — the free's decision written
+    # down at the first free, the memory's fact at its booking — whose books show the
+    # whole quota free again (fb_after2).
     assert lane_on["settled"] == (19 + 19 + 19 + 19 + 5 + 3 + 19 + 1 if first
-                                  else 18 + 18 + 19 + 19 + 5 + 1 + 18), lane_on
+                                  else 18 + 18 + 19 + 19 + 5 + 1 + 18) + 19 + 19 + 1, lane_on
     assert lane_off["settled"] == 0, lane_off
     # every call counted as admitted either way (a settled call is an admitted one)
     assert lane_on["admitted"] == lane_off["admitted"], (lane_on, lane_off)
@@ -415,7 +423,8 @@ def test_settled_allocations_are_booked_and_stop_short_of_the_object_limit(tmp_p
                          # NV_ERR_NOT_SUPPORTED (a buffer behind the pointer), on and off
                          "sysmem": [ok] * 4 + [[0, 0x56]],
                          "until_refused": [70, [0, 0x1A]],  # NV_ERR_INSUFFICIENT_RESOURCES
-                         "frees": [ok], "made": 98}, (on, off)
+                         "frees": [ok], "made": 98,
+                         "last": [0, 0x23]}, (on, off)  # (NV_ERR_INVALID_CLIENT)
     # Settled: under the device, the first decided (a device's decision is written at its
     # first admission) or the first two (settle-second), the rest by the loop; under each
     # new object, all of them (its object's fact from the booking, the class's from the
@@ -427,7 +436,11 @@ def test_settled_allocations_are_booked_and_stop_short_of_the_object_limit(tmp_p
     # allocations stop once the tenant holds 36 objects (34 after the client and device:
     # the loop's 32 or 30, the broker's first ones) — and the broker decides the rest and
     # the refusal.
-    assert lane_on["settled"] == (34 - 2 + 11 if first else 34 - 4 + 10), lane_on
+    # The frees, last: the first decided by the broker (the free's decision is written down
+    # at its first admission), one more when the loop's credit of the tenant's pace (64
+    # tokens taken ahead) ran out, the other 96 by the loop (settled frees: each object's
+    # fact from its booking), the books following each (`made` and every free NV_OK).
+    assert lane_on["settled"] == (34 - 2 + 11 if first else 34 - 4 + 10) + 96, lane_on
     assert lane_off["settled"] == 0, lane_off
     assert lane_on["admitted"] == lane_off["admitted"], (lane_on, lane_off)
 
@@ -936,5 +949,6 @@ def test_channel_groups_get_their_share_in_the_lane_and_channels_settle(tmp_path
         books_on, books_off)
     # the device, the groups and the channels through the lane (settled ones included)
     assert lane_on["allocations"] == 1 + 4 + 8, lane_on
-    assert lane_on["settled"] == (6 if priority == "normal" else 0), lane_on
+    # (and of the four frees of the groups, the last three: settled frees)
+    assert lane_on["settled"] == (6 if priority == "normal" else 0) + 3, lane_on
     assert lane_off["admitted"] == 0, lane_off

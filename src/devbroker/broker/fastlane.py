@@ -125,8 +125,9 @@ class Header:
     # a front end that carries fds replaces with the broker's duplicates of those files
     fd_offsets: tuple = ()
     # control: the offsets of (hClient, hObject, cmd, params, paramsSize); alloc: of (hRoot,
-    # hObjectParent, hClass, pAllocParms, paramsSize) — for a front end that reads them
-    # itself (the native loop's settled controls and allocations)
+    # hObjectParent, hClass, pAllocParms, paramsSize); free: of (hRoot, hObjectOld) and -1
+    # three times — for a front end that reads them itself (the native loop's settled
+    # controls, allocations and frees)
     offsets: tuple = ()
 
 
@@ -193,7 +194,10 @@ def _header(nr: int, spec, kind: str, name: str = "") -> Header | None:
         if not all(n in f for n, _k in _FREE_FIELDS) or "status" not in f:
             return None
         unpack = _fixed_unpacker([f[n].offset for n, _k in _FREE_FIELDS], ["I", "I", "I"])
-        return (Header(cmd, spec.size, unpack, -1, f["status"].offset, kind="free")
+        # (offsets: hRoot and hObjectOld where a control's client and object are, for the
+        # native loop's settled frees; no control, parameters or size)
+        return (Header(cmd, spec.size, unpack, -1, f["status"].offset, kind="free",
+                       offsets=(f["hRoot"].offset, f["hObjectOld"].offset, -1, -1, -1))
                 if unpack is not None else None)
     fields = _CONTROL_FIELDS if kind == "control" else _ALLOC_FIELDS
     if not all(n in f for n, _k in fields) or "status" not in f:
@@ -964,6 +968,12 @@ class ControlLane:
         post-hook only as a TablePatch, and nothing for `finish` to do (no recording)."""
         if adm.alloc is not None:
             return self._settleable_alloc(adm)
+        if adm.header.kind == "free":
+            # `_admit_free` decided on the header alone: the client the tenant's and the
+            # object one of its objects or the client itself — an object fact on this file
+            # is that (facts of freed objects go with their removal from the books); the
+            # books follow the driver's answer after it (`book_settled`)
+            return self.broker.recorder is None
         id_filter = self._id_filter_only(adm)
         return (adm.header.kind == "control" and adm.alloc is None
                 and (not adm.checked or adm.gpu_id_off >= 0 or bool(adm.embedded_only)
@@ -1082,7 +1092,10 @@ class ControlLane:
             if s is None:
                 return None
             h = headers_of(self.broker._abi(s)).get(ioctl_cmd)
-            if h is None or h.kind != "alloc" or len(hdr_out) != h.size:
+            if h is None or h.kind not in ("alloc", "free") or len(hdr_out) != h.size:
+                return None
+            if h.kind == "free":
+                self._book_settled_free(s, h, hdr_out)
                 return None
             h_root, h_parent, _h_new, cls, _p, _n = h.unpack(hdr_out)
             handle = int.from_bytes(hdr_out[h.new_offset:h.new_offset + 4], "little")
@@ -1093,6 +1106,20 @@ class ControlLane:
             client.add(handle, cls, h_parent, gpu=parent.gpu, charged=0)
             self.allocations += 1
             return s, client.handle, handle
+
+    def _book_settled_free(self, s: Session, h: Header, hdr_out: bytes) -> None:
+        """A free the front end admitted as settled, answered NV_OK: the object and its
+        children (or the client and everything under it) leave the books, as
+        `_finish_free` has them leave (under the state lock)."""
+        h_root, _h_parent, h_old = h.unpack(hdr_out)
+        client = s.tenant.clients.get(h_root)
+        if client is None or h_old not in client.objects:
+            return  # (already gone: a racing free of a parent took it)
+        if h_old == client.handle:
+            self.broker.clients.remove(h_old)
+        else:
+            drop_objects(client.remove(h_old))
+        self.frees += 1
 
     def settled_calls(self, tenant, key, ok: int, err: int, sum_ns: int,
                       buckets) -> None:

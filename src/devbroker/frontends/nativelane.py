@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("devbroker.seccomp.native")
 
-ABI = 17  # native/lane.c DVB_ABI
+ABI = 18  # native/lane.c DVB_ABI
 (DVB_NOTIF, DVB_IDLE, DVB_WAKE, DVB_HUP, DVB_FOLD, DVB_LATE, DVB_WRITE_FAILED, DVB_ERROR,
  DVB_QUIET) = range(1, 10)
 ACT_DECLINE, ACT_CONTINUE, ACT_CONTROL, ACT_FAIL = 0, 1, 2, 3
@@ -467,6 +467,9 @@ class NativeLane:
             return False
         alloc = h.kind == "alloc"  # (hRoot, parent and class where a control's client,
         # object and control are; ControlLane._settleable_alloc)
+        # native/lane.c's layout kinds: LAYOUT_CONTROL, LAYOUT_ALLOC, LAYOUT_FREE (hRoot and
+        # hObjectOld where a control's client and object are; nothing else read)
+        kind = 1 if alloc else 2 if h.kind == "free" else 0
         if patch is not None and len(patch.values) > PATCH_MAX:
             return False
         s = adm.session
@@ -475,7 +478,7 @@ class NativeLane:
         with self._settled_lock:
             if h.ioctl_cmd not in self._layouts:
                 f = (ctypes.c_int32 * 10)(h.ioctl_cmd, h.size, *h.offsets, h.status_offset,
-                                          h.rights_offset if alloc else -1, int(alloc))
+                                          h.rights_offset if alloc else -1, kind)
                 if self.lib.dvb_settled_layout(self.shared, f) != 0:
                     return False
                 self._layouts.add(h.ioctl_cmd)

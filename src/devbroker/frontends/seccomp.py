@@ -954,13 +954,18 @@ class SeccompSupervisor:
                 t.unfinished, t.done_seen = adm, c.done_count  # its row: _settle
             # (a post-hook as an IdFilter runs in Python this time, by the loop once settled)
             id_filtered = adm.post in rewrite.AS_ID_FILTER
-            if ((not finish or id_filtered or (adm.alloc is not None and self.settled_allocs))
+            # (allocations and frees: their books follow after the answer, FINISH_AFTER)
+            books_after = ((adm.alloc is not None or adm.header.kind == "free")
+                           and self.settled_allocs)
+            if ((not finish or id_filtered or books_after)
                     and epochs is not None
                     and driver and (adm.post is None or patched or id_filtered)
                     and lane.settleable(adm)
-                    and t.lane.worth_settling(
+                    # (a free at its first admission: each object is freed once, and what
+                    # is written is the free's control fact — the object's goes with it)
+                    and (adm.header.kind == "free" or t.lane.worth_settling(
                         c.dev, c.ino, adm.client.handle, adm.h_object, adm.cmd,
-                        getattr(adm.client.objects.get(adm.h_object), "rm_class", None))):
+                        getattr(adm.client.objects.get(adm.h_object), "rm_class", None)))):
                 # (a checked one is written down only if its check passes: _native_check
                 # drops what was queued when it declines, t.after)
                 self._after(t, c, self._native_settle, t, c, adm, epochs, patch)

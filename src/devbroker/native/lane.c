@@ -60,7 +60,7 @@
 #endif
 #define DVB_PIDFD_THREAD O_EXCL /* Linux 6.9: a pidfd for a (non-leader) thread */
 
-#define DVB_ABI 17 /* bumped with any change of the structures below (nativelane.py checks) */
+#define DVB_ABI 18 /* bumped with any change of the structures below (nativelane.py checks) */
 
 struct dvb_notif { /* struct seccomp_notif */
     uint64_t id;
@@ -85,6 +85,7 @@ enum { DVB_NOTIF = 1, DVB_IDLE, DVB_WAKE, DVB_HUP, DVB_FOLD, DVB_LATE, DVB_WRITE
 enum { ACT_DECLINE = 0, ACT_CONTINUE = 1, ACT_CONTROL = 2, ACT_FAIL = 3 };
 /* struct dvb_call.finish: when the broker's on_finish runs for a call the loop admitted */
 enum { FINISH_NONE = 0, FINISH_BEFORE = 1, FINISH_AFTER = 2 };
+enum { LAYOUT_CONTROL = 0, LAYOUT_ALLOC = 1, LAYOUT_FREE = 2 }; /* dvb_settled_layout.alloc */
 
 /* counters, in nativelane.COUNTERS order */
 enum { C_NOTIFICATIONS, C_OPENS_CONTINUED, C_IOCTLS, C_CONTROLS_FAST, C_STALE,
@@ -211,7 +212,9 @@ struct dvb_settled_layout { /* where NVOS54's fields are, for one ioctl number *
     /* An allocation's header (NVOS21/NVOS64; alloc 1): client is hRoot, object the parent,
      * control the class; its paramsSize may also be 0 (the driver then reads the class's
      * own size); rights: the 8 bytes of its access-rights pointer, which must be 0 (-1:
-     * none in this layout). */
+     * none in this layout). A free's (NVOS00; alloc 2, LAYOUT_FREE): client is hRoot,
+     * object hObjectOld; no control, parameters or size (-1), its control fact's control
+     * 0 and size 0. */
     int32_t rights, alloc;
 };
 _Static_assert(sizeof(struct dvb_settled_layout) == 10 * 4, "copied from an int32_t[10]");
@@ -1104,12 +1107,19 @@ int dvb_settled_layout(struct dvb_shared *sh, const int32_t *f /* ioctl, size, c
 {
     struct dvb_settled *m = &sh->settled;
     int rc = -1;
-    if (f[1] <= 0 || f[1] > DVB_HDR_MAX || (f[9] != 0 && f[9] != 1))
+    if (f[1] <= 0 || f[1] > DVB_HDR_MAX
+        || (f[9] != LAYOUT_CONTROL && f[9] != LAYOUT_ALLOC && f[9] != LAYOUT_FREE))
         return -1;
-    for (int k = 2; k < 8; k++)
+    for (int k = 2; k < 8; k++) {
+        if (f[9] == LAYOUT_FREE && k >= 4 && k <= 6) { /* (no control, parameters, size) */
+            if (f[k] != -1)
+                return -1;
+            continue;
+        }
         if (f[k] < 0 || f[k] + (k == 5 ? 8 : 4) > f[1])
             return -1;
-    if (f[8] < -1 || f[8] + 8 > f[1] || (f[8] >= 0 && !f[9]))
+    }
+    if (f[8] < -1 || f[8] + 8 > f[1] || (f[8] >= 0 && f[9] != LAYOUT_ALLOC))
         return -1;
     pthread_mutex_lock(&m->lock);
     for (int i = 0; i < m->n_layouts; i++)
@@ -1344,7 +1354,8 @@ int dvb_settled_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t
     int slot = -1;
     evicted[0] = -1;
     if (patch_n < 0 || patch_n > DVB_PATCH_MAX || (ctl[4] && !patch_n)
-        || ctl[11] < -1 || ctl[11] + 4 > ctl[3] || ctl[12] < 0 || ctl[12] > DVB_SETTLED_PTRS
+        || ctl[11] < -1 || (ctl[11] >= 0 && ctl[11] + 4 > ctl[3])
+        || ctl[12] < 0 || ctl[12] > DVB_SETTLED_PTRS
         || (ctl[12] > 0 && (ctl[13] < 0 || ctl[13] + 8 > ctl[3]))
         || (ctl[12] > 1 && (ctl[14] < 0 || ctl[14] + 8 > ctl[3]))
         || ctl[15] < 0 || ctl[15] > DVB_SETTLED_EMBED || (ctl[15] && ctl[4])
@@ -1573,23 +1584,30 @@ static int settled_admit(struct dvb_thread *t)
     const struct dvb_settled_layout *l = settled_layout(m, (uint32_t)c->cmd);
     if (!l || l->size != c->hdr_len)
         goto out;
-    uint32_t client, object, control, params_size;
-    uint64_t params;
+    uint32_t client, object, control = 0, params_size = 0;
+    uint64_t params = 0;
+    int is_free = l->alloc == LAYOUT_FREE;
     memcpy(&client, c->hdr + l->client, 4);
     memcpy(&object, c->hdr + l->object, 4);
-    memcpy(&control, c->hdr + l->control, 4);
-    memcpy(&params, c->hdr + l->params, 8);
-    memcpy(&params_size, c->hdr + l->params_size, 4);
+    if (!is_free) {
+        memcpy(&control, c->hdr + l->control, 4);
+        memcpy(&params, c->hdr + l->params, 8);
+        memcpy(&params_size, c->hdr + l->params_size, 4);
+    }
     catch_up(m);
     uint64_t now = epoch_now(m, 0);
+    /* (a free: the object to free is the tenant's — the root client itself included —
+     * while its fact stands; a removal from the books takes the fact with it) */
     struct dvb_settled_object *o = find_object(m, now, c->dev, c->ino, client, object);
     if (!o)
         goto out;
     struct dvb_settled_control *e = find_control(m, now, o->abi, (uint32_t)c->cmd, control);
-    if (!e || !params || e->params_size > DVB_PARAMS_MAX
-        || (e->params_size != params_size && !(l->alloc && params_size == 0)))
+    if (!e || (!params && !is_free) || e->params_size > DVB_PARAMS_MAX
+        || (is_free && e->params_size)
+        || (e->params_size != params_size
+            && !(l->alloc == LAYOUT_ALLOC && params_size == 0)))
         goto out;
-    if (l->alloc) {
+    if (l->alloc == LAYOUT_ALLOC) {
         /* An allocation settled (nativelane.NativeLane.settle, ControlLane.settleable): no
          * access rights asked for, an object of the tenant's allowance left; the driver
          * refuses a handle that exists in the client itself (NV_ERR_INSERT_DUPLICATE_NAME,
@@ -1609,15 +1627,16 @@ static int settled_admit(struct dvb_thread *t)
         goto out; /* (the session's own check: the caller in the opener's sandbox) */
     if (m->credit > 0)
         m->credit--;
-    if (l->alloc)
+    if (l->alloc == LAYOUT_ALLOC)
         m->alloc_credit--;
     c->params_ptr = (int64_t)params;
     c->params_size = e->params_size; /* (an allocation's 0: the class's size, read here) */
-    c->params_off = l->params;
+    c->params_off = l->params;       /* (a free's -1: the header alone) */
     c->status_off = l->status;
     c->driver = 1;
     c->check = 0;
-    c->finish = l->alloc ? FINISH_AFTER : FINISH_NONE;
+    /* an allocation's new object, a free's removal: into the books after the answer */
+    c->finish = l->alloc != LAYOUT_CONTROL ? FINISH_AFTER : FINISH_NONE;
     c->gpu_id_off = e->gpu_id_off;
     c->n_null = e->n_null;
     for (int k = 0; k < DVB_SETTLED_PTRS; k++)
@@ -1673,8 +1692,8 @@ static void settled_count(struct dvb_thread *t, int64_t ns)
     const struct dvb_settled_layout *l;
     pthread_mutex_lock(&m->lock);
     struct dvb_settled_control *e = &m->controls[c->settled % DVB_SETTLED_CONTROLS];
-    if ((l = settled_layout(m, (uint32_t)c->cmd)) != NULL)
-        memcpy(&control, c->hdr + l->control, 4);
+    if ((l = settled_layout(m, (uint32_t)c->cmd)) != NULL && l->alloc != LAYOUT_FREE)
+        memcpy(&control, c->hdr + l->control, 4); /* (a free's control fact: 0) */
     if (l && e->ioctl_cmd == (uint32_t)c->cmd && e->control == control) {
         int b = bucket_of(m, ns);
         if (c->err)
