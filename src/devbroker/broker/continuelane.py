@@ -18,7 +18,7 @@ from devbroker.abi.nodes import NodeKind
 
 from . import handlers, limits, rules
 from .effects import STATE_LOCK
-from .fastlane import _usable_session
+from .fastlane import _usable_session, own_parent
 from .refusal import Refusal
 
 if TYPE_CHECKING:
@@ -315,11 +315,8 @@ class ContinueLane:
         tenant = s.tenant
         h_root, h_parent, h_new, cls = (int.from_bytes(arg[o:o + 4], "little")
                                         for o in offsets)
-        client = tenant.clients.get(h_root)
-        if client is None:
-            return False
-        parent = client.objects.get(h_parent)
-        if parent is None or (parent.gpu is not None and parent.gpu not in tenant.gpus):
+        client, parent = own_parent(tenant, h_root, h_parent)
+        if parent is None:
             return False
         rule = rules.class_rule(cls)
         if (rule is None or not rule.granted(tenant.capabilities())

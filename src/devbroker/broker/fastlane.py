@@ -432,6 +432,19 @@ LANE_AFTER_HOOKS = frozenset({compute.after_channel_alloc})
 LANE_RUN_AFTER_HOOKS = frozenset({compute.after_alloc})
 
 
+def own_parent(tenant: Any, h_root: int, h_parent: int) -> tuple[Any, Any]:
+    """(client, parent object) of an allocation when the client is the tenant's (in its
+    books: not one still to adopt) and the parent one of its objects on a GPU it keeps —
+    handlers.rm_alloc's first tests; (client or None, None) otherwise."""
+    client = tenant.clients.get(h_root)
+    if client is None:
+        return None, None
+    parent = client.objects.get(h_parent)
+    if parent is None or (parent.gpu is not None and parent.gpu not in tenant.gpus):
+        return client, None
+    return client, parent
+
+
 @dataclass(frozen=True)
 class _HookContext:
     """What an after-hook run by the lane reads of its call (handlers.CallContext's part)."""
@@ -564,11 +577,8 @@ class ControlLane:
         h_root, h_parent, h_new, cls, params_ptr, params_size = h.unpack(hdr)
         if h.rights_offset >= 0 and any(hdr[h.rights_offset:h.rights_offset + 8]):
             return None  # access rights asked for: the general way reads them
-        client = tenant.clients.get(h_root)
-        if client is None:
-            return None
-        parent = client.objects.get(h_parent)
-        if parent is None or (parent.gpu is not None and parent.gpu not in tenant.gpus):
+        client, parent = own_parent(tenant, h_root, h_parent)
+        if parent is None:
             return None
         if h_new and h_new in client.objects:
             return None  # (a duplicate handle: refused there)
