@@ -119,6 +119,31 @@ out["map_own"] = [map_memory(m, gpu, 4) for m in MEMORY]
 out["map_no_file"] = map_memory(MEMORY[0], -1, 3)
 out["map_unknown_memory"] = map_memory(0xBAD0BAD0, gpu, 3)
 out["map_null_file"] = map_memory(MEMORY[1], null, 3)
+# OS events (NV_ESC_ALLOC_OS_EVENT / FREE_OS_EVENT: a client handle and an fd): on the
+# tenant's GPU file, then on a file that is not an NVIDIA file of the tenant's
+
+
+def os_event(name: str, fd: int, times: int) -> list:
+    seen: list = []
+    spec = abi.escape(name).params  # (its field named fd: built here, as map_memory's)
+    for _ in range(times):
+        buf = bytearray(spec.decode(bytes(spec.size)).replace(
+            hClient=CLIENT, hDevice=DEVICE, fd=fd).encode())
+        try:
+            fcntl.ioctl(ctl, abi.escape_cmd(name, len(buf)), buf, True)
+            err = 0
+        except OSError as e:
+            err = e.errno or errno.EIO
+        time.sleep(0.002)
+        got = [err, spec.decode(bytes(buf)).Status]
+        if got not in seen:
+            seen.append(got)
+    return seen
+
+
+out["event_own"] = os_event("NV_ESC_ALLOC_OS_EVENT", gpu, 5)
+out["event_free_own"] = os_event("NV_ESC_FREE_OS_EVENT", gpu, 5)
+out["event_null_file"] = os_event("NV_ESC_ALLOC_OS_EVENT", null, 3)
 # the client freed: the broker forgets it (and what the loop settled on it)
 out["free"] = escape(ctl, "NV_ESC_RM_FREE", "NVOS00_PARAMETERS", hRoot=CLIENT,
                      hObjectParent=0, hObjectOld=CLIENT)[1].status

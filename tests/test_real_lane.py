@@ -494,7 +494,8 @@ def test_settled_continuations_answer_as_the_broker_and_follow_the_books(tmp_pat
     RM_MAP_MEMORY (its decision names the client's device and memory and an fd): settled
     for the tenant's memory objects through its GPU file or no file; memory the books do
     not hold, and a file that is not one of the tenant's NVIDIA files, are the broker's
-    (refused) every time."""
+    (refused) every time. ALLOC_OS_EVENT / FREE_OS_EVENT (a client handle and an fd) the
+    same: settled on the tenant's GPU file, the broker's on any other file."""
     import sys
     from pathlib import Path
 
@@ -555,6 +556,10 @@ def test_settled_continuations_answer_as_the_broker_and_follow_the_books(tmp_pat
         # (NV_ERR_INVALID_ARGUMENT) — every time, with settled decisions on and off
         "map_own": [[[errno.ENOTTY, 0]]] * 3, "map_no_file": [[errno.ENOTTY, 0]],
         "map_unknown_memory": [[0, 0x33]], "map_null_file": [[0, 0x1F]],
+        # OS events on the tenant's GPU file continued (ENOTTY); on /dev/null refused by
+        # the broker (NV_ERR_INVALID_ARGUMENT) every time
+        "event_own": [[errno.ENOTTY, 0]], "event_free_own": [[errno.ENOTTY, 0]],
+        "event_null_file": [[0, 0x1F]],
         "free": 0,
         "register_freed": [[0, invalid_client]],
         "initialize_after": [[errno.ENOTTY, 0]],
@@ -568,11 +573,13 @@ def test_settled_continuations_answer_as_the_broker_and_follow_the_books(tmp_pat
     # the lane's too, four of five settled; RM_MAP_MEMORY: the first decided, the other
     # eleven of the tenant's memory (each object's fact written when the broker booked it,
     # the GPU file's mapping fact at its install) and the three with no file by the loop;
-    # memory not in the books and the foreign file: the broker's every time
-    assert lane_on["settled"] == 9 + 9 + 3 + 4 + 11 + 3, lane_on
+    # memory not in the books and the foreign file: the broker's every time; the OS events
+    # on the GPU file (a client handle and an fd whose file has a mapping fact): the first
+    # of each decided, four by the loop; on /dev/null, the broker's every time
+    assert lane_on["settled"] == 9 + 9 + 3 + 4 + 11 + 3 + 4 + 4, lane_on
     assert lane_off["settled"] == 0, lane_off
     # every continued call counted as admitted either way
-    assert lane_on["admitted"] == lane_off["admitted"] == 10 + 10 + 3 + 5 + 12 + 3, (
+    assert lane_on["admitted"] == lane_off["admitted"] == 10 + 10 + 3 + 5 + 12 + 3 + 5 + 5, (
         lane_on, lane_off)
 
 
