@@ -77,6 +77,8 @@ COUNTERS = ("notifications", "opens_continued", "ioctls", "controls_fast", "stal
             ("opens_prepared", "opens"), ("ns_open_prepared", "ns_open_node", "ns_open"),
             "finished_after", "answers_settled")
 FACT_IOCTL, FACT_MMAP = 0, 1  # native/lane.c struct dvb_cont_fact's kinds
+# native/lane.c LAYOUT_CONTROL, LAYOUT_ALLOC, LAYOUT_FREE (struct dvb_settled_layout.kind)
+_LAYOUT_KINDS = {"control": 0, "alloc": 1, "free": 2}
 ANSWER_MAX = 4096  # native/lane.c DVB_ANSWER_MAX: the largest answer an answer fact holds
 HDR_MAX = 1024
 PARAMS_MAX = 16384
@@ -467,9 +469,9 @@ class NativeLane:
             return False
         alloc = h.kind == "alloc"  # (hRoot, parent and class where a control's client,
         # object and control are; ControlLane._settleable_alloc)
-        # native/lane.c's layout kinds: LAYOUT_CONTROL, LAYOUT_ALLOC, LAYOUT_FREE (hRoot and
-        # hObjectOld where a control's client and object are; nothing else read)
-        kind = 1 if alloc else 2 if h.kind == "free" else 0
+        # native/lane.c's layout kinds (hRoot and hObjectOld where a free's client and
+        # object are; nothing else read)
+        kind = _LAYOUT_KINDS[h.kind]
         if patch is not None and len(patch.values) > PATCH_MAX:
             return False
         s = adm.session

@@ -85,7 +85,7 @@ enum { DVB_NOTIF = 1, DVB_IDLE, DVB_WAKE, DVB_HUP, DVB_FOLD, DVB_LATE, DVB_WRITE
 enum { ACT_DECLINE = 0, ACT_CONTINUE = 1, ACT_CONTROL = 2, ACT_FAIL = 3 };
 /* struct dvb_call.finish: when the broker's on_finish runs for a call the loop admitted */
 enum { FINISH_NONE = 0, FINISH_BEFORE = 1, FINISH_AFTER = 2 };
-enum { LAYOUT_CONTROL = 0, LAYOUT_ALLOC = 1, LAYOUT_FREE = 2 }; /* dvb_settled_layout.alloc */
+enum { LAYOUT_CONTROL = 0, LAYOUT_ALLOC = 1, LAYOUT_FREE = 2 }; /* dvb_settled_layout.kind */
 
 /* counters, in nativelane.COUNTERS order */
 enum { C_NOTIFICATIONS, C_OPENS_CONTINUED, C_IOCTLS, C_CONTROLS_FAST, C_STALE,
@@ -209,13 +209,13 @@ typedef int (*dvb_callback)(int slot);
 struct dvb_settled_layout { /* where NVOS54's fields are, for one ioctl number */
     uint32_t ioctl_cmd;      /* (10 × 4 bytes in this order: dvb_settled_layout's argument) */
     int32_t size, client, object, control, params, params_size, status;
-    /* An allocation's header (NVOS21/NVOS64; alloc 1): client is hRoot, object the parent,
+    /* An allocation's header (NVOS21/NVOS64; LAYOUT_ALLOC): client is hRoot, object the parent,
      * control the class; its paramsSize may also be 0 (the driver then reads the class's
      * own size); rights: the 8 bytes of its access-rights pointer, which must be 0 (-1:
-     * none in this layout). A free's (NVOS00; alloc 2, LAYOUT_FREE): client is hRoot,
+     * none in this layout). A free's (NVOS00; LAYOUT_FREE): client is hRoot,
      * object hObjectOld; no control, parameters or size (-1), its control fact's control
-     * 0 and size 0. */
-    int32_t rights, alloc;
+     * 0 and size 0. kind: LAYOUT_CONTROL, LAYOUT_ALLOC or LAYOUT_FREE. */
+    int32_t rights, kind;
 };
 _Static_assert(sizeof(struct dvb_settled_layout) == 10 * 4, "copied from an int32_t[10]");
 
@@ -1103,7 +1103,7 @@ int dvb_settled_start(struct dvb_shared *sh, const uint64_t *epochs,
 
 /* Where NVOS54's fields are for one RM_CONTROL ioctl number (one per driver layout). */
 int dvb_settled_layout(struct dvb_shared *sh, const int32_t *f /* ioctl, size, client,
-                       object, control, params, params_size, status, rights, alloc */)
+                       object, control, params, params_size, status, rights, kind */)
 {
     struct dvb_settled *m = &sh->settled;
     int rc = -1;
@@ -1143,6 +1143,16 @@ static const struct dvb_settled_layout *settled_layout(const struct dvb_settled 
         if (m->layouts[i].ioctl_cmd == ioctl_cmd)
             return &m->layouts[i];
     return NULL;
+}
+
+/* The control a call's control fact is keyed by: the header's (an allocation's class);
+ * a free's is 0 (its layout has no such field). */
+static uint32_t layout_control(const struct dvb_settled_layout *l, const uint8_t *hdr)
+{
+    uint32_t control = 0;
+    if (l->kind != LAYOUT_FREE)
+        memcpy(&control, hdr + l->control, 4);
+    return control;
 }
 
 static uint64_t control_home(uint32_t abi, uint32_t ioctl_cmd, uint32_t control)
@@ -1584,13 +1594,12 @@ static int settled_admit(struct dvb_thread *t)
     const struct dvb_settled_layout *l = settled_layout(m, (uint32_t)c->cmd);
     if (!l || l->size != c->hdr_len)
         goto out;
-    uint32_t client, object, control = 0, params_size = 0;
+    uint32_t client, object, control = layout_control(l, c->hdr), params_size = 0;
     uint64_t params = 0;
-    int is_free = l->alloc == LAYOUT_FREE;
+    int is_free = l->kind == LAYOUT_FREE;
     memcpy(&client, c->hdr + l->client, 4);
     memcpy(&object, c->hdr + l->object, 4);
     if (!is_free) {
-        memcpy(&control, c->hdr + l->control, 4);
         memcpy(&params, c->hdr + l->params, 8);
         memcpy(&params_size, c->hdr + l->params_size, 4);
     }
@@ -1605,9 +1614,9 @@ static int settled_admit(struct dvb_thread *t)
     if (!e || (!params && !is_free) || e->params_size > DVB_PARAMS_MAX
         || (is_free && e->params_size)
         || (e->params_size != params_size
-            && !(l->alloc == LAYOUT_ALLOC && params_size == 0)))
+            && !(l->kind == LAYOUT_ALLOC && params_size == 0)))
         goto out;
-    if (l->alloc == LAYOUT_ALLOC) {
+    if (l->kind == LAYOUT_ALLOC) {
         /* An allocation settled (nativelane.NativeLane.settle, ControlLane.settleable): no
          * access rights asked for, an object of the tenant's allowance left; the driver
          * refuses a handle that exists in the client itself (NV_ERR_INSERT_DUPLICATE_NAME,
@@ -1627,7 +1636,7 @@ static int settled_admit(struct dvb_thread *t)
         goto out; /* (the session's own check: the caller in the opener's sandbox) */
     if (m->credit > 0)
         m->credit--;
-    if (l->alloc == LAYOUT_ALLOC)
+    if (l->kind == LAYOUT_ALLOC)
         m->alloc_credit--;
     c->params_ptr = (int64_t)params;
     c->params_size = e->params_size; /* (an allocation's 0: the class's size, read here) */
@@ -1636,7 +1645,7 @@ static int settled_admit(struct dvb_thread *t)
     c->driver = 1;
     c->check = 0;
     /* an allocation's new object, a free's removal: into the books after the answer */
-    c->finish = l->alloc != LAYOUT_CONTROL ? FINISH_AFTER : FINISH_NONE;
+    c->finish = l->kind != LAYOUT_CONTROL ? FINISH_AFTER : FINISH_NONE;
     c->gpu_id_off = e->gpu_id_off;
     c->n_null = e->n_null;
     for (int k = 0; k < DVB_SETTLED_PTRS; k++)
@@ -1688,13 +1697,11 @@ static void settled_count(struct dvb_thread *t, int64_t ns)
 {
     struct dvb_settled *m = &t->sh->settled;
     struct dvb_call *c = &t->call;
-    uint32_t control = 0;
     const struct dvb_settled_layout *l;
     pthread_mutex_lock(&m->lock);
     struct dvb_settled_control *e = &m->controls[c->settled % DVB_SETTLED_CONTROLS];
-    if ((l = settled_layout(m, (uint32_t)c->cmd)) != NULL && l->alloc != LAYOUT_FREE)
-        memcpy(&control, c->hdr + l->control, 4); /* (a free's control fact: 0) */
-    if (l && e->ioctl_cmd == (uint32_t)c->cmd && e->control == control) {
+    if ((l = settled_layout(m, (uint32_t)c->cmd)) != NULL && e->ioctl_cmd == (uint32_t)c->cmd
+        && e->control == layout_control(l, c->hdr)) {
         int b = bucket_of(m, ns);
         if (c->err)
             e->err++;
