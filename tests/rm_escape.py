@@ -42,6 +42,21 @@ def alloc(fd: int, client: int, parent: int, new: int, cls: int, params: str,
     return [err, v.status]
 
 
+def control(fd: int, client: int, obj: int, cmd: int, **fields) -> tuple[int, int, object]:
+    """NV_ESC_RM_CONTROL `cmd` on `obj`, its parameters the control's layout with the fields
+    as given (every other byte zero). (errno, status, the parameters as the call left them,
+    decoded)."""
+    import ctypes
+
+    spec = ABI.control(cmd).params
+    b = ctypes.create_string_buffer(spec.decode(bytes(spec.size)).replace(**fields).encode(),
+                                    spec.size)
+    _KEEP.append(b)
+    err, v = escape(fd, "NV_ESC_RM_CONTROL", "NVOS54_PARAMETERS", hClient=client, hObject=obj,
+                    cmd=cmd, params=ctypes.addressof(b), paramsSize=spec.size)
+    return err, v.status, spec.decode(bytes(b.raw))
+
+
 def free(fd: int, client: int, parent: int, old: int) -> list[int]:
     """NV_ESC_RM_FREE of `old`. [errno, status]."""
     err, v = escape(fd, "NV_ESC_RM_FREE", "NVOS00_PARAMETERS", hRoot=client,

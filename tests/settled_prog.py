@@ -119,8 +119,9 @@ for what, gpu_id, times in (("pci_own", 0x6, REPEAT), ("pci_foreign", 0x7, 3)):
             seen.append([err, status])
     out[what] = seen
 # a second client with its own device and subdevice: MC_GET_ARCH_INFO once on the first
-# subdevice, then on the second one three times (a decision is per object: the second
-# subdevice's is written down at its own second call)
+# subdevice, then on the second one three times (the second subdevice's object fact is
+# written at its booking, the control's at a first or second admission: the counts say
+# which)
 CLIENT2, DEVICE2, SUBDEVICE2 = 0xC1D00002, 0xC1D000D2, 0xC1D000E2
 out["root2"] = call(ctl, "NV_ESC_RM_ALLOC", "NVOS64_PARAMETERS", hRoot=CLIENT2,
                     hObjectParent=CLIENT2, hObjectNew=CLIENT2, hClass=0x41)[0]

@@ -369,9 +369,10 @@ def test_settled_controls_answer_as_the_broker_and_follow_the_books(tmp_path, fi
     # GET_PCI_INFO for the tenant's GPU: the first decided (the GPU ids given to the
     # loop), 19 settled; for another GPU: none (the loop's check sends each the general
     # way, which refuses it). With DEVBROKER_SETTLE_FIRST=0 a decision is written down the
-    # second time it is made for the same object: one fewer settled in each run of 20, and
-    # the second subdevice's control settled only at its third call (its object's fact is
-    # there from the booking, its control's is written at the second admission there).
+    # second time it is made, on whatever object: one fewer settled in each run of 20, and
+    # the second subdevice's control settled from its second call (its object's fact is
+    # there from the booking, its control's is written at its first call there: the
+    # control's second admission in the broker).
     # With settle-first, the second client's subdevice allocation is settled too (its
     # device's fact from the booking, the subdevice class's from the first client's).
     # The second 64 MiB round: its two FB info runs 19 settled each (the first call of each
@@ -379,7 +380,7 @@ def test_settled_controls_answer_as_the_broker_and_follow_the_books(tmp_path, fi
     # down at the first free, the memory's fact at its booking — whose books show the
     # whole quota free again (fb_after2).
     assert lane_on["settled"] == (19 + 19 + 19 + 19 + 5 + 3 + 19 + 1 if first
-                                  else 18 + 18 + 19 + 19 + 5 + 1 + 18) + 19 + 19 + 1, lane_on
+                                  else 18 + 18 + 19 + 19 + 5 + 2 + 18) + 19 + 19 + 1, lane_on
     assert lane_off["settled"] == 0, lane_off
     # every call counted as admitted either way (a settled call is an admitted one)
     assert lane_on["admitted"] == lane_off["admitted"], (lane_on, lane_off)
@@ -912,7 +913,9 @@ def test_channel_groups_get_their_share_in_the_lane_and_channels_settle(tmp_path
     the groups. A channel's after-hook can stop it only for a low-priority tenant or under
     turns (compute.never_stops_channels): for a normal tenant the channels settle (the
     class's fact from the second channel in the first group, each group's object fact from
-    its booking: the other six by the loop), for a low one none does."""
+    its booking: the other six by the loop), for a low one none does. Each channel gets a
+    copy engine object and a GET_WORK_SUBMIT_TOKEN, as CUDA's do: both settle from the
+    third channel on, for either tenant."""
     import sys
     from pathlib import Path
 
@@ -948,14 +951,20 @@ def test_channel_groups_get_their_share_in_the_lane_and_channels_settle(tmp_path
     off, lane_off, books_off = run(False)
     ok = [0, 0]
     assert on == off == {"root": errno.ENOTTY, "adopt": ok, "device": ok, "groups": [ok] * 4,
-                         "channels": [ok] * 8, "frees": [ok]}, (on, off)
+                         "channels": [ok] * 8, "copies": [ok] * 8, "tokens": [ok] * 8,
+                         "frees": [ok]}, (on, off)
     level = {"normal": "MEDIUM", "low": "LOW"}[priority]
     # the tenant's whole slice (8,192 µs alone on the GPU) shared by its four groups
     want = [(0xC1A60000 + i, 2048, level, None) for i in range(4)]
     assert books_on == books_off == {"ready": True, "groups": want, "errors": []}, (
         books_on, books_off)
-    # the device, the groups and the channels through the lane (settled ones included)
-    assert lane_on["allocations"] == 1 + 4 + 8, lane_on
-    # (and of the four frees of the groups, the last three: settled frees)
-    assert lane_on["settled"] == (6 if priority == "normal" else 0) + 3, lane_on
+    # the device, the groups, the channels and the copy engines through the lane (settled
+    # ones included)
+    assert lane_on["allocations"] == 1 + 4 + 8 + 8, lane_on
+    # Settled: the channels only for a normal tenant (6); the copy engines and the
+    # GET_WORK_SUBMIT_TOKENs — one per channel, so each on an object that gets it once —
+    # from the third channel on (6 + 6): the class's or control's fact written at its
+    # second admission on whatever object, the channel's object fact at its booking
+    # (NativeLane.worth_settling); and of the four frees of the groups, the last three.
+    assert lane_on["settled"] == (6 if priority == "normal" else 0) + 6 + 6 + 3, lane_on
     assert lane_off["admitted"] == 0, lane_off

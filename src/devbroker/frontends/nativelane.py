@@ -660,26 +660,34 @@ class NativeLane:
         return True
 
     # DEVBROKER_SETTLE_FIRST=0: write a decision down only the second time the broker makes
-    # it for the same object, whatever the object (the ninth session's rule; A/B probes)
+    # it, whatever the object (A/B probes)
     settle_first = os.environ.get("DEVBROKER_SETTLE_FIRST", "1") != "0"
     # The objects most controls go to: a root client, a device, a subdevice (NVML's init
     # sends ~15 controls to its new ones; CUDA's channels and memory get one or two each)
     HUB_CLASSES = frozenset({0x41, 0x80, 0x2080})
 
-    def worth_settling(self, dev: int, ino: int, client: int, obj: int, control: int,
-                       rm_class: int | None) -> bool:
-        """Whether to write this admitted control's decision down now. For a control on a
-        root client, device or subdevice (`HUB_CLASSES`), at its first admission: that
-        object's fact then serves every control on it whose control fact stands, and the
-        control's fact every later object (NVML's init, a new client each time). For any
-        other object, at the second admission of the same control on it (a first use there
-        mostly pays for a write nothing uses). On the H200 (docs/benchmarks.md, eleventh
-        session) writing at every first admission made NVML's init faster and CUDA's
-        slower, the second-admission rule the other way round; this split takes each
-        rule where it won. DEVBROKER_SETTLE_FIRST=0: the second admission everywhere."""
+    def worth_settling(self, kind: str, control: int, rm_class: int | None) -> bool:
+        """Whether to write this admitted call's decision down now (kind: the header's,
+        "control", "alloc" or "free"; control: its control, or the class allocated; rm_class: the
+        class of the object it is made on). On a root client, device or subdevice
+        (`HUB_CLASSES`), at its first admission: that object's fact then serves every
+        control on it whose control fact stands, and the control's fact every later object
+        (NVML's init, a new client each time). Anywhere else, at the second admission of the
+        same control (or class) by this loop's broker, on whatever object: a control fact
+        is the control's alone (native/lane.c find_control), and the objects CUDA makes
+        have their facts from their booking (`SeccompSupervisor._booked`), so from then on
+        a channel's GET_WORK_SUBMIT_TOKEN or a copy engine on a new channel is admitted by
+        the loop even though each object gets that call once. (Until the nineteenth
+        session the second admission had to be on the same object, and those never
+        settled; a control made once in the broker's life is still never written.)
+        DEVBROKER_SETTLE_FIRST=0: the second admission everywhere, hubs included. A free
+        ("free"), always at its first admission: each object is freed once, and what is
+        written is the free's control fact (the object's goes with the object)."""
+        if kind == "free":
+            return True
         if self.settle_first and rm_class in self.HUB_CLASSES:
             return True
-        key = (dev, ino, client, obj, control)
+        key = (kind, control)
         if key in self._sightings:
             return True
         if len(self._sightings) >= 8192:  # (bounded: old sightings are just forgotten)

@@ -961,11 +961,9 @@ class SeccompSupervisor:
                     and epochs is not None
                     and driver and (adm.post is None or patched or id_filtered)
                     and lane.settleable(adm)
-                    # (a free at its first admission: each object is freed once, and what
-                    # is written is the free's control fact — the object's goes with it)
-                    and (adm.header.kind == "free" or t.lane.worth_settling(
-                        c.dev, c.ino, adm.client.handle, adm.h_object, adm.cmd,
-                        getattr(adm.client.objects.get(adm.h_object), "rm_class", None)))):
+                    and t.lane.worth_settling(
+                        adm.header.kind, adm.cmd,
+                        getattr(adm.client.objects.get(adm.h_object), "rm_class", None))):
                 # (a checked one is written down only if its check passes: _native_check
                 # drops what was queued when it declines, t.after)
                 self._after(t, c, self._native_settle, t, c, adm, epochs, patch)
