@@ -4,8 +4,9 @@ Why: on the H200 the Python listener's control lane cost ~95 µs over the driver
 RM_CONTROL, and a CUDA init ~200 ms of listener time over ~3,700 notifications: the
 system calls a call needs cost 1–3 µs each, the Python around each of them 3–5× that
 (docs/hardware.md, run 3). The C loop makes those system calls itself — wait, receive,
-pidfd_getfd of the fd (its fstat names the file), private reads, NOTIF_ID_VALID, the driver ioctl, one
-process_vm_writev, the answer — and calls back into Python only for the decision.
+pidfd_getfd of the fd (its fstat names the file; statx for a call it cannot run), private
+reads, NOTIF_ID_VALID, the driver ioctl, one process_vm_writev, the answer — and calls back
+into Python only for the decision.
 
 Who decides what (nothing new is decided here):
 * an **ioctl**: C reads the header of a control-lane ioctl number into its private buffer

@@ -888,9 +888,10 @@ class SeccompSupervisor:
         return nativelane.NativeLane.path(t)
 
     def _native_looked(self, t: nativelane.NativeThread, n: w.Notif) -> tuple | None:
-        """For an ioctl the native loop hands back: `_lookup_stat`'s answer from the fstat
-        of the duplicate the loop took of the same fd for this notification (one system call fewer on the
-        general path, as the Python lanes pass theirs on); None for anything else."""
+        """For an ioctl the native loop hands back: `_lookup_stat`'s answer from the file
+        identity the loop read of the same fd for this notification (the fstat of its
+        duplicate, or a statx): one system call fewer on the general path, as the Python
+        lanes pass theirs on. None for anything else."""
         c = t.call
         if n.data.nr != _NR_IOCTL or not c.mode or (c.id & 0xFFFF_FFFF_FFFF_FFFF) != n.id:
             return None

@@ -948,13 +948,20 @@ static int run_control_once(struct dvb_thread *t, struct dvb_notif *n, int64_t t
                 return DVB_NOTIF;
     }
     int64_t t3 = now_ns();
-    if (c->driver) {
+    if (c->driver && t->file_dup >= 0) {
         /* The broker's own duplicate of the tenant's file, taken through the calling
          * thread's pidfd before anything was decided (answer_ioctl): the file the
          * decision is about, whatever the tenant's fd number names now. */
         dup = t->file_dup;
+    } else if (c->driver) {
+        /* (identified by statx: a duplicate now, which must be that file) */
+        dup = tenant_fd_dup(t, n->pid, (int)c->fd);
+        struct stat st;
         if (dup < 0)
             return DVB_NOTIF;
+        t->file_dup = dup; /* (closed by answer_ioctl) */
+        if (fstat(dup, &st) < 0 || (int64_t)st.st_dev != c->dev || (int64_t)st.st_ino != c->ino)
+            return DVB_NOTIF; /* another file at that number now: decided the general way */
     }
     /* The reads and the dup reached the thread that made the call. */
     if (!id_valid(sh, n->id)) {
@@ -2163,11 +2170,14 @@ static int answer_admit(struct dvb_thread *t, struct dvb_notif *n, int64_t t0)
 
 static int answer_ioctl_on(struct dvb_thread *t, struct dvb_notif *n);
 
-/* An ioctl notification. The file its fd names is identified by the broker's own duplicate
- * of it (pidfd_getfd through the calling thread's pidfd, then fstat): the same file the
- * decision is about is the one a driver call runs on, and one duplicate costs less than a
- * statx through /proc/<tid>/fd (~2 against ~4 µs on the development machine) followed by
- * the duplicate an executed call needed anyway. The duplicate is closed on every way out. */
+/* An ioctl notification. For an ioctl number the loop may run itself (lane_cmd: RM
+ * controls, allocations, frees, plain escapes) the file its fd names is identified by the
+ * broker's own duplicate of it (pidfd_getfd through the calling thread's pidfd, then
+ * fstat): the file the decision is about is the one a driver call runs on, and one
+ * duplicate costs less than a statx through /proc/<tid>/fd (~2 against ~4 µs on the
+ * development machine) followed by the duplicate an executed call needs anyway. Any other
+ * number (continued, or the Python listener's) is identified by that statx alone. The
+ * duplicate is closed on every way out. */
 static int answer_ioctl(struct dvb_thread *t, struct dvb_notif *n)
 {
     t->file_dup = -1;
@@ -2209,15 +2219,26 @@ static int answer_ioctl_on(struct dvb_thread *t, struct dvb_notif *n)
     c->status_off = -1;
     if (c->fd < 0)
         return DVB_NOTIF;
-    t->file_dup = tenant_fd_dup(t, n->pid, (int)c->fd);
-    if (t->file_dup < 0 || fstat(t->file_dup, &st) < 0)
-        return DVB_NOTIF; /* (no such fd, or the thread is gone: the Python listener says so) */
-    c->dev = (int64_t)st.st_dev;
-    c->ino = (int64_t)st.st_ino;
-    c->mode = st.st_mode;
-    c->rdev = (int64_t)st.st_rdev;
+    int laned = lane_cmd(sh, (uint32_t)c->cmd);
+    if (laned) { /* (a call the loop may run: its duplicate now, see answer_ioctl) */
+        t->file_dup = tenant_fd_dup(t, n->pid, (int)c->fd);
+        if (t->file_dup < 0 || fstat(t->file_dup, &st) < 0)
+            return DVB_NOTIF; /* (no such fd, or the thread is gone: the Python listener) */
+        c->dev = (int64_t)st.st_dev;
+        c->ino = (int64_t)st.st_ino;
+        c->mode = st.st_mode;
+        c->rdev = (int64_t)st.st_rdev;
+    } else { /* (continued or the Python listener's: the identity alone) */
+        struct statx sx;
+        if (tenant_fd_statx(n->pid, (int)c->fd, STATX_TYPE | STATX_MODE | STATX_INO, &sx) < 0)
+            return DVB_NOTIF;
+        c->dev = (int64_t)makedev(sx.stx_dev_major, sx.stx_dev_minor);
+        c->ino = (int64_t)sx.stx_ino;
+        c->mode = sx.stx_mode;
+        c->rdev = (int64_t)makedev(sx.stx_rdev_major, sx.stx_rdev_minor);
+    }
     size_t size = (c->cmd >> 16) & 0x3fff; /* _IOC_SIZE */
-    if (lane_cmd(sh, (uint32_t)c->cmd) && size <= DVB_HDR_MAX && !sh->mem_off) {
+    if (laned && size <= DVB_HDR_MAX && !sh->mem_off) {
         ssize_t got = tenant_read(t, n->pid, (uint64_t)c->argp, c->hdr, size);
         if (t->abandoned)
             return DVB_LATE;
