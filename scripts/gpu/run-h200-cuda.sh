@@ -7,7 +7,8 @@
 # `devbroker exec --tenant T -- CMD` (the default front end for the real backend is
 # seccomp). Writes into $OUT: run.log, results.json, and bundle.tgz (audit logs, broker logs,
 # the recording session.nvtrace, profiles). targets.txt: issue 12's timed targets, measured
-# natively and through devbroker one process after the other (ABBA, ROUNDS each) and, for
+# natively and through devbroker one process after the other (ABBA, ROUNDS each; CUDA init
+# INIT_ROUNDS, by default ROUNDS) and, for
 # the launch-bound loop and the matmul, with a native process and a tenant taking turns on
 # the GPU (lib.sh turns_pair, scripts/gpu/turns_summary.py).
 set -u
@@ -173,6 +174,9 @@ put dev_init3_listener "$(grep '"tenant-detached"' "$W/audit2.log" | tail -1)"
 # process lands, launch_probe.sh).
 step "native and devbroker interleaved: CUDA init, bf16 matmul, the launch-bound loop"
 ROUNDS=${ROUNDS:-4}
+# CUDA init's rounds may be more than the benches' (an init round costs ~12 s, a bench
+# round ~30 s; the host's init times spread by 10-15 %, so the medians want more of them)
+INIT_ROUNDS=${INIT_ROUNDS:-$ROUNDS}
 # (inits first, then benches: an init right after a matmul bench ran on a hot GPU; and
 # within each, the order alternates by round, native first then devbroker first: ABBA)
 ab() { local what=$1 i=$2 pre=${3:-}
@@ -183,7 +187,7 @@ ab() { local what=$1 i=$2 pre=${3:-}
     put "ab_dev_$what$i" "$(texec c16 env $pre $CHK $what 2>&1 | last)"
     put "ab_native_$what$i" "$(env $pre $CHK $what 2>&1 | last)"
   fi; }
-for i in $(seq 1 "$ROUNDS"); do ab init "$i"; done
+for i in $(seq 1 "$INIT_ROUNDS"); do ab init "$i"; done
 for i in $(seq 1 "$ROUNDS"); do ab bench "$i" BENCH_CPU=3; done
 # The same two measures with a native process and a tenant alive at once, taking turns unit
 # by unit (cuda_checks.py turns, lib.sh turns_pair): twice, each side going first once.
@@ -191,12 +195,12 @@ step "native and devbroker taking turns: the launch-bound loop, bf16 matmul"
 turns_setup
 turns_pair 1 b a texec c16  # native first
 turns_pair 2 a b texec c16  # devbroker first
-"$PY" - "$RES" "$ROUNDS" <<'PYX' | tee "$W/targets.txt"
+"$PY" - "$RES" "$ROUNDS" "$INIT_ROUNDS" <<'PYX' | tee "$W/targets.txt"
 import json, statistics, sys
-d, rounds = json.load(open(sys.argv[1])), int(sys.argv[2])
+d, rounds, init_rounds = json.load(open(sys.argv[1])), int(sys.argv[2]), int(sys.argv[3])
 def col(side, what, field):
     out = []
-    for i in range(1, rounds + 1):
+    for i in range(1, (init_rounds if what == "init" else rounds) + 1):
         v = d.get(f"ab_{side}_{what}{i}")
         if isinstance(v, dict) and v.get(field) is not None:
             out.append(v[field])
