@@ -926,8 +926,11 @@ class SeccompSupervisor:
             epochs = BOOKS.now() if t.lane.settled_on else None
             # where the loop runs the call on its duplicate of the tenant's file, an
             # allocation's after-hook runs here too, on duplicates of the same file
-            # (_native_finish); `driver` below says whether it does
-            hooks = bool(sess.real and t.driver_safe)
+            # (_native_finish): offered only where it does (no pace token spent on an
+            # admission that would be let go again below)
+            bs = self.broker.sessions.get(sess.id)
+            hooks = bool(sess.real and t.driver_safe and bs is not None
+                         and self.broker.backend.control_is_plain_ioctl(bs.file))
             adm = lane.admit(sess.id, caller, c.cmd, hdr, max_params=nativelane.PARAMS_MAX,
                              run_hooks=hooks)
             if adm is None and sess.real and sess.node is NodeKind.CTL:
@@ -941,7 +944,7 @@ class SeccompSupervisor:
                 return nativelane.ACT_DECLINE
             driver = bool(sess.real and t.driver_safe
                           and self.broker.backend.control_is_plain_ioctl(adm.session.file))
-            if not driver and lane.runs_hook(adm):
+            if not driver and lane.runs_hook(adm):  # (not offered then: never taken)
                 self._lane.release(adm)
                 return nativelane.ACT_DECLINE  # (its hook: the general way's, there)
             patch = lane.table_patch(adm) if adm.post is not None else None
@@ -956,8 +959,7 @@ class SeccompSupervisor:
             # (a post-hook as an IdFilter runs in Python this time, by the loop once settled)
             id_filtered = adm.post in rewrite.AS_ID_FILTER
             # (allocations and frees: their books follow after the answer, FINISH_AFTER)
-            books_after = ((adm.alloc is not None or adm.header.kind == "free")
-                           and self.settled_allocs)
+            books_after = self.settled_allocs and lane.books_only(adm)
             if ((not finish or id_filtered or books_after)
                     and epochs is not None
                     and driver and (adm.post is None or patched or id_filtered)
