@@ -19,9 +19,9 @@
  * Why each answer stays safe is the Python listener's argument, kept step for step:
  * the header and parameters are read once into this thread's buffers and the driver sees
  * only those (the header's params pointer replaced by the private block's address); the
- * file is identified by the broker's own duplicate of the tenant's fd (its dev and inode
- * name the session), taken before anything is decided, and the driver call runs on that
- * duplicate, so the file decided about is the file called; the
+ * file of a call the loop may run is identified by the broker's own duplicate of the
+ * tenant's fd (its dev and inode name the session), taken before anything is decided, and
+ * the driver call runs on that duplicate, so the file decided about is the file called; the
  * notification is confirmed pending (NOTIF_ID_VALID) after the last read and dup and
  * before the driver call, and again before anything is written to the tenant. The thread
  * runs without the capabilities the driver checks (dropped by its Python start). Tenant
@@ -127,8 +127,8 @@ enum { C_NOTIFICATIONS, C_OPENS_CONTINUED, C_IOCTLS, C_CONTROLS_FAST, C_STALE,
 /* One call being decided: what the Python callbacks read and fill (nativelane.Call). */
 struct dvb_call {
     int64_t id, tid, fd, cmd, argp;        /* the notification */
-    int64_t dev, ino, mode, rdev;          /* the file behind fd (fstat of the broker's
-                                              duplicate of it, answer_ioctl) */
+    int64_t dev, ino, mode, rdev;          /* the file behind fd (answer_ioctl: fstat of
+                                              the broker's duplicate of it, or statx) */
     int64_t hdr_len;                       /* bytes of hdr read (0: none) */
     /* filled by on_ioctl for ACT_CONTROL (params_size 0 and params_off -1: a call with no
      * parameter block, the header alone: RM_FREE, a plain escape) */
@@ -2199,7 +2199,7 @@ static int answer_ioctl_on(struct dvb_thread *t, struct dvb_notif *n)
     c->fd = (int)n->args[0];
     c->cmd = (uint32_t)n->args[1];
     c->argp = (int64_t)n->args[2];
-    c->mode = 0; /* 0 until the fstat below: the Python listener reuses the file's identity */
+    c->mode = 0; /* 0 until read below: the Python listener reuses the file's identity */
     c->hdr_len = 0;
     c->params_ptr = c->params_size = 0;
     c->params_off = -1;
