@@ -87,7 +87,6 @@ from devbroker.backends.base import DriverResult
 
 from . import compute, handlers, limits, rewrite, rules
 from .effects import STATE_LOCK, HandOver, locked, run_blocking
-from .objects import drop_objects
 from .refusal import Refusal
 
 log = logging.getLogger("devbroker.fastlane")
@@ -1125,10 +1124,7 @@ class ControlLane:
         client = s.tenant.clients.get(h_root)
         if client is None or h_old not in client.objects:
             return  # (already gone: a racing free of a parent took it)
-        if h_old == client.handle:
-            self.broker.clients.remove(h_old)
-        else:
-            drop_objects(client.remove(h_old))
+        handlers.drop_freed(self.broker, client, h_old)
         self.frees += 1
 
     def settled_calls(self, tenant, key, ok: int, err: int, sum_ns: int,
@@ -1224,10 +1220,7 @@ class ControlLane:
             if not adm.booked:
                 s.tenant.requests += 1
             if not err and status == nvstatus.NV_OK:
-                if adm.h_object == adm.client.handle:
-                    self.broker.clients.remove(adm.h_object)
-                else:
-                    drop_objects(adm.client.remove(adm.h_object))
+                handlers.drop_freed(self.broker, adm.client, adm.h_object)
             recorder = self.broker.recorder
         if recorder is not None:
             self._record(recorder, adm, hdr, params_in, ret, err, hdr_out, b"")

@@ -330,11 +330,19 @@ def rm_free(ctx: CallContext) -> Steps:
     result = yield from b._call_backend(s, call, req=req)
     out = abi.decode_ioctl(s.node, req.cmd, result.arg).value
     if not result.errno and out.status == nvstatus.NV_OK:
-        if v.hObjectOld == v.hRoot:
-            b.clients.remove(v.hRoot)
-        else:
-            drop_objects(client.remove(v.hObjectOld))
+        drop_freed(b, client, v.hObjectOld)
     return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
+
+
+def drop_freed(broker, client, handle: int) -> None:
+    """The driver freed `handle` of `client` (NV_OK): it and its children leave the books
+    (a charge held by one of its duplicates moves there); the root client itself leaves the
+    client books with everything under it. The general path's, the lane's and a settled
+    free's booking (fastlane.ControlLane) all end here."""
+    if handle == client.handle:
+        broker.clients.remove(handle)
+    else:
+        drop_objects(client.remove(handle))
 
 
 def rm_map(ctx: CallContext) -> Steps:

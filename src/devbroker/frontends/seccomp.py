@@ -924,29 +924,23 @@ class SeccompSupervisor:
             hdr = nativelane.NativeLane.hdr(t)
             # (read before deciding: a change meanwhile makes what is settled stale)
             epochs = BOOKS.now() if t.lane.settled_on else None
-            # where the loop runs the call on its duplicate of the tenant's file, an
-            # allocation's after-hook runs here too, on duplicates of the same file
-            # (_native_finish): offered only where it does (no pace token spent on an
-            # admission that would be let go again below)
+            # whether the loop runs the call on its duplicate of the tenant's file; where it
+            # does, an allocation's after-hook runs here too, on duplicates of the same file
+            # (_native_finish), and only there is the hook offered to the lane
             bs = self.broker.sessions.get(sess.id)
-            hooks = bool(sess.real and t.driver_safe and bs is not None
-                         and self.broker.backend.control_is_plain_ioctl(bs.file))
+            driver = bool(sess.real and t.driver_safe and bs is not None
+                          and self.broker.backend.control_is_plain_ioctl(bs.file))
             adm = lane.admit(sess.id, caller, c.cmd, hdr, max_params=nativelane.PARAMS_MAX,
-                             run_hooks=hooks)
+                             run_hooks=driver)
             if adm is None and sess.real and sess.node is NodeKind.CTL:
                 # perhaps a client the tenant allocated itself, named for the first time:
                 # adopted here, then admitted again (counted once as declined)
                 unknown = lane.unknown_client(sess.id, c.cmd, hdr)
                 if unknown is not None and self._native_adopt(c, sess, unknown):
                     adm = lane.admit(sess.id, caller, c.cmd, hdr,
-                                     max_params=nativelane.PARAMS_MAX, run_hooks=hooks)
+                                     max_params=nativelane.PARAMS_MAX, run_hooks=driver)
             if adm is None:
                 return nativelane.ACT_DECLINE
-            driver = bool(sess.real and t.driver_safe
-                          and self.broker.backend.control_is_plain_ioctl(adm.session.file))
-            if not driver and lane.runs_hook(adm):  # (not offered then: never taken)
-                self._lane.release(adm)
-                return nativelane.ACT_DECLINE  # (its hook: the general way's, there)
             patch = lane.table_patch(adm) if adm.post is not None else None
             patched = patch is not None and nativelane.NativeLane.set_patch(t, c, patch)
             finish = lane.needs_finish(adm, patched)

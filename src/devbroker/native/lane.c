@@ -948,20 +948,14 @@ static int run_control_once(struct dvb_thread *t, struct dvb_notif *n, int64_t t
                 return DVB_NOTIF;
     }
     int64_t t3 = now_ns();
-    if (c->driver && t->file_dup >= 0) {
+    if (c->driver) {
         /* The broker's own duplicate of the tenant's file, taken through the calling
-         * thread's pidfd before anything was decided (answer_ioctl): the file the
-         * decision is about, whatever the tenant's fd number names now. */
+         * thread's pidfd before anything was decided (answer_ioctl: every call with a
+         * header read has one): the file the decision is about, whatever the tenant's fd
+         * number names now. */
         dup = t->file_dup;
-    } else if (c->driver) {
-        /* (identified by statx: a duplicate now, which must be that file) */
-        dup = tenant_fd_dup(t, n->pid, (int)c->fd);
-        struct stat st;
         if (dup < 0)
             return DVB_NOTIF;
-        t->file_dup = dup; /* (closed by answer_ioctl) */
-        if (fstat(dup, &st) < 0 || (int64_t)st.st_dev != c->dev || (int64_t)st.st_ino != c->ino)
-            return DVB_NOTIF; /* another file at that number now: decided the general way */
     }
     /* The reads and the dup reached the thread that made the call. */
     if (!id_valid(sh, n->id)) {
