@@ -862,6 +862,53 @@ def test_settled_id_lists_are_filtered_as_the_broker_filters_them(tmp_path):
     assert lane_on["admitted"] == lane_off["admitted"], (lane_on, lane_off)
 
 
+def test_settled_id_info_flags_and_attach_lists_answer_as_the_broker(tmp_path):
+    """A post-hook and a pre-hook given as data to the native loop. The post-hook
+    (rewrite.IdFlag, native/lane.c apply_id_flag): GET_ID_INFO and GET_ID_INFO_V2, whose IN_USE flag the broker rewrites
+    to whether the tenant itself holds a device object of that GPU (NVML sends five per
+    init, each on a new client; ~150 µs over the driver's few with the hook in Python on
+    the H200). A seccomp tenant on the NV_OK stand-in (tests/settled_flags_prog.py: the
+    stand-in leaves gpuFlags as the tenant filled it, always the opposite of the right
+    answer) asks 20 times each before it allocates a device, while it holds it, and after
+    it freed it. With settled controls on and off the answers are the same: clear, set,
+    clear; another GPU's id refused. With them on, the loop answers all but the first of
+    the 120 — the flag's values follow the device's booking and free without a call
+    going to Python (SeccompSupervisor._device_ids_after_books). The pre-hook
+    (rewrite.IdListCheck, native/lane.c settled_list_check): ATTACH_IDS and DETACH_IDS
+    (NVML: one each per init, ~150 and ~330 µs over the driver on the H200), whose list
+    must name only the tenant's GPUs: with its own id, settled from the second call; with
+    another GPU's id refused, and "all probed" rewritten, by the broker every time."""
+    on, lane_on = _settled_on_stand_in(tmp_path, "settled_flags_prog.py", True)
+    off, lane_off = _settled_on_stand_in(tmp_path, "settled_flags_prog.py", False)
+    invalid = 0xFFFFFFFF
+    assert on == off == {
+        "root": errno.ENOTTY,  # (the tenant's own call, on the stand-in node)
+        "adopt": [0, 0],
+        "before_v1": [[0, 0, 0]], "before_v2": [[0, 0, 0]],
+        "other_gpu": [0, 0x1F, 0],  # (NV_ERR_INVALID_ARGUMENT: the general path's refusal)
+        "device": [0, 0],
+        "holding_v1": [[0, 0, 1]], "holding_v2": [[0, 0, 1]],
+        "free": [0, 0],
+        "after_v1": [[0, 0, 0]], "after_v2": [[0, 0, 0]],
+        # (the driver reads a list up to its first INVALID_GPU_ID: what follows is not judged)
+        "attach": [[0, 0, [0x6, invalid, 0x7]]], "detach": [[0, 0, [0x6, invalid, 0x7]]],
+        # (NV_ERR_INSUFFICIENT_PERMISSIONS, every time: restrict_attach_ids' refusal)
+        "attach_other": [[0, 0x1B, [0x6, 0x7, invalid]]],
+        # ("all probed" is the tenant's GPUs: the broker's rewrite, every time)
+        "attach_all": [[0, 0, [0x6, invalid, invalid]]],
+    }, (on, off)
+    # (the adoption's SYSTEM_GET_FEATURES is a hub's first control: settled from then on,
+    # but sent once; each flag or list control's first call is the broker's, and the
+    # refused and rewritten lists are the broker's every time)
+    assert lane_on["settled"] == 120 - 2 + 2 * 19, lane_on
+    assert lane_off["settled"] == 0, lane_off
+    # (a call naming another GPU: the lane admits and refuses it each time with settled
+    # decisions off; with them on, where its control's fact stands — the other GPU's
+    # GET_ID_INFO, and ATTACH_IDS from its second call — the loop's own check fails and
+    # it hands the call to the general path, which refuses it: 1 + 19 fewer admissions)
+    assert lane_on["admitted"] == lane_off["admitted"] - 20, (lane_on, lane_off)
+
+
 def test_card_info_is_answered_again_by_the_loop_from_the_brokers_answer(tmp_path):
     """An answer fact (rules.EscapeRule.answer_kept, native/lane.c answer_admit): CARD_INFO,
     whose answer is the driver's table of the host's GPUs cut down to the tenant's (NVML

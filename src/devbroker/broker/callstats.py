@@ -407,6 +407,12 @@ class _CountedLane:
     def table_patch(self, adm):
         return self._lane.table_patch(adm)
 
+    def id_flag(self, adm):
+        return self._lane.id_flag(adm)
+
+    def id_list_check(self, adm):
+        return self._lane.id_list_check(adm)
+
     def needs_finish(self, adm, patched: bool = False) -> bool:
         return self._lane.needs_finish(adm, patched)
 

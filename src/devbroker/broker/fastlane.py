@@ -973,8 +973,10 @@ class ControlLane:
         one of the tenant's (`Admitted.gpu_id_off`: the front end repeats that test on its
         private copy, with the tenant's GPU ids of the policy epoch) or, for a layout with
         embedded buffers, their sizes (`Admitted.embedded_only`: the front end reads them
-        itself into copies of its own, as it does for a checked one), no pre-hook and a
-        post-hook only as a TablePatch, and nothing for `finish` to do (no recording)."""
+        itself into copies of its own, as it does for a checked one) or its GPU-id list
+        (`id_list_check`: ATTACH_IDS, DETACH_IDS, whose pre-hook is that check), no other
+        pre-hook and a post-hook only as data — a TablePatch, an IdFilter (`_id_filter_only`) or an IdFlag
+        (`id_flag`) — and nothing else for `finish` to do (no recording)."""
         if adm.alloc is not None:
             return self._settleable_alloc(adm)
         if adm.header.kind == "free":
@@ -984,13 +986,40 @@ class ControlLane:
             # books follow the driver's answer after it (`book_settled`)
             return self.broker.recorder is None
         id_filter = self._id_filter_only(adm)
+        id_list = self.id_list_check(adm) is not None
         return (adm.header.kind == "control" and adm.alloc is None
                 and (not adm.checked or adm.gpu_id_off >= 0 or bool(adm.embedded_only)
-                     or id_filter)
-                and adm.pre is None and not adm.answered
+                     or id_filter or id_list)
+                and (adm.pre is None or id_list) and not adm.answered
                 and (not adm.embedded_fields or bool(adm.embedded_only))
-                and (adm.post is None or adm.post in rewrite.AS_TABLE_PATCH or id_filter)
+                and (adm.post is None or adm.post in rewrite.AS_TABLE_PATCH or id_filter
+                     or self.id_flag(adm) is not None)
                 and self.broker.recorder is None)
+
+    def id_list_check(self, adm: Admitted):
+        """The pre-hook of a control as an IdListCheck (rewrite.AS_ID_LIST_CHECK:
+        restrict_attach_ids), when that list is all its check reads — no post-hook, pointer,
+        embedded buffer, fd or client handle — for a front end that repeats it on its
+        private copy with the tenant's GPU ids; None for any other."""
+        as_check = rewrite.AS_ID_LIST_CHECK.get(adm.pre)
+        if as_check is None or adm.post is not None or adm.null_ptrs or adm.embedded_fields:
+            return None
+        spec = adm.abi.control(adm.cmd).params
+        if any(f.kind in ("fd", "ptr") or f.name in rules.CLIENT_HANDLE_FIELDS
+               for _p, f, _o in spec.walk()):
+            return None
+        return as_check(spec)
+
+    def id_flag(self, adm: Admitted):
+        """The post-hook of a control whose check is its one GPU id (`Admitted.gpu_id_off`)
+        as an IdFlag on that same id (rewrite.AS_ID_FLAG: GET_ID_INFO's IN_USE flag), for a
+        front end that applies it itself with the GPU ids the tenant holds a device of;
+        None for any other."""
+        as_flag = rewrite.AS_ID_FLAG.get(adm.post)
+        if as_flag is None or adm.gpu_id_off < 0 or adm.pre is not None:
+            return None
+        flag = as_flag(adm.abi.control(adm.cmd).params)
+        return flag if flag is not None and flag.id_offset == adm.gpu_id_off else None
 
     def _id_filter_only(self, adm: Admitted) -> bool:
         """A control whose post-hook is an IdFilter (rewrite.AS_ID_FILTER: the GPU-id lists

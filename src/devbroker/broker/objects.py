@@ -26,13 +26,16 @@ class BooksLog:
     dvb_settled) must hear of the books: a decision the broker made stands until something
     it read changes, and these say what changed, in C-readable memory.
 
-    Three words: the **policy epoch** (every policy change: capabilities, GPUs, quotas,
+    Four words: the **policy epoch** (every policy change: capabilities, GPUs, quotas,
     pace, revocation — every settled fact is stale then), the **charge epoch** (the memory
     a tenant holds changed, which only answers patched with its use read:
     rewrite.fb_info_patch; also a quota placeholder leaving the books, Broker._reserved),
-    and the head of a ring of **removals**: an object (client, handle), a whole client, or
-    a closed file (dev, inode) — each makes the facts about exactly that stale. Adding an
-    object changes no decision already made, so it is not logged. The loop reads the ring
+    the head of a ring of **removals**: an object (client, handle), a whole client, or
+    a closed file (dev, inode) — each makes the facts about exactly that stale — and the
+    **devices epoch**: a device object (NV01_DEVICE_0) entered or left some client's books,
+    which only GET_ID_INFO's IN_USE flag reads (rewrite.IdFlag: the loop's copy of the GPUs
+    the tenant holds a device of stands while this word does). Adding any other object
+    changes no decision already made, so it is not logged. The loop reads the ring
     from where it last stopped; one that fell more than the ring's size behind forgets
     every fact about objects.
 
@@ -44,7 +47,8 @@ class BooksLog:
     OBJECT, CLIENT, FILE = 1, 2, 3  # kinds of removal (native/lane.c DVB_REMOVED_*)
 
     def __init__(self) -> None:
-        self.words = (ctypes.c_uint64 * 3)(1, 1, 0)  # policy, charges, removals written
+        # policy, charges, removals written, devices (native/lane.c reads all four)
+        self.words = (ctypes.c_uint64 * 4)(1, 1, 0, 1)
         self.ring = (_Removal * self.RING)()
         self._lock = threading.Lock()
 
@@ -69,6 +73,14 @@ class BooksLog:
     def charged(self) -> None:
         with self._lock:
             self.words[1] += 1
+
+    def devices_changed(self) -> None:
+        with self._lock:
+            self.words[3] += 1
+
+    def devices_now(self) -> int:
+        """The devices epoch (read under STATE_LOCK with the books it stands for)."""
+        return self.words[3]
 
     def removed(self, kind: int, client: int = 0, obj: int = 0, dev: int = 0,
                 ino: int = 0) -> None:
@@ -146,6 +158,7 @@ class RmClient:
             else:
                 self.charged.pop(obj.gpu, None)
         if obj.rm_class == DEVICE_CLASS:
+            BOOKS.devices_changed()
             n = self.devices.get(obj.gpu, 0) + sign
             if n:
                 self.devices[obj.gpu] = n
@@ -257,6 +270,8 @@ class ClientRegistry:
         tenant = session.tenant
         self._tenant[h] = tenant
         tenant.clients[h] = client
+        if client.devices:  # (GET_ID_INFO's IN_USE flag reads the tenant's devices)
+            BOOKS.devices_changed()
         self._of_session.setdefault(session.id, set()).add(h)
         return client
 
@@ -272,6 +287,8 @@ class ClientRegistry:
             return None
         BOOKS.removed(BooksLog.CLIENT, handle)
         client = tenant.clients.pop(handle)
+        if client.devices:
+            BOOKS.devices_changed()
         held = self._of_session.get(client.session)
         if held is not None:
             held.discard(handle)

@@ -95,6 +95,29 @@ def restrict_attach_ids(ctx, params):
     return params
 
 
+@dataclass(frozen=True)
+class IdListCheck:
+    """A pre-hook as data: restrict_attach_ids' check, in a form a front end may repeat
+    on its private copy with the tenant's GPU ids of the policy epoch (native/lane.c
+    settled_list_check): the u32 list at `ids_offset` (`count` entries), read up to its
+    first INVALID_GPU_ID, holds only the tenant's ids and not ATTACH_ALL_PROBED (which the
+    hook rewrites: that call is the broker's). A list that passes is left as sent, as the
+    hook leaves it; one that does not goes to the broker, which refuses or rewrites it."""
+    ids_offset: int
+    count: int
+
+
+def id_list_check(spec) -> IdListCheck | None:
+    """ATTACH_IDS' and DETACH_IDS' IdListCheck: a top-level u32 list `gpuIds` and no other
+    GPU id in the layout; None else."""
+    f = spec.by_name.get("gpuIds")
+    if f is None or f.kind != "array" or not f.count or f.size != 4 * f.count:
+        return None
+    if any(g.name in GPU_ID_FIELD_NAMES and g is not f for _p, g, _o in spec.walk()):
+        return None
+    return IdListCheck(f.offset, f.count)
+
+
 def pid_info_to_host(ctx, params):
     """GET_PID_INFO names pids: the tenant's own processes only.
 
@@ -225,6 +248,10 @@ def require_own_gpu_ids(broker, s, abi, cmd: int, params) -> None:
 
 # GET_ID_INFO, GET_ID_INFO_V2, GET_PCI_INFO, QUERY_DRAIN_STATE, P2P_CAPS(_MATRIX), ASYNC_ATTACH
 # and the rest need no pre-hook: require_own_gpu_ids covers every control (issue 13 item 6).
+
+# Pre-hooks that can also be given as data (IdListCheck) whose values are the tenant's GPU
+# ids: hook -> fn(params spec) -> IdListCheck | None.
+AS_ID_LIST_CHECK = {restrict_attach_ids: id_list_check}
 
 
 # --------------------------------------------------------------------------- controls: post
@@ -466,6 +493,47 @@ def id_info_in_use(ctx, out):
     mine = index is not None and any(c.holds_device(index) for c in s.tenant.clients.values())
     flags = (out.gpuFlags & ~GPU_ID_INFO_IN_USE) | (GPU_ID_INFO_IN_USE if mine else 0)
     return out.replace(gpuFlags=flags)
+
+
+def device_gpu_ids(broker, tenant) -> list[int]:
+    """The GPU ids of the tenant's GPUs it holds a device object of: what id_info_in_use
+    sets IN_USE for (read under STATE_LOCK, with objects.BOOKS.devices_now())."""
+    clients = tenant.clients.values()
+    return [g.gpu_id for g in broker.backend.gpus()
+            if any(c.holds_device(g.index) for c in clients)]
+
+
+@dataclass(frozen=True)
+class IdFlag:
+    """A post-hook as data: after an NV_OK answer, the u32 at `flags_offset` has `bit` set
+    exactly when the u32 at `id_offset` (the answer's GPU id) is one the tenant holds a
+    device object of, and cleared otherwise — what id_info_in_use does, in a form a front
+    end may apply itself with the list `device_gpu_ids` gave as of the books' devices epoch
+    (native/lane.c apply_id_flag)."""
+    flags_offset: int
+    id_offset: int
+    bit: int = GPU_ID_INFO_IN_USE
+
+    def apply_block(self, params: bytearray, held) -> None:
+        o, i = self.flags_offset, self.id_offset
+        flags = int.from_bytes(params[o:o + 4], "little")
+        gpu_id = int.from_bytes(params[i:i + 4], "little")
+        flags = (flags & ~self.bit) | (self.bit if gpu_id in held else 0)
+        params[o:o + 4] = flags.to_bytes(4, "little")
+
+
+def id_info_flag(spec) -> IdFlag | None:
+    """GET_ID_INFO(_V2)'s IdFlag: a top-level u32 `gpuFlags` and `gpuId`; None else."""
+    flags, gpu_id = spec.by_name.get("gpuFlags"), spec.by_name.get("gpuId")
+    if flags is None or gpu_id is None or flags.size != 4 or gpu_id.size != 4 \
+            or flags.kind not in ("u32", "i32") or gpu_id.kind not in ("u32", "i32"):
+        return None
+    return IdFlag(flags.offset, gpu_id.offset)
+
+
+# Post-hooks that can also be given as data (IdFlag) whose values are the GPU ids the
+# tenant holds a device of: hook -> fn(params spec) -> IdFlag | None.
+AS_ID_FLAG = {id_info_in_use: id_info_flag}
 
 
 def nvlink_caps(ctx, out):

@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("devbroker.seccomp.native")
 
-ABI = 18  # native/lane.c DVB_ABI
+ABI = 19  # native/lane.c DVB_ABI
 (DVB_NOTIF, DVB_IDLE, DVB_WAKE, DVB_HUP, DVB_FOLD, DVB_LATE, DVB_WRITE_FAILED, DVB_ERROR,
  DVB_QUIET) = range(1, 10)
 ACT_DECLINE, ACT_CONTINUE, ACT_CONTROL, ACT_FAIL = 0, 1, 2, 3
@@ -240,6 +240,8 @@ def library() -> ctypes.CDLL | None:
     lib.dvb_open_pending.restype = ctypes.c_int
     lib.dvb_set_gpu_ids.argtypes = [vp, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint32),
                                     ctypes.c_int]
+    lib.dvb_set_device_ids.argtypes = [vp, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint32),
+                                       ctypes.c_int]
     lib._devbroker_checked = True
     return lib
 
@@ -354,6 +356,10 @@ class NativeLane:
         self._abi_tags: dict[object, int] = {}
         self._sandboxes: dict[tuple, int] = {}  # (uid, pid namespace) -> tag
         self._gpu_ids_epoch = -1  # the policy epoch of the GPU ids given to the loop
+        # the devices epoch (objects.BOOKS) of the ids of GPUs the tenant holds a device of
+        # given to the loop (GET_ID_INFO's IN_USE flag: rewrite.IdFlag), -1: none
+        self.device_ids_epoch = -1
+        self.device_ids_of = None  # the TenantState they were computed for
         self._sightings: dict[tuple, bool] = {}  # controls admitted once (worth_settling)
         self._tags = itertools.count(1)  # (never 0, never used twice)
         self._settled_lock = threading.Lock()
@@ -452,7 +458,8 @@ class NativeLane:
     # -- settled controls ------------------------------------------------------------------
 
     def settle(self, adm, c: Call, epochs: tuple[int, int, int], patch, caller,
-               caller_pidfd: int, key, lane, gpu_ids=None) -> bool:
+               caller_pidfd: int, key, lane, gpu_ids=None, id_flag=None,
+               id_list=None) -> bool:
         """Write down an admitted control's decision (ControlLane.settleable said it may be)
         for the loop to repeat without this callback: the control (its ABI, ioctl number,
         control number, parameter size, TablePatch layout) and the object (the file's
@@ -463,8 +470,11 @@ class NativeLane:
         caller settles calls only on files opened in its own; a pid namespace unknown on
         either side is settled by none. native/lane.c, struct dvb_settled, says what a
         later call needs to be admitted by these. gpu_ids: the tenant's GPU ids, for a
-        control whose check is its one GPU id (`Admitted.gpu_id_off`). False: not
-        written."""
+        control whose check is its one GPU id (`Admitted.gpu_id_off`). id_flag: its
+        post-hook as an IdFlag (ControlLane.id_flag), which the loop applies with the ids
+        `set_device_ids` gave it while the books' devices epoch stands. id_list: its check
+        as an IdListCheck (ControlLane.id_list_check), which the loop repeats with
+        gpu_ids. False: not written."""
         h = adm.header
         if len(h.offsets) != 5 or h.status_offset < 0 or not self.settled_on:
             return False
@@ -500,6 +510,9 @@ class NativeLane:
             id_filter = to_filter(adm.abi.control(adm.cmd).params) if to_filter else None
             if to_filter is not None and (id_filter is None or patch is not None):
                 return False
+            if id_flag is not None and (patch is not None or id_filter is not None
+                                        or adm.gpu_id_off < 0 or alloc):
+                return False
             # embedded buffers: the loop reads them itself (settled_embed); the layout's
             # other pointers are NULL-checked
             embed = tuple(adm.embedded_only) if adm.checked and not alloc else ()
@@ -508,7 +521,11 @@ class NativeLane:
                      if gpu_id_off >= 0 or alloc or embed else ())
             if len(nulls) > SETTLED_PTRS or len(embed) > SETTLED_EMBED:
                 return False
-            if (gpu_id_off >= 0 or id_filter) and self._gpu_ids_epoch != epochs[0]:
+            if id_list is not None and (patch is not None or id_filter is not None
+                                        or id_flag is not None or gpu_id_off >= 0 or alloc
+                                        or embed or nulls):
+                return False
+            if (gpu_id_off >= 0 or id_filter or id_list) and self._gpu_ids_epoch != epochs[0]:
                 ids = list(gpu_ids or ())
                 if not ids or len(ids) > GPU_IDS or self.lib.dvb_set_gpu_ids(
                         self.shared, epochs[0], (ctypes.c_uint32 * max(1, len(ids)))(*ids),
@@ -519,10 +536,13 @@ class NativeLane:
             embed_words += [0] * (3 * SETTLED_EMBED - len(embed_words))
             idf = ((id_filter.ids_offset, id_filter.count, id_filter.along_offset,
                     id_filter.clear_offset) if id_filter is not None else (0, 0, -1, -1))
-            ctl = (ctypes.c_int64 * 26)(tag, h.ioctl_cmd, adm.cmd, adm.params_size,
+            flag = ((id_flag.flags_offset, id_flag.id_offset, id_flag.bit)
+                    if id_flag is not None else (-1, -1, 0))
+            idl = (id_list.ids_offset, id_list.count) if id_list is not None else (0, 0)
+            ctl = (ctypes.c_int64 * 31)(tag, h.ioctl_cmd, adm.cmd, adm.params_size,
                                         int(patch is not None), *layout, gpu_id_off,
                                         len(nulls), *(nulls + (0, 0))[:SETTLED_PTRS],
-                                        len(embed), *embed_words, *idf)
+                                        len(embed), *embed_words, *idf, *flag, *idl)
             values = patch.values if patch is not None else ()
             idx = (ctypes.c_uint32 * PATCH_MAX)(*[i for i, _v in values])
             val = (ctypes.c_uint32 * PATCH_MAX)(*[v for _i, v in values])
@@ -537,6 +557,23 @@ class NativeLane:
                 return False
             self._settled_rows[slot] = (s.tenant, key)
             self._top_up(s.tenant)
+        return True
+
+    def set_device_ids(self, epoch: int, ids) -> bool:
+        """The ids of the GPUs the tenant holds a device object of, as of the books' devices
+        epoch `epoch` (objects.BOOKS.devices_now(), read under STATE_LOCK with the books
+        the ids were computed from: rewrite.device_gpu_ids): the values of a settled
+        control's IdFlag (GET_ID_INFO's IN_USE), which the loop applies only while that
+        epoch stands. False: not given (too many ids, or settled facts off)."""
+        ids = list(ids)
+        if not self.settled_on or len(ids) > GPU_IDS:
+            return False
+        with self._settled_lock:
+            if self.lib.dvb_set_device_ids(self.shared, epoch,
+                                           (ctypes.c_uint32 * max(1, len(ids)))(*ids),
+                                           len(ids)) != 0:
+                return False
+            self.device_ids_epoch = epoch
         return True
 
     def object_put(self, epochs: tuple[int, int, int], dev: int, ino: int, sess,

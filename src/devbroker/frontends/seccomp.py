@@ -950,8 +950,10 @@ class SeccompSupervisor:
             if not finish and not adm.checked:  # (a checked one: once its check passed)
                 lane.book(adm)
                 t.unfinished, t.done_seen = adm, c.done_count  # its row: _settle
-            # (a post-hook as an IdFilter runs in Python this time, by the loop once settled)
-            id_filtered = adm.post in rewrite.AS_ID_FILTER
+            # (a post-hook as an IdFilter or an IdFlag runs in Python this time, by the loop
+            # once settled)
+            id_filtered = (adm.post in rewrite.AS_ID_FILTER
+                           or (adm.post in rewrite.AS_ID_FLAG and lane.id_flag(adm) is not None))
             # (allocations and frees: their books follow after the answer, FINISH_AFTER)
             books_after = self.settled_allocs and lane.books_only(adm)
             if ((not finish or id_filtered or books_after)
@@ -1004,13 +1006,35 @@ class SeccompSupervisor:
         hit = self._callers.get(c.tid)
         if hit is None:
             return
+        id_list = (self._lane.id_list_check(adm) if adm.pre in rewrite.AS_ID_LIST_CHECK
+                   else None)
         ids = (rewrite.tenant_gpu_ids(self.broker, adm.session)
-               if adm.gpu_id_off >= 0 or adm.post in rewrite.AS_ID_FILTER else None)
+               if adm.gpu_id_off >= 0 or adm.post in rewrite.AS_ID_FILTER or id_list
+               else None)
+        id_flag = self._lane.id_flag(adm) if adm.post in rewrite.AS_ID_FLAG else None
+        if id_flag is not None:
+            self._give_device_ids(t, adm.session.tenant)
         try:
             t.lane.settle(adm, c, epochs, patch, hit[1], hit[0],
-                          adm.mark[1] if adm.mark is not None else None, self._lane, ids)
+                          adm.mark[1] if adm.mark is not None else None, self._lane, ids,
+                          id_flag, id_list)
         except OSError:  # (no fd for the pidfd's duplicate: not settled, nothing else)
             pass
+
+    def _give_device_ids(self, t: nativelane.NativeThread, tenant) -> None:
+        """The loop's copy of the GPUs the tenant holds a device object of (GET_ID_INFO's
+        IN_USE flag, rewrite.IdFlag), as of the books' devices epoch, when that moved since
+        it was given: after a booking that allocated or freed a device, and when a flag is
+        settled. (While the epoch it has is not the books', the loop sends such a call
+        here.)"""
+        lane = t.lane
+        if lane.device_ids_epoch == BOOKS.devices_now() and lane.device_ids_of is tenant:
+            return
+        with STATE_LOCK:
+            epoch = BOOKS.devices_now()
+            ids = rewrite.device_gpu_ids(self.broker, tenant)
+        if lane.set_device_ids(epoch, ids):
+            lane.device_ids_of = tenant  # (a policy change may bring another TenantState)
 
     def _native_settle_continue(self, t: nativelane.NativeThread, c: nativelane.Call,
                                 sess: Session, arg: bytes, epochs: tuple[int, int, int]
@@ -1274,7 +1298,17 @@ class SeccompSupervisor:
                 and hdr_out[h.status_offset:h.status_offset + 4] == bytes(4)):  # NV_OK
             handle = int.from_bytes(hdr_out[h.new_offset:h.new_offset + 4], "little")
             self._booked(t, c, adm.session, adm.client.handle, handle, t.adm_epochs)
+        self._device_ids_after_books(t, adm.session.tenant)
         return 1
+
+    def _device_ids_after_books(self, t: nativelane.NativeThread, tenant) -> None:
+        """After books that may have allocated or freed a device object: the loop's copy of
+        the GPUs the tenant holds a device of follows at once (`_give_device_ids`), so that
+        NVML's GET_ID_INFO right after a device allocation or free stays the loop's. Only
+        once a flag was settled for this tenant (nothing to follow before)."""
+        if (t.lane.device_ids_of is tenant
+                and t.lane.device_ids_epoch != BOOKS.devices_now()):
+            self._give_device_ids(t, tenant)
 
     def _hook_request(self, c: nativelane.Call, adm) -> IoctlRequest:
         """The request an after-hook's own driver calls run under (ControlLane.run_after):
@@ -1305,6 +1339,9 @@ class SeccompSupervisor:
         got = self._lane.book_settled(sess.id, hdr_out, c.cmd)
         if got is not None:
             self._booked(t, c, *got, epochs)
+        bs = self.broker.sessions.get(sess.id)
+        if bs is not None:  # (a settled free of a device: the IN_USE flag's copy follows)
+            self._device_ids_after_books(t, bs.tenant)
         return 1
 
     def _booked(self, t: nativelane.NativeThread, c: nativelane.Call, s, client: int,

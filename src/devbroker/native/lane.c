@@ -62,7 +62,7 @@
 #endif
 #define DVB_PIDFD_THREAD O_EXCL /* Linux 6.9: a pidfd for a (non-leader) thread */
 
-#define DVB_ABI 18 /* bumped with any change of the structures below (nativelane.py checks) */
+#define DVB_ABI 19 /* bumped with any change of the structures below (nativelane.py checks) */
 
 struct dvb_notif { /* struct seccomp_notif */
     uint64_t id;
@@ -121,6 +121,7 @@ enum { C_NOTIFICATIONS, C_OPENS_CONTINUED, C_IOCTLS, C_CONTROLS_FAST, C_STALE,
 #define DVB_ANSWER_MAX 4096      /* the largest answer one holds (CARD_INFO: 32 x 72 bytes) */
 #define DVB_IDF_MAX 64           /* entries of a settled id filter's lists (the driver's: 32) */
 #define DVB_INVALID_GPU_ID 0xFFFFFFFFu
+#define DVB_ATTACH_ALL_PROBED 0x0000FFFFu /* NV0000_CTRL_GPU_ATTACH_ALL_PROBED_IDS */
 #define DVB_GPU_IDS 32           /* the tenant's GPU ids (a settled control's GPU-id check) */
 #define DVB_OPEN_PATH 64         /* the longest node path a prepared open answers */
 
@@ -240,6 +241,15 @@ struct dvb_settled_control {
     int32_t idf_ids_off, idf_count, idf_along_off, idf_clear_off;
     int32_t patch_table_off, patch_entry_size, patch_index_off, patch_data_off,
             patch_capacity, patch_count_off;
+    /* its post-hook as an id flag (rewrite.IdFlag; flag_off -1: none): on NV_OK, flag_bit
+     * of the u32 at flag_off set when the u32 at flag_id_off (the GPU id its check read)
+     * is one of the GPUs the tenant holds a device of (dvb_set_device_ids), else cleared */
+    int32_t flag_off, flag_id_off;
+    uint32_t flag_bit;
+    /* its check as an id list (rewrite.IdListCheck; idl_count 0: none): the u32 list at
+     * idl_off, up to its first INVALID_GPU_ID, holds only the tenant's GPU ids, and not
+     * ATTACH_ALL_PROBED (which the broker's pre-hook rewrites) */
+    int32_t idl_off, idl_count;
     /* the call counters' row of this control (folded by Python: dvb_settled_fold) */
     int64_t ok, err, sum_ns, buckets[DVB_SETTLED_BUCKETS + 1];
 };
@@ -364,8 +374,8 @@ enum { DVB_REMOVED_OBJECT = 1, DVB_REMOVED_CLIENT, DVB_REMOVED_FILE };
 
 struct dvb_settled {
     pthread_mutex_t lock;
-    /* objects.BOOKS: [0] the policy epoch, [1] the charge epoch, [2] removals written;
-     * NULL: settled controls off */
+    /* objects.BOOKS: [0] the policy epoch, [1] the charge epoch, [2] removals written,
+     * [3] the devices epoch; NULL: settled controls off */
     const volatile uint64_t *epochs;
     const volatile struct dvb_removal *ring;
     uint64_t ring_size, ring_seen;   /* the ring's entries, the last one read */
@@ -388,6 +398,11 @@ struct dvb_settled {
     uint32_t gpu_ids[DVB_GPU_IDS];
     int n_gpu_ids;
     uint64_t gpu_ids_epoch;
+    /* the ids of the GPUs the tenant holds a device object of, as of the books' devices
+     * epoch device_ids_epoch (0: none given): an id flag's values */
+    uint32_t device_ids[DVB_GPU_IDS];
+    int n_device_ids;
+    uint64_t device_ids_epoch;
     struct dvb_open_slot open_slots[DVB_OPEN_SLOTS];
     struct dvb_opened opened[DVB_OPEN_SLOTS];
     int n_opened;
@@ -442,6 +457,11 @@ struct dvb_thread {
      * the policy epoch it admitted the call in; answer_ioctl empties it) */
     struct { int32_t ids_off, count, along_off, clear_off, n_ids;
              uint32_t ids[DVB_GPU_IDS]; } sidf;
+    /* a settled control's id flag (settled_admit fills it, with the GPUs the tenant held
+     * a device of when it admitted the call; answer_ioctl empties it; off -1: none) */
+    struct { int32_t off, id_off, n_ids; uint32_t bit, ids[DVB_GPU_IDS]; } sflag;
+    /* a settled control's id-list check (settled_admit fills it; answer_ioctl empties it) */
+    struct { int32_t off, count; } sidl;
     /* pidfds of the tenant threads this thread made driver calls for (thread_pidfd) */
     struct { int64_t tid; int fd; } pidfds[DVB_PIDFDS];
     unsigned pidfd_next;
@@ -758,8 +778,10 @@ static void apply_patch(struct dvb_call *c, size_t size)
 static int run_control_once(struct dvb_thread *t, struct dvb_notif *n, int64_t t0,
                             int64_t t1, int64_t t2);
 static void apply_id_filter(struct dvb_thread *t, size_t size);
+static void apply_id_flag(struct dvb_thread *t, size_t size);
 static void settled_count(struct dvb_thread *t, int64_t ns);
 static int settled_check(struct dvb_shared *sh, const struct dvb_call *c, size_t size);
+static int settled_list_check(struct dvb_shared *sh, const struct dvb_thread *t, size_t size);
 
 /* An admitted call (run_control_once), then the fd duplicates its check gave the loop
  * closed, on every way out. */
@@ -856,6 +878,27 @@ static void apply_id_filter(struct dvb_thread *t, size_t size)
             memcpy(c->params + t->sidf.clear_off + 4 * i, &(uint32_t){DVB_INVALID_GPU_ID}, 4);
 }
 
+/* A settled control's post-hook as an id flag (rewrite.IdFlag.apply_block, the same steps):
+ * on the private parameter block the driver answered NV_OK in, the flag bit of the u32 at
+ * t->sflag.off is set when the block's GPU id is one the tenant held a device of at
+ * admission (t->sflag.ids, the books' devices epoch then), and cleared otherwise — what
+ * the tenant alone would see (GET_ID_INFO's IN_USE: rewrite.id_info_in_use). */
+static void apply_id_flag(struct dvb_thread *t, size_t size)
+{
+    struct dvb_call *c = &t->call;
+    if (t->sflag.off < 0 || t->sflag.id_off < 0 || (size_t)t->sflag.off + 4 > size
+        || (size_t)t->sflag.id_off + 4 > size)
+        return;
+    uint32_t flags, id;
+    int held = 0;
+    memcpy(&flags, c->params + t->sflag.off, 4);
+    memcpy(&id, c->params + t->sflag.id_off, 4);
+    for (int k = 0; k < t->sflag.n_ids && k < DVB_GPU_IDS && !held; k++)
+        held = t->sflag.ids[k] == id;
+    flags = held ? (flags | t->sflag.bit) : (flags & ~t->sflag.bit);
+    memcpy(c->params + t->sflag.off, &flags, 4);
+}
+
 /* A settled control's embedded buffers, sized from the private parameters as the broker's
  * check sizes them (handlers.embedded_buffers: count × element bytes; a NULL pointer stays
  * NULL for the driver and names no buffer): each read once from the tenant into the
@@ -918,6 +961,8 @@ static int run_control_once(struct dvb_thread *t, struct dvb_notif *n, int64_t t
     }
     if ((c->gpu_id_off >= 0 || c->n_null) && !settled_check(sh, c, size))
         return DVB_NOTIF; /* the broker's general way decides it (and refuses it there) */
+    if (c->settled >= 0 && t->sidl.count && !settled_list_check(sh, t, size))
+        return DVB_NOTIF; /* (the same: a GPU not the tenant's, or "all probed") */
     if (c->settled >= 0 && t->sembed.n) {
         int r = settled_embed(t, n, size);
         if (t->abandoned)
@@ -1000,6 +1045,13 @@ static int run_control_once(struct dvb_thread *t, struct dvb_notif *n, int64_t t
         memcpy(&status, c->hdr_out + c->status_off, 4);
         if (status == 0) /* NV_OK: the post-hook's filter of the answer */
             apply_id_filter(t, size);
+    }
+    if (t->sflag.off >= 0 && c->settled >= 0 && !c->err && c->status_off >= 0
+        && (size_t)c->status_off + 4 <= hlen) {
+        uint32_t status;
+        memcpy(&status, c->hdr_out + c->status_off, 4);
+        if (status == 0) /* NV_OK: the post-hook's flag */
+            apply_id_flag(t, size);
     }
     if (c->patch_n && !c->err && c->status_off >= 0 && (size_t)c->status_off + 4 <= hlen) {
         uint32_t status;
@@ -1348,7 +1400,9 @@ static struct dvb_settled_object *object_fact_put(struct dvb_settled *m, uint64_
  * and its caller. obj: dev, ino, client, object, abi, the session's sandbox tag, the
  * caller's sandbox tag; ctl: abi, ioctl number, control,
  * parameter size, patched, the TablePatch layout (6 values, when patched), and its check
- * (the GPU id's offset or -1, the NULL pointers' count and two offsets); patch_n
+ * (the GPU id's offset or -1, the NULL pointers' count and two offsets), its embedded
+ * buffers (count, three values each for two), its id filter (4 values) and its id flag
+ * (the flags' offset or -1, the GPU id's offset — its check's — and the bit); patch_n
  * values (index, value) for the object's GPU; epochs: the policy epoch, the charge epoch
  * and the removals written, read before the broker decided (a change since: nothing is
  * written, but for the control fact when only removals came); pidfd: a thread pidfd of the caller, owned here from now
@@ -1376,7 +1430,13 @@ int dvb_settled_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t
         || ctl[23] < 0 || ctl[23] > DVB_IDF_MAX
         || (ctl[23] > 0 && (ctl[4] || ctl[15] || ctl[22] < 0 || ctl[22] + 4 * ctl[23] > ctl[3]
                             || ctl[24] < -1 || ctl[24] + 4 * ctl[23] > ctl[3]
-                            || ctl[25] < -1 || ctl[25] + 4 * ctl[23] > ctl[3]))) {
+                            || ctl[25] < -1 || ctl[25] + 4 * ctl[23] > ctl[3]))
+        || ctl[26] < -1 || (ctl[26] >= 0 && ctl[26] + 4 > ctl[3])
+        || (ctl[26] >= 0 && (ctl[4] || ctl[23] || ctl[27] != ctl[11] || ctl[27] < 0
+                             || ctl[28] <= 0 || ctl[28] > 0xFFFFFFFFLL))
+        || ctl[30] < 0 || ctl[30] > DVB_IDF_MAX
+        || (ctl[30] > 0 && (ctl[29] < 0 || ctl[29] + 4 * ctl[30] > ctl[3] || ctl[11] >= 0
+                            || ctl[23] || ctl[26] >= 0 || ctl[4] || ctl[15]))) {
         if (pidfd >= 0)
             close(pidfd);
         return -1;
@@ -1438,6 +1498,11 @@ int dvb_settled_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t
     c->idf_count = (int32_t)ctl[23];
     c->idf_along_off = (int32_t)ctl[24];
     c->idf_clear_off = (int32_t)ctl[25];
+    c->flag_off = (int32_t)ctl[26];
+    c->flag_id_off = (int32_t)ctl[27];
+    c->flag_bit = (uint32_t)ctl[28];
+    c->idl_off = (int32_t)ctl[29];
+    c->idl_count = (int32_t)ctl[30];
     if (c->patched) {
         c->patch_table_off = (int32_t)ctl[5];
         c->patch_entry_size = (int32_t)ctl[6];
@@ -1550,6 +1615,22 @@ int dvb_set_gpu_ids(struct dvb_shared *sh, uint64_t epoch, const uint32_t *ids, 
     return 0;
 }
 
+/* The GPUs the tenant holds a device object of, for settled id flags, as of the books'
+ * devices epoch the caller read with them (under the broker's state lock): used while
+ * that epoch is the books' (epochs[3]). */
+int dvb_set_device_ids(struct dvb_shared *sh, uint64_t epoch, const uint32_t *ids, int n)
+{
+    struct dvb_settled *m = &sh->settled;
+    if (n < 0 || n > DVB_GPU_IDS)
+        return -1;
+    pthread_mutex_lock(&m->lock);
+    memcpy(m->device_ids, ids, sizeof(uint32_t) * (size_t)n);
+    m->n_device_ids = n;
+    m->device_ids_epoch = epoch;
+    pthread_mutex_unlock(&m->lock);
+    return 0;
+}
+
 /* A settled control's check on the private parameters (ControlLane.check for a control
  * whose check reads only these): the pointers NULL, the GPU id one of the tenant's (as of
  * the current policy epoch). 0: the broker decides the call (it refuses it, with its
@@ -1576,6 +1657,37 @@ static int settled_check(struct dvb_shared *sh, const struct dvb_call *c, size_t
     if (m->epochs && m->gpu_ids_epoch == epoch_now(m, 0))
         for (int k = 0; k < m->n_gpu_ids && !ok; k++)
             ok = m->gpu_ids[k] == id;
+    pthread_mutex_unlock(&m->lock);
+    return ok;
+}
+
+/* A settled control's id-list check on the private parameters (rewrite.IdListCheck, the
+ * check restrict_attach_ids makes: ATTACH_IDS, DETACH_IDS): the list read up to its first
+ * INVALID_GPU_ID (the driver reads no further) holds only the tenant's GPU ids (as of the
+ * current policy epoch) and not ATTACH_ALL_PROBED, which the broker's pre-hook rewrites to
+ * the tenant's ids. 0: the broker decides the call (it refuses a GPU not the tenant's,
+ * with its record, or rewrites "all probed"). */
+static int settled_list_check(struct dvb_shared *sh, const struct dvb_thread *t, size_t size)
+{
+    struct dvb_settled *m = &sh->settled;
+    const struct dvb_call *c = &t->call;
+    int32_t off = t->sidl.off, n = t->sidl.count;
+    if (off < 0 || n <= 0 || n > DVB_IDF_MAX || (size_t)off + 4 * (size_t)n > size)
+        return 0;
+    int ok = 1;
+    pthread_mutex_lock(&m->lock);
+    if (!m->epochs || m->gpu_ids_epoch != epoch_now(m, 0) || !m->n_gpu_ids)
+        ok = 0;
+    for (int i = 0; i < n && ok; i++) {
+        uint32_t id;
+        memcpy(&id, c->params + off + 4 * i, 4);
+        if (id == DVB_INVALID_GPU_ID)
+            break;
+        int mine = 0;
+        for (int k = 0; k < m->n_gpu_ids && !mine; k++)
+            mine = m->gpu_ids[k] == id;
+        ok = mine && id != DVB_ATTACH_ALL_PROBED;
+    }
     pthread_mutex_unlock(&m->lock);
     return ok;
 }
@@ -1632,6 +1744,12 @@ static int settled_admit(struct dvb_thread *t)
         goto out; /* its patch values are for another control, or memory changed since */
     if (e->idf_count && (m->gpu_ids_epoch != now || !m->n_gpu_ids))
         goto out; /* (the tenant's GPU ids as of this epoch: the filter's values) */
+    if (e->flag_off >= 0
+        && (!m->device_ids_epoch || m->device_ids_epoch != epoch_now(m, 3)
+            || __atomic_load_n(&t->sh->bookings, __ATOMIC_ACQUIRE)))
+        goto out; /* (the flag's values: the GPUs the tenant holds a device of now — not
+                   * while a device may be on its way into or out of the books, or since
+                   * the loop's copy of them) */
     if (!m->credit || !o->sandbox || caller_sandbox(m, c->tid) != o->sandbox)
         goto out; /* (the session's own check: the caller in the opener's sandbox) */
     if (m->credit > 0)
@@ -1657,6 +1775,15 @@ static int settled_admit(struct dvb_thread *t)
         t->sidf.clear_off = e->idf_clear_off;
         t->sidf.n_ids = m->n_gpu_ids;
         memcpy(t->sidf.ids, m->gpu_ids, sizeof(uint32_t) * (size_t)m->n_gpu_ids);
+    }
+    t->sidl.off = e->idl_off;
+    t->sidl.count = e->idl_count;
+    t->sflag.off = e->flag_off;
+    if (e->flag_off >= 0) {
+        t->sflag.id_off = e->flag_id_off;
+        t->sflag.bit = e->flag_bit;
+        t->sflag.n_ids = m->n_device_ids;
+        memcpy(t->sflag.ids, m->device_ids, sizeof(uint32_t) * (size_t)m->n_device_ids);
     }
     t->sembed.n = e->n_embed;
     for (int k = 0; k < DVB_SETTLED_EMBED; k++) {
@@ -2203,6 +2330,8 @@ static int answer_ioctl_on(struct dvb_thread *t, struct dvb_notif *n)
     c->embed_n = 0;
     t->sembed.n = 0; /* (a settled control's: settled_admit sets them) */
     t->sidf.count = 0;
+    t->sflag.off = -1;
+    t->sidl.count = 0;
     c->fd_n = 0;
     c->settled = -1;
     c->after = 0;
