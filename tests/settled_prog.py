@@ -54,7 +54,7 @@ def control(fd, obj, cmd, data: bytes) -> tuple[int, int, bytes]:
     return err, v.status, bytes(b.raw)
 
 
-def fb_info(fd) -> list:
+def fb_info(fd, obj=None) -> list:
     spec = abi.control(0x20801303).params
     v = spec.decode(bytes(spec.size))
     entries = list(v.fbInfoList)
@@ -63,7 +63,7 @@ def fb_info(fd) -> list:
     data = v.replace(fbInfoListSize=2, fbInfoList=entries).encode()
     seen = []
     for _ in range(REPEAT):
-        err, status, got = control(fd, SUBDEVICE, 0x20801303, data)
+        err, status, got = control(fd, SUBDEVICE if obj is None else obj, 0x20801303, data)
         if err or status:
             out["errors"].append(["FB_GET_INFO_V2", err, status])
         r = spec.decode(got)
@@ -142,6 +142,12 @@ for client, obj, times in ((CLIENT, SUBDEVICE, 1), (CLIENT2, SUBDEVICE2, 3)):
         arch.append([err, status])
     CLIENT = keep_client
 out["arch"] = arch
+# NVML's memory query on a new subdevice (the second client's): its quota view's values
+# were written with the subdevice's fact at its booking, so the loop answers it from the
+# first call
+CLIENT, keep_client = CLIENT2, CLIENT
+out["fb_new_subdevice"] = fb_info(ctl, SUBDEVICE2)
+CLIENT = keep_client
 # last, a call the broker answers on its general path (a free naming no client of the
 # tenant's): what the loop counted before it is in the broker's books when this returns
 out["last"] = call(ctl, "NV_ESC_RM_FREE", "NVOS00_PARAMETERS", hRoot=0, hObjectParent=0,

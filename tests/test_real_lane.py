@@ -354,6 +354,7 @@ def test_settled_controls_answer_as_the_broker_and_follow_the_books(tmp_path, fi
         # (a second root client on the same file: the broker allocates it, handlers.rm_alloc)
         "root2": 0, "client2": [0, 0], "device2": [0, 0], "subdevice2": [0, 0],
         "arch": [[0, 0]] * 4,
+        "fb_new_subdevice": [[quota_kib, quota_kib]],
         "pci_own": [[0, 0]],
         "pci_foreign": [[0, 0x1F]],  # (NV_ERR_INVALID_ARGUMENT: not the tenant's GPU)
         "last": 0x23,  # (NV_ERR_INVALID_CLIENT: the general path's refusal)
@@ -379,8 +380,11 @@ def test_settled_controls_answer_as_the_broker_and_follow_the_books(tmp_path, fi
     # decided: the charge moved), and its free the loop's — the free's decision written
     # down at the first free, the memory's fact at its booking — whose books show the
     # whole quota free again (fb_after2).
+    # NVML's memory query on the second client's new subdevice: all 20 the loop's, the
+    # quota view's values written with the subdevice's fact at its booking
+    # (SeccompSupervisor._booked) and FB info's control fact long there.
     assert lane_on["settled"] == (19 + 19 + 19 + 19 + 5 + 3 + 19 + 1 if first
-                                  else 18 + 18 + 19 + 19 + 5 + 2 + 18) + 19 + 19 + 1, lane_on
+                                  else 18 + 18 + 19 + 19 + 5 + 2 + 18) + 19 + 19 + 1 + 20, lane_on
     assert lane_off["settled"] == 0, lane_off
     # every call counted as admitted either way (a settled call is an admitted one)
     assert lane_on["admitted"] == lane_off["admitted"], (lane_on, lane_off)
@@ -907,6 +911,44 @@ def test_settled_id_info_flags_and_attach_lists_answer_as_the_broker(tmp_path):
     # GET_ID_INFO, and ATTACH_IDS from its second call — the loop's own check fails and
     # it hands the call to the general path, which refuses it: 1 + 19 fewer admissions)
     assert lane_on["admitted"] == lane_off["admitted"] - 20, (lane_on, lane_off)
+
+
+def test_settled_escapes_answer_as_the_broker_on_freshly_opened_files(tmp_path):
+    """Settled escapes (native/lane.c struct dvb_escape_fact, NativeLane.settle_escape):
+    NVML and CUDA make their version check and SYS_PARAMS on an nvidiactl, and
+    WAIT_OPEN_COMPLETE and NUMA_INFO on a GPU file, each opened just before (~110–180 µs
+    each over the driver on the H200 with the broker deciding every one). A seccomp tenant
+    on the NV_OK stand-in (tests/settled_escapes_prog.py) does that 20 times on fresh files,
+    with also a version the broker does not know and a SYS_PARAMS with another memory
+    block size, and WAIT_OPEN_COMPLETE on /dev/zero (the stand-in GPU node's device, not a
+    file of the broker's). With settled decisions on and off the answers are the same — the
+    argument as sent, 0; SYS_PARAMS with the other size refused (EPERM) and /dev/zero's
+    ENOTTY every time. With them on,
+    the loop admits each of the six the broker admits from the third round on (written
+    down at the second admission: NativeLane.worth_settling), on files it never saw before
+    but whose mapping facts say they are the tenant's — REGISTER_FD too, each round naming
+    its new nvidiactl by another number (its fd field is not part of the match; the loop
+    checks the file it names by its own duplicate)."""
+    on, lane_on = _settled_on_stand_in(tmp_path, "settled_escapes_prog.py", True)
+    off, lane_off = _settled_on_stand_in(tmp_path, "settled_escapes_prog.py", False)
+    assert on == off, (on, off)
+    assert set(on) == {"version", "version_unknown", "sys_params", "sys_params_other",
+                       "wait_open", "numa_info", "wait_open_not_ours", "register_fd",
+                       "register_fd_not_ours"}, on
+    # (REGISTER_FD: the tenant's own ctl fd number back in every round, each round's
+    # number another; naming /dev/zero refused by the broker every time)
+    assert on["register_fd"] == [[0, True]], on
+    assert on["register_fd_not_ours"][0][0] != 0, on
+    for label, answers in on.items():
+        assert len(answers) == 1, (label, answers)
+    assert on["sys_params_other"][0][0] == errno.EPERM, on
+    # (the same node's device, the same argument, but no mapping fact: not the loop's)
+    assert on["wait_open_not_ours"][0][0] == errno.ENOTTY, on
+    for label in ("version", "version_unknown", "sys_params", "wait_open", "numa_info"):
+        assert on[label][0][0] == 0, (label, on[label])
+    assert lane_on["settled"] == 6 * 18, lane_on
+    assert lane_off["settled"] == 0, lane_off
+    assert lane_on["admitted"] == lane_off["admitted"], (lane_on, lane_off)
 
 
 def test_card_info_is_answered_again_by_the_loop_from_the_brokers_answer(tmp_path):

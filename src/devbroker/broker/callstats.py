@@ -413,6 +413,9 @@ class _CountedLane:
     def id_list_check(self, adm):
         return self._lane.id_list_check(adm)
 
+    def settleable_escape(self, adm) -> bool:
+        return self._lane.settleable_escape(adm)
+
     def needs_finish(self, adm, patched: bool = False) -> bool:
         return self._lane.needs_finish(adm, patched)
 

@@ -480,6 +480,7 @@ class ControlLane:
         self._plans: dict[tuple, tuple | None] = {}  # (abi, cmd) -> _plan's answer
         self._alloc_plans: dict[tuple, tuple | None] = {}  # (abi, class) -> _alloc_plan's
         self._null_only: dict[tuple, bool] = {}  # (abi, class) -> _null_checked_only's
+        self._same_escape: dict[int, bool] = {}  # ioctl number -> settleable_escape's
 
     def ioctl_cmds(self, versions) -> frozenset[int]:
         """The ioctl numbers the lane may take, over the given ABIs (front ends test the
@@ -995,6 +996,30 @@ class ControlLane:
                 and (adm.post is None or adm.post in rewrite.AS_TABLE_PATCH or id_filter
                      or self.id_flag(adm) is not None)
                 and self.broker.recorder is None)
+
+    def settleable_escape(self, adm: Admitted) -> bool:
+        """Whether a plain escape this lane admitted (`_admit_escape`) may be settled: its
+        decision reads the session, its row (allowed, granted, on this node) and, for the
+        version check and SYS_PARAMS, the argument — so a front end may repeat it for the
+        same argument byte for byte on another of the tenant's files of the same node
+        (native/lane.c struct dvb_escape_fact) — for an fd escape with one fd field
+        (REGISTER_FD), but for that field, whose file the front end checks each time (a
+        file of the tenant's, `fd_target`'s test). Not while recording. The loop does not know which driver version a
+        file's process asked for (its version check: `Tenant.abi_by_tgid`), so either every
+        version the broker knows reads this ioctl number as this same escape, or no process
+        of the tenant's asked for another version than the broker's (NVML's and CUDA's
+        WAIT_OPEN_COMPLETE is not in 535's tables); a process that does so later moves the
+        policy epoch (handlers.version), and every settled fact with it."""
+        h = adm.header
+        if h.kind != "escape" or len(h.fd_offsets) > 1 or self.broker.recorder is not None:
+            return False
+        same = self._same_escape.get(h.ioctl_cmd)
+        if same is None:
+            same = self._same_escape[h.ioctl_cmd] = all(
+                (g := headers_of(registry.get(v)).get(h.ioctl_cmd)) is not None
+                and g.kind == "escape" and g.escape == h.escape
+                for v in registry.versions())
+        return same or not adm.session.tenant.abi_by_tgid
 
     def id_list_check(self, adm: Admitted):
         """The pre-hook of a control as an IdListCheck (rewrite.AS_ID_LIST_CHECK:

@@ -22,7 +22,7 @@ from devbroker.abi.nodes import NodeKind
 from devbroker.broker import limits, rewrite, shares
 from devbroker.broker.effects import ResolveFd, Steps
 from devbroker.broker.interface import IoctlReply, IoctlRequest, RunInCaller
-from devbroker.broker.objects import RmClient, drop_objects, share
+from devbroker.broker.objects import BOOKS, RmClient, drop_objects, share
 from devbroker.broker.refusal import Refusal
 
 if TYPE_CHECKING:  # (core and rules import this module: names for annotations only)
@@ -94,6 +94,9 @@ def version(ctx: CallContext) -> Steps:
         asked = _cstr(call.value.versionString)
         if asked in registry.versions() and asked != abi.version:
             s.tenant.abi_by_tgid[s.caller.pid] = registry.get(asked)
+            # what the native loop settled for the tenant's escapes was decided in the
+            # other ABI (ControlLane.settleable_escape): moved on, as by a policy change
+            BOOKS.policy_changed()
     return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
 

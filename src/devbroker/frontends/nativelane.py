@@ -222,7 +222,10 @@ def library() -> ctypes.CDLL | None:
     lib.dvb_settled_credit.argtypes = [vp, i64, ctypes.c_int]
     lib.dvb_settled_alloc_credit.argtypes = [vp, i64]
     lib.dvb_settled_object_put.argtypes = [vp, ctypes.POINTER(ctypes.c_uint64),
-                                           ctypes.POINTER(i64)]
+                                           ctypes.POINTER(i64), ctypes.c_uint32,
+                                           ctypes.c_uint64, ctypes.c_int,
+                                           ctypes.POINTER(ctypes.c_uint32),
+                                           ctypes.POINTER(ctypes.c_uint32)]
     lib.dvb_settled_credit_left.argtypes = [vp]
     lib.dvb_settled_credit_left.restype = i64
     lib.dvb_settled_fold.argtypes = [vp, ctypes.POINTER(i64), ctypes.c_int]
@@ -242,6 +245,8 @@ def library() -> ctypes.CDLL | None:
                                     ctypes.c_int]
     lib.dvb_set_device_ids.argtypes = [vp, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint32),
                                        ctypes.c_int]
+    lib.dvb_escape_put.argtypes = [vp, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(i64),
+                                   ctypes.c_char_p, i64, ctypes.c_int, ctypes.POINTER(i64)]
     lib._devbroker_checked = True
     return lib
 
@@ -559,6 +564,42 @@ class NativeLane:
             self._top_up(s.tenant)
         return True
 
+    def settle_escape(self, adm, c: Call, arg: bytes, epochs: tuple[int, int, int], caller,
+                      caller_pidfd: int, key, lane) -> bool:
+        """Write down a plain escape the control lane admitted (ControlLane.settleable_escape)
+        for the loop to admit again by itself (native/lane.c struct dvb_escape_fact): the
+        same ioctl number with this argument byte for byte (`arg`: the private copy the
+        broker decided on), on any file of this node (the call's rdev) that a mapping fact
+        says is the tenant's real ctl or GPU file opened in the same sandbox, for the policy
+        epoch read before the broker decided; run on the loop's duplicate of the file, or —
+        an escape the broker answers itself (`Admitted.answered`) — answered with the
+        argument as sent. An fd escape's one fd field (`Header.fd_offsets`) is left out of
+        the match: the loop gives the driver its own duplicate of the file the fd names,
+        which must have a mapping fact in the caller's sandbox. The caller as for settle;
+        its counters on a control fact (ABI tag 0, the ioctl number, control 0). False: not
+        written."""
+        s = adm.session
+        fds = adm.header.fd_offsets
+        if (not self.settled_on or s.pidns is None or caller.pidns is None
+                or not 0 < len(arg) <= HDR_MAX or not c.rdev or len(fds) > 1):
+            return False
+        with self._settled_lock:
+            f = (ctypes.c_int64 * 7)(c.rdev, c.cmd, len(arg), int(bool(adm.answered)),
+                                     self._sandbox_tag(s.caller.uid, s.pidns),
+                                     self._sandbox_tag(caller.uid, caller.pidns),
+                                     fds[0] if fds else -1)
+            pidfd = os.dup(caller_pidfd)
+            slot = self.lib.dvb_escape_put(self.shared, (ctypes.c_uint64 * 3)(*epochs), f, arg,
+                                           c.tid, pidfd, self._evicted)
+            ev = self._evicted
+            if ev[0] >= 0:  # another control's row left that slot: what it counted
+                self._record(lane, ev[0], ev, 0)
+            if slot < 0:
+                return False
+            self._settled_rows[slot] = (s.tenant, key)
+            self._top_up(s.tenant)
+        return True
+
     def set_device_ids(self, epoch: int, ids) -> bool:
         """The ids of the GPUs the tenant holds a device object of, as of the books' devices
         epoch `epoch` (objects.BOOKS.devices_now(), read under STATE_LOCK with the books
@@ -577,20 +618,29 @@ class NativeLane:
         return True
 
     def object_put(self, epochs: tuple[int, int, int], dev: int, ino: int, sess,
-                   client: int, obj: int, abi) -> bool:
+                   client: int, obj: int, abi, patch=None) -> bool:
         """Write down a new object's fact as the broker books it (native/lane.c
         dvb_settled_object_put): on this file, this client's object is the tenant's, on
         its GPU, for callers in the sandbox of the file's opener (`sess`: the broker's
         session). epochs: read before the object was decided or booked (a removal since:
-        not written). False: not written."""
+        not written). patch: (control, charge epoch, TablePatch) — that control's patch
+        values for the object's GPU as of that charge epoch (a subdevice's FB_GET_INFO_V2,
+        so that NVML's memory query on a new subdevice is the loop's from its first call).
+        False: not written."""
         if not self.settled_on or sess.pidns is None:
             return False
         with self._settled_lock:
             tag = self._abi_tags.setdefault(abi, len(self._abi_tags) + 1)
             f = (ctypes.c_int64 * 6)(dev, ino, client, obj, tag,
                                      self._sandbox_tag(sess.caller.uid, sess.pidns))
+            control, charge, values = 0, 0, ()
+            if patch is not None and len(patch[2].values) <= PATCH_MAX:
+                control, charge, values = patch[0], patch[1], patch[2].values
+            idx = (ctypes.c_uint32 * PATCH_MAX)(*[i for i, _v in values])
+            val = (ctypes.c_uint32 * PATCH_MAX)(*[v for _i, v in values])
             return self.lib.dvb_settled_object_put(
-                self.shared, (ctypes.c_uint64 * 3)(*epochs), f) == 0
+                self.shared, (ctypes.c_uint64 * 3)(*epochs), f, control, charge, len(values),
+                idx, val) == 0
 
     # Objects kept out of the settled allocations' allowance: a tenant's allocations go
     # the broker's way this close to its limits.rm_objects (the listener threads' settled

@@ -73,6 +73,9 @@ from devbroker.frontends.procmem import vm_write_many
 from devbroker.sandbox import linux
 
 log = logging.getLogger("devbroker.seccomp")
+# NV20_SUBDEVICE_0, and the control NVML sends a new one first (SeccompSupervisor._booked)
+SUBDEVICE_CLASS = 0x2080
+FB_GET_INFO_V2 = 0x20801303
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -966,6 +969,14 @@ class SeccompSupervisor:
                 # (a checked one is written down only if its check passes: _native_check
                 # drops what was queued when it declines, t.after)
                 self._after(t, c, self._native_settle, t, c, adm, epochs, patch)
+            elif (adm.header.kind == "escape" and epochs is not None and t.driver_safe
+                    and sess.real and sess.node in (NodeKind.CTL, NodeKind.GPU)
+                    and (driver or adm.answered) and lane.settleable_escape(adm)
+                    and t.lane.worth_settling("escape", c.cmd, None)):
+                # a plain escape on a file opened just before (NVML's and CUDA's version
+                # check, SYS_PARAMS, WAIT_OPEN_COMPLETE, NUMA_INFO): the loop admits the same
+                # argument again on the tenant's other files of this node
+                self._after(t, c, self._native_settle_escape, t, c, adm, epochs, bytes(hdr))
             c.params_ptr, c.params_size = adm.params_ptr, adm.params_size
             c.params_off, c.status_off = adm.header.params_offset, adm.header.status_offset
             c.driver, c.check = int(driver), int(adm.checked)
@@ -1018,6 +1029,21 @@ class SeccompSupervisor:
             t.lane.settle(adm, c, epochs, patch, hit[1], hit[0],
                           adm.mark[1] if adm.mark is not None else None, self._lane, ids,
                           id_flag, id_list)
+        except OSError:  # (no fd for the pidfd's duplicate: not settled, nothing else)
+            pass
+
+    def _native_settle_escape(self, t: nativelane.NativeThread, c: nativelane.Call, adm,
+                              epochs: tuple[int, int, int], arg: bytes) -> None:
+        """The loop may admit this plain escape again by itself for the same argument on the
+        tenant's files of this node (NativeLane.settle_escape), for a caller `_caller_caps`
+        keeps (never able to hold CAP_SYS_ADMIN; the loop checks it is still that
+        thread)."""
+        hit = self._callers.get(c.tid)
+        if hit is None:
+            return
+        try:
+            t.lane.settle_escape(adm, c, arg, epochs, hit[1], hit[0],
+                                 adm.mark[1] if adm.mark is not None else None, self._lane)
         except OSError:  # (no fd for the pidfd's duplicate: not settled, nothing else)
             pass
 
@@ -1359,14 +1385,23 @@ class SeccompSupervisor:
         nl.alloc_credit(tenant)
         if epochs is None:
             return
+        patch = None
         with STATE_LOCK:
             cl = tenant.clients.get(client)
             obj = cl.objects.get(handle) if cl is not None else None
             usable = (obj is not None and (obj.gpu is None or obj.gpu in tenant.gpus)
                       and not (s.node is NodeKind.GPU and s.minor not in tenant.gpus))
             abi = self.broker._abi(s) if usable else None
+            if usable and obj.rm_class == SUBDEVICE_CLASS and self.broker.recorder is None:
+                # NVML asks a new subdevice for its memory first (FB_GET_INFO_V2): the
+                # quota view's values now, as of the charge epoch read with them
+                op = abi.control(FB_GET_INFO_V2)
+                got = (rewrite.fb_info_patch(s, obj.gpu, op.params)
+                       if op is not None and op.params is not None else None)
+                if got is not None:
+                    patch = (FB_GET_INFO_V2, BOOKS.now()[1], got)
         if usable:  # (c: the call on that very file, its dev and inode)
-            nl.object_put(epochs, c.dev, c.ino, s, client, handle, abi)
+            nl.object_put(epochs, c.dev, c.ino, s, client, handle, abi, patch)
 
     def _settle(self, t: nativelane.NativeThread) -> None:
         """The row of the control the loop answered last without on_finish (the loop kept

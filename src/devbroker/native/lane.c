@@ -118,6 +118,7 @@ enum { C_NOTIFICATIONS, C_OPENS_CONTINUED, C_IOCTLS, C_CONTROLS_FAST, C_STALE,
 #define DVB_SETTLED_EMBED 2      /* embedded buffers a settled control carries (CHANNELLIST: 2) */
 #define DVB_EMBED_BYTES (64 << 10) /* their bytes in all (fastlane.ControlLane.EMBEDDED_BYTES) */
 #define DVB_ANSWERS 8            /* answer facts (struct dvb_answer) */
+#define DVB_ESCAPE_FACTS 16      /* settled escapes (struct dvb_escape_fact) */
 #define DVB_ANSWER_MAX 4096      /* the largest answer one holds (CARD_INFO: 32 x 72 bytes) */
 #define DVB_IDF_MAX 64           /* entries of a settled id filter's lists (the driver's: 32) */
 #define DVB_INVALID_GPU_ID 0xFFFFFFFFu
@@ -329,6 +330,47 @@ struct dvb_answer {
  * mapping context itself) — written when the file is installed; an nvidia-uvm file never
  * has one (its mappings count against the managed-memory allowance, in Python). */
 
+/*
+ * A settled escape (nativelane.NativeLane.settle_escape): a plain escape the control lane
+ * admitted on its argument alone (fastlane.ControlLane._admit_escape: the row allowed and
+ * granted on this node, the session open and the caller in its opener's sandbox, the version
+ * asked or the memblock size when the row reads them) — NVML's and CUDA's version check,
+ * SYS_PARAMS, WAIT_OPEN_COMPLETE, NUMA_INFO, each on a file opened just before, so a fact
+ * per file would never be used twice. The loop admits the same call again when its
+ * argument is byte for byte the one decided (what the decision read is in it), on a file
+ * of the same node (rdev) that a mapping fact says is the tenant's real ctl or GPU file
+ * opened in the caller's sandbox (the session check), for the policy epoch it was decided
+ * at; the caller a thread the broker accepted, a token of the tenant's pace. It runs the
+ * call on its duplicate of the file with the private copy (or, for an escape the broker
+ * answers itself — SYS_PARAMS —, answers the argument as sent and 0). Counted on its
+ * control fact (ABI tag 0, the ioctl number, control 0), whose slot it names.
+ * An fd escape (REGISTER_FD: NVML twice per init, CUDA 13 times, each naming its ctl file)
+ * has one fd field (fd_off), which the argument's match leaves out: the loop takes its own
+ * duplicate of the file that fd names in the caller's table, which must have a mapping
+ * fact in the caller's sandbox (a real ctl or GPU file of the tenant's: the broker's
+ * fd_target test, or stricter), and gives the driver that duplicate — as the decided path
+ * does (SeccompSupervisor._native_fds) — the tenant's number back in the answer.
+ */
+struct dvb_escape_fact {
+    uint64_t epoch;          /* the policy epoch it was decided at; 0: empty */
+    uint64_t sandbox;        /* its file's opener's sandbox, as a tag */
+    int64_t rdev;            /* the node */
+    uint32_t cmd, size;      /* the ioctl number, the argument's bytes (its size in it) */
+    int32_t answered;        /* 1: the broker's own answer (the argument as sent, 0) */
+    int32_t control;         /* the slot of its control fact (its counters) */
+    int32_t fd_off;          /* its one fd field (int32), left out of the match; -1: none */
+    uint8_t arg[DVB_HDR_MAX];
+};
+
+/* The argument matches the fact's, byte for byte but for its fd field. */
+static int escape_arg_match(const struct dvb_escape_fact *x, const uint8_t *arg)
+{
+    if (x->fd_off < 0)
+        return !memcmp(x->arg, arg, x->size);
+    size_t o = (size_t)x->fd_off;
+    return !memcmp(x->arg, arg, o) && !memcmp(x->arg + o + 4, arg + o + 4, x->size - o - 4);
+}
+
 struct dvb_settled_caller {
     int64_t tid;             /* 0: empty */
     uint64_t sandbox;        /* its (uid, pid namespace), as a tag */
@@ -393,6 +435,7 @@ struct dvb_settled {
     struct dvb_settled_caller callers[DVB_SETTLED_CALLERS];
     struct dvb_cont_fact conts[DVB_CONT_FACTS];
     struct dvb_answer answers[DVB_ANSWERS];
+    struct dvb_escape_fact escapes[DVB_ESCAPE_FACTS];
     int64_t answers_unfolded;
     /* the tenant's GPU ids, as of the policy epoch gpu_ids_epoch (0: none given) */
     uint32_t gpu_ids[DVB_GPU_IDS];
@@ -1030,7 +1073,12 @@ static int run_control_once(struct dvb_thread *t, struct dvb_notif *n, int64_t t
     int64_t t5 = now_ns();
     if (c->finish == FINISH_AFTER && !c->driver)
         c->finish = FINISH_BEFORE; /* (on_finish runs the call itself: before the answer) */
-    if (!c->driver || c->finish == FINISH_BEFORE) {
+    if (c->settled >= 0 && !c->driver) {
+        /* a settled escape the broker answers itself (SYS_PARAMS): the argument as sent
+         * (the private copy the fact matched), 0 — its `finish`, without the callback */
+        c->ret = c->err = 0;
+        memcpy(c->hdr_out, c->hdr, hlen);
+    } else if (!c->driver || c->finish == FINISH_BEFORE) {
         int fin = sh->on_finish(t->slot); /* run (emulated) and/or books and post-hook */
         if (fin == 0)
             return DVB_NOTIF; /* the backend could not run it here: the general way */
@@ -1395,6 +1443,38 @@ static struct dvb_settled_object *object_fact_put(struct dvb_settled *m, uint64_
     return o;
 }
 
+/* The control fact (abi, ioctl number, control) for the policy epoch now, in its slot (under
+ * m->lock): its counters kept when the slot held this very control, else the counters of
+ * another control it held go to evicted (3 + buckets; evicted[0] its slot) for Python to
+ * record. The caller fills in the decision. */
+static struct dvb_settled_control *control_fact_put(struct dvb_settled *m, uint64_t now,
+                                                    uint32_t abi, uint32_t ioctl_cmd,
+                                                    uint32_t control, int64_t *evicted)
+{
+    int ci = PICK_SLOT(m->controls, DVB_SETTLED_CONTROLS, control_home(abi, ioctl_cmd, control),
+                       e->abi == abi && e->ioctl_cmd == ioctl_cmd && e->control == control
+                           && e->epoch,
+                       e->epoch != now);
+    struct dvb_settled_control *c = &m->controls[ci];
+    if (c->epoch && !(c->abi == abi && c->ioctl_cmd == ioctl_cmd && c->control == control)) {
+        evicted[0] = ci; /* another control's row: Python records what it counted */
+        evicted[1] = c->ok;
+        evicted[2] = c->err;
+        evicted[3] = c->sum_ns;
+        memcpy(evicted + 4, c->buckets, sizeof(c->buckets));
+        c->ok = c->err = c->sum_ns = 0;
+        memset(c->buckets, 0, sizeof(c->buckets));
+    } else if (!c->epoch) {
+        c->ok = c->err = c->sum_ns = 0;
+        memset(c->buckets, 0, sizeof(c->buckets));
+    }
+    c->epoch = now;
+    c->abi = abi;
+    c->ioctl_cmd = ioctl_cmd;
+    c->control = control;
+    return c;
+}
+
 /*
  * The broker settled a control (nativelane.NativeLane.settle): write down its two facts
  * and its caller. obj: dev, ino, client, object, abi, the session's sandbox tag, the
@@ -1460,28 +1540,9 @@ int dvb_settled_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t
     if (pidfd >= 0)
         caller_put(m, tid, pidfd, (uint64_t)obj[6]);
     /* the control */
-    uint32_t abi = (uint32_t)ctl[0], ioctl_cmd = (uint32_t)ctl[1];
-    int ci = PICK_SLOT(m->controls, DVB_SETTLED_CONTROLS, control_home(abi, ioctl_cmd, control),
-                       e->abi == abi && e->ioctl_cmd == ioctl_cmd && e->control == control
-                           && e->epoch,
-                       e->epoch != now);
-    struct dvb_settled_control *c = &m->controls[ci];
-    if (c->epoch && !(c->abi == abi && c->ioctl_cmd == ioctl_cmd && c->control == control)) {
-        evicted[0] = ci; /* another control's row: Python records what it counted */
-        evicted[1] = c->ok;
-        evicted[2] = c->err;
-        evicted[3] = c->sum_ns;
-        memcpy(evicted + 4, c->buckets, sizeof(c->buckets));
-        c->ok = c->err = c->sum_ns = 0;
-        memset(c->buckets, 0, sizeof(c->buckets));
-    } else if (!c->epoch) {
-        c->ok = c->err = c->sum_ns = 0;
-        memset(c->buckets, 0, sizeof(c->buckets));
-    }
-    c->epoch = now;
-    c->abi = abi;
-    c->ioctl_cmd = ioctl_cmd;
-    c->control = control;
+    struct dvb_settled_control *c = control_fact_put(m, now, (uint32_t)ctl[0],
+                                                     (uint32_t)ctl[1], control, evicted);
+    int ci = (int)(c - m->controls);
     c->params_size = (uint32_t)ctl[3];
     c->patched = (int32_t)ctl[4];
     c->gpu_id_off = (int32_t)ctl[11];
@@ -1548,15 +1609,28 @@ void dvb_settled_alloc_credit(struct dvb_shared *sh, int64_t n)
  * may be gone). Controls and allocations on it are then settled from their first call when
  * their control fact stands (CUDA's channels: each gets its copy engine object, engine id
  * and work-submit token once). obj: dev, ino, client, object, abi, the session's sandbox
- * tag. Returns 0, or -1 when not written.
+ * tag; patch_n values (index, value) of the control patch_control's TablePatch for the
+ * object's GPU, as of the charge epoch patch_epoch (0: none). Returns 0, or -1 when not
+ * written.
  */
-int dvb_settled_object_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t *obj)
+int dvb_settled_object_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t *obj,
+                           uint32_t patch_control, uint64_t patch_epoch, int patch_n,
+                           const uint32_t *patch_index, const uint32_t *patch_value)
 {
     struct dvb_settled *m = &sh->settled;
     uint64_t now;
+    if (patch_n < 0 || patch_n > DVB_PATCH_MAX || (patch_n && !patch_control))
+        return -1;
     if (put_begin(m, epochs, 1, -1, &now) < 0)
         return -1;
-    object_fact_put(m, now, obj);
+    struct dvb_settled_object *o = object_fact_put(m, now, obj);
+    if (patch_n) { /* (a subdevice's: FB_GET_INFO_V2's quota view, as of patch_epoch) */
+        o->patch_control = patch_control;
+        o->patch_epoch = patch_epoch;
+        o->patch_n = patch_n;
+        memcpy(o->patch_index, patch_index, sizeof(uint32_t) * (size_t)patch_n);
+        memcpy(o->patch_value, patch_value, sizeof(uint32_t) * (size_t)patch_n);
+    }
     pthread_mutex_unlock(&m->lock);
     return 0;
 }
@@ -1827,8 +1901,10 @@ static void settled_count(struct dvb_thread *t, int64_t ns)
     const struct dvb_settled_layout *l;
     pthread_mutex_lock(&m->lock);
     struct dvb_settled_control *e = &m->controls[c->settled % DVB_SETTLED_CONTROLS];
-    if ((l = settled_layout(m, (uint32_t)c->cmd)) != NULL && e->ioctl_cmd == (uint32_t)c->cmd
-        && e->control == layout_control(l, c->hdr)) {
+    l = settled_layout(m, (uint32_t)c->cmd);
+    if (e->ioctl_cmd == (uint32_t)c->cmd
+        && (l ? e->control == layout_control(l, c->hdr)
+              : (e->abi == 0 && e->control == 0))) { /* (a settled escape's: no layout) */
         int b = bucket_of(m, ns);
         if (c->err)
             e->err++;
@@ -2189,6 +2265,140 @@ int dvb_answer_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t 
     return slot;
 }
 
+/*
+ * The broker admitted a plain escape the loop may admit again (struct dvb_escape_fact):
+ * f: rdev, ioctl number, the argument's size, answered, the file opener's sandbox tag, the
+ * caller's sandbox tag, the offset of its one fd field or -1; arg: the argument as decided; epochs as for dvb_settled_put (a
+ * policy change since: nothing written); pidfd: the caller's, owned here from now on.
+ * evicted as for dvb_settled_put. Returns its control fact's slot (its counters), or -1.
+ */
+static int file_is_tenants(struct dvb_settled *m, uint64_t now, int64_t dev, int64_t ino,
+                           uint64_t sandbox);
+
+int dvb_escape_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t *f,
+                   const uint8_t *arg, int64_t tid, int pidfd, int64_t *evicted)
+{
+    struct dvb_settled *m = &sh->settled;
+    evicted[0] = -1;
+    uint32_t cmd = (uint32_t)f[1], size = (uint32_t)f[2];
+    if (f[2] <= 0 || f[2] > DVB_HDR_MAX || size != ((cmd >> 16) & 0x3fff) || !f[4]
+        || (f[3] != 0 && f[3] != 1) || f[6] < -1 || f[6] + 4 > f[2] || (f[6] >= 0 && f[3])) {
+        if (pidfd >= 0)
+            close(pidfd);
+        return -1;
+    }
+    uint64_t now;
+    if (put_begin(m, epochs, 0, pidfd, &now) < 0)
+        return -1;
+    caller_put(m, tid, pidfd, (uint64_t)f[5]);
+    struct dvb_settled_control *c = control_fact_put(m, now, 0, cmd, 0, evicted);
+    c->params_size = 0;
+    c->patched = 0;
+    c->gpu_id_off = -1;
+    c->n_null = 0;
+    c->n_embed = 0;
+    c->idf_count = 0;
+    c->flag_off = -1;
+    c->idl_count = 0;
+    int slot = -1, stale = -1;
+    for (int k = 0; k < DVB_ESCAPE_FACTS && slot < 0; k++) {
+        struct dvb_escape_fact *x = &m->escapes[k];
+        if (x->epoch == now && x->sandbox == (uint64_t)f[4] && x->rdev == f[0] && x->cmd == cmd
+            && x->fd_off == (int32_t)f[6] && escape_arg_match(x, arg))
+            slot = k;
+        else if (stale < 0 && x->epoch != now)
+            stale = k;
+    }
+    if (slot < 0) /* (all of this epoch and others: one written over, by the argument) */
+        slot = stale >= 0 ? stale : (int)((mix64(cmd) ^ arg[size - 1]) % DVB_ESCAPE_FACTS);
+    struct dvb_escape_fact *x = &m->escapes[slot];
+    x->epoch = now;
+    x->sandbox = (uint64_t)f[4];
+    x->rdev = f[0];
+    x->cmd = cmd;
+    x->size = size;
+    x->answered = (int32_t)f[3];
+    x->control = (int32_t)(c - m->controls);
+    x->fd_off = (int32_t)f[6];
+    memcpy(x->arg, arg, size);
+    if (x->fd_off >= 0)
+        memset(x->arg + x->fd_off, 0, 4); /* (not part of the match) */
+    pthread_mutex_unlock(&m->lock);
+    return x->control;
+}
+
+/* A plain escape a settled escape holds for (struct dvb_escape_fact): admitted here (fills
+ * the call as settled_admit does: the driver call on the loop's duplicate with its private
+ * copy of the argument, or the argument as sent for an answered one); 0 leaves it to the
+ * callback. */
+static int escape_admit(struct dvb_thread *t)
+{
+    struct dvb_settled *m = &t->sh->settled;
+    struct dvb_call *c = &t->call;
+    int ok = 0;
+    if (!m->epochs || !t->driver_safe || !c->hdr_len || !S_ISCHR(c->mode) || t->file_dup < 0)
+        return 0;
+    pthread_mutex_lock(&m->lock);
+    catch_up(m);
+    uint64_t now = epoch_now(m, 0);
+    uint64_t sandbox = caller_sandbox(m, c->tid);
+    struct dvb_escape_fact *hit = NULL;
+    for (int k = 0; k < DVB_ESCAPE_FACTS && !hit; k++) {
+        struct dvb_escape_fact *x = &m->escapes[k];
+        if (x->epoch == now && x->cmd == (uint32_t)c->cmd && x->size == (uint32_t)c->hdr_len
+            && x->rdev == c->rdev && x->sandbox && x->sandbox == sandbox
+            && escape_arg_match(x, c->hdr))
+            hit = x;
+    }
+    if (!hit || !m->credit || !file_is_tenants(m, now, c->dev, c->ino, sandbox))
+        goto out;
+    struct dvb_settled_control *e = &m->controls[hit->control];
+    if (e->epoch != now || e->abi != 0 || e->ioctl_cmd != (uint32_t)c->cmd || e->control)
+        goto out; /* (its counters' slot went to another control: decided again) */
+    int32_t fd_off = hit->fd_off;
+    if (fd_off >= 0) {
+        /* the file its fd names: the loop's own duplicate, one of the tenant's by a mapping
+         * fact in the caller's sandbox (two syscalls: the lock is let go meanwhile, and
+         * the epoch read again after) */
+        int32_t fd;
+        memcpy(&fd, c->hdr + fd_off, 4);
+        pthread_mutex_unlock(&m->lock);
+        struct stat st;
+        int dup = fd < 0 ? -1 : tenant_fd_dup(t, c->tid, fd);
+        if (dup >= 0 && fstat(dup, &st) < 0) {
+            close(dup);
+            dup = -1;
+        }
+        pthread_mutex_lock(&m->lock);
+        catch_up(m);
+        if (dup < 0 || epoch_now(m, 0) != now
+            || !file_is_tenants(m, now, (int64_t)st.st_dev, (int64_t)st.st_ino, sandbox)
+            || !m->credit) {
+            if (dup >= 0)
+                close(dup);
+            goto out; /* (the broker decides: it refuses what is not the tenant's) */
+        }
+        c->fd_n = 1; /* (run_control closes it however the call ends) */
+        c->fd_off[0] = fd_off;
+        c->fd_orig[0] = fd;
+        c->fd_dup[0] = dup;
+        memcpy(c->hdr + fd_off, &(int32_t){dup}, 4);
+    }
+    if (m->credit > 0)
+        m->credit--;
+    c->params_ptr = c->params_size = 0;
+    c->params_off = -1;
+    c->status_off = -1;
+    c->driver = !hit->answered;
+    c->check = 0;
+    c->finish = FINISH_NONE;
+    c->settled = hit->control;
+    ok = 1;
+out:
+    pthread_mutex_unlock(&m->lock);
+    return ok;
+}
+
 /* The answer facts' counts since the last fold: rows (slot, count, 0, sum_ns, buckets). */
 int dvb_answer_fold(struct dvb_shared *sh, int64_t *out, int max)
 {
@@ -2386,7 +2596,7 @@ static int answer_ioctl_on(struct dvb_thread *t, struct dvb_notif *n)
             return 0;
         }
     }
-    int settled = settled_admit(t); /* else the broker decides (the callback) */
+    int settled = escape_admit(t) || settled_admit(t); /* else the broker decides (callback) */
     int act = settled ? ACT_CONTROL : sh->on_ioctl(t->slot);
     int64_t t2 = now_ns();
     int rc;
