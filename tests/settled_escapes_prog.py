@@ -17,6 +17,7 @@ import fcntl
 import json
 import os
 import sys
+import time
 
 from rm_escape import ABI as abi
 
@@ -56,6 +57,7 @@ for _ in range(N):
             ("register_fd", gpu, "NV_ESC_REGISTER_FD", {"ctl_fd": ctl}),
             ("register_fd_not_ours", gpu, "NV_ESC_REGISTER_FD", {"ctl_fd": zero})):
         r = call(fd, name, **fields)
+        time.sleep(0.002)  # (the broker writes down what it settles after its answer)
         if name == "NV_ESC_REGISTER_FD":  # (the number differs by round: as sent, or not)
             sent = abi.escape(name).params.decode(bytes(4)).replace(**fields).encode().hex()
             r = [r[0], r[1] == sent]

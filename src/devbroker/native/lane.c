@@ -460,6 +460,12 @@ struct dvb_shared {
     int64_t spin_ns;
     volatile int mem_off;
     int quiet; /* Python has work for a quiet moment: DVB_QUIET after 1 ms without a call */
+    /* Threads between receiving a notification and its answer (in C or in Python): the
+     * tenant is waiting for the broker, so it is no quiet moment even when no notification
+     * came for 1 ms — a free or an allocation the driver takes ~0.4–0.9 ms over (NVML's
+     * subdevice and device) had the quiet work's driver opens run beside it and took
+     * ~60–110 µs longer on the H200 (docs/benchmarks.md, twentieth session). */
+    int64_t answering;
     uint32_t lane_cmds[DVB_LANE_CMDS];
     int n_lane_cmds;
     char names[DVB_NAMES_MAX]; /* NUL-separated basenames that may be ours */
@@ -482,6 +488,7 @@ struct dvb_thread {
     int last_rc;
     int err;                        /* errno of DVB_ERROR / DVB_WRITE_FAILED */
     volatile int64_t busy_since;    /* CLOCK_MONOTONIC ns while answering in C, else 0 */
+    int holds;                      /* 1: counted in sh->answering (a notification taken) */
     volatile int64_t mem_since;     /* ... while reading or writing tenant memory, else 0 */
     volatile int64_t cur_id, cur_pid; /* the notification being answered */
     volatile int abandoned;         /* set by the watchdog: the call was answered EFAULT */
@@ -618,10 +625,19 @@ struct dvb_thread *dvb_thread_new(struct dvb_shared *sh, int slot)
     return t;
 }
 
+static void answered_all(struct dvb_thread *t)
+{
+    if (t->holds) {
+        __atomic_sub_fetch(&t->sh->answering, 1, __ATOMIC_ACQ_REL);
+        t->holds = 0;
+    }
+}
+
 void dvb_thread_free(struct dvb_thread *t)
 {
     if (!t)
         return;
+    answered_all(t);
     for (int k = 0; k < DVB_PIDFDS; k++)
         if (t->pidfds[k].fd >= 0)
             close(t->pidfds[k].fd);
@@ -2823,6 +2839,7 @@ int dvb_serve(struct dvb_thread *t)
     struct dvb_notif *n = (struct dvb_notif *)t->notif;
     int64_t started = now_ns();
     int handled = 0;
+    answered_all(t); /* (one the Python listener answered, if any) */
     if (t->last_rc == DVB_NOTIF || t->last_rc == DVB_WRITE_FAILED)
         t->spin_until = now_ns() + sh->spin_ns; /* the Python listener just answered one */
     for (;;) {
@@ -2845,7 +2862,8 @@ int dvb_serve(struct dvb_thread *t)
             pthread_mutex_unlock(&sh->recv_lock);
             if (spinning)
                 continue;
-            if (quiet && __atomic_exchange_n(&sh->quiet, 0, __ATOMIC_ACQ_REL))
+            if (quiet && !__atomic_load_n(&sh->answering, __ATOMIC_ACQUIRE)
+                && __atomic_exchange_n(&sh->quiet, 0, __ATOMIC_ACQ_REL))
                 return t->last_rc = DVB_QUIET; /* (one thread does the work) */
             return t->last_rc = DVB_IDLE;
         }
@@ -2872,6 +2890,8 @@ int dvb_serve(struct dvb_thread *t)
             return t->last_rc = DVB_ERROR;
         }
         t->counters[C_NOTIFICATIONS]++;
+        __atomic_add_fetch(&sh->answering, 1, __ATOMIC_ACQ_REL);
+        t->holds = 1;
         t->cur_id = (int64_t)n->id;
         t->cur_pid = n->pid;
         t->busy_since = now_ns();
@@ -2886,7 +2906,8 @@ int dvb_serve(struct dvb_thread *t)
         if (rc == DVB_LATE)
             t->abandoned = 0;
         if (rc != 0)
-            return t->last_rc = rc;
+            return t->last_rc = rc; /* (still counted: the Python listener answers it) */
+        answered_all(t);
         handled++;
         t->spin_until = now_ns() + sh->spin_ns;
     }
