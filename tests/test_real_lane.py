@@ -455,7 +455,8 @@ def test_a_free_racing_an_allocations_booking_finds_it_booked(tmp_path, gate):
     """Allocations booked after the answer (native/lane.c FINISH_AFTER: the loop's settled
     allocations, and with DEVBROKER_BOOK_AFTER=1 the broker's own) with two listener
     threads: one tenant thread allocates copy-engine objects, another frees each the moment
-    the first has its answer, 100 times, each booking held up 5 ms (test switches below).
+    the first has its answer, 100 times, each booking held up 5 ms (test switches below;
+    50 ms without the wait).
     Every free is NV_OK — its decision, on the other listener thread, waited for the
     booking (NativeLane.await_bookings). With that wait taken out
     (DEVBROKER_TEST_NO_BOOKING_WAIT=1), frees are refused by the general path (the object
@@ -468,6 +469,9 @@ def test_a_free_racing_an_allocations_booking_finds_it_booked(tmp_path, gate):
            "DEVBROKER_TEST_BOOKING_DELAY_MS": "5"}
     if not gate:
         env["DEVBROKER_TEST_NO_BOOKING_WAIT"] = "1"
+        # (a window the freeing thread cannot miss: with 5 ms, a loaded machine once
+        # scheduled every free after its booking, and nothing was refused)
+        env["DEVBROKER_TEST_BOOKING_DELAY_MS"] = "50"
     out, lane = _on_stand_in_nodes(tmp_path, f"race{int(gate)}", env, "seccomp",
                                    [sys.executable, str(here / "settled_alloc_prog.py"),
                                     "100", "race"],
@@ -954,6 +958,36 @@ def test_settled_escapes_answer_as_the_broker_on_freshly_opened_files(tmp_path):
     assert lane_on["settled"] == 5 * 18 + 19, lane_on
     assert lane_off["settled"] == 0, lane_off
     assert lane_on["admitted"] == lane_off["admitted"], (lane_on, lane_off)
+
+
+def test_a_root_client_the_tenant_allocates_itself_is_continued_by_the_lane(tmp_path):
+    """NVML's root client, one per init on an nvidiactl opened just before: the continue
+    lane continues it from the loop's question (ContinueLane.root_alloc: handlers.rm_alloc's
+    root branch, ~230–300 µs over the driver the general way on the H200) instead of the
+    loop handing the call to the general steps. A seccomp tenant on the NV_OK stand-in
+    (tests/roots_prog.py), three rounds: its own root client on a fresh nvidiactl
+    (continued: the stand-in node's ENOTTY), a control naming it (adopted: NV_OK), a second
+    root client on the same file (the broker's to allocate: NV_OK) and a control on it.
+    The answers are the Python listener's (DEVBROKER_NATIVE_LANE=0, which decides each the
+    general way); with the native loop the continue lane took the three first roots."""
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+
+    def run(native: bool) -> tuple[dict, dict]:
+        return _on_stand_in_nodes(tmp_path, f"roots{int(native)}",
+                                  {"DEVBROKER_NATIVE_LANE": "1" if native else "0"},
+                                  "seccomp", [sys.executable, str(here / "roots_prog.py")],
+                                  wrap=(sys.executable, str(here / "nvok_standin.py")),
+                                  lane="continue_lane")
+
+    native, lane_native = run(True)
+    python, lane_python = run(False)
+    assert native == python == {"rounds": [[errno.ENOTTY, [0, 0], [0, 0], [0, 0]]] * 3}, \
+        (native, python)
+    assert lane_native["roots"] == 3, lane_native
+    assert lane_python["roots"] == 0, lane_python
 
 
 def test_card_info_is_answered_again_by_the_loop_from_the_brokers_answer(tmp_path):

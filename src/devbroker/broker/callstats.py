@@ -514,6 +514,16 @@ class _CountedContinue:
         if key is not None:
             self._stats.record_rows(key, 0, 0, sum_ns, buckets, continued=count)
 
+    def root_alloc(self, session_id: int, caller: Any, ioctl_cmd: int, hdr: bytes) -> bool:
+        t0 = self._stats.clock()
+        ok = self._lane.root_alloc(session_id, caller, ioctl_cmd, hdr)
+        if ok:
+            s = self._lane.broker.sessions.get(session_id)
+            if s is not None:
+                self._stats._record((s.tenant.name, "ioctl", *self._stats.names.ioctl(
+                    s.node, ioctl_cmd, hdr)), _CONTINUED, self._stats.clock() - t0)
+        return ok
+
     def admit(self, session_id: int, caller: Any, cmd: int, arg: bytes,
               resolve_fd: Any = None) -> bool:
         t0 = self._stats.clock()

@@ -18,7 +18,7 @@ from devbroker.abi.nodes import NodeKind
 
 from . import handlers, limits, rules
 from .effects import STATE_LOCK
-from .fastlane import _usable_session, own_parent
+from .fastlane import _usable_session, headers_of, own_parent
 from .refusal import Refusal
 
 if TYPE_CHECKING:
@@ -99,6 +99,7 @@ class ContinueLane:
         self.admitted = 0
         self.passed = 0
         self.settled = 0  # of admitted: continued by the native loop's settled decisions
+        self.roots = 0  # of admitted: root clients the tenant allocated itself (root_alloc)
 
     def _plan(self, abi: DriverABI, node: NodeKind, cmd: int) -> _ContinuePlan | None:
         key = (abi, node, cmd)
@@ -305,6 +306,51 @@ class ContinueLane:
         if plan.alloc:  # (its class could be rewritten meanwhile: rules._RACE_ALLOC_MEMORY)
             b._watch_quota(s)
         return True
+
+    def root_alloc(self, session_id: int, caller: Caller, ioctl_cmd: int, hdr: bytes) -> bool:
+        """A root client the tenant allocates itself on an nvidiactl (NVML: one per init, on
+        a file opened just before; ~230–300 µs over the driver the general way on the
+        H200): the general steps (`Broker._ioctl_steps`: the session usable, RM_ALLOC's row
+        granted on this node, a pace token, the request counted) and handlers.rm_alloc's
+        root branch up to its RunInCaller, on the private header (an RM_ALLOC's, as the
+        control lane reads it: fastlane.headers_of): a root class, its handle
+        not another tenant's client, the tenant's client limit, and a file that runs calls
+        in the caller and holds no client and continued none — which is what keeps a racing
+        thread's rewrite of the argument to a root client (docs/seccomp.md). True: continue
+        it (counted as the general steps count it). Anything else goes the general way,
+        which decides again (its refusals and records)."""
+        b = self.broker
+        with STATE_LOCK:
+            s = _usable_session(b, session_id, caller)
+            if s is None or s.node is not NodeKind.CTL \
+                    or not getattr(s.file, "runs_in_caller", False):
+                return False
+            header = headers_of(b._abi(s)).get(ioctl_cmd)
+            if header is None or header.kind != "alloc" or len(hdr) != header.size:
+                return False
+            tenant = s.tenant
+            row = rules.ESCAPES.get("NV_ESC_RM_ALLOC")
+            if row is None or not row.granted(tenant.policy.capabilities) \
+                    or s.node not in row.nodes:
+                return False
+            _root, _parent, h_new, cls, _params, _size = header.unpack(hdr)
+            if cls not in handlers.ROOT_CLIENT_CLASSES:
+                return False
+            owner = b.clients.owner(h_new) if h_new else None
+            if owner is not None and owner != tenant.name:
+                return False  # (refused there, answered as a duplicate handle)
+            f = s.file
+            if (f.continued_root_allocs or b.clients.of_session(s.id)
+                    or limits.alloc_refusal(tenant, root_client=True) is not None):
+                return False
+            if not tenant.limiter.try_acquire():
+                return False
+            tenant.requests += 1
+            tenant.continued += 1
+            f.continued_root_allocs += 1
+            self.admitted += 1
+            self.roots += 1
+            return True
 
     def _alloc_continues(self, s, offsets: tuple, arg: bytes) -> bool:
         """NVOS02's general steps up to the driver (handlers.rm_alloc_memory) for a class

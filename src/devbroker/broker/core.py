@@ -922,7 +922,9 @@ class Broker:
                                   "declined": self.continue_lane.passed,
                                   # of admitted: continued by the native loop's settled
                                   # decisions (no question to the broker)
-                                  "settled": self.continue_lane.settled},
+                                  "settled": self.continue_lane.settled,
+                                  # of admitted: root clients the tenant allocated itself
+                                  "roots": self.continue_lane.roots},
                 # quotawatch.py (real backend only): processes watched for device memory
                 # past the books, the looks at the driver's accounting, processes killed
                 **({"quota_watch": {"watching": len(self.quota_watch.watching()),

@@ -935,6 +935,13 @@ class SeccompSupervisor:
                           and self.broker.backend.control_is_plain_ioctl(bs.file))
             adm = lane.admit(sess.id, caller, c.cmd, hdr, max_params=nativelane.PARAMS_MAX,
                              run_hooks=driver)
+            if (adm is None and sess.real and sess.node is NodeKind.CTL
+                    and self._clane is not None
+                    and self._clane.root_alloc(sess.id, caller, c.cmd, hdr)):
+                # the first root client on this nvidiactl, allocated by the tenant itself
+                # (NVML: one per init, on a fresh file): continued, as the general steps
+                # continue it
+                return nativelane.ACT_CONTINUE
             if adm is None and sess.real and sess.node is NodeKind.CTL:
                 # perhaps a client the tenant allocated itself, named for the first time:
                 # adopted here, then admitted again (counted once as declined)
