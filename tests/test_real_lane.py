@@ -587,9 +587,11 @@ def test_settled_continuations_answer_as_the_broker_and_follow_the_books(tmp_pat
     # of each decided, four by the loop; on /dev/null, the broker's every time
     assert lane_on["settled"] == 9 + 9 + 3 + 4 + 11 + 3 + 4 + 4, lane_on
     assert lane_off["settled"] == 0, lane_off
-    # every continued call counted as admitted either way
-    assert lane_on["admitted"] == lane_off["admitted"] == 10 + 10 + 3 + 5 + 12 + 3 + 5 + 5, (
-        lane_on, lane_off)
+    # every continued call counted as admitted either way (and the tenant's own root
+    # client, continued by the lane: ContinueLane.root_alloc)
+    assert lane_on["roots"] == lane_off["roots"] == 1, (lane_on, lane_off)
+    assert lane_on["admitted"] == lane_off["admitted"] == (
+        10 + 10 + 3 + 5 + 12 + 3 + 5 + 5 + 1), (lane_on, lane_off)
 
 
 def rm_escape_abi():
@@ -795,8 +797,9 @@ def test_a_continued_os_descriptor_allocation_puts_the_process_under_the_quota_w
                                     wrap=(sys.executable, str(here / "nvok_standin.py")),
                                     inspect=inspect, lane="continue_lane")
     # the OS descriptor's NVOS02 was the continue lane's decision (continuelane.py
-    # _alloc_continues), which armed the watch as the general steps do
-    assert clane["admitted"] == 1 and clane["settled"] == 0, clane
+    # _alloc_continues), which armed the watch as the general steps do (the other
+    # admission: the tenant's own root client, ContinueLane.root_alloc)
+    assert clane["admitted"] == 2 and clane["roots"] == 1 and clane["settled"] == 0, clane
     # the root allocation and the OS descriptor ran in the tenant (the stand-in: ENOTTY);
     # the adoption's control and the device are the broker's (the NV-OK stand-in)
     assert out == {"root": errno.ENOTTY, "adopted": [0, 0], "device": 0,
