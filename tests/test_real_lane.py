@@ -993,6 +993,46 @@ def test_a_root_client_the_tenant_allocates_itself_is_continued_by_the_lane(tmp_
     assert lane_python["roots"] == 0, lane_python
 
 
+def test_node_wide_continuations_hold_for_the_tenants_fresh_uvm_files(tmp_path):
+    """Continuation facts of a node (native/lane.c DVB_NODE_WIDE, NativeLane.settle_continue
+    with node_wide): NVML opens /dev/nvidia-uvm twice on each init and sends
+    UVM_INITIALIZE, UVM_MM_INITIALIZE and UVM_DEINITIALIZE on those new files (~100–140 µs
+    each over the driver on the H200 with the broker deciding every one: a fact per file
+    is never used twice). A uvm file now gets a file fact at its install
+    (NativeLane.settle_file: the tenant's, in its opener's sandbox; no mapping fact, its
+    mappings stay the broker's), and a continuation that reads no object of the file's own
+    is written for the node. A seccomp tenant (tests/uvm_fresh_prog.py), 20 rounds on fresh
+    files, UVM_MM_INITIALIZE naming its other uvm file and naming /dev/zero, UVM_INITIALIZE
+    on /dev/null (the stand-in uvm node's device, not a file of the broker's): the same
+    answers with settled decisions on and off (continued: the stand-in node's ENOTTY;
+    /dev/zero refused by the broker every time; /dev/null the kernel's), and with them on the loop continues each
+    of the three from the round after the broker wrote it down."""
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+
+    def run(settled: bool) -> tuple[dict, dict]:
+        return _on_stand_in_nodes(tmp_path, f"uvmfresh{int(settled)}",
+                                  {"DEVBROKER_SETTLED": "1" if settled else "0"}, "seccomp",
+                                  [sys.executable, str(here / "uvm_fresh_prog.py"), "20"],
+                                  wrap=(sys.executable, str(here / "nvok_standin.py")),
+                                  lane="continue_lane")
+
+    on, lane_on = run(True)
+    off, lane_off = run(False)
+    assert on == off, (on, off)
+    assert on["initialize"] == on["mm_initialize"] == on["deinitialize"] == [errno.ENOTTY], on
+    assert on["mm_initialize_not_ours"] and errno.ENOTTY not in on["mm_initialize_not_ours"], on
+    assert on["initialize_not_ours"] == [errno.ENOTTY], on  # (the kernel's, on /dev/null)
+    # (the first of each decided by the broker and written down after its answer; the
+    # other 19 of each the loop's, on files it never saw before; none on /dev/null, of
+    # the uvm node's device but with no file fact)
+    assert lane_on["settled"] == 3 * 19, lane_on
+    assert lane_off["settled"] == 0, lane_off
+    assert lane_on["admitted"] == lane_off["admitted"], (lane_on, lane_off)
+
+
 def test_card_info_is_answered_again_by_the_loop_from_the_brokers_answer(tmp_path):
     """An answer fact (rules.EscapeRule.answer_kept, native/lane.c answer_admit): CARD_INFO,
     whose answer is the driver's table of the host's GPUs cut down to the tenant's (NVML

@@ -183,9 +183,10 @@ class ContinueLane:
         this session reads nothing of the argument but those fields — at most four client
         handles at fixed offsets, and for RM_MAP_MEMORY its client's device and memory
         (each must be an object the books hold on the tenant's GPUs: the loop asks for each
-        an object fact on this file) and its one fd (-1, or one of the tenant's ctl or GPU
-        files: the loop asks for that file's mapping fact; the OS events' fd the same way,
-        never a UVM command's, whose nvidia-uvm file has no mapping fact) — so that the native loop may
+        an object fact on this file) and its one fd (-1, or one of the tenant's files: the
+        loop asks for that file's file fact — a ctl or GPU file's mapping fact, an
+        nvidia-uvm file's own since the twentieth session; the OS events' fd and
+        UVM_MM_INITIALIZE's the same way) — so that the native loop may
         repeat it while the books name neither the file nor one of those clients and the
         policy stands (frontends/nativelane.py settle_continue, native/lane.c struct
         dvb_cont_fact); None when it must ask the broker every time."""
@@ -196,8 +197,6 @@ class ContinueLane:
             plan = self._plan(self.broker._abi(s), s.node, cmd)
         if plan is None or plan.clients is None or len(plan.clients) > 4 or plan.alloc:
             return None  # (NVOS02's decision reads its class and handles: asked each time)
-        if plan.fds and s.node is NodeKind.UVM:  # (UVM_MM_INITIALIZE's uvmFd: an
-            return None                          # nvidia-uvm file has no mapping fact)
         if plan.objects and (len(plan.objects) > 3 or len(plan.fds) > 1):
             return None
         return (plan.spec.size, tuple(off for off, _zero_ok in plan.clients), s,

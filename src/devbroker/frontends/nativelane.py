@@ -77,7 +77,8 @@ COUNTERS = ("notifications", "opens_continued", "ioctls", "controls_fast", "stal
             "mmaps_continued", ("mmaps_settled", "mmaps"), "ns_mmap",
             ("opens_prepared", "opens"), ("ns_open_prepared", "ns_open_node", "ns_open"),
             "finished_after", "answers_settled")
-FACT_IOCTL, FACT_MMAP = 0, 1  # native/lane.c struct dvb_cont_fact's kinds
+FACT_IOCTL, FACT_MMAP, FACT_FILE = 0, 1, 2  # native/lane.c struct dvb_cont_fact's kinds
+NODE_WIDE = -1  # native/lane.c DVB_NODE_WIDE: a continuation fact of every file of a node
 # native/lane.c LAYOUT_CONTROL, LAYOUT_ALLOC, LAYOUT_FREE (struct dvb_settled_layout.kind)
 _LAYOUT_KINDS = {"control": 0, "alloc": 1, "free": 2}
 ANSWER_MAX = 4096  # native/lane.c DVB_ANSWER_MAX: the largest answer an answer fact holds
@@ -658,7 +659,8 @@ class NativeLane:
         self.lib.dvb_settled_alloc_credit(self.shared, max(0, min(64, room)))
 
     def settle_continue(self, c: Call, fields: tuple, arg: bytes,
-                        epochs: tuple[int, int, int], caller, caller_pidfd: int, key) -> bool:
+                        epochs: tuple[int, int, int], caller, caller_pidfd: int, key,
+                        node_wide: bool = False) -> bool:
         """Write down a continue-lane decision the loop may repeat by itself (native/lane.c,
         struct dvb_cont_fact): on this file (the call's dev, inode), this command is
         continued while the client-handle fields (ContinueLane.settle_fields: the
@@ -673,7 +675,13 @@ class NativeLane:
                 or len(fds) > CONT_FDS or ((objects or fds) and size > CONT_ARG)):
             return False
         handles = [int.from_bytes(arg[o:o + 4], "little") for o in offsets]
-        return self._put_fact(c.dev, c.ino, FACT_IOCTL, c.cmd, size, sess, caller,
+        # node_wide (the file has a file fact, `settle_file` or `settle_mmap`): the fact
+        # holds for every file of this node with a file fact in the same sandbox — what
+        # the decision read of the file is that it is the tenant's, open, in that sandbox
+        # — unless it reads objects, which are a file's own
+        dev, ino = ((NODE_WIDE, c.rdev) if node_wide and not objects and c.rdev
+                    else (c.dev, c.ino))
+        return self._put_fact(dev, ino, FACT_IOCTL, c.cmd, size, sess, caller,
                               offsets, handles, epochs, c.tid, caller_pidfd, key,
                               objects, fds)
 
@@ -687,6 +695,17 @@ class NativeLane:
             return False
         return self._put_fact(dev, ino, FACT_MMAP, 0, 0, sess, caller, (), (), epochs, tid,
                               caller_pidfd, key)
+
+    def settle_file(self, dev: int, ino: int, sess, epochs: tuple[int, int, int], caller,
+                    tid: int, caller_pidfd: int) -> bool:
+        """Write down that this nvidia-uvm file (dev, inode, just installed) is the tenant's,
+        opened in its opener's sandbox (native/lane.c DVB_FACT_FILE): the node's
+        continuation facts hold for it and an fd naming it is one of the tenant's files —
+        but its mappings stay the broker's (no mapping fact). False: not written."""
+        if not self.settled_on or sess.pidns is None or caller.pidns is None:
+            return False
+        return self._put_fact(dev, ino, FACT_FILE, 0, 0, sess, caller, (), (), epochs, tid,
+                              caller_pidfd, None)
 
     def settle_answer(self, rdev: int, cmd: int, answer: bytes, sess, epochs, caller,
                       tid: int, caller_pidfd: int, key) -> bool:

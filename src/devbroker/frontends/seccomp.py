@@ -259,6 +259,9 @@ class Session:
     opener: tuple[int, int]  # (tgid, fd) in the opening process, for diagnostics
     released: bool = False
     real: bool = False  # a real driver file (backends/tenantfile.py), not a memfd placeholder
+    # its file fact was written for the native loop (a mapping fact, or a uvm file's:
+    # `_native_map_fact`): the loop's continuation facts for it may be the node's
+    file_fact: bool = False
 
 
 @dataclass
@@ -1083,7 +1086,8 @@ class SeccompSupervisor:
             return
         try:
             t.lane.settle_continue(c, fields, arg, epochs, hit[1], hit[0],
-                                   clane.row_key(sess.id, c.cmd, arg))
+                                   clane.row_key(sess.id, c.cmd, arg),
+                                   node_wide=sess.file_fact)
         except OSError:  # (no fd for the pidfd's duplicate: not settled, nothing else)
             pass
 
@@ -1092,16 +1096,24 @@ class SeccompSupervisor:
         """The native loop may let this ctl or GPU file be mapped without asking
         (NativeLane.settle_mmap): Broker.map_check_now's decision for it is the session's
         own check (open, the caller in its opener's sandbox), which the loop repeats for a
-        caller `_caller_caps` keeps; nvidia-uvm files are never written down (their mappings
-        count against the managed-memory allowance)."""
+        caller `_caller_caps` keeps. An nvidia-uvm file gets a file fact instead
+        (NativeLane.settle_file: its mappings count against the managed-memory allowance,
+        so they stay the broker's). Either says the file is the tenant's, in its opener's
+        sandbox: the loop's continuation facts of its node then hold for it (a uvm command
+        on a file opened just before, as NVML's are)."""
         nl, hit = self._native, self._callers.get(caller.tid)
         bs = self.broker.sessions.get(sess.id) if hit is not None and nl is not None else None
         if bs is None:
             return
         clane = self._clane
         try:
-            nl.settle_mmap(key[0], key[1], bs, epochs, hit[1], caller.tid, hit[0],
-                           clane.map_key(sess.id) if clane is not None else None)
+            if sess.node is NodeKind.UVM:
+                sess.file_fact = nl.settle_file(key[0], key[1], bs, epochs, hit[1],
+                                                caller.tid, hit[0])
+            elif sess.node in (NodeKind.CTL, NodeKind.GPU):
+                sess.file_fact = nl.settle_mmap(
+                    key[0], key[1], bs, epochs, hit[1], caller.tid, hit[0],
+                    clane.map_key(sess.id) if clane is not None else None)
         except OSError:  # (no fd for the pidfd's duplicate: not written, nothing else)
             pass
 
@@ -1818,7 +1830,7 @@ class SeccompSupervisor:
             return False
         key = sess.key
         bs = self.broker.sessions.get(reply.session)
-        if spec.kind in (NodeKind.CTL, NodeKind.GPU) and bs is not None:
+        if bs is not None:  # (a file fact for every node: ctl, GPU, uvm)
             self._native_map_fact(sess, key, caller, epochs)
         if bs is None or not nl.open_put(epochs, path, fd, bs, tenant, reply.session):
             os.close(fd)  # (its inotify watch releases the session: the file is gone)
@@ -1910,7 +1922,7 @@ class SeccompSupervisor:
             sess.opener = (caller.pid, newfd)
         finally:
             os.close(memfd)  # the tenant's reference is now the only one
-        if real and epochs is not None and spec.kind in (NodeKind.CTL, NodeKind.GPU):
+        if real and epochs is not None:  # (a file fact for every node: ctl, GPU, uvm)
             self._native_map_fact(sess, key, caller, epochs)
         if real:  # the tenant has its file: the backend's deferred work for the open
             try:

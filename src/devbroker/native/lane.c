@@ -286,7 +286,9 @@ struct dvb_cont_fact {
     uint64_t epoch;          /* the policy epoch it was decided at; 0: empty or forgotten */
     uint64_t sandbox;        /* its session's opener: (uid, pid namespace), as a tag */
     int64_t dev, ino;
-    uint32_t kind;           /* DVB_FACT_IOCTL, or DVB_FACT_MMAP: the file may be mapped */
+    uint32_t kind;           /* DVB_FACT_IOCTL, or DVB_FACT_MMAP: the file may be mapped, or
+                                DVB_FACT_FILE: an nvidia-uvm file of the tenant's (one
+                                whose mappings stay the broker's to decide) */
     uint32_t cmd, size;      /* the ioctl number; the argument's size (fields lie in it) */
     int32_t n;               /* client-handle fields (0..DVB_CONT_HANDLES) */
     int32_t off[DVB_CONT_HANDLES];
@@ -303,7 +305,12 @@ struct dvb_cont_fact {
     int64_t count, sum_ns, buckets[DVB_SETTLED_BUCKETS + 1];
 };
 
-enum { DVB_FACT_IOCTL = 0, DVB_FACT_MMAP = 1 };
+enum { DVB_FACT_IOCTL = 0, DVB_FACT_MMAP = 1, DVB_FACT_FILE = 2 };
+/* A continuation fact for every file of a node (dev DVB_NODE_WIDE, ino the node's rdev):
+ * one that reads no object of a file's own (n_obj 0), used for a call on any file with a
+ * file fact (DVB_FACT_MMAP or DVB_FACT_FILE) in the fact's sandbox — NVML's UVM commands
+ * and CUDA's OS events, each on a file opened just before. */
+#define DVB_NODE_WIDE (-1)
 
 /*
  * Answer facts (nativelane.NativeLane.settle_answer): an escape whose whole answer the
@@ -1972,8 +1979,8 @@ int dvb_continue_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_
     uint32_t kind = (uint32_t)f[6];
     evicted[0] = -1;
     if (n < 0 || n > DVB_CONT_HANDLES || f[3] < 0 || f[3] > (1 << 14) || !f[4]
-        || (kind != DVB_FACT_IOCTL && kind != DVB_FACT_MMAP)
-        || (kind == DVB_FACT_MMAP && (n || f[2] || f[3]))) {
+        || (kind != DVB_FACT_IOCTL && kind != DVB_FACT_MMAP && kind != DVB_FACT_FILE)
+        || (kind != DVB_FACT_IOCTL && (n || f[2] || f[3] || f[0] == DVB_NODE_WIDE))) {
         if (pidfd >= 0)
             close(pidfd);
         return -1;
@@ -1990,7 +1997,8 @@ int dvb_continue_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_
     int n_obj = (int)x[0], n_fd = (int)x[2 + DVB_CONT_OBJECTS];
     int bad = n_obj < 0 || n_obj > DVB_CONT_OBJECTS || n_fd < 0 || n_fd > DVB_CONT_FDS
               || ((n_obj || n_fd) && (kind != DVB_FACT_IOCTL || f[3] > DVB_CONT_ARG))
-              || (n_obj && (x[1] < 0 || x[1] + 4 > f[3]));
+              || (n_obj && (x[1] < 0 || x[1] + 4 > f[3]))
+              || (n_obj && f[0] == DVB_NODE_WIDE); /* (objects are a file's own) */
     for (int k = 0; k < n_obj && !bad; k++)
         bad = x[2 + k] < 0 || x[2 + k] + 4 > f[3];
     for (int k = 0; k < n_fd && !bad; k++)
@@ -2109,12 +2117,28 @@ static int cont_objects_hold(struct dvb_settled *m, uint64_t now, const struct d
         for (int j = 0; j < SETTLED_PROBE && !found; j++) {
             const struct dvb_cont_fact *f = &m->conts[(home + j) % DVB_CONT_FACTS];
             found = f->epoch == now && f->dev == fd_dev[k] && f->ino == fd_ino[k]
-                    && f->kind == DVB_FACT_MMAP && f->sandbox == e->sandbox;
+                    && (f->kind == DVB_FACT_MMAP || f->kind == DVB_FACT_FILE)
+                    && f->sandbox == e->sandbox;
         }
         if (!found)
             return 0;
     }
     return 1;
+}
+
+/* The sandbox of the file (dev, ino) by its file fact — a mapping fact (a real ctl or GPU
+ * file of the tenant's) or a uvm file's (DVB_FACT_FILE) — for the policy epoch now; 0 when
+ * it has none (under m->lock). */
+static uint64_t file_fact_sandbox(struct dvb_settled *m, uint64_t now, int64_t dev, int64_t ino)
+{
+    uint64_t home = cont_home(dev, ino, 0);
+    for (int k = 0; k < SETTLED_PROBE; k++) {
+        const struct dvb_cont_fact *e = &m->conts[(home + k) % DVB_CONT_FACTS];
+        if (e->epoch == now && e->dev == dev && e->ino == ino
+            && (e->kind == DVB_FACT_MMAP || e->kind == DVB_FACT_FILE))
+            return e->sandbox;
+    }
+    return 0;
 }
 
 static int continue_admit(struct dvb_thread *t, int64_t t0)
@@ -2130,20 +2154,32 @@ static int continue_admit(struct dvb_thread *t, int64_t t0)
     int64_t fd_dev[DVB_CONT_FDS] = {0}, fd_ino[DVB_CONT_FDS] = {0};
     if (!m->epochs || t->sh->mem_off)
         return 0;
-    uint64_t home = cont_home(c->dev, c->ino, cmd);
+    /* this file's facts first, then the node's (DVB_NODE_WIDE: for any file of the node
+     * with a file fact in the fact's sandbox) */
+    int64_t kdev = c->dev, kino = c->ino;
+    uint64_t home = cont_home(kdev, kino, cmd);
     pthread_mutex_lock(&m->lock);
     catch_up(m);
     uint64_t now = epoch_now(m, 0);
-    for (int k = 0; k < SETTLED_PROBE && n < 0; k++) {
-        struct dvb_cont_fact *e = &m->conts[(home + k) % DVB_CONT_FACTS];
-        if (e->epoch == now && e->dev == c->dev && e->ino == c->ino
-            && e->kind == DVB_FACT_IOCTL && e->cmd == cmd) {
-            n = e->n;
-            memcpy(off, e->off, sizeof(off));
-            whole = e->n_obj || e->n_fd;
-            size = e->size;
-            nf = e->n_fd; /* (one plan per command: every fact of it has these) */
-            memcpy(fo, e->fd_off, sizeof(fo));
+    for (int pass = 0; pass < 2 && n < 0; pass++) {
+        if (pass) {
+            if (!c->rdev)
+                break;
+            kdev = DVB_NODE_WIDE;
+            kino = c->rdev;
+            home = cont_home(kdev, kino, cmd);
+        }
+        for (int k = 0; k < SETTLED_PROBE && n < 0; k++) {
+            struct dvb_cont_fact *e = &m->conts[(home + k) % DVB_CONT_FACTS];
+            if (e->epoch == now && e->dev == kdev && e->ino == kino
+                && e->kind == DVB_FACT_IOCTL && e->cmd == cmd) {
+                n = e->n;
+                memcpy(off, e->off, sizeof(off));
+                whole = e->n_obj || e->n_fd;
+                size = e->size;
+                nf = e->n_fd; /* (one plan per command: every fact of it has these) */
+                memcpy(fo, e->fd_off, sizeof(fo));
+            }
         }
     }
     pthread_mutex_unlock(&m->lock);
@@ -2200,13 +2236,15 @@ static int continue_admit(struct dvb_thread *t, int64_t t0)
     now = epoch_now(m, 0);
     for (int k = 0; k < SETTLED_PROBE && !ok; k++) {
         struct dvb_cont_fact *e = &m->conts[(home + k) % DVB_CONT_FACTS];
-        if (!(e->epoch == now && e->dev == c->dev && e->ino == c->ino
+        if (!(e->epoch == now && e->dev == kdev && e->ino == kino
               && e->kind == DVB_FACT_IOCTL && e->cmd == cmd
               && e->n == n && !memcmp(e->off, off, sizeof(off))
               && !memcmp(e->handle, handle, sizeof(handle))))
             continue;
         if (!m->credit || !e->sandbox || caller_sandbox(m, c->tid) != e->sandbox)
             break; /* (the session's own check: the caller in the opener's sandbox) */
+        if (kdev == DVB_NODE_WIDE && file_fact_sandbox(m, now, c->dev, c->ino) != e->sandbox)
+            break; /* (a node's fact: this file one of the tenant's, the same sandbox) */
         if ((e->n_obj || e->n_fd)
             && (!whole || e->size != size || e->n_fd != nf
                 || memcmp(e->fd_off, fo, sizeof(fo))
