@@ -90,7 +90,11 @@ SUPERVISOR_ATTRS = frozenset({
     "_prepared", "_open_template", "_opened_paths",
 })
 SECCOMP_SESSION_FIELDS = frozenset({"id", "node", "minor", "key", "wd", "opener", "released",
-                                    "real"})
+                                    "real",
+                                    # not carried: the successor's native loop holds no
+                                    # file fact of the file (False there: its continuation
+                                    # facts for it stay the file's own)
+                                    "file_fact"})
 
 
 class HandoverError(Exception):
