@@ -2385,6 +2385,28 @@ int dvb_escape_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t 
  * the call as settled_admit does: the driver call on the loop's duplicate with its private
  * copy of the argument, or the argument as sent for an answered one); 0 leaves it to the
  * callback. */
+/* The escape fact that holds for this call now, with its control fact (its counters), and
+ * the call's file one of the tenant's in the caller's sandbox; NULL for none (under
+ * m->lock). */
+static struct dvb_escape_fact *escape_lookup(struct dvb_settled *m, uint64_t now,
+                                             const struct dvb_call *c, uint64_t sandbox)
+{
+    struct dvb_escape_fact *hit = NULL;
+    for (int k = 0; k < DVB_ESCAPE_FACTS && !hit; k++) {
+        struct dvb_escape_fact *x = &m->escapes[k];
+        if (x->epoch == now && x->cmd == (uint32_t)c->cmd && x->size == (uint32_t)c->hdr_len
+            && x->rdev == c->rdev && x->sandbox && x->sandbox == sandbox
+            && escape_arg_match(x, c->hdr))
+            hit = x;
+    }
+    if (!hit || !file_is_tenants(m, now, c->dev, c->ino, sandbox))
+        return NULL;
+    const struct dvb_settled_control *e = &m->controls[hit->control];
+    if (e->epoch != now || e->abi != 0 || e->ioctl_cmd != (uint32_t)c->cmd || e->control)
+        return NULL; /* (its counters' slot went to another control: decided again) */
+    return hit;
+}
+
 static int escape_admit(struct dvb_thread *t)
 {
     struct dvb_settled *m = &t->sh->settled;
@@ -2396,24 +2418,14 @@ static int escape_admit(struct dvb_thread *t)
     catch_up(m);
     uint64_t now = epoch_now(m, 0);
     uint64_t sandbox = caller_sandbox(m, c->tid);
-    struct dvb_escape_fact *hit = NULL;
-    for (int k = 0; k < DVB_ESCAPE_FACTS && !hit; k++) {
-        struct dvb_escape_fact *x = &m->escapes[k];
-        if (x->epoch == now && x->cmd == (uint32_t)c->cmd && x->size == (uint32_t)c->hdr_len
-            && x->rdev == c->rdev && x->sandbox && x->sandbox == sandbox
-            && escape_arg_match(x, c->hdr))
-            hit = x;
-    }
-    if (!hit || !m->credit || !file_is_tenants(m, now, c->dev, c->ino, sandbox))
+    struct dvb_escape_fact *hit = escape_lookup(m, now, c, sandbox);
+    if (!hit || !m->credit)
         goto out;
-    struct dvb_settled_control *e = &m->controls[hit->control];
-    if (e->epoch != now || e->abi != 0 || e->ioctl_cmd != (uint32_t)c->cmd || e->control)
-        goto out; /* (its counters' slot went to another control: decided again) */
     int32_t fd_off = hit->fd_off;
     if (fd_off >= 0) {
         /* the file its fd names: the loop's own duplicate, one of the tenant's by a mapping
          * fact in the caller's sandbox (two syscalls: the lock is let go meanwhile, and
-         * the epoch read again after) */
+         * the fact looked up again after) */
         int32_t fd;
         memcpy(&fd, c->hdr + fd_off, 4);
         pthread_mutex_unlock(&m->lock);
@@ -2425,7 +2437,9 @@ static int escape_admit(struct dvb_thread *t)
         }
         pthread_mutex_lock(&m->lock);
         catch_up(m);
-        if (dup < 0 || epoch_now(m, 0) != now
+        if (dup >= 0 && epoch_now(m, 0) == now)
+            hit = escape_lookup(m, now, c, sandbox); /* (still this fact, file and call) */
+        if (dup < 0 || epoch_now(m, 0) != now || !hit || hit->fd_off != fd_off
             || !file_is_tenants(m, now, (int64_t)st.st_dev, (int64_t)st.st_ino, sandbox)
             || !m->credit) {
             if (dup >= 0)
