@@ -473,6 +473,10 @@ struct dvb_shared {
      * subdevice and device) had the quiet work's driver opens run beside it and took
      * ~60–110 µs longer on the H200 (docs/benchmarks.md, twentieth session). */
     int64_t answering;
+    /* CLOCK_MONOTONIC ns of the last notification received or answered: a quiet moment is
+     * 1 ms after it with none held (a poll that began before a long call times out the
+     * moment that call is answered — the tenant's next call is then ~µs away) */
+    int64_t last_active;
     uint32_t lane_cmds[DVB_LANE_CMDS];
     int n_lane_cmds;
     char names[DVB_NAMES_MAX]; /* NUL-separated basenames that may be ours */
@@ -635,6 +639,7 @@ struct dvb_thread *dvb_thread_new(struct dvb_shared *sh, int slot)
 static void answered_all(struct dvb_thread *t)
 {
     if (t->holds) {
+        __atomic_store_n(&t->sh->last_active, now_ns(), __ATOMIC_RELEASE);
         __atomic_sub_fetch(&t->sh->answering, 1, __ATOMIC_ACQ_REL);
         t->holds = 0;
     }
@@ -2915,6 +2920,7 @@ int dvb_serve(struct dvb_thread *t)
             if (spinning)
                 continue;
             if (quiet && !__atomic_load_n(&sh->answering, __ATOMIC_ACQUIRE)
+                && now_ns() - __atomic_load_n(&sh->last_active, __ATOMIC_ACQUIRE) >= 1000000
                 && __atomic_exchange_n(&sh->quiet, 0, __ATOMIC_ACQ_REL))
                 return t->last_rc = DVB_QUIET; /* (one thread does the work) */
             return t->last_rc = DVB_IDLE;
@@ -2943,6 +2949,7 @@ int dvb_serve(struct dvb_thread *t)
         }
         t->counters[C_NOTIFICATIONS]++;
         __atomic_add_fetch(&sh->answering, 1, __ATOMIC_ACQ_REL);
+        __atomic_store_n(&sh->last_active, now_ns(), __ATOMIC_RELEASE);
         t->holds = 1;
         t->cur_id = (int64_t)n->id;
         t->cur_pid = n->pid;
