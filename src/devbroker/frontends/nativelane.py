@@ -556,13 +556,18 @@ class NativeLane:
             slot = self.lib.dvb_settled_put(
                 self.shared, (ctypes.c_uint64 * 3)(*epochs), obj, ctl, len(values), idx,
                 val, c.tid, pidfd, self._evicted)  # (pidfd is the loop's from here on)
-            ev = self._evicted
-            if ev[0] >= 0:  # another control's row left that slot: what it counted
-                self._record(lane, ev[0], ev, 0)
-            if slot < 0:
-                return False
-            self._settled_rows[slot] = (s.tenant, key)
-            self._top_up(s.tenant)
+            return self._control_put(lane, slot, s.tenant, key)
+
+    def _control_put(self, lane, slot: int, tenant, key) -> bool:
+        """After a control fact's put (under _settled_lock): the counts of a control whose
+        slot it took recorded, its own row named, the tenant's pace credit topped up."""
+        ev = self._evicted
+        if ev[0] >= 0:  # another control's row left that slot: what it counted
+            self._record(lane, ev[0], ev, 0)
+        if slot < 0:
+            return False
+        self._settled_rows[slot] = (tenant, key)
+        self._top_up(tenant)
         return True
 
     def settle_escape(self, adm, c: Call, arg: bytes, epochs: tuple[int, int, int], caller,
@@ -592,14 +597,7 @@ class NativeLane:
             pidfd = os.dup(caller_pidfd)
             slot = self.lib.dvb_escape_put(self.shared, (ctypes.c_uint64 * 3)(*epochs), f, arg,
                                            c.tid, pidfd, self._evicted)
-            ev = self._evicted
-            if ev[0] >= 0:  # another control's row left that slot: what it counted
-                self._record(lane, ev[0], ev, 0)
-            if slot < 0:
-                return False
-            self._settled_rows[slot] = (s.tenant, key)
-            self._top_up(s.tenant)
-        return True
+            return self._control_put(lane, slot, s.tenant, key)
 
     def set_device_ids(self, epoch: int, ids) -> bool:
         """The ids of the GPUs the tenant holds a device object of, as of the books' devices

@@ -1704,17 +1704,23 @@ int dvb_settled_fold(struct dvb_shared *sh, int64_t *out, int max)
 
 /* The tenant's GPU ids for settled controls' GPU-id checks, as of the policy epoch the
  * caller read before computing them (a later epoch: none, until given again). */
-int dvb_set_gpu_ids(struct dvb_shared *sh, uint64_t epoch, const uint32_t *ids, int n)
+static int set_ids(struct dvb_settled *m, uint32_t *dst, int *n_dst, uint64_t *epoch_dst,
+                   uint64_t epoch, const uint32_t *ids, int n)
 {
-    struct dvb_settled *m = &sh->settled;
     if (n < 0 || n > DVB_GPU_IDS)
         return -1;
     pthread_mutex_lock(&m->lock);
-    memcpy(m->gpu_ids, ids, sizeof(uint32_t) * (size_t)n);
-    m->n_gpu_ids = n;
-    m->gpu_ids_epoch = epoch;
+    memcpy(dst, ids, sizeof(uint32_t) * (size_t)n);
+    *n_dst = n;
+    *epoch_dst = epoch;
     pthread_mutex_unlock(&m->lock);
     return 0;
+}
+
+int dvb_set_gpu_ids(struct dvb_shared *sh, uint64_t epoch, const uint32_t *ids, int n)
+{
+    struct dvb_settled *m = &sh->settled;
+    return set_ids(m, m->gpu_ids, &m->n_gpu_ids, &m->gpu_ids_epoch, epoch, ids, n);
 }
 
 /* The GPUs the tenant holds a device object of, for settled id flags, as of the books'
@@ -1723,14 +1729,7 @@ int dvb_set_gpu_ids(struct dvb_shared *sh, uint64_t epoch, const uint32_t *ids, 
 int dvb_set_device_ids(struct dvb_shared *sh, uint64_t epoch, const uint32_t *ids, int n)
 {
     struct dvb_settled *m = &sh->settled;
-    if (n < 0 || n > DVB_GPU_IDS)
-        return -1;
-    pthread_mutex_lock(&m->lock);
-    memcpy(m->device_ids, ids, sizeof(uint32_t) * (size_t)n);
-    m->n_device_ids = n;
-    m->device_ids_epoch = epoch;
-    pthread_mutex_unlock(&m->lock);
-    return 0;
+    return set_ids(m, m->device_ids, &m->n_device_ids, &m->device_ids_epoch, epoch, ids, n);
 }
 
 /* A settled control's check on the private parameters (ControlLane.check for a control
