@@ -1425,6 +1425,15 @@ static void caller_put(struct dvb_settled *m, int64_t tid, int pidfd, uint64_t s
     k->sandbox = sandbox;
 }
 
+/* A fact writer's refusal of a bad value: the caller's pidfd (owned by the writer) closed,
+ * nothing written. */
+static int refuse_put(int pidfd)
+{
+    if (pidfd >= 0)
+        close(pidfd);
+    return -1;
+}
+
 /* For the fact writers: take the table's lock and read the books' ring, unless settled
  * facts are off or what the broker read before deciding has moved since — the policy
  * epoch (every fact), and with `no_removals` any removal too; then nothing is written: the
@@ -1544,11 +1553,8 @@ int dvb_settled_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t
                              || ctl[28] <= 0 || ctl[28] > 0xFFFFFFFFLL))
         || ctl[30] < 0 || ctl[30] > DVB_IDF_MAX
         || (ctl[30] > 0 && (ctl[29] < 0 || ctl[29] + 4 * ctl[30] > ctl[3] || ctl[11] >= 0
-                            || ctl[23] || ctl[26] >= 0 || ctl[4] || ctl[15]))) {
-        if (pidfd >= 0)
-            close(pidfd);
-        return -1;
-    }
+                            || ctl[23] || ctl[26] >= 0 || ctl[4] || ctl[15])))
+        return refuse_put(pidfd);
     uint64_t now;
     if (put_begin(m, epochs, 0, pidfd, &now) < 0) /* (a removal: no object fact, below) */
         return -1;
@@ -1984,17 +1990,11 @@ int dvb_continue_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_
     evicted[0] = -1;
     if (n < 0 || n > DVB_CONT_HANDLES || f[3] < 0 || f[3] > (1 << 14) || !f[4]
         || (kind != DVB_FACT_IOCTL && kind != DVB_FACT_MMAP && kind != DVB_FACT_FILE)
-        || (kind != DVB_FACT_IOCTL && (n || f[2] || f[3] || f[0] == DVB_NODE_WIDE))) {
-        if (pidfd >= 0)
-            close(pidfd);
-        return -1;
-    }
+        || (kind != DVB_FACT_IOCTL && (n || f[2] || f[3] || f[0] == DVB_NODE_WIDE)))
+        return refuse_put(pidfd);
     for (int k = 0; k < n; k++)
-        if (f[8 + k] < 0 || f[8 + k] + 4 > f[3]) {
-            if (pidfd >= 0)
-                close(pidfd);
-            return -1;
-        }
+        if (f[8 + k] < 0 || f[8 + k] + 4 > f[3])
+            return refuse_put(pidfd);
     /* then: n_obj, the client's offset, DVB_CONT_OBJECTS object offsets, n_fd, DVB_CONT_FDS
      * fd offsets */
     const int64_t *x = f + 8 + 2 * n;
@@ -2007,11 +2007,8 @@ int dvb_continue_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_
         bad = x[2 + k] < 0 || x[2 + k] + 4 > f[3];
     for (int k = 0; k < n_fd && !bad; k++)
         bad = x[3 + DVB_CONT_OBJECTS + k] < 0 || x[3 + DVB_CONT_OBJECTS + k] + 4 > f[3];
-    if (bad) {
-        if (pidfd >= 0)
-            close(pidfd);
-        return -1;
-    }
+    if (bad)
+        return refuse_put(pidfd);
     uint64_t now;
     if (put_begin(m, epochs, 1, pidfd, &now) < 0)
         return -1;
@@ -2284,11 +2281,8 @@ int dvb_answer_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t 
     struct dvb_settled *m = &sh->settled;
     evicted[0] = -1;
     uint32_t cmd = (uint32_t)f[1], size = (uint32_t)f[2];
-    if (f[2] <= 0 || f[2] > DVB_ANSWER_MAX || size != ((cmd >> 16) & 0x3fff) || !f[3]) {
-        if (pidfd >= 0)
-            close(pidfd);
-        return -1;
-    }
+    if (f[2] <= 0 || f[2] > DVB_ANSWER_MAX || size != ((cmd >> 16) & 0x3fff) || !f[3])
+        return refuse_put(pidfd);
     uint64_t now;
     if (put_begin(m, epochs, 0, pidfd, &now) < 0)
         return -1;
@@ -2323,16 +2317,16 @@ int dvb_answer_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t 
     return slot;
 }
 
-/*
- * The broker admitted a plain escape the loop may admit again (struct dvb_escape_fact):
- * f: rdev, ioctl number, the argument's size, answered, the file opener's sandbox tag, the
- * caller's sandbox tag, the offset of its one fd field or -1; arg: the argument as decided; epochs as for dvb_settled_put (a
- * policy change since: nothing written); pidfd: the caller's, owned here from now on.
- * evicted as for dvb_settled_put. Returns its control fact's slot (its counters), or -1.
- */
 static int file_is_tenants(struct dvb_settled *m, uint64_t now, int64_t dev, int64_t ino,
                            uint64_t sandbox);
 
+/*
+ * The broker admitted a plain escape the loop may admit again (struct dvb_escape_fact):
+ * f: rdev, ioctl number, the argument's size, answered, the file opener's sandbox tag, the
+ * caller's sandbox tag, the offset of its one fd field or -1; arg: the argument as decided;
+ * epochs as for dvb_settled_put (a policy change since: nothing written); pidfd: the caller's, owned here from now on.
+ * evicted as for dvb_settled_put. Returns its control fact's slot (its counters), or -1.
+ */
 int dvb_escape_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t *f,
                    const uint8_t *arg, int64_t tid, int pidfd, int64_t *evicted)
 {
@@ -2340,11 +2334,8 @@ int dvb_escape_put(struct dvb_shared *sh, const uint64_t *epochs, const int64_t 
     evicted[0] = -1;
     uint32_t cmd = (uint32_t)f[1], size = (uint32_t)f[2];
     if (f[2] <= 0 || f[2] > DVB_HDR_MAX || size != ((cmd >> 16) & 0x3fff) || !f[4]
-        || (f[3] != 0 && f[3] != 1) || f[6] < -1 || f[6] + 4 > f[2] || (f[6] >= 0 && f[3])) {
-        if (pidfd >= 0)
-            close(pidfd);
-        return -1;
-    }
+        || (f[3] != 0 && f[3] != 1) || f[6] < -1 || f[6] + 4 > f[2] || (f[6] >= 0 && f[3]))
+        return refuse_put(pidfd);
     uint64_t now;
     if (put_begin(m, epochs, 0, pidfd, &now) < 0)
         return -1;
