@@ -580,6 +580,8 @@ class EmulatedBackend:
             self._note(("control", cmd), f"emulator: control {self.abi.control_name(cmd)} "
                        f"({cmd:#x}) is not modelled: NV_ERR_NOT_SUPPORTED")
             return nvs.NV_ERR_NOT_SUPPORTED, None
+        if getattr(handler, "raw", False):  # (on the block's bytes; None: as sent)
+            return handler(self, c, obj, spec.params, nested)
         params = spec.params.decode(nested)
         if getattr(handler, "wants_call", False):  # fds in the parameters (emulated_export)
             if dc is None:

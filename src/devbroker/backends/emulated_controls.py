@@ -145,26 +145,42 @@ def _fb_value(backend, gpu, index):
 
 
 @control(0x20801303)  # NV2080_CTRL_CMD_FB_GET_INFO_V2
-def fb_get_info_v2(backend, client, obj, p):
-    n = p.fbInfoListSize
-    if n > p.spec.by_name["fbInfoList"].count:
-        return nvs.NV_ERR_INVALID_ARGUMENT, p
-    # On the table's bytes: NVML and CUDA send this often, for 1-3 of its 128 entries.
-    f = p.spec.by_name["fbInfoList"]
-    es = f.size // f.count
-    at_index, at_data = f.elem.by_name["index"].offset, f.elem.by_name["data"].offset
-    table = bytearray(p.raw_field("fbInfoList"))
+def fb_get_info_v2(backend, client, obj, spec, nested: bytes):
+    """On the parameter block's bytes (a `raw` handler: no decode, no encode): NVML and
+    CUDA send this often, for 1-3 of its 128 entries."""
+    size_at, table_at, count, es, at_index, at_data = _fb_layout(spec)
+    n = int.from_bytes(nested[size_at:size_at + 4], "little")
+    if n > count:
+        return nvs.NV_ERR_INVALID_ARGUMENT, None
+    out = bytearray(nested)
     for i in range(n):
-        base = i * es
-        index = int.from_bytes(table[base + at_index:base + at_index + 4], "little")
+        base = table_at + i * es
+        index = int.from_bytes(out[base + at_index:base + at_index + 4], "little")
         value = _fb_value(backend, obj.gpu, index)
         if value is None:
             # One unmodelled index makes the whole call unsupported: never a made-up value.
             backend._note(("fbinfo", index),
                           f"emulator: FB info index {index:#x} is not modelled")
-            return nvs.NV_ERR_NOT_SUPPORTED, p
-        table[base + at_data:base + at_data + 4] = min(value, 0xFFFFFFFF).to_bytes(4, "little")
-    return nvs.NV_OK, p.replace(fbInfoList=bytes(table))
+            return nvs.NV_ERR_NOT_SUPPORTED, None
+        out[base + at_data:base + at_data + 4] = min(value, 0xFFFFFFFF).to_bytes(4, "little")
+    return nvs.NV_OK, bytes(out)
+
+
+fb_get_info_v2.raw = True
+_FB_LAYOUTS: dict[int, tuple] = {}
+
+
+def _fb_layout(spec) -> tuple:
+    """(list size offset, table offset, entries, entry size, index and data offsets in an
+    entry) of an FB_GET_INFO_V2 parameter layout, once per layout."""
+    got = _FB_LAYOUTS.get(id(spec))
+    if got is None or got[0] is not spec:
+        f = spec.by_name["fbInfoList"]
+        es = f.size // f.count
+        got = (spec, (spec.by_name["fbInfoListSize"].offset, f.offset, f.count, es,
+                      f.elem.by_name["index"].offset, f.elem.by_name["data"].offset))
+        _FB_LAYOUTS[id(spec)] = got
+    return got[1]
 
 
 @control(0x20800110)  # NV2080_CTRL_CMD_GPU_GET_NAME_STRING

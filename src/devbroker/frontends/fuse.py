@@ -51,6 +51,7 @@ from devbroker.broker.interface import (
     ProcessMemory,
     ReleaseRequest,
 )
+from devbroker.frontends import fusenative
 from devbroker.frontends import fusewire as w
 from devbroker.frontends.common import (
     GENERAL, WHOAMI_IOCTL, control_lane_of, name_os_thread, sanitize_errno, start_task,
@@ -255,6 +256,10 @@ class FuseFrontend:
         # thread id -> (thread pidfd, tgid, pid namespace): see _caller
         self._callers: dict[int, tuple[int, int, str | None]] = {}
         self._callers_lock = threading.Lock()
+        # The reader threads' native loop (frontends/fusenative.py), None: the Python one.
+        # It must know the node inodes before the tree is built below.
+        self._native = fusenative.FuseNative.create()
+        self._native_threads: dict[int, fusenative.FuseNativeThread] = {}  # thread id ->
         if adopt is not None:
             self._import_state(*adopt)
         if tenants:
@@ -360,7 +365,8 @@ class FuseFrontend:
             await self._parked.wait()
         # Requests the threads read: answered, or taken up by a task of the trio thread
         # (which _idle then waits for).
-        while self._thread_busy or self._handed:
+        while (self._thread_busy or self._handed
+               or (self._native is not None and self._native.queued())):
             await trio.sleep(0.001)
         await self._idle.wait()
         await self._flush_notify()
@@ -431,6 +437,9 @@ class FuseFrontend:
                 ino = self._inodes[d["id"]]
                 self._inodes[d["parent"]].children[ino.name] = ino
         self._root = self._inodes[w.ROOT_ID]
+        for ino in self._inodes.values():
+            if ino.kind == "node" and not ino.removed:
+                self._native_node(ino)
         for d in state["handles"]:
             ino = self._inodes.get(d["inode"])
             if ino is None:
@@ -501,7 +510,14 @@ class FuseFrontend:
         self._next_nodeid += 1
         self._inodes[ino.nodeid] = ino
         parent.children[name] = ino
+        if kind == "node":
+            self._native_node(ino)
         return ino
+
+    def _native_node(self, ino: _Inode) -> None:
+        """Ioctls on a node inode wait in the native loop's queue for its tenant's turns."""
+        if self._native is not None:
+            self._native.node_put(ino.nodeid, ino.tenant)
 
     def _drop(self, parent: _Inode, name: bytes) -> None:
         ino = parent.children.pop(name)
@@ -510,6 +526,9 @@ class FuseFrontend:
         while todo:
             i = todo.pop()
             i.removed = True
+            if i.kind == "node" and self._native is not None:
+                # (its queued requests still reach Python, which finds the node removed)
+                self._native.node_drop(i.nodeid)
             todo.extend(i.children.values())
             i.children = {}
             if i.nlookup == 0:
@@ -709,43 +728,12 @@ class FuseFrontend:
             drop_driver_capabilities_for_thread()
         except OSError as e:  # (then the relayed files' lane calls take the relay)
             log.warning("FUSE reader: driver capabilities not dropped: %s", e)
-        fd = self._tfd
-        buf = bytearray(self._bufsize)  # one buffer for the thread's life
-        view = memoryview(buf)
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        poller.register(self._wake, select.POLLIN)
-        # After each answer the thread looks for the tenant's next request without sleeping
-        # for a while (usually microseconds away): the wake-up across CPUs is most of a FUSE
-        # round trip here. Measured on the 2-CPU development machine with the lanes
-        # (docs/benchmarks.md, "The hot path"): one FUSE call 81-113 µs against 114-141
-        # without, 16 tenant processes 12.3-13.5k calls/s against 11.9-13.6k (no loss; it
-        # cost throughput before the lanes made a call cheap). 0 turns it off.
-        spin = int(os.environ.get("DEVBROKER_FUSE_SPIN_US", "100") or 0) / 1e6
-        spin_until = 0.0
         retired = False  # left because `_surplus` said so
         try:
-            while not self._closed:
-                if self._pause_requested:
-                    if self._queue.pending:
-                        self._serve_next(me)  # read before the pause: answered first
-                    else:
-                        self._park()
-                    continue
-                if not self._drain(fd, buf, view):
-                    break
-                if self._serve_next(me):
-                    if self._surplus():
-                        retired = True
-                        break
-                    spin_until = time.monotonic() + spin
-                    continue
-                if spin and time.monotonic() < spin_until:
-                    poller.poll(0)  # the tenant's next request is usually microseconds away
-                    continue
-                if not poller.poll(200) and self._surplus():
-                    retired = True
-                    break  # an extra thread retires when idle
+            if self._native is not None:
+                retired = self._native_reader(me)
+            else:
+                retired = self._python_reader(me)
         except Exception:  # pragma: no cover - a bug must not end the service silently
             log.exception("FUSE reader thread failed")
         finally:
@@ -754,6 +742,190 @@ class FuseFrontend:
                 if retired:
                     self._leaving -= 1
             self._drop_thread_ref()
+
+    # After each answer a reader looks for the tenant's next request without sleeping for a
+    # while (usually microseconds away): the wake-up across CPUs is most of a FUSE round trip
+    # here. Measured on the 2-CPU development machine with the lanes (docs/benchmarks.md,
+    # "The hot path"): one FUSE call 81-113 µs against 114-141 without, 16 tenant processes
+    # 12.3-13.5k calls/s against 11.9-13.6k (no loss; it cost throughput before the lanes
+    # made a call cheap). 0 turns it off.
+    @staticmethod
+    def _spin_s() -> float:
+        return int(os.environ.get("DEVBROKER_FUSE_SPIN_US", "100") or 0) / 1e6
+
+    def _python_reader(self, me: int) -> bool:
+        """The reader's loop in Python (no native library). True: retired as surplus."""
+        fd = self._tfd
+        buf = bytearray(self._bufsize)  # one buffer for the thread's life
+        view = memoryview(buf)
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        poller.register(self._wake, select.POLLIN)
+        spin = self._spin_s()
+        spin_until = 0.0
+        while not self._closed:
+            if self._pause_requested:
+                if self._queue.pending:
+                    self._serve_next(me)  # read before the pause: answered first
+                else:
+                    self._park()
+                continue
+            if not self._drain(fd, buf, view):
+                break
+            if self._serve_next(me):
+                if self._surplus():
+                    return True
+                spin_until = time.monotonic() + spin
+                continue
+            if spin and time.monotonic() < spin_until:
+                poller.poll(0)  # the tenant's next request is usually microseconds away
+                continue
+            if not poller.poll(200) and self._surplus():
+                return True  # an extra thread retires when idle
+        return False
+
+    def _native_reader(self, me: int) -> bool:
+        """The reader's loop on the native one (frontends/fusenative.py): C reads, queues
+        the node ioctls fairly and hands them out one by one; this thread decides each
+        (`_native_node_ioctl`) and routes every other request as the Python loop does.
+        True: retired as surplus."""
+        nt = self._native.thread(self._tfd, self._wake, self._bufsize,
+                                 int(self._spin_s() * 1e9))
+        # Marked as reading tenant memory for its life: a fault it takes on this very
+        # mount (a tenant's pointer into a page of one of our nodes) is refused at once by
+        # another reader (_route), never served for the broker through the tenant's mapping.
+        memgate.MemoryGate.mark_native(me, "")
+        self._native_threads[me] = nt
+        try:
+            while not self._closed:
+                if self._pause_requested:
+                    if self._queue.pending:
+                        self._serve_next(me)  # read before the pause: answered first
+                    elif nt.next(read_more=False) == fusenative.DVBF_NODE_IOCTL:
+                        self._native_node_ioctl(me, nt)
+                    else:
+                        self._park()
+                    continue
+                r = nt.next()
+                if r == fusenative.DVBF_NODE_IOCTL:
+                    self._native_node_ioctl(me, nt)
+                elif r == fusenative.DVBF_REQUEST:
+                    self._route(nt.request())
+                elif r in (fusenative.DVBF_HUP, fusenative.DVBF_ERROR):
+                    err = nt.call.err
+                    if r == fusenative.DVBF_ERROR:
+                        log.error("FUSE reader: reading %s failed: %s", self.mountpoint,
+                                  os.strerror(err))
+                    elif not self._closed:
+                        log.info("FUSE connection at %s ended (%s)", self.mountpoint,
+                                 os.strerror(err))
+                    self._to_trio(self._connection_ended)
+                    return False
+                elif r == fusenative.DVBF_IDLE:
+                    if self._surplus():
+                        return True  # an extra thread retires when idle
+                    continue
+                # Requests the native queue could not hold wait in Python's, in turn too.
+                if self._queue.pending:
+                    self._serve_next(me)
+                if self._surplus():
+                    return True
+            return False
+        finally:
+            with self._tlock:  # (the watchdog looks at the thread's state under it)
+                self._native_threads.pop(me, None)
+                nt.free()
+            memgate.MemoryGate.unmark_native(me)
+
+    def _native_node_ioctl(self, me: int, nt: fusenative.FuseNativeThread) -> None:
+        """(Reader thread.) The node ioctl the native queue handed out, in its tenant's
+        turn: the control lane's call answered here (`_native_lane_call`), anything else
+        parsed and served by the general steps now."""
+        with self._tlock:
+            self._thread_busy += 1
+        try:
+            if self._native_lane_call(me, nt):
+                with self._tlock:
+                    self._thread_busy -= 1
+                return
+        except Exception:
+            log.exception("FUSE ioctl %#x failed", nt.call.cmd)
+            nt.error(errno.EIO)
+            with self._tlock:
+                self._thread_busy -= 1
+            return
+        try:
+            req = w.parse_request(nt.raw(), minor=self.proto_minor or w.MAX_MINOR)
+        except w.WireError as e:  # (C checked the lengths; the parser has the last word)
+            log.error("malformed FUSE request: %s", e)
+            nt.error(errno.EIO)
+            with self._tlock:
+                self._thread_busy -= 1
+            return
+        self._serve_req(me, req)  # (counts the request out of _thread_busy)
+
+    def _native_lane_call(self, me: int, nt: fusenative.FuseNativeThread) -> bool:
+        """A control the control lane admits, answered on the native loop's private copies:
+        `_control_lane_steps` step for step (the header is the kernel's copy in the
+        request, the parameter block read once into the thread's buffer at the address and
+        size the admission names), without the effects around each step. True: answered
+        (or answered by the watchdog meanwhile); False: the general steps decide it, from
+        the start (refusals and audit records included)."""
+        c = nt.call
+        cmd = c.cmd
+        if (cmd not in self._lane_cmds or c.in_size != c.out_size or c.flags & w.IOCTL_DIR
+                or not c.in_size):
+            return False
+        h = self._handles.get(c.fh)
+        if h is None or h.kind != "node":
+            return False
+        caller = self._caller_ids(c.pid, c.uid, c.gid)
+        if not self._same_sandbox_quick(h, caller):
+            return False
+        tenant = h.inode.tenant or ""
+        if memgate.gate_of(self.broker).stalled.get(tenant):
+            return False  # its accesses go through the gate, which keeps the stall limit
+        hdr = nt.arg()
+        lane = self._lane
+        adm = lane.admit(h.session, caller, cmd, hdr)
+        if adm is None:
+            return False
+        entry = [c.unique, time.monotonic(), False]
+        self._serving[me] = entry
+        try:
+            params_in = b""
+            if adm.params_size:
+                nt.tenant, nt.what = tenant, f"read of {adm.params_size} bytes at {adm.params_ptr:#x}"
+                got = nt.read(adm.params_ptr, adm.params_size)
+                if got == fusenative.DVBF_LATE:
+                    self._native_late(nt)
+                    return True
+                if got is None:
+                    return False  # the general way reads again, and answers with its record
+                params_in = got
+            params = bytearray(params_in)
+            if adm.checked and not lane.check(adm, params):
+                return False
+            ran = self._lane_run(adm, hdr, params_in, params)
+            if ran is None:
+                return False
+            ret, err, hdr_out, out = ran
+            if err:  # the driver's failure: the tenant's buffers stay as they were
+                nt.error(sanitize_errno(err))
+                return True
+            nt.what = f"write of ioctl {cmd:#x}'s results"
+            if nt.answer(ret, hdr_out[:c.out_size], adm.params_ptr,
+                         out if adm.params_size else b"") == fusenative.DVBF_LATE:
+                self._native_late(nt)
+            return True
+        finally:
+            self._serving.pop(me, None)
+            lane.release(adm)  # (a no-op once finish ran: the quota hold of an allocation)
+
+    def _native_late(self, nt: fusenative.FuseNativeThread) -> None:
+        """An access the watchdog claimed came back: its stall is over."""
+        memgate.gate_of(self.broker).native_returned(nt.tenant, nt.what + " (native FUSE reader)",
+                                                     nt.call.late_ns / 1e9)
 
     def _park(self) -> None:
         with self._tlock:
@@ -865,6 +1037,12 @@ class FuseFrontend:
         req = self._queue.get()
         if req is None:
             return False
+        self._serve_req(me, req)
+        return True
+
+    def _serve_req(self, me: int, req: w.Ioctl) -> None:
+        """(Reader thread.) Answer one node ioctl here, or hand it to the trio thread;
+        counts it out of _thread_busy."""
         entry = [req.unique, time.monotonic(), False]
         self._serving[me] = entry
         try:
@@ -880,7 +1058,7 @@ class FuseFrontend:
                         self._handed -= 1
                     ho.steps.close()
                     self._error(req.unique, errno.EIO)
-                return True
+                return
             except Exception:
                 log.exception("FUSE ioctl %#x failed", req.cmd)
                 out = w.encode_error(req.unique, errno.EIO)
@@ -890,7 +1068,6 @@ class FuseFrontend:
             self._serving.pop(me, None)
             with self._tlock:
                 self._thread_busy -= 1
-        return True
 
     def _finish_on_trio(self, req: w.Ioctl, steps: Steps, pending) -> None:
         self._start_for(req, self._finish_task, req, steps, pending)
@@ -920,7 +1097,8 @@ class FuseFrontend:
         gate = memgate.gate_of(self.broker)
         while True:
             await trio.sleep(self.watchdog_tick)
-            for tid, tenant, what in gate.sweep(self._serving.keys()):
+            late = gate.sweep(self._serving.keys()) + self._sweep_native(gate)
+            for tid, tenant, what in late:
                 held = self._serving.get(tid)
                 if held is None or held[2]:
                     continue
@@ -946,6 +1124,22 @@ class FuseFrontend:
                 # wait for ever. Another is started, and said.
                 log.warning("FUSE %s: no reader thread left; starting one", self.mountpoint)
                 self._start_reader()
+
+    def _sweep_native(self, gate: memgate.MemoryGate) -> list[tuple[int, str, str]]:
+        """The native readers' accesses to tenant memory past the gate's deadline, each
+        claimed (so the access, when it returns, reports DVBF_LATE and answers nothing) and
+        counted as stalled: (thread id, tenant, what), as MemoryGate.sweep reports."""
+        out = []
+        limit = int(gate.deadline * 1e9)
+        now = time.monotonic_ns()  # (CLOCK_MONOTONIC, as native/fuselane.c's)
+        with self._tlock:  # (a thread frees its state under it)
+            for tid, nt in self._native_threads.items():
+                since = nt.mem_since()
+                if since > 0 and now - since > limit and nt.claim(since):
+                    out.append((tid, nt.tenant, nt.what))
+        for _tid, tenant, _what in out:
+            gate.native_stalled(tenant)
+        return out
 
     def _send(self, data: bytes) -> None:
         fd = self._tfd if self._tfd >= 0 else self._fd
@@ -1030,21 +1224,24 @@ class FuseFrontend:
         cache held by a thread pidfd (PIDFD_THREAD): a signal-0 check on it (~1 µs) tells
         that the thread is still the one cached, never a new thread that reused the number
         (a thread's process and pid namespace never change)."""
-        tid = h.pid
+        return self._caller_ids(h.pid, h.uid, h.gid)
+
+    def _caller_ids(self, tid: int, uid: int, gid: int) -> Caller:
+        """`_caller` from the request header's fields."""
         if not tid:
-            return Caller(pid=0, tid=0, uid=h.uid, gid=h.gid)
+            return Caller(pid=0, tid=0, uid=uid, gid=gid)
         with self._callers_lock:
             hit = self._callers.get(tid)
             if hit is not None:
                 try:
                     signal.pidfd_send_signal(hit[0], 0)
-                    return Caller(pid=hit[1], tid=tid, uid=h.uid, gid=h.gid, pidns=hit[2])
+                    return Caller(pid=hit[1], tid=tid, uid=uid, gid=gid, pidns=hit[2])
                 except OSError:
                     del self._callers[tid]
                     os.close(hit[0])
         tgid = _tgid_of(tid)
         ns = pid_namespace(tgid or tid)
-        caller = Caller(pid=tgid or tid, tid=tid, uid=h.uid, gid=h.gid, pidns=ns)
+        caller = Caller(pid=tgid or tid, tid=tid, uid=uid, gid=gid, pidns=ns)
         if not tgid or ns is None:
             return caller
         try:
@@ -1487,24 +1684,10 @@ class FuseFrontend:
     def _control_lane_run(self, req: w.Ioctl, adm, hdr: bytes, params_in: bytes,
                           params: bytearray, memory: ProcessMemory, tenant: str) -> Steps:
         """`_control_lane_steps`'s driver call, books and write-back, for an admitted call."""
-        lane = self._lane
-        # The row's post-hook as data when it has that form (FB info: the quota), applied to
-        # the block's bytes as the native loop does: no decode, no second lock for it.
-        patch = lane.table_patch(adm) if adm.post is not None else None
-        try:
-            ret, err, hdr_out = self.broker.backend.run_control(
-                adm.session.file, -1, hdr, params, adm.header, adm.abi)
-        except NotHere:
+        ran = self._lane_run(adm, hdr, params_in, params)
+        if ran is None:
             return GENERAL
-        if lane.needs_finish(adm, patch is not None):
-            out = lane.finish(adm, hdr, params_in, ret, err, hdr_out, params)
-        else:
-            lane.book(adm)
-            st = adm.header.status_offset
-            if patch is not None and not err and not any(hdr_out[st:st + 4]):  # NV_OK
-                patch.apply_block(params)
-            lane.answered(adm, err, time.perf_counter_ns())
-            out = bytes(params)
+        ret, err, hdr_out, out = ran
         if err:  # the driver's failure: the tenant's buffers stay as they were
             return w.encode_error(req.unique, sanitize_errno(err))
         if adm.params_size:  # (none for a call whose header is the whole argument)
@@ -1514,6 +1697,31 @@ class FuseFrontend:
             except OSError:
                 return w.encode_error(req.unique, errno.EFAULT)
         return w.encode_ioctl(req.unique, ret, hdr_out[:req.out_size])
+
+    def _lane_run(self, adm, hdr: bytes, params_in: bytes, params: bytearray):
+        """An admitted call's driver call (the backend's), books and post-hook, on the
+        private parameter block `params` (params_in: as read): (result, errno, the header
+        after, the block to write back), or None when the backend cannot run it here (the
+        general steps then take it). Both reader loops' lane paths end here."""
+        lane = self._lane
+        # The row's post-hook as data when it has that form (FB info: the quota), applied to
+        # the block's bytes as the native loop does: no decode, no second lock for it.
+        patch = lane.table_patch(adm) if adm.post is not None else None
+        try:
+            ret, err, hdr_out = self.broker.backend.run_control(
+                adm.session.file, -1, hdr, params, adm.header, adm.abi)
+        except NotHere:
+            return None
+        if lane.needs_finish(adm, patch is not None):
+            out = lane.finish(adm, hdr, params_in, ret, err, hdr_out, params)
+        else:
+            lane.book(adm)
+            st = adm.header.status_offset
+            if patch is not None and not err and not any(hdr_out[st:st + 4]):  # NV_OK
+                patch.apply_block(params)
+            lane.answered(adm, err, time.perf_counter_ns())
+            out = bytes(params)
+        return ret, err, hdr_out, out
 
     @staticmethod
     def _same_sandbox_quick(h: _Handle, caller: Caller) -> bool:

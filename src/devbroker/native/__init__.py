@@ -1,6 +1,7 @@
 """devbroker's C parts that Python loads with ctypes: built from their source on first use.
 
-Today one: `lane.c`, the seccomp listener's native loop (frontends/nativelane.py). A shared
+`lane.c`, the seccomp listener's native loop (frontends/nativelane.py), and `fuselane.c`,
+the FUSE reader threads' (frontends/fusenative.py). Each a shared
 library with no Python headers in it, so one build serves every Python version, built with
 the host's C compiler (`$CC` when it names one, else `cc`, else `gcc`) into
 
@@ -159,7 +160,7 @@ def why_not(name: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m devbroker.native [NAME...]`: build now (setup scripts), print the paths."""
-    names = (argv if argv is not None else sys.argv[1:]) or ["lane"]
+    names = (argv if argv is not None else sys.argv[1:]) or ["lane", "fuselane"]
     for n in names:
         try:
             print(build(n))
