@@ -1,7 +1,9 @@
 """The FUSE front end's reader threads (issue 14), with real processes on a real mount.
 
 Ioctls on node files are answered on the reader thread that read them, tenant memory touched
-there directly (MemoryGate.direct); a watchdog keeps the gate's deadline. What must hold:
+there directly (MemoryGate.direct, or the native loop's own accesses); a watchdog keeps the
+gate's deadline. Each test runs with both reader loops (the native one and the Python one).
+What must hold:
 
 1. A tenant whose nested pointer leads into a userfaultfd page nobody serves gets EFAULT at
    the deadline, with an audit record naming it; meanwhile another tenant's ioctls are
@@ -27,9 +29,18 @@ from devbroker.broker.audit import AuditLog
 from devbroker.broker.core import Broker
 from devbroker.broker.policy import load_policy_text
 from devbroker.daemon import tenant_tree
+from devbroker.frontends import fusenative
 from devbroker.frontends.fuse import FuseFrontend
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="FUSE mounts need root")
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def reader_loop(request, monkeypatch):
+    """Each test with both reader loops: the native one (frontends/fusenative.py, the
+    default) and the Python one (DEVBROKER_FUSE_NATIVE=0, where no library can be built)."""
+    monkeypatch.setenv("DEVBROKER_FUSE_NATIVE", "1" if request.param == "native" else "0")
+    return request.param
 
 POLICY = """
 [broker]
@@ -88,12 +99,16 @@ async def _with_mount(tmp_path, body, *, deadline: float = 2.0):
                           version="580.159.04")
     broker = Broker(load_policy_text(POLICY, "test"), emu, AuditLog(audit_path))
     broker.memgate.deadline = deadline
+    native = os.environ.get("DEVBROKER_FUSE_NATIVE") != "0"
     async with FuseFrontend(tmp_path / "nodes", broker) as fe:
+        assert (fe._native is not None) == native, fusenative.describe()
         fe.set_tree(tenant_tree(broker))
         async with trio.open_nursery() as n:
             broker.set_spawner(n.start_soon)
             await body(broker, fe, tmp_path / "nodes")
             n.cancel_scope.cancel()
+        # the loop under test answered the lane's calls (none answered natively otherwise)
+        assert (fe.native_lane_calls > 0) == native, fe.native_lane_calls
     if not audit_path.exists():  # nothing was audited
         return []
     return [json.loads(line) for line in audit_path.read_text().splitlines()]
@@ -254,8 +269,6 @@ def test_extra_reader_threads_coming_back_together_leave_one_to_read():
     the watchdog started while every reader was held up come back together; each asks
     `_surplus` before any has counted itself out, and exactly the surplus retires."""
     import threading
-
-    from devbroker.frontends.fuse import FuseFrontend
 
     fe = FuseFrontend.__new__(FuseFrontend)
     fe.threads, fe._serving, fe._tlock, fe._spare_until = 1, {}, threading.Lock(), 0.0

@@ -580,6 +580,11 @@ async def run_forever(service: BrokerService, *, quiet: bool = False,
 
                     print(f"devbroker: seccomp listeners: {describe()}", file=sys.stderr,
                           flush=True)
+                if service.frontend_kind == "fuse":
+                    from devbroker.frontends import fusenative
+
+                    print(f"devbroker: FUSE readers: {fusenative.describe()}",
+                          file=sys.stderr, flush=True)
                 if service.metrics is not None:
                     print(f"devbroker: metrics at {service.metrics.url}", file=sys.stderr,
                           flush=True)

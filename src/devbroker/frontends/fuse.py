@@ -260,6 +260,7 @@ class FuseFrontend:
         # It must know the node inodes before the tree is built below.
         self._native = fusenative.FuseNative.create()
         self._native_threads: dict[int, fusenative.FuseNativeThread] = {}  # thread id ->
+        self.native_lane_calls = 0  # lane calls the native loop answered (tests, status)
         if adopt is not None:
             self._import_state(*adopt)
         if tenants:
@@ -917,6 +918,7 @@ class FuseFrontend:
             if nt.answer(ret, hdr_out[:c.out_size], adm.params_ptr,
                          out if adm.params_size else b"") == fusenative.DVBF_LATE:
                 self._native_late(nt)
+            self.native_lane_calls += 1  # (one reader at a time in the common case; a count)
             return True
         finally:
             self._serving.pop(me, None)

@@ -340,6 +340,10 @@ static int read_pending(struct dvbf_thread *t)
 {
     for (int k = 0; k < DVBF_SLOTS; k++) {
         ssize_t n = read(t->fd, t->buf, t->bufsize);
+        if (n == 0) { /* (never from /dev/fuse; the end of any other file) */
+            t->call.err = ENODEV;
+            return DVBF_HUP;
+        }
         if (n < 0) {
             if (errno == EAGAIN)
                 return 0;
