@@ -37,6 +37,7 @@
 #include <errno.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -382,6 +383,12 @@ int dvbf_next(struct dvbf_thread *t, int read_more)
             return DVBF_NODE_IOCTL;
         struct pollfd p[2] = {{.fd = t->fd, .events = POLLIN}, {.fd = t->wake_fd, .events = POLLIN}};
         int timeout = now_ns() < t->spin_until ? 0 : 200;
+        if (!timeout)
+            /* Looking, not sleeping: give the CPU to anything else runnable on it first.
+             * The tenant whose answer was just sent may be woken on this very CPU (the
+             * scheduler likes to wake a task where its waker runs); a look that kept the
+             * CPU would hold that tenant off for the whole look, each call. */
+            sched_yield();
         int got = poll(p, 2, timeout);
         if (got < 0 && errno != EINTR) {
             t->call.err = errno;
