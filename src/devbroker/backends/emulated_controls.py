@@ -127,21 +127,28 @@ def detach_ids(backend, client, obj, p):
     return nvs.NV_OK, p
 
 
-# NV2080_CTRL_FB_INFO_INDEX_* the emulation models (values in KiB, like the driver's).
+# NV2080_CTRL_FB_INFO_INDEX_* the emulation models (values in KiB, like the driver's):
+# what each index reports, of the GPU's total and free memory.
+_FB_TOTAL = frozenset({0x07,  # RAM_SIZE
+                       0x08,  # TOTAL_RAM_SIZE
+                       0x09,  # HEAP_SIZE (the emulation reserves nothing)
+                       0x0A,  # MAPPABLE_HEAP_SIZE
+                       0x20})  # USABLE_RAM_SIZE
+_FB_FREE = frozenset({0x12,  # LARGEST_FREE_REGION_SIZE_KB (no fragmentation modelled)
+                      0x16})  # HEAP_FREE
+_FB_ZERO = frozenset({0x10,  # FB_TAX_SIZE_KB
+                      0x27})  # HEAP_OFFLINE_SIZE
+
+
 def _fb_value(backend, gpu, index):
-    total = backend.gpus()[gpu].memory_bytes
-    free = total - backend.used[gpu]
-    return {
-        0x07: total // KiB,  # RAM_SIZE
-        0x08: total // KiB,  # TOTAL_RAM_SIZE
-        0x09: total // KiB,  # HEAP_SIZE (the emulation reserves nothing)
-        0x0A: total // KiB,  # MAPPABLE_HEAP_SIZE
-        0x10: 0,  # FB_TAX_SIZE_KB
-        0x12: free // KiB,  # LARGEST_FREE_REGION_SIZE_KB (no fragmentation modelled)
-        0x16: free // KiB,  # HEAP_FREE
-        0x20: total // KiB,  # USABLE_RAM_SIZE
-        0x27: 0,  # HEAP_OFFLINE_SIZE
-    }.get(index)
+    """One FB info index's value, or None when the emulation does not model it."""
+    if index in _FB_TOTAL:
+        return backend.gpus()[gpu].memory_bytes // KiB
+    if index in _FB_FREE:
+        return (backend.gpus()[gpu].memory_bytes - backend.used[gpu]) // KiB
+    if index in _FB_ZERO:
+        return 0
+    return None
 
 
 @control(0x20801303)  # NV2080_CTRL_CMD_FB_GET_INFO_V2

@@ -896,7 +896,7 @@ class FuseFrontend:
         try:
             params_in = b""
             if adm.params_size:
-                nt.tenant, nt.what = tenant, f"read of {adm.params_size} bytes at {adm.params_ptr:#x}"
+                nt.tenant, nt.what = tenant, ("read", adm.params_size, adm.params_ptr)
                 got = nt.read(adm.params_ptr, adm.params_size)
                 if got == fusenative.DVBF_LATE:
                     self._native_late(nt)
@@ -914,7 +914,7 @@ class FuseFrontend:
             if err:  # the driver's failure: the tenant's buffers stay as they were
                 nt.error(sanitize_errno(err))
                 return True
-            nt.what = f"write of ioctl {cmd:#x}'s results"
+            nt.what = ("write", adm.params_size, adm.params_ptr)
             if nt.answer(ret, hdr_out[:c.out_size], adm.params_ptr,
                          out if adm.params_size else b"") == fusenative.DVBF_LATE:
                 self._native_late(nt)
@@ -926,7 +926,7 @@ class FuseFrontend:
 
     def _native_late(self, nt: fusenative.FuseNativeThread) -> None:
         """An access the watchdog claimed came back: its stall is over."""
-        memgate.gate_of(self.broker).native_returned(nt.tenant, nt.what + " (native FUSE reader)",
+        memgate.gate_of(self.broker).native_returned(nt.tenant, nt.describe_access(),
                                                      nt.call.late_ns / 1e9)
 
     def _park(self) -> None:
@@ -1138,7 +1138,7 @@ class FuseFrontend:
             for tid, nt in self._native_threads.items():
                 since = nt.mem_since()
                 if since > 0 and now - since > limit and nt.claim(since):
-                    out.append((tid, nt.tenant, nt.what))
+                    out.append((tid, nt.tenant, nt.describe_access()))
         for _tid, tenant, _what in out:
             gate.native_stalled(tenant)
         return out

@@ -175,7 +175,12 @@ class FuseNativeThread:
         self.call = FuseCall.from_address(self.base)
         self.buf = lib.dvbf_buf_of(ptr)
         self.tenant = ""  # whose memory the current access touches (for the watchdog)
-        self.what = ""
+        self.what: tuple = ("access", 0, 0)  # (kind, bytes, address): describe_access()
+
+    def describe_access(self) -> str:
+        """The current access in words (for the audit record of a stalled one)."""
+        kind, n, addr = self.what
+        return f"{kind} of {n} bytes at {addr:#x} (native FUSE reader)"
 
     def next(self, read_more: bool = True) -> int:
         return self.lib.dvbf_next(self.ptr, 1 if read_more else 0)
