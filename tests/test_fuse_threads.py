@@ -91,7 +91,7 @@ def _env():
     return env
 
 
-async def _with_mount(tmp_path, body, *, deadline: float = 2.0):
+async def _with_mount(tmp_path, body, *, deadline: float = 2.0, lane_calls: bool = True):
     audit_path = tmp_path / "audit.log"
     emu = EmulatedBackend([EmulatedGpu(index=0, name="NVIDIA H200",
                                        uuid="GPU-14141414-2222-3333-4444-555555555555",
@@ -108,7 +108,8 @@ async def _with_mount(tmp_path, body, *, deadline: float = 2.0):
             await body(broker, fe, tmp_path / "nodes")
             n.cancel_scope.cancel()
         # the loop under test answered the lane's calls (none answered natively otherwise)
-        assert (fe.native_lane_calls > 0) == native, fe.native_lane_calls
+        if lane_calls:
+            assert (fe.native_lane_calls > 0) == native, fe.native_lane_calls
     if not audit_path.exists():  # nothing was audited
         return []
     return [json.loads(line) for line in audit_path.read_text().splitlines()]
@@ -170,6 +171,47 @@ async def test_a_stalled_tenant_page_is_refused_at_the_deadline_and_stalls_nobod
     assert late, records
     assert any(r.get("tenant") == "alice" and "returned after" in r.get("message", "")
                for r in records), records
+
+
+DECLINED = r"""
+import json, sys
+from devbroker.tools.hotpath import OneCall
+c = OneCall(sys.argv[1], False)
+c.arg[4:8] = (0xDEAD).to_bytes(4, "little")  # hObject: no object of this tenant's
+statuses = set()
+for _ in range(int(sys.argv[2])):
+    c.call()
+    statuses.add(int.from_bytes(c.arg[28:32], "little"))
+print(json.dumps({"statuses": sorted(statuses)}), flush=True)
+"""
+
+
+async def test_a_call_the_lane_declines_is_asked_once_and_decided_by_the_general_steps(
+        tmp_path):
+    """A control on an object the tenant does not have: the lane declines it (one
+    admission asked per call, whichever loop reads it) and the general steps answer it with
+    NV_ERR_INVALID_OBJECT_HANDLE (0x33), the driver's answer and the emulator's."""
+    asked = []
+    out = {}
+
+    async def body(broker, fe, nodes):
+        admit = fe._lane.admit
+
+        def counting(session, caller, cmd, hdr, *a, **kw):
+            if hdr[4:8] == (0xDEAD).to_bytes(4, "little"):
+                asked.append(cmd)
+            return admit(session, caller, cmd, hdr, *a, **kw)
+
+        fe._lane.admit = counting
+        r = await trio.to_thread.run_sync(lambda: subprocess.run(
+            [sys.executable, "-c", DECLINED, str(nodes / "alice"), "40"],
+            capture_output=True, text=True, env=_env(), timeout=60))
+        assert r.returncode == 0, r.stderr
+        out.update(json.loads(r.stdout.strip().splitlines()[-1]))
+
+    await _with_mount(tmp_path, body, lane_calls=False)
+    assert out["statuses"] == [0x33]
+    assert len(asked) == 40, len(asked)
 
 
 async def test_many_processes_of_two_tenants_all_get_right_answers(tmp_path):

@@ -863,7 +863,9 @@ class FuseFrontend:
             with self._tlock:
                 self._thread_busy -= 1
             return
-        self._serve_req(me, req)  # (counts the request out of _thread_busy)
+        # (the lane was asked above: the general steps decide it now, as the Python loop's
+        # do after the lane's GENERAL; counts the request out of _thread_busy)
+        self._serve_req(me, req, lane=False)
 
     def _native_lane_call(self, me: int, nt: fusenative.FuseNativeThread) -> bool:
         """A control the control lane admits, answered on the native loop's private copies:
@@ -1042,13 +1044,13 @@ class FuseFrontend:
         self._serve_req(me, req)
         return True
 
-    def _serve_req(self, me: int, req: w.Ioctl) -> None:
+    def _serve_req(self, me: int, req: w.Ioctl, lane: bool = True) -> None:
         """(Reader thread.) Answer one node ioctl here, or hand it to the trio thread;
-        counts it out of _thread_busy."""
+        counts it out of _thread_busy. lane: False when the control lane was asked already."""
         entry = [req.unique, time.monotonic(), False]
         self._serving[me] = entry
         try:
-            steps = self._ioctl_steps(req)
+            steps = self._ioctl_steps(req, lane)
             try:
                 out = run_blocking(steps, self._perform_here)
             except HandOver as ho:
@@ -1604,7 +1606,7 @@ class FuseFrontend:
     async def _on_ioctl(self, req: w.Ioctl) -> None:
         self._send(await run_async(self._ioctl_steps(req), self._perform_async))
 
-    def _ioctl_steps(self, req: w.Ioctl) -> Steps:
+    def _ioctl_steps(self, req: w.Ioctl, lane: bool = True) -> Steps:
         """One IOCTL as steps (broker/effects.py), returning the reply to send: run on a
         reader thread (run_blocking) or, from a hand-over or _on_ioctl, on the trio thread."""
         h = self._handles.get(req.fh)
@@ -1623,7 +1625,7 @@ class FuseFrontend:
         # and writes the argument through `memory` at arg_ptr, sized from its ABI registry.
         arg = req.data if req.in_size else None
         tenant = h.inode.tenant or ""
-        if req.cmd in self._lane_cmds and req.in_size == req.out_size == len(req.data):
+        if lane and req.cmd in self._lane_cmds and req.in_size == req.out_size == len(req.data):
             got = yield from self._control_lane_steps(req, h, caller, memory, tenant)
             if got is not GENERAL:
                 return got
