@@ -790,8 +790,12 @@ class FuseFrontend:
         the node ioctls fairly and hands them out one by one; this thread decides each
         (`_native_node_ioctl`) and routes every other request as the Python loop does.
         True: retired as surplus."""
-        nt = self._native.thread(self._tfd, self._wake, self._bufsize,
-                                 int(self._spin_s() * 1e9))
+        try:
+            nt = self._native.thread(self._tfd, self._wake, self._bufsize,
+                                     int(self._spin_s() * 1e9))
+        except MemoryError as e:  # (no memory for its buffers: this thread reads in Python)
+            log.warning("FUSE reader: %s; this thread serves in Python", e)
+            return self._python_reader(me)
         # Marked as reading tenant memory for its life: a fault it takes on this very
         # mount (a tenant's pointer into a page of one of our nodes) is refused at once by
         # another reader (_route), never served for the broker through the tenant's mapping.

@@ -70,17 +70,10 @@ def enabled() -> bool:
 
 def library() -> ctypes.CDLL | None:
     """native/fuselane.c loaded and checked, or None (the Python reader serves)."""
-    lib = native.load("fuselane")
+    lib = native.load_checked("fuselane", "dvbf_abi", ABI, "dvbf_call_size",
+                              ctypes.sizeof(FuseCall))
     if lib is None or getattr(lib, "_devbroker_checked", False):
         return lib
-    lib.dvbf_abi.restype = ctypes.c_int
-    lib.dvbf_call_size.restype = ctypes.c_size_t
-    if lib.dvbf_abi() != ABI or lib.dvbf_call_size() != ctypes.sizeof(FuseCall):
-        why = (f"{lib._name}: ABI {lib.dvbf_abi()}, call size {lib.dvbf_call_size()}; "
-               f"expected {ABI}, {ctypes.sizeof(FuseCall)}")
-        log.warning("native FUSE loop not used: %s", why)
-        native._why_not["fuselane"] = why
-        return None
     vp, i64, u64, sz = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_size_t
     lib.dvbf_shared_new.restype = vp
     lib.dvbf_shared_free.argtypes = [vp]

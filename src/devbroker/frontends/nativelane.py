@@ -171,17 +171,9 @@ def describe() -> str:
 
 def library() -> ctypes.CDLL | None:
     """native/lane.c loaded and checked, or None (the Python listener serves)."""
-    lib = native.load("lane")
+    lib = native.load_checked("lane", "dvb_abi", ABI, "dvb_call_size", ctypes.sizeof(Call))
     if lib is None or getattr(lib, "_devbroker_checked", False):
         return lib
-    lib.dvb_abi.restype = ctypes.c_int
-    lib.dvb_call_size.restype = ctypes.c_size_t
-    if lib.dvb_abi() != ABI or lib.dvb_call_size() != ctypes.sizeof(Call):
-        log.warning("native lane: library ABI %d / call size %d, expected %d / %d: not used",
-                    lib.dvb_abi(), lib.dvb_call_size(), ABI, ctypes.sizeof(Call))
-        native._why_not["lane"] = (f"{lib._name}: ABI {lib.dvb_abi()}, call size "
-                                   f"{lib.dvb_call_size()}; expected {ABI}, {ctypes.sizeof(Call)}")
-        return None
     vp, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.dvb_shared_new.restype = vp
     lib.dvb_shared_new.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_size_t,

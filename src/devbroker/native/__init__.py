@@ -154,6 +154,24 @@ def load(name: str) -> ctypes.CDLL | None:
         return lib
 
 
+def load_checked(name: str, abi_fn: str, abi: int, size_fn: str, size: int) -> ctypes.CDLL | None:
+    """`load(name)`, its ABI version (`abi_fn()`) and call-structure size (`size_fn()`)
+    checked against what the Python side was written for: a library that disagrees is
+    never used (None, the reason logged and in `why_not`)."""
+    lib = load(name)
+    if lib is None or getattr(lib, "_devbroker_abi_ok", False):
+        return lib
+    got_abi, got_size = getattr(lib, abi_fn), getattr(lib, size_fn)
+    got_abi.restype, got_size.restype = ctypes.c_int, ctypes.c_size_t
+    if got_abi() != abi or got_size() != size:
+        why = f"{lib._name}: ABI {got_abi()}, call size {got_size()}; expected {abi}, {size}"
+        log.warning("native %s not used: %s", name, why)
+        _why_not[name] = why
+        return None
+    lib._devbroker_abi_ok = True
+    return lib
+
+
 def why_not(name: str) -> str | None:
     return _why_not.get(name)
 
