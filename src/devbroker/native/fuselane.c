@@ -236,6 +236,8 @@ void dvbf_fold(struct dvbf_thread *t, uint64_t *out)
 
 static int node_tenant(struct dvbf_shared *sh, uint64_t nodeid) /* (lock held) */
 {
+    if (!nodeid) /* (an empty slot's: no inode has it) */
+        return -1;
     for (int k = 0; k < DVBF_NODES; k++)
         if (sh->nodes[k].nodeid == nodeid)
             return sh->nodes[k].tenant;
