@@ -481,6 +481,7 @@ class ControlLane:
         self._alloc_plans: dict[tuple, tuple | None] = {}  # (abi, class) -> _alloc_plan's
         self._null_only: dict[tuple, bool] = {}  # (abi, class) -> _null_checked_only's
         self._same_escape: dict[int, bool] = {}  # ioctl number -> settleable_escape's
+        self._no_refs: dict[int, tuple] = {}  # id(layout) -> (layout, _names_nothing's)
 
     def ioctl_cmds(self, versions) -> frozenset[int]:
         """The ioctl numbers the lane may take, over the given ABIs (front ends test the
@@ -1030,8 +1031,7 @@ class ControlLane:
         if as_check is None or adm.post is not None or adm.null_ptrs or adm.embedded_fields:
             return None
         spec = adm.abi.control(adm.cmd).params
-        if any(f.kind in ("fd", "ptr") or f.name in rules.CLIENT_HANDLE_FIELDS
-               for _p, f, _o in spec.walk()):
+        if not self._names_nothing(spec):
             return None
         return as_check(spec)
 
@@ -1057,9 +1057,18 @@ class ControlLane:
                 or adm.cmd not in rewrite.GPU_IDS_ANSWERED:
             return False
         spec = adm.abi.control(adm.cmd).params
-        return flt(spec) is not None and not any(
-            f.kind in ("fd", "ptr") or f.name in rules.CLIENT_HANDLE_FIELDS
-            for _p, f, _o in spec.walk())
+        return flt(spec) is not None and self._names_nothing(spec)
+
+    def _names_nothing(self, spec) -> bool:
+        """Whether a parameter layout has no pointer, fd or client-handle field (then a
+        check that reads only its GPU ids reads nothing else): the layout walked once per
+        layout, not at each decided call."""
+        got = self._no_refs.get(id(spec))
+        if got is None or got[0] is not spec:
+            got = (spec, not any(f.kind in ("fd", "ptr") or f.name in rules.CLIENT_HANDLE_FIELDS
+                                 for _p, f, _o in spec.walk()))
+            self._no_refs[id(spec)] = got
+        return got[1]
 
     def _settleable_alloc(self, adm: Admitted) -> bool:
         """Whether an admitted allocation's decision may be settled: decided on its header

@@ -848,28 +848,25 @@ class FuseFrontend:
         parsed and served by the general steps now."""
         with self._tlock:
             self._thread_busy += 1
+        req = None
         try:
             if self._native_lane_call(me, nt):
-                with self._tlock:
-                    self._thread_busy -= 1
                 return
-        except Exception:
-            log.exception("FUSE ioctl %#x failed", nt.call.cmd)
-            nt.error(errno.EIO)
-            with self._tlock:
-                self._thread_busy -= 1
-            return
-        try:
             req = w.parse_request(nt.raw(), minor=self.proto_minor or w.MAX_MINOR)
         except w.WireError as e:  # (C checked the lengths; the parser has the last word)
             log.error("malformed FUSE request: %s", e)
             nt.error(errno.EIO)
-            with self._tlock:
-                self._thread_busy -= 1
-            return
-        # (the lane was asked above: the general steps decide it now, as the Python loop's
-        # do after the lane's GENERAL; counts the request out of _thread_busy)
-        self._serve_req(me, req, lane=False)
+        except Exception:
+            log.exception("FUSE ioctl %#x failed", nt.call.cmd)
+            nt.error(errno.EIO)
+        finally:
+            if req is None:  # (answered here; else _serve_req counts it out)
+                with self._tlock:
+                    self._thread_busy -= 1
+        if req is not None:
+            # The lane was asked above: the general steps decide it now, as the Python
+            # loop's do after the lane's GENERAL.
+            self._serve_req(me, req, lane=False)
 
     def _native_lane_call(self, me: int, nt: fusenative.FuseNativeThread) -> bool:
         """A control the control lane admits, answered on the native loop's private copies:
