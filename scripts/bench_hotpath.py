@@ -6,6 +6,10 @@ tenant process, timed call by call (devbroker.tools.hotpath), through:
 
 1. the floor: a C libfuse3 server answering the ioctl as it came (scripts/bench/fuse_echo.c,
    built here with gcc against libfuse3-dev; scripts/install-bench-tools.sh installs them);
+   and the same answers from a C server whose requests come over io_uring, a queue per CPU
+   (scripts/bench/fuse_uring_echo.c; Linux 6.14+, fuse.enable_uring, which this script turns
+   on for those rows and back as it was): what the FUSE round trip costs without the
+   wake-up of a thread on another CPU;
 2. devbroker's FUSE front end with the emulated backend (`devbroker run` + `devbroker exec
    --frontend fuse`);
 3. devbroker's FUSE front end with the real backend, its relay process driving a stand-in
@@ -17,7 +21,8 @@ tenant process, timed call by call (devbroker.tools.hotpath), through:
    running it (tests/nvok_standin.py, the stand-in of the real-backend tests) — the same
    answers without the C server's own FUSE round trip — and that once more with the lane's
    calls sent through the relay process instead of run on the broker's own duplicates of
-   its files (DEVBROKER_RELAYED_LOCAL=0: what those duplicates buy);
+   its files (DEVBROKER_RELAYED_LOCAL=0: what those duplicates buy); and against the C
+   server over io_uring (one FUSE round trip of the two without the cross-CPU wake-up);
 4. the seccomp front end with the emulated backend (`devbroker exec --frontend seccomp`),
    the same with the Python listener instead of the native loop (frontends/nativelane.py;
    what the loop buys), and with the broker's control lane off (broker/fastlane.py);
@@ -148,6 +153,64 @@ def build_echo(work: Path) -> Path:
     return out
 
 
+def build_uring_echo(work: Path) -> Path:
+    out = work / "fuse_uring_echo"
+    subprocess.run(["gcc", "-O2", "-o", str(out),
+                    str(REPO / "scripts" / "bench" / "fuse_uring_echo.c"), "-lpthread"],
+                   check=True)
+    return out
+
+
+URING_PARAM = Path("/sys/module/fuse/parameters/enable_uring")
+
+
+def uring_unavailable() -> str | None:
+    """Why FUSE servers cannot use io_uring here, or None."""
+    if not URING_PARAM.exists():
+        return "this kernel has no FUSE io_uring transport (Linux 6.14+, CONFIG_FUSE_IO_URING)"
+    if os.geteuid() != 0:
+        return "turning fuse.enable_uring on needs root"
+    return None
+
+
+class UringOn:
+    """fuse.enable_uring on while in the block (new mounts may negotiate io_uring), then as
+    it was."""
+
+    def __enter__(self):
+        self.was = URING_PARAM.read_text().strip()
+        URING_PARAM.write_text("Y")
+        return self
+
+    def __exit__(self, *exc):
+        URING_PARAM.write_text(self.was)
+
+
+class UringEchoServer:
+    """fuse_uring_echo mounted at a directory: requests over io_uring, one ring thread
+    pinned to each CPU."""
+
+    def __init__(self, binary: Path, mount: Path):
+        self.mount = mount
+        mount.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen([str(binary), str(mount)], stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline().split()
+        if line[:1] != ["ready"]:
+            raise RuntimeError(f"fuse_uring_echo did not come up (rc {self.proc.poll()})")
+        self.transport = line[1]  # "uring", or "dev" when the kernel did not offer it
+        if self.transport != "uring":
+            self.stop()
+            raise RuntimeError("fuse_uring_echo: the kernel did not offer io_uring at INIT")
+
+    def stop(self) -> None:
+        subprocess.run(["umount", "-l", str(self.mount)], capture_output=True)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
 class EchoServer:
     """fuse_echo mounted at a directory (single-threaded, like the broker's one reader)."""
 
@@ -228,9 +291,9 @@ KERNEL_STANDIN = [sys.executable, str(REPO / "tests" / "nvok_standin.py")]
 
 def serve_standin(work: Path, echo_bin: Path, kind: str = "fuse") -> int:
     """(In a child process.) A broker with the real backend whose /dev is fuse_echo (kind
-    "fuse") or KernelStandin's nodes ("kernel": this process runs under nvok_standin.py) and
-    whose /proc/driver/nvidia is the emulator's view, serving the FUSE front end at
-    work/nodes."""
+    "fuse"), fuse_uring_echo ("fuse-uring": echo_bin is that program) or KernelStandin's
+    nodes ("kernel": this process runs under nvok_standin.py) and whose /proc/driver/nvidia
+    is the emulator's view, serving the FUSE front end at work/nodes."""
     import trio
 
     from devbroker.backends.emulated import EmulatedGpu
@@ -244,6 +307,7 @@ def serve_standin(work: Path, echo_bin: Path, kind: str = "fuse") -> int:
     from devbroker.frontends.fuse import FuseFrontend
 
     dev = (EchoServer(echo_bin, work / "standin-dev") if kind == "fuse"
+           else UringEchoServer(echo_bin, work / "standin-dev") if kind == "fuse-uring"
            else KernelStandin(work / "standin-dev"))
     proc = work / "standin-proc"
     gpu = EmulatedGpu(index=0, name="NVIDIA H200", uuid="GPU-11111111-2222-3333-4444-555555555555",
@@ -384,6 +448,28 @@ def measure(a) -> dict:
     finally:
         echo.stop()
 
+    why = uring_unavailable()
+    if why is None:
+        uring_bin = build_uring_echo(work)
+        with UringOn():
+            log("floor over io_uring: C server, a queue per CPU")
+            try:
+                server = UringEchoServer(uring_bin, work / "floor-uring")
+            except RuntimeError as e:
+                why = str(e)
+            else:
+                try:
+                    d = run_json(HOTPATH + ["latency", "--raw", "--n", str(n), "--dev",
+                                            str(server.mount)], "latency")
+                    rows["floor-uring"] = {"ns": d["ns"]}
+                finally:
+                    server.stop()
+            if why is None:
+                standin_row(a, work, uring_bin, rows, "fuse-real-uring", "fuse-uring", [])
+    if why is not None:
+        log(f"rows over io_uring not measured: {why}")
+        rows["floor-uring"] = rows["fuse-real-uring"] = {"not": why}
+
     standin_row(a, work, echo_bin, rows, "fuse-real", "fuse", [])
     standin_row(a, work, echo_bin, rows, "fuse-real-kernel", "kernel", KERNEL_STANDIN)
     standin_row(a, work, echo_bin, rows, "fuse-real-kernel-relay", "kernel", KERNEL_STANDIN,
@@ -466,14 +552,22 @@ def quiet_run(daemon: Daemon, argv: list[str], flood_procs: int | None) -> dict:
 
 
 # ------------------------------------------------------------------ the table
+# Issue 14's "real backend against a stand-in node ≤ 150 µs" is judged on the stand-in that
+# answers in the kernel, in the caller's own system call, as the driver does. Against a
+# stand-in that is itself a FUSE server each call makes two FUSE round trips, the broker's
+# and the stand-in's, so that row carries the floor twice (docs/benchmarks.md, "Which
+# stand-in"): shown, with the stand-in over io_uring beside it, not judged.
 LATENCY_ROWS = [
     ("floor", "C libfuse3 server answering the ioctl (the floor)", None),
+    ("floor-uring", "C server over io_uring, a queue per CPU (no wake-up across CPUs)", None),
     ("fuse-emulated", "devbroker FUSE + emulated backend", 100),
-    ("fuse-real", "devbroker FUSE + real backend against a stand-in node (C FUSE server)", 150),
-    ("fuse-real-kernel", "the same, the stand-in answering in the kernel (nvok_standin.py)",
-     150),
+    ("fuse-real-kernel", "devbroker FUSE + real backend against a stand-in node answering in "
+     "the kernel (nvok_standin.py)", 150),
     ("fuse-real-kernel-relay", "the same, lane calls through the relay process "
      "(DEVBROKER_RELAYED_LOCAL=0)", None),
+    ("fuse-real", "the same (lane calls local) against a stand-in node that is a C FUSE server "
+     "(libfuse3): two FUSE round trips", None),
+    ("fuse-real-uring", "the same, that C FUSE server over io_uring", None),
     ("seccomp-emulated", "devbroker seccomp front end + emulated backend", None),
     ("seccomp-emulated-python", "the same, the Python listener (DEVBROKER_NATIVE_LANE=0)", None),
     ("seccomp-emulated-nolane", "the same, control lane off (DEVBROKER_CONTROL_LANE=0)", None),
@@ -485,6 +579,9 @@ def table(rows: dict, a) -> tuple[str, dict]:
     nums: dict[str, float] = {}
     lines = ["| path | n | p50 µs | p90 µs | target |", "| --- | ---: | ---: | ---: | --- |"]
     for key, label, target in LATENCY_ROWS:
+        if "not" in rows[key]:
+            lines.append(f"| {label} | | | | not measured: {rows[key]['not']} |")
+            continue
         ns = rows[key]["ns"]
         p50, p90 = pct(ns, .5), pct(ns, .9)
         nums[f"{key}.p50_us"], nums[f"{key}.p90_us"] = p50, p90

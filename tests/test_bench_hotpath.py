@@ -23,6 +23,10 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (FUSE moun
 
 ROWS = ["floor", "fuse-emulated", "fuse-real", "fuse-real-kernel", "fuse-real-kernel-relay",
         "seccomp-emulated", "seccomp-emulated-python", "seccomp-emulated-nolane"]
+# The rows over FUSE's io_uring transport, where the kernel has it (Linux 6.14+): measured
+# (the script turns fuse.enable_uring on for them and back), else said why not.
+URING_ROWS = ["floor-uring", "fuse-real-uring"]
+URING_PARAM = Path("/sys/module/fuse/parameters/enable_uring")
 
 
 def test_short_run_reports_every_path(tmp_path):
@@ -30,12 +34,14 @@ def test_short_run_reports_every_path(tmp_path):
     doc.write_text("# before\n\n<!-- bench_hotpath:begin -->\nold\n<!-- bench_hotpath:end -->\n"
                    "\nafter\n")
     out = tmp_path / "numbers.json"
+    uring_was = URING_PARAM.read_text() if URING_PARAM.exists() else None
     p = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_hotpath.py"), "--short",
                         "--doc", str(doc), "--json", str(out)],
                        capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     nums = json.loads(out.read_text())["numbers"]
-    want = [f"{r}.{q}" for r in ROWS for q in ("p50_us", "p90_us")]
+    rows = ROWS + (URING_ROWS if uring_was is not None else [])
+    want = [f"{r}.{q}" for r in rows for q in ("p50_us", "p90_us")]
     want += [f"throughput-{n}.calls_per_s" for n in (1, 4, 16)]
     want += ["floor-throughput-16.calls_per_s"]
     want += ["quiet-alone.p50_us", "quiet-flooded.p50_us", "quiet.ratio"]
@@ -44,6 +50,11 @@ def test_short_run_reports_every_path(tmp_path):
         assert isinstance(nums[key], (int, float)) and math.isfinite(nums[key]) \
             and nums[key] > 0, (key, nums[key])
     text = doc.read_text()
+    if uring_was is not None:  # turned on for those rows only, and back as it was
+        assert URING_PARAM.read_text() == uring_was
+        assert "C server over io_uring" in text and "that C FUSE server over io_uring" in text
+    else:
+        assert text.count("not measured: this kernel has no FUSE io_uring transport") == 2
     # the marked section was replaced, what is around it kept
     assert text.startswith("# before\n") and text.rstrip().endswith("after")
     assert "old" not in text and text.count("<!-- bench_hotpath:begin -->") == 1
