@@ -48,6 +48,7 @@ import argparse
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -186,31 +187,6 @@ class UringOn:
         URING_PARAM.write_text(self.was)
 
 
-class UringEchoServer:
-    """fuse_uring_echo mounted at a directory: requests over io_uring, one ring thread
-    pinned to each CPU."""
-
-    def __init__(self, binary: Path, mount: Path):
-        self.mount = mount
-        mount.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen([str(binary), str(mount)], stdout=subprocess.PIPE, text=True)
-        line = self.proc.stdout.readline().split()
-        if line[:1] != ["ready"]:
-            raise RuntimeError(f"fuse_uring_echo did not come up (rc {self.proc.poll()})")
-        self.transport = line[1]  # "uring", or "dev" when the kernel did not offer it
-        if self.transport != "uring":
-            self.stop()
-            raise RuntimeError("fuse_uring_echo: the kernel did not offer io_uring at INIT")
-
-    def stop(self) -> None:
-        subprocess.run(["umount", "-l", str(self.mount)], capture_output=True)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
 class EchoServer:
     """fuse_echo mounted at a directory (single-threaded, like the broker's one reader)."""
 
@@ -231,6 +207,22 @@ class EchoServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+class UringEchoServer(EchoServer):
+    """fuse_uring_echo mounted at a directory: requests over io_uring, one ring thread
+    pinned to each CPU."""
+
+    def __init__(self, binary: Path, mount: Path):
+        self.mount = mount
+        mount.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen([str(binary), str(mount)], stdout=subprocess.PIPE, text=True)
+        ready, _, _ = select.select([self.proc.stdout], [], [], 10)
+        line = self.proc.stdout.readline().split() if ready else []
+        if line != ["ready", "uring"]:  # ("ready dev": the kernel did not offer io_uring)
+            self.stop()
+            raise RuntimeError(f"fuse_uring_echo did not come up over io_uring ({line or 'no line'}"
+                               f", rc {self.proc.poll()})")
 
 
 # ------------------------------------------------------------------ the daemon (emulated)

@@ -60,9 +60,9 @@ static int fuse_fd;
 
 /* ------------------------------------------------------------------ answering */
 
-/* One request: `op` its first argument (per-opcode struct), `rest` what follows. The reply's
- * body goes to `out` (its length returned), or a negative errno; -ENOSYS... as any server.
- * Returns 1 in *noreply for requests that get none (FORGET). */
+/* One request: `op` its first argument (per-opcode struct), `rest` what follows. Returns the
+ * length of the reply's body, written to `out`, or a negative errno (ENOSYS for opcodes it
+ * does not serve); *noreply is set for requests that get no reply (FORGET, INTERRUPT). */
 static int answer(const struct fuse_in_header *h, const uint8_t *op, const uint8_t *rest,
                   size_t rest_len, uint8_t *out, int *noreply)
 {
