@@ -38,6 +38,11 @@ CFLAGS = ["-O2", "-fPIC", "-shared", "-Wall", "-Wextra", "-Wno-unused-parameter"
           "-Werror=implicit-function-declaration", "-Werror=incompatible-pointer-types",
           "-Werror=int-conversion",
           "-fvisibility=default", "-pthread"]
+# scripts/sanitize-native.sh: the loops built with AddressSanitizer and UBSan (a library of
+# its own: the flags are part of the name's digest) for the tests that drive them.
+if os.environ.get("DEVBROKER_NATIVE_SANITIZE") == "1":
+    CFLAGS += ["-g", "-O1", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
+               "-fno-sanitize-recover=undefined"]
 _loaded: dict[str, ctypes.CDLL | None] = {}
 _why_not: dict[str, str] = {}
 _lock = threading.Lock()
