@@ -103,12 +103,9 @@ def library() -> ctypes.CDLL | None:
 
 def describe() -> str:
     """Which loop FUSE reader threads run, and why (for the broker's start line)."""
-    if not enabled():
-        return "Python reader (DEVBROKER_FUSE_NATIVE=0)"
-    lib = library()
-    if lib is None:
-        return f"Python reader (the native one is unavailable: {native.why_not('fuselane')})"
-    return f"native reader ({lib._name})"
+    off = None if enabled() else "DEVBROKER_FUSE_NATIVE=0"
+    return native.describe_loop("fuselane", None if off else library(), off, "native reader",
+                                "Python reader")
 
 
 class FuseNative:

@@ -159,14 +159,11 @@ def settled_enabled() -> bool:
 def describe() -> str:
     """Which loop seccomp listeners will run, and why (for the broker's start line and
     `devbroker status`); builds the library now if it must (not at the first tenant)."""
-    if os.environ.get("DEVBROKER_CONTROL_LANE", "1") == "0":
-        return "Python loop (DEVBROKER_CONTROL_LANE=0: lanes off)"
-    if not enabled():
-        return "Python loop (DEVBROKER_NATIVE_LANE=0)"
-    lib = library()
-    if lib is None:
-        return f"Python loop (the native one is unavailable: {native.why_not('lane') or 'ABI mismatch'})"
-    return f"native loop ({lib._name})"
+    off = ("DEVBROKER_CONTROL_LANE=0: lanes off"
+           if os.environ.get("DEVBROKER_CONTROL_LANE", "1") == "0"
+           else None if enabled() else "DEVBROKER_NATIVE_LANE=0")
+    return native.describe_loop("lane", None if off else library(), off, "native loop",
+                                "Python loop")
 
 
 def library() -> ctypes.CDLL | None:

@@ -181,6 +181,19 @@ def why_not(name: str) -> str | None:
     return _why_not.get(name)
 
 
+def describe_loop(name: str, lib: ctypes.CDLL | None, off: str | None, native_words: str,
+                  python_words: str) -> str:
+    """A front end's start-line words for which loop serves: the Python one when a switch
+    turned the native one off (`off` says which), or when library `name` could not be
+    loaded (`lib` None: why not), else the native one and its file."""
+    if off:
+        return f"{python_words} ({off})"
+    if lib is None:
+        return (f"{python_words} (the native one is unavailable: "
+                f"{why_not(name) or 'ABI mismatch'})")
+    return f"{native_words} ({lib._name})"
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m devbroker.native [NAME...]`: build now (setup scripts), print the paths."""
     names = (argv if argv is not None else sys.argv[1:]) or ["lane", "fuselane"]
