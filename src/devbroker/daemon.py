@@ -18,7 +18,7 @@ import trio
 
 from devbroker.assemble import FRONTENDS, assemble, node_frontend
 from devbroker.assemble import make_backend  # noqa: F401  (its earlier home)
-from devbroker.broker import procview
+from devbroker.broker import preemption, procview
 from devbroker.broker.alerts import AlertMonitor
 from devbroker.broker.audit import AuditLog
 from devbroker.broker.callstats import CallStats, InstrumentedBroker
@@ -463,6 +463,7 @@ class BrokerService:
             "policy.apply": self._policy_apply,
             "tenant.dir": self._tenant_dir,
             "upgrade": self._upgrade,
+            **preemption.control_ops(self.broker),  # tenant.preempt, tenant.resume
         }, access=self._access, on_refusal=self._control_refused,
             sock=adopted.control if adopted else None)
         self.broker.on_policy_change.append(lambda p: self._set_modes(control))

@@ -39,7 +39,7 @@ from devbroker.abi import registry
 from devbroker.abi import status as nvstatus
 from devbroker.abi.nodes import NodeKind
 from devbroker.backends.emulated import CONTROL_HANDLERS as EMULATED_CONTROLS  # (all registered)
-from devbroker.broker import compute, handlers, rewrite, shares
+from devbroker.broker import compute, handlers, preemption, rewrite, shares
 
 CAPABILITIES = {
     "nvml": "GPU queries NVML and nvidia-smi need (names, UUIDs, memory, utilization)",
@@ -339,6 +339,11 @@ class ClassRule:
     # tenant has its answer: a function (CallContext, handlers.AllocCall, handle, gpu) ->
     # steps (NV_ESC_RM_ALLOC only). The channel group's compute share (compute.after_alloc).
     after: Callable | None = None
+    # Runs when the driver answered NV_ERR_NO_MEMORY to an allocation the quota allowed: a
+    # function (CallContext, gpu, charge, where, result, again) -> steps giving the result
+    # the tenant gets (`again()`: the driver call's steps, once more). Priority preemption
+    # (preemption.after_no_memory: lower-priority tenants checkpointed, then retried).
+    no_memory: Callable | None = None
     # The allocation escapes (NV_ESC_RM_ALLOC, NV_ESC_RM_ALLOC_MEMORY) through which the
     # driver binds this class to the calling process (see Rule.in_caller), and why.
     in_caller_via: frozenset = frozenset()
@@ -372,7 +377,7 @@ CLASSES: dict[int, ClassRule] = {
                     in_caller="NVOS02 creates the mmap context for the caller's pid (escape.c)",
                     race=_RACE_ALLOC_MEMORY),
     0x40: ClassRule("compute", "device memory, counted against the tenant's quota",
-                    charge=True),
+                    charge=True, no_memory=preemption.after_no_memory),
     0x71: ClassRule("compute", "OS descriptor memory (the tenant's own pages)",
                     in_caller_via=frozenset({"NV_ESC_RM_ALLOC", "NV_ESC_RM_ALLOC_MEMORY"}),
                     in_caller="pins pages of the caller's own address space",

@@ -70,7 +70,8 @@ class View:
             else:
                 ios = refs = "-"
             out.append(f"{t['name']:<14} {len(t['processes']):>5} {t['open_files']:>5} "
-                       f"{mem:<34} {ios:>8} {refs:>9} {t['refusals']:>8}")
+                       f"{mem:<34} {ios:>8} {refs:>9} {t['refusals']:>8}"
+                       + (f"  PREEMPTED ({t['preempted']})" if t.get("preempted") else ""))
         if alerts:
             out.append("")
             out.append("ALERTS")

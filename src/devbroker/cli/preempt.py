@@ -1,0 +1,43 @@
+"""`devbroker preempt TENANT` / `devbroker resume TENANT`: the operator's preemption by hand
+(docs/preemption.md). A tenant preempted by hand stays in host memory until resumed."""
+from __future__ import annotations
+
+import json
+import sys
+
+
+def add_parsers(sub) -> None:
+    for name, op, text in (
+            ("preempt", "tenant.preempt", "checkpoint a tenant's GPU state to host memory "
+                                          "(its processes wait) until `devbroker resume`"),
+            ("resume", "tenant.resume", "restore a preempted tenant's GPU state")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("tenant")
+        p.add_argument("--json", action="store_true")
+        p.add_argument("--timeout", type=float, default=180.0,
+                       help="seconds to wait for the broker (default 180)")
+        p.set_defaults(func=cmd_order, op=op)
+
+
+def cmd_order(args) -> int:
+    from devbroker.broker.control import ControlError, call
+    from devbroker.cli.broker_cmds import _human, _paths
+
+    verb = "preempt" if args.op == "tenant.preempt" else "resume"
+    try:
+        reply = call(_paths(args).control, {"op": args.op, "tenant": args.tenant},
+                     timeout=args.timeout)
+    except ControlError as e:
+        print(f"devbroker {verb}: {e}", file=sys.stderr)
+        return 1
+    if not reply.get("ok"):
+        print(f"devbroker {verb}: {reply.get('error')}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(reply, indent=2))
+    elif verb == "preempt":
+        print(f"tenant {args.tenant} preempted: {_human(reply['bytes'])} of device memory of "
+              f"{len(reply['pids'])} process(es) in host memory ({reply['seconds']:.2f} s)")
+    else:
+        print(f"tenant {args.tenant} resumed")
+    return 0

@@ -1,0 +1,209 @@
+"""Priority preemption by checkpoint (broker/preemption.py, docs/preemption.md): the victim
+choice (sans-IO), the emulated driver's checkpoint model, and the whole sequence in a broker
+in this process — a high tenant's allocation waits while a low tenant is checkpointed, the
+low tenant's calls wait while it is preempted, and it comes back when room frees."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import trio
+
+from devbroker.abi import status as nvs
+from devbroker.abi.nodes import NodeKind
+from devbroker.backends.checkpoint import CHECKPOINTED, LOCKED, RUNNING, CheckpointError
+from devbroker.backends.emulated import EmulatedBackend, EmulatedGpu
+from devbroker.broker.preemption import Candidate, choose_victims
+from devbroker.testing.inproc import InProcTenant
+from devbroker.testing.policies import h200s, tenant
+
+GiB = 1 << 30
+
+
+# ------------------------------------------------------------------------ victim choice
+def cand(name, rank=0, on_gpu=1, total=None, started=0.0, refusal=None):
+    return Candidate(name, rank, on_gpu * GiB, (total or on_gpu) * GiB, started, refusal)
+
+
+def test_lowest_priority_first_then_the_fewest_bytes_that_suffice():
+    cands = [cand("normal", rank=1, on_gpu=2), cand("big", on_gpu=8), cand("small", on_gpu=3),
+             cand("tiny", on_gpu=1)]
+    plan = choose_victims(cands, 3 * GiB, 100 * GiB)
+    assert [v.tenant for v in plan.victims] == ["small"] and plan.refusal is None
+    # none alone suffices: the largest first (fewest victims), then the smallest that fits
+    plan = choose_victims(cands, 11 * GiB + 1, 100 * GiB)
+    assert [v.tenant for v in plan.victims] == ["big", "small", "tiny"]
+    # the low tenants are not enough: the normal one too
+    plan = choose_victims(cands, 13 * GiB, 100 * GiB)
+    assert [v.tenant for v in plan.victims] == ["big", "small", "tiny", "normal"]
+
+
+def test_ties_go_to_the_most_recently_started():
+    plan = choose_victims([cand("old", on_gpu=2, started=1), cand("new", on_gpu=2, started=9)],
+                          GiB, 100 * GiB)
+    assert [v.tenant for v in plan.victims] == ["new"]
+
+
+def test_host_budget_and_refusals_give_reasons_and_no_victims():
+    plan = choose_victims([cand("big", on_gpu=8, total=12), cand("uvm", on_gpu=8,
+                                                                   refusal="uses UVM")],
+                          4 * GiB, 10 * GiB)
+    assert plan.victims == ()
+    assert "tenant uvm: uses UVM" in plan.refusal
+    assert "tenant big: its 12884901888 bytes exceed the host memory left" in plan.refusal
+    # not enough room even with every candidate: nobody is preempted for nothing
+    plan = choose_victims([cand("a", on_gpu=1)], 2 * GiB, 100 * GiB)
+    assert plan.victims == () and "2147483648 bytes needed, 1073741824 could be made" in plan.refusal
+    assert "no lower-priority preemptible tenant" in choose_victims([], 1, 1).refusal
+
+
+# ------------------------------------------------------------------------ the emulated model
+POLICY = "\n".join([
+    h200s(1, memory="8GiB", extra=""),
+    "[broker.preemption]\nenabled = true\nwait = 20\nlock_timeout = 2\n",
+    tenant("low", memory_quota="8GiB", priority="low", preemptible=True),
+    tenant("mid", memory_quota="8GiB", priority="normal", preemptible=True),
+    tenant("high", memory_quota="8GiB", priority="high"),
+])
+
+
+async def setup(t: InProcTenant, gpu: int = 0) -> tuple[int, int]:
+    ctl = await t.open(NodeKind.CTL)
+    _, out, _ = await t.alloc(ctl, 0, 0, 0x41)
+    client = out.hObjectNew
+    _, out, _ = await t.alloc(ctl, client, client, 0x80,
+                              t.new("NV0080_ALLOC_PARAMETERS", deviceId=gpu), new=0xA0)
+    assert out.status == nvs.NV_OK
+    return ctl, client
+
+
+async def memory(t: InProcTenant, ctl: int, client: int, size: int, new: int) -> int:
+    mem = t.new("NV_MEMORY_ALLOCATION_PARAMS", owner=client, flags=0x1C101, attr=0x18000000,
+                size=size, alignment=2 << 20)
+    _, out, _ = await t.alloc(ctl, client, 0xA0, 0x40, mem, new=new)
+    return out.status
+
+
+async def free(t: InProcTenant, ctl: int, client: int, handle: int) -> int:
+    v = t.new("NVOS00_PARAMETERS", hRoot=client, hObjectParent=0xA0, hObjectOld=handle)
+    _, out, _ = await t.esc(ctl, "NV_ESC_RM_FREE", v)
+    return out.status
+
+
+def records(tmp_path, event):
+    log = tmp_path / "audit.jsonl"
+    lines = log.read_text().splitlines() if log.exists() else []
+    return [r for r in map(json.loads, lines) if r["event"] == event]
+
+
+async def test_emulated_checkpoint_moves_exactly_the_processes_bytes(inproc_broker):
+    b = inproc_broker(POLICY)
+    low = InProcTenant(b, "low", pid=501)
+    ctl, client = await setup(low)
+    assert await memory(low, ctl, client, 3 * GiB, 0xC0) == nvs.NV_OK
+    be, ck = b.backend, b.backend.checkpointer
+    before = be.used[0]
+    with pytest.raises(CheckpointError, match="process 777 holds no GPU state"):
+        ck.lock(777, 1)
+    with pytest.raises(CheckpointError, match="it is running, not locked"):
+        ck.checkpoint(501, 1)
+    ck.lock(501, 1)
+    assert ck.state(501, 1) == LOCKED and be.used[0] == before
+    ck.checkpoint(501, 1)
+    assert ck.state(501, 1) == CHECKPOINTED and be.used[0] == before - 3 * GiB
+    # its handles stay valid (the objects never leave the books)
+    assert 0xC0 in be.clients[client].objects
+    # no room: the restore fails and leaves it checkpointed
+    be.used[0] += 6 * GiB
+    with pytest.raises(CheckpointError, match="GPU 0 has .* bytes free, the process needs"):
+        ck.restore(501, (), 1)
+    assert ck.state(501, 1) == CHECKPOINTED
+    be.used[0] -= 6 * GiB
+    ck.restore(501, (), 1)
+    ck.unlock(501, 1)
+    assert ck.state(501, 1) == RUNNING and be.used[0] == before
+
+
+def test_emulated_checkpoint_state_survives_the_hand_over():
+    from devbroker.broker import handover
+
+    be = EmulatedBackend([EmulatedGpu(index=0, uuid="GPU-11111111-2222-3333-4444-555555555555",
+                                      memory_bytes=8 * GiB)])
+    be.checkpointer.states[4242] = CHECKPOINTED
+    state = json.loads(json.dumps(handover.export_emulated(be)))
+    fresh = EmulatedBackend([EmulatedGpu(index=0, uuid="GPU-11111111-2222-3333-4444-555555555555",
+                                         memory_bytes=8 * GiB)])
+    handover.import_emulated(fresh, state)
+    assert fresh.checkpointer.states == {4242: CHECKPOINTED}
+
+
+# ------------------------------------------------------------------------ the whole sequence
+async def test_high_allocation_waits_for_the_low_tenant_to_leave_and_it_comes_back(
+        inproc_broker, tmp_path):
+    b = inproc_broker(POLICY)
+    low, high = InProcTenant(b, "low", pid=501), InProcTenant(b, "high", pid=503)
+    lctl, lclient = await setup(low)
+    hctl, hclient = await setup(high)
+    assert await memory(low, lctl, lclient, 6 * GiB, 0xC0) == nvs.NV_OK
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(b.preemption.restoring)
+        # 4 GiB fit the quota, not the GPU: the low tenant is checkpointed, then it fits
+        assert await memory(high, hctl, hclient, 4 * GiB, 0xC0) == nvs.NV_OK
+        assert b.preemption.state_of("low") == "preempted"
+        assert b.backend.used[0] == 4 * GiB
+        rec, = records(tmp_path, "preempt")
+        assert (rec["tenant"], rec["by"], rec["bytes"], rec["pids"]) == ("low", "high",
+                                                                          6 * GiB, [501])
+        # the preempted tenant's calls wait (they do not fail) while it is in host memory
+        done = trio.Event()
+
+        async def low_call():
+            assert await memory(low, lctl, lclient, 2 << 20, 0xC1) == nvs.NV_OK
+            done.set()
+
+        nursery.start_soon(low_call)
+        await trio.sleep(0.5)
+        assert not done.is_set() and b.preemption.calls_held == {"low": 1}
+        # the high tenant frees: the low tenant's room is reserved, it is restored, and
+        # its waiting call is answered
+        assert await free(high, hctl, hclient, 0xC0) == nvs.NV_OK
+        with trio.fail_after(10):
+            await done.wait()
+        assert b.preemption.state_of("low") is None
+        assert b.backend.used[0] == 6 * GiB + (2 << 20)
+        assert records(tmp_path, "restore")[0]["tenant"] == "low"
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_victim_using_managed_memory_is_not_preempted(inproc_broker, tmp_path):
+    b = inproc_broker(POLICY)
+    low, high = InProcTenant(b, "low", pid=501), InProcTenant(b, "high", pid=503)
+    lctl, lclient = await setup(low)
+    hctl, hclient = await setup(high)
+    assert await memory(low, lctl, lclient, 6 * GiB, 0xC0) == nvs.NV_OK
+    b.tenants["low"].uvm_mapped[501] = 1 << 20  # (an nvidia-uvm mapping: managed memory)
+    assert await memory(high, hctl, hclient, 4 * GiB, 0xC0) == nvs.NV_ERR_NO_MEMORY
+    assert b.preemption.entries == {}
+    rec, = records(tmp_path, "preempt_refused")
+    assert "tenant low: it uses managed (UVM) memory" in rec["reason"]
+
+
+async def test_an_equal_or_higher_priority_tenant_is_never_a_victim(inproc_broker, tmp_path):
+    b = inproc_broker(POLICY)
+    mid, low = InProcTenant(b, "mid", pid=502), InProcTenant(b, "low", pid=501)
+    mctl, mclient = await setup(mid)
+    lctl, lclient = await setup(low)
+    assert await memory(mid, mctl, mclient, 6 * GiB, 0xC0) == nvs.NV_OK
+    # the low tenant may not preempt the normal one: the driver's answer stands
+    assert await memory(low, lctl, lclient, 4 * GiB, 0xC0) == nvs.NV_ERR_NO_MEMORY
+    assert b.preemption.entries == {} and not records(tmp_path, "preempt_refused")
+
+
+async def test_preemption_off_keeps_the_drivers_answer(inproc_broker):
+    b = inproc_broker(POLICY.replace("enabled = true", "enabled = false"))
+    low, high = InProcTenant(b, "low", pid=501), InProcTenant(b, "high", pid=503)
+    lctl, lclient = await setup(low)
+    hctl, hclient = await setup(high)
+    assert await memory(low, lctl, lclient, 6 * GiB, 0xC0) == nvs.NV_OK
+    assert await memory(high, hctl, hclient, 4 * GiB, 0xC0) == nvs.NV_ERR_NO_MEMORY
+    assert b.preemption.entries == {}
