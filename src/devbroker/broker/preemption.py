@@ -159,7 +159,9 @@ class Preemption:
             "tenants": {n: {"state": e.state, "gpu": e.gpu, "by": e.by, "bytes": e.bytes,
                             "pids": list(e.pids), "since": e.since, "auto": e.auto}
                         for n, e in self.entries.items()},
-            "reserved": dict(self.reserved),
+            "reserved": {str(g): n for g, n in self.reserved.items()},
+            # calls of preempted tenants waiting in this broker (held: the emulated driver)
+            "calls_held": dict(self.calls_held),
             "counts": [[ev, t, n] for (ev, t), n in self.counts.items()],
             "seconds": [[ev, t, s] for (ev, t), s in self.seconds.items()],
             "moved": dict(self.moved),

