@@ -2,6 +2,7 @@
 and a device on GPU 0, then commands from stdin, one JSON line answered per command:
 
     alloc MIB HANDLE   device memory (NV01_MEMORY_LOCAL_USER) -> [errno, status]
+    control            a plain control on its client (GPU_GET_ATTACHED_IDS) -> [errno, status]
     free HANDLE        -> [errno, status]
     quit
 
@@ -32,6 +33,8 @@ for line in sys.stdin:
         out = rm_escape.alloc(ctl, CLIENT, DEVICE, handle, 0x40, "NV_MEMORY_ALLOCATION_PARAMS",
                               owner=CLIENT, flags=0x1C101, attr=0x18000000, size=mib << 20,
                               alignment=2 << 20)
+    elif cmd == "control":  # GPU_GET_ATTACHED_IDS on the client: a call the lanes take
+        out = list(rm_escape.control(ctl, CLIENT, CLIENT, 0x201)[:2])
     elif cmd == "free":
         out = rm_escape.free(ctl, CLIENT, DEVICE, int(args[0], 0))
     else:

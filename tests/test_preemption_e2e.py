@@ -5,6 +5,9 @@ it is restored when the high tenant exits; refusals keep the driver's out-of-mem
 the operator's preempt/resume; a live upgrade and a broker's death during a preemption."""
 from __future__ import annotations
 
+import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -147,9 +150,78 @@ def test_the_operator_preempts_and_resumes_by_hand(start):
         r = b.cli("preempt", "low")  # twice: refused with the reason
         assert r.returncode == 1 and "already preempted" in r.stderr
         assert b.cli("preempt", "nobody").returncode == 1
+        # a control the lanes would answer themselves waits too (they decline it now)
+        send(low, "control")
+        until(lambda: preemption(b)["calls_held"].get("low"), "the low tenant's call held")
         r = b.cli("resume", "low")
         assert r.returncode == 0 and "tenant low resumed" in r.stdout, r.stderr
+        assert readline_json(low) == [0, nvs.NV_OK]
         assert b.tenant("low")["preempted"] is None
         assert ask(low, "alloc 2 0xC1") == [0, nvs.NV_OK]
     finally:
         quit_(low)
+
+
+def preempt_low(b):
+    """The low tenant holding 6 GiB, preempted by the high tenant's 4 GiB."""
+    low = spawn(b, "low")
+    assert ask(low, "alloc 6144 0xC0") == [0, nvs.NV_OK]
+    high = spawn(b, "high")
+    assert ask(high, "alloc 4096 0xC0") == [0, nvs.NV_OK]
+    assert preemption(b)["tenants"]["low"]["state"] == "preempted"
+    return low, high
+
+
+def test_a_live_upgrade_carries_a_preemption(start):
+    """A preempted tenant is handed over as it is and restored by the successor; while the
+    broker holds one of its calls, an upgrade is refused with the reason (only this broker
+    can answer that call) and nothing changes."""
+    b = start(policy())
+    low, high = preempt_low(b)
+    successor = None
+    try:
+        r = b.cli("upgrade", "--json", timeout=200)
+        assert r.returncode == 0, r.stderr + b.output()
+        successor = json.loads(r.stdout)["pid"]
+        assert b.proc.wait(timeout=30) == 0
+        assert b.status()["pid"] == successor
+        assert preemption(b)["tenants"]["low"]["state"] == "preempted"
+        send(low, "alloc 2 0xC1")
+        until(lambda: preemption(b)["calls_held"].get("low"), "the low tenant's call held")
+        r = b.cli("upgrade", "--json", timeout=200)
+        assert r.returncode != 0
+        assert "tenant low is preempted and 1 of its calls wait in this broker" in r.stderr
+        assert b.status()["pid"] == successor
+        quit_(high)
+        assert readline_json(low) == [0, nvs.NV_OK]  # restored by the successor
+        assert b.tenant("low")["preempted"] is None
+        quit_(low)
+        assert [a["tenant"] for a in b.audit() if a["event"] == "restore"] == ["low"]
+    finally:
+        if successor is not None:
+            try:
+                os.kill(successor, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for p in (low, high):
+            if p.poll() is None:
+                p.kill()
+
+
+def test_a_broker_that_dies_during_a_preemption_leaves_no_tenant_waiting(start):
+    """The preempted tenant's held call fails when the broker is gone (its nodes or its
+    listener with it), as any call does then: the process is not left waiting forever."""
+    b = start(policy())
+    low, high = preempt_low(b)
+    try:
+        send(low, "alloc 2 0xC1")
+        until(lambda: preemption(b)["calls_held"].get("low"), "the low tenant's call held")
+        b.proc.kill()
+        b.proc.wait(timeout=30)
+        err, _status = readline_json(low)
+        assert err != 0  # ENOTCONN (FUSE) or ENOSYS (no listener): failed, not hung
+    finally:
+        for p in (low, high):
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
