@@ -207,3 +207,113 @@ async def test_preemption_off_keeps_the_drivers_answer(inproc_broker):
     assert await memory(low, lctl, lclient, 6 * GiB, 0xC0) == nvs.NV_OK
     assert await memory(high, hctl, hclient, 4 * GiB, 0xC0) == nvs.NV_ERR_NO_MEMORY
     assert b.preemption.entries == {}
+
+
+async def test_room_is_reserved_in_the_books_before_the_restore(inproc_broker, tmp_path):
+    """While a preempted tenant's restore runs, the room it will take is not given to
+    another allocation (answered NV_ERR_NO_MEMORY, as the driver would, with the reason)."""
+    import threading
+
+    from devbroker.backends.emulated_ckpt import EmulatedCheckpointer
+
+    gate = threading.Event()
+    entered = threading.Event()
+
+    class Gated(EmulatedCheckpointer):
+        def restore(self, pid, pairs, timeout_s):
+            entered.set()
+            gate.wait(30)
+            super().restore(pid, pairs, timeout_s)
+
+    b = inproc_broker(POLICY)
+    b.backend.checkpointer = Gated(b.backend)
+    low, high = InProcTenant(b, "low", pid=501), InProcTenant(b, "high", pid=503)
+    mid = InProcTenant(b, "mid", pid=502)
+    lctl, lclient = await setup(low)
+    hctl, hclient = await setup(high)
+    mctl, mclient = await setup(mid)
+    assert await memory(low, lctl, lclient, 6 * GiB, 0xC0) == nvs.NV_OK
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(b.preemption.restoring)
+        assert await memory(high, hctl, hclient, 4 * GiB, 0xC0) == nvs.NV_OK
+        assert await free(high, hctl, hclient, 0xC0) == nvs.NV_OK
+        with trio.fail_after(10):
+            await trio.to_thread.run_sync(entered.wait)
+        assert b.preemption.reserved == {0: 6 * GiB} and b.backend.used[0] == 0
+        # the GPU's heap is empty, but 6 of its 8 GiB are the low tenant's
+        assert await memory(mid, mctl, mclient, 4 * GiB, 0xC0) == nvs.NV_ERR_NO_MEMORY
+        assert await memory(mid, mctl, mclient, 2 * GiB, 0xC1) == nvs.NV_OK
+        gate.set()
+        with trio.fail_after(10):
+            while b.preemption.state_of("low") is not None:
+                await trio.sleep(0.05)
+        assert b.preemption.reserved == {} and b.backend.used[0] == 8 * GiB
+        nursery.cancel_scope.cancel()
+    deny = [r for r in records(tmp_path, "deny") if "reserved for restoring" in r["reason"]]
+    assert deny and deny[0]["tenant"] == "mid"
+
+
+async def test_a_victim_sharing_memory_between_processes_is_not_preempted(inproc_broker,
+                                                                         tmp_path):
+    """Memory one process duplicated from another's (CUDA IPC): the checkpoint would not
+    carry it, so the high tenant gets the driver's out-of-memory answer, with the reason."""
+    b = inproc_broker(POLICY)
+    a, c = InProcTenant(b, "low", pid=501), InProcTenant(b, "low", pid=511)
+    high = InProcTenant(b, "high", pid=503)
+    actl, aclient = await setup(a)
+    cctl, cclient = await setup(c)
+    hctl, hclient = await setup(high)
+    assert await memory(a, actl, aclient, 6 * GiB, 0xC0) == nvs.NV_OK
+    v = a.new("NVOS57_PARAMETERS", hClient=aclient, hObject=0xC0,
+              sharePolicy=dict(type=1, target=0, accessMask={"limbs": [1]}, action=0))
+    rep, out, _ = await a.esc(actl, "NV_ESC_RM_SHARE", v)  # RS_SHARE_TYPE_ALL
+    assert out.status == nvs.NV_OK
+    v = c.new("NVOS55_PARAMETERS", hClient=cclient, hParent=0xA0, hObject=0xE0,
+              hClientSrc=aclient, hObjectSrc=0xC0, flags=0)
+    rep, out, _ = await c.esc(cctl, "NV_ESC_RM_DUP_OBJECT", v)
+    assert out.status == nvs.NV_OK
+    assert await memory(high, hctl, hclient, 4 * GiB, 0xC0) == nvs.NV_ERR_NO_MEMORY
+    assert b.preemption.entries == {}
+    rec, = records(tmp_path, "preempt_refused")
+    assert "shares device memory between processes (CUDA IPC)" in rec["reason"]
+
+
+async def test_a_process_that_does_not_answer_the_lock_is_left_running(inproc_broker,
+                                                                        tmp_path):
+    from devbroker.backends.emulated_ckpt import EmulatedCheckpointer
+
+    class Deaf(EmulatedCheckpointer):
+        def lock(self, pid, timeout_s):
+            raise CheckpointError(f"process {pid} did not answer the lock within "
+                                  f"{timeout_s:g} s")
+
+    b = inproc_broker(POLICY)
+    b.backend.checkpointer = Deaf(b.backend)
+    low, high = InProcTenant(b, "low", pid=501), InProcTenant(b, "high", pid=503)
+    lctl, lclient = await setup(low)
+    hctl, hclient = await setup(high)
+    assert await memory(low, lctl, lclient, 6 * GiB, 0xC0) == nvs.NV_OK
+    assert await memory(high, hctl, hclient, 4 * GiB, 0xC0) == nvs.NV_ERR_NO_MEMORY
+    assert b.preemption.entries == {} and b.preemption.held == set()
+    assert await memory(low, lctl, lclient, 2 << 20, 0xC1) == nvs.NV_OK  # not held
+    rec, = records(tmp_path, "preempt_refused")
+    assert "process 501 did not answer the lock within 2 s" in rec["reason"]
+    assert records(tmp_path, "preempt_failed")[0]["tenant"] == "low"
+
+
+async def test_a_driver_without_the_checkpoint_api_refuses_with_why(inproc_broker, tmp_path):
+    from devbroker.backends.checkpoint import NotSupported
+
+    class Without(NotSupported):
+        def away(self, pid):  # (the emulator's books ask its executor what is away)
+            return False
+
+    b = inproc_broker(POLICY)
+    b.backend.checkpointer = Without("driver 535 has no checkpoint API")
+    low, high = InProcTenant(b, "low", pid=501), InProcTenant(b, "high", pid=503)
+    lctl, lclient = await setup(low)
+    hctl, hclient = await setup(high)
+    assert await memory(low, lctl, lclient, 6 * GiB, 0xC0) == nvs.NV_OK
+    assert await memory(high, hctl, hclient, 4 * GiB, 0xC0) == nvs.NV_ERR_NO_MEMORY
+    rec, = records(tmp_path, "preempt_refused")
+    assert "the driver cannot checkpoint: driver 535 has no checkpoint API" in rec["reason"]
