@@ -151,7 +151,7 @@ async def test_high_allocation_waits_for_the_low_tenant_to_leave_and_it_comes_ba
         assert await memory(high, hctl, hclient, 4 * GiB, 0xC0) == nvs.NV_OK
         assert b.preemption.state_of("low") == "preempted"
         assert b.backend.used[0] == 4 * GiB
-        rec, = records(tmp_path, "preempt")
+        rec, = records(tmp_path, "checkpoint")
         assert (rec["tenant"], rec["by"], rec["bytes"], rec["pids"]) == ("low", "high",
                                                                           6 * GiB, [501])
         # the preempted tenant's calls wait (they do not fail) while it is in host memory
@@ -184,7 +184,7 @@ async def test_a_victim_using_managed_memory_is_not_preempted(inproc_broker, tmp
     b.tenants["low"].uvm_mapped[501] = 1 << 20  # (an nvidia-uvm mapping: managed memory)
     assert await memory(high, hctl, hclient, 4 * GiB, 0xC0) == nvs.NV_ERR_NO_MEMORY
     assert b.preemption.entries == {}
-    rec, = records(tmp_path, "preempt_refused")
+    rec, = records(tmp_path, "checkpoint_refused")
     assert "tenant low: it uses managed (UVM) memory" in rec["reason"]
 
 
@@ -196,7 +196,7 @@ async def test_an_equal_or_higher_priority_tenant_is_never_a_victim(inproc_broke
     assert await memory(mid, mctl, mclient, 6 * GiB, 0xC0) == nvs.NV_OK
     # the low tenant may not preempt the normal one: the driver's answer stands
     assert await memory(low, lctl, lclient, 4 * GiB, 0xC0) == nvs.NV_ERR_NO_MEMORY
-    assert b.preemption.entries == {} and not records(tmp_path, "preempt_refused")
+    assert b.preemption.entries == {} and not records(tmp_path, "checkpoint_refused")
 
 
 async def test_preemption_off_keeps_the_drivers_answer(inproc_broker):
@@ -274,7 +274,7 @@ async def test_a_victim_sharing_memory_between_processes_is_not_preempted(inproc
     assert out.status == nvs.NV_OK
     assert await memory(high, hctl, hclient, 4 * GiB, 0xC0) == nvs.NV_ERR_NO_MEMORY
     assert b.preemption.entries == {}
-    rec, = records(tmp_path, "preempt_refused")
+    rec, = records(tmp_path, "checkpoint_refused")
     assert "shares device memory between processes (CUDA IPC)" in rec["reason"]
 
 
@@ -296,9 +296,9 @@ async def test_a_process_that_does_not_answer_the_lock_is_left_running(inproc_br
     assert await memory(high, hctl, hclient, 4 * GiB, 0xC0) == nvs.NV_ERR_NO_MEMORY
     assert b.preemption.entries == {} and b.preemption.held == set()
     assert await memory(low, lctl, lclient, 2 << 20, 0xC1) == nvs.NV_OK  # not held
-    rec, = records(tmp_path, "preempt_refused")
+    rec, = records(tmp_path, "checkpoint_refused")
     assert "process 501 did not answer the lock within 2 s" in rec["reason"]
-    assert records(tmp_path, "preempt_failed")[0]["tenant"] == "low"
+    assert records(tmp_path, "checkpoint_failed")[0]["tenant"] == "low"
 
 
 async def test_a_driver_without_the_checkpoint_api_refuses_with_why(inproc_broker, tmp_path):
@@ -315,5 +315,49 @@ async def test_a_driver_without_the_checkpoint_api_refuses_with_why(inproc_broke
     hctl, hclient = await setup(high)
     assert await memory(low, lctl, lclient, 6 * GiB, 0xC0) == nvs.NV_OK
     assert await memory(high, hctl, hclient, 4 * GiB, 0xC0) == nvs.NV_ERR_NO_MEMORY
-    rec, = records(tmp_path, "preempt_refused")
+    rec, = records(tmp_path, "checkpoint_refused")
     assert "the driver cannot checkpoint: driver 535 has no checkpoint API" in rec["reason"]
+
+
+# ------------------------------------------------------------------------ the tenant's own
+async def test_gpfifo_schedule_only_on_the_tenants_own_channels(inproc_broker, tmp_path):
+    """NVA06F_CTRL_CMD_GPFIFO_SCHEDULE, which the driver's checkpoint sends in the process:
+    on the tenant's own channel it reaches the driver; on any other object it is refused;
+    enabling a channel the broker holds stopped (a high-priority tenant on the GPU) is
+    refused, disabling it is not."""
+    from devbroker.broker import compute
+    from devbroker.broker.effects import locked, perform_blocking, run_blocking
+
+    caps = ["nvml", "compute", "uvm"]
+    b = inproc_broker("\n".join([h200s(1), tenant("hi", priority="high", capabilities=caps),
+                                 tenant("lo", priority="low", capabilities=caps)]))
+    hi, lo = InProcTenant(b, "hi", pid=5001), InProcTenant(b, "lo", pid=5002)
+
+    async def group_and_channel(t):
+        ctl, client, dev, sub = await t.subdevice()
+        _, out, _ = await t.alloc(ctl, client, dev, 0xA06C,
+                                  t.new("NV_CHANNEL_GROUP_ALLOCATION_PARAMETERS", engineType=1),
+                                  new=0xC0)
+        assert out.status == nvs.NV_OK
+        _, out, _ = await t.alloc(ctl, client, 0xC0, 0xC86F, t.new("NV_CHANNEL_ALLOC_PARAMS"),
+                                  new=0xD0)
+        assert out.status == nvs.NV_OK
+        return ctl, client
+
+    def refusals():
+        return [r for r in records(tmp_path, "deny") if "GPFIFO_SCHEDULE" in r.get("what", "")]
+
+    ctl, client = await group_and_channel(lo)
+    _, out, _ = await lo.control(ctl, client, 0xD0, 0xA06F0103, bEnable=1)
+    assert out.status != nvs.NV_ERR_INSUFFICIENT_PERMISSIONS and not refusals()
+    _, out, _ = await lo.control(ctl, client, 0xC0, 0xA06F0103, bEnable=1)  # the group
+    assert out.status == nvs.NV_ERR_INVALID_OBJECT_HANDLE
+    assert "object 0xc0 is not one of the tenant's channels" in refusals()[-1]["reason"]
+    await group_and_channel(hi)
+    run_blocking(locked(compute.preempt_all(b)), lambda e: perform_blocking(e, b.memgate))
+    _, out, _ = await lo.control(ctl, client, 0xD0, 0xA06F0103, bEnable=1)
+    assert out.status == nvs.NV_ERR_INSUFFICIENT_PERMISSIONS
+    assert "enabling one is refused" in refusals()[-1]["reason"]
+    n = len(refusals())
+    _, out, _ = await lo.control(ctl, client, 0xD0, 0xA06F0103, bEnable=0)
+    assert out.status != nvs.NV_ERR_INSUFFICIENT_PERMISSIONS and len(refusals()) == n

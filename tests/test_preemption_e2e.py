@@ -114,7 +114,7 @@ def test_high_allocation_preempts_the_low_tenant_which_returns_when_it_exits(sta
     finally:
         quit_(low)
     audit = b.audit()
-    pre = [a for a in audit if a["event"] == "preempt"]
+    pre = [a for a in audit if a["event"] == "checkpoint"]
     assert [(a["tenant"], a["by"], a["bytes"]) for a in pre] == [("low", "high", 6144 << 20)]
     assert [a["tenant"] for a in audit if a["event"] == "restore"] == ["low"]
     assert not [a for a in audit if a["event"] == "error"]
@@ -133,7 +133,7 @@ def test_no_preemption_beyond_the_host_budget_gives_the_drivers_out_of_memory(st
         quit_(low)
         if high is not None:
             quit_(high)
-    refused = [a for a in b.audit() if a["event"] == "preempt_refused"]
+    refused = [a for a in b.audit() if a["event"] == "checkpoint_refused"]
     assert refused and "exceed the host memory left for checkpoints" in refused[0]["reason"]
     assert refused[0]["tenant"] == "high"
 

@@ -30,8 +30,10 @@ import trio
 
 from devbroker.abi import status as nvstatus
 from devbroker.backends.checkpoint import CheckpointError
+from devbroker.broker import compute
 from devbroker.broker.effects import STATE_LOCK, Await
 from devbroker.broker.objects import BOOKS
+from devbroker.broker.refusal import Refusal
 
 log = logging.getLogger("devbroker.preemption")
 
@@ -274,7 +276,7 @@ class Preemption:
                 return f"tenant {name} is {'unknown' if t is None else 'already preempted'}"
             refusal = _refusal(b, t)
             if refusal is not None:
-                b.audit.write("preempt_refused", tenant=name, by=by, gpu=gpu, reason=refusal)
+                b.audit.write("checkpoint_refused", tenant=name, by=by, gpu=gpu, reason=refusal)
                 self._count("refused", name)
                 return refusal
             used = t.used()
@@ -298,14 +300,14 @@ class Preemption:
                 taken.append(pid)
         except CheckpointError as e:
             await self._undo(name, taken, locked)
-            b.audit.write("preempt_failed", tenant=name, by=by, gpu=gpu, reason=str(e))
+            b.audit.write("checkpoint_failed", tenant=name, by=by, gpu=gpu, reason=str(e))
             self._count("failed", name, time.monotonic() - started)
             return str(e)
         entry.seconds = time.monotonic() - started
         entry.state = PREEMPTED
         self._count("preempted", name, entry.seconds)
         self.moved[name] = self.moved.get(name, 0) + entry.bytes
-        b.audit.write("preempt", tenant=name, by=by, gpu=gpu, pids=list(pids),
+        b.audit.write("checkpoint", tenant=name, by=by, gpu=gpu, pids=list(pids),
                       bytes=entry.bytes, seconds=round(entry.seconds, 6),
                       message=f"tenant {name} checkpointed to host memory ({entry.bytes} "
                               f"bytes, {len(pids)} processes) for {by} on GPU {gpu}")
@@ -560,10 +562,30 @@ def after_no_memory(ctx: Any, gpu: int | None, charge: int, where: str, result: 
     why = yield Await(b.preemption.make_room, (s.tenant.name, gpu, charge))
     if why is None:
         return (yield from again())
-    b.audit.write("preempt_refused", tenant=s.tenant.name, pid=s.caller.pid, what=where,
+    b.audit.write("checkpoint_refused", tenant=s.tenant.name, pid=s.caller.pid, what=where,
                   gpu=gpu, bytes=charge, reason=f"no preemption for this allocation: {why}")
     b.preemption._count("refused", s.tenant.name)
     return result
+
+
+def own_channel_schedule(ctx: Any, params: Any) -> Any:
+    """The pre hook of NVA06F_CTRL_CMD_GPFIFO_SCHEDULE (rules.CONTROLS): the driver's
+    checkpoint has the process disable and enable its own channels with it (measured on the
+    H200: the one call of a checkpoint the broker refused). Only on one of the tenant's own
+    channels (the row's object check makes it the tenant's; this makes it a channel), and
+    never enabling a channel while the broker holds the tenant's channels on that GPU
+    stopped (compute.py: a high-priority tenant there, or another tenant's turn)."""
+    obj = ctx.client.objects.get(ctx.handle) if ctx.client is not None else None
+    what = "RM_CONTROL NVA06F_CTRL_CMD_GPFIFO_SCHEDULE"
+    if obj is None or obj.rm_class not in compute.CHANNEL_CLASSES:
+        raise Refusal(f"{what}: object {ctx.handle:#x} is not one of the tenant's channels",
+                      status=nvstatus.NV_ERR_INVALID_OBJECT_HANDLE, what=what)
+    if (params is not None and params.bEnable and obj.gpu is not None
+            and compute.stops_new_channels(ctx.broker, ctx.session.tenant.name, obj.gpu)):
+        raise Refusal(f"{what}: the tenant's channels on GPU {obj.gpu} are stopped by the "
+                      "broker (compute shares): enabling one is refused",
+                      status=nvstatus.NV_ERR_INSUFFICIENT_PERMISSIONS, what=what)
+    return params
 
 
 def hold_steps(b: Any, tenant: Any):

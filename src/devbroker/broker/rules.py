@@ -638,6 +638,13 @@ CONTROLS[0x20803001] = ControlRule("compute", "NV2080_CTRL_CMD_NVLINK_GET_NVLINK
                                    "NVLink capabilities of the tenant's own subdevice "
                                    "(read-only; CUDA asks before peer access)",
                                    post=rewrite.nvlink_caps)
+# The driver's checkpoint (cuCheckpointProcess*, docs/preemption.md) stops and restarts the
+# process's own channels with it; the only refusal a checkpoint met on the H200.
+CONTROLS[0xA06F0103] = ControlRule("compute", "NVA06F_CTRL_CMD_GPFIFO_SCHEDULE: enables or "
+                                   "disables one of the tenant's own channels (the driver's "
+                                   "checkpoint does, in the process); not enabling one while "
+                                   "the broker holds the tenant's channels stopped",
+                                   pre=preemption.own_channel_schedule)
 CONTROLS[0xA06C0105] = ControlRule("compute", "NVA06C_CTRL_CMD_PREEMPT: preempts the tenant's "
                                    "own channel group (the object is checked to be the "
                                    "tenant's)")
