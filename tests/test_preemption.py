@@ -90,6 +90,20 @@ async def free(t: InProcTenant, ctl: int, client: int, handle: int) -> int:
     return out.status
 
 
+def metrics(b) -> set:
+    """(family, label values, value) of the preemption's Prometheus families."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    from devbroker.broker.preemption import metric_families
+
+    def gauge(name, doc, labels):
+        return GaugeMetricFamily(name, doc, labels=labels)
+
+    return {(f.name, tuple(s.labels.values()), s.value)
+            for f in metric_families(b.preemption.snapshot(), gauge, CounterMetricFamily)
+            for s in f.samples if not s.name.endswith("_created")}
+
+
 def records(tmp_path, event):
     log = tmp_path / "audit.jsonl"
     lines = log.read_text().splitlines() if log.exists() else []
@@ -154,6 +168,10 @@ async def test_high_allocation_waits_for_the_low_tenant_to_leave_and_it_comes_ba
         rec, = records(tmp_path, "checkpoint")
         assert (rec["tenant"], rec["by"], rec["bytes"], rec["pids"]) == ("low", "high",
                                                                           6 * GiB, [501])
+        assert metrics(b) >= {("devbroker_tenant_preempted", ("low", "preempted"), 1),
+                              ("devbroker_preemption_host_bytes", ("used",), 6 * GiB),
+                              ("devbroker_preemptions", ("low", "preempted"), 1),
+                              ("devbroker_preempted_bytes", ("low",), 6 * GiB)}
         # the preempted tenant's calls wait (they do not fail) while it is in host memory
         done = trio.Event()
 

@@ -101,6 +101,9 @@ def test_high_allocation_preempts_the_low_tenant_which_returns_when_it_exits(sta
             assert b.tenant("low")["preempted"] == "preempted"
             out = b.cli("status").stdout
             assert "PREEMPTED (preempted)" in out, out
+            top = b.cli("top", "--once").stdout
+            assert "PREEMPTED (preempted)" in next(x for x in top.splitlines()
+                                                   if x.startswith("low ")), top
             # the preempted tenant's call waits (held by the broker), it does not fail
             send(low, "alloc 2 0xC1")
             until(lambda: preemption(b)["calls_held"].get("low"), "the low tenant's call held")

@@ -249,16 +249,20 @@ class Preemption:
                                   self.config.host_memory - self.host_used())
         if plan.refusal is not None:
             return plan.refusal
-        done: list[str] = []
         for v in plan.victims:
-            why = await self.checkpoint_tenant(v.tenant, gpu, by=requester,
-                                               lock_timeout=min(self.config.lock_timeout,
-                                                                deadline - trio.current_time()))
+            left = deadline - trio.current_time()
+            if left <= 0:
+                return f"no room within the policy's wait of {self.config.wait:g} s"
+            # Shielded: a checkpoint half done must be finished or undone, never abandoned
+            # with its processes locked (the executor bounds each call itself).
+            with trio.CancelScope(shield=True):
+                why = await self.checkpoint_tenant(
+                    v.tenant, gpu, by=requester,
+                    lock_timeout=min(self.config.lock_timeout, left))
             if why is not None:
                 # The allocation fails; those already taken stay preempted and come back
                 # by the restoring task as room allows (their room may serve others now).
                 return f"tenant {v.tenant} was not preempted: {why}"
-            done.append(v.tenant)
         return None
 
     async def checkpoint_tenant(self, name: str, gpu: int, *, by: str,
@@ -446,16 +450,6 @@ class Preemption:
     def _priority(self, name: str) -> str:
         t = self.broker.tenants.get(name)
         return t.policy.priority if t is not None and not t.revoked else "low"
-
-    async def release_all(self) -> None:
-        """(Trio, the broker stopping.) Nobody is left locked by a broker that is gone:
-        every preempted tenant is restored where room allows; one that cannot be (no room)
-        stays in host memory, named in the audit log."""
-        for name in list(self.entries):
-            why = await self.restore_tenant(name, by="shutdown")
-            if why is not None:
-                self.broker.audit.write("notice", tenant=name, message=(
-                    f"tenant {name} is left checkpointed at shutdown: {why}"))
 
     # ------------------------------------------------------------------ hand-over
     def export(self) -> dict[str, Any]:
