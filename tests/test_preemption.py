@@ -379,3 +379,26 @@ async def test_gpfifo_schedule_only_on_the_tenants_own_channels(inproc_broker, t
     n = len(refusals())
     _, out, _ = await lo.control(ctl, client, 0xD0, 0xA06F0103, bEnable=0)
     assert out.status != nvs.NV_ERR_INSUFFICIENT_PERMISSIONS and len(refusals()) == n
+
+
+async def test_the_smallest_tenant_that_makes_enough_room_is_the_one_preempted(
+        inproc_broker, tmp_path):
+    b = inproc_broker("\n".join([
+        h200s(1, memory="8GiB"), "[broker.preemption]\nenabled = true\n",
+        tenant("small", memory_quota="8GiB", priority="low", preemptible=True),
+        tenant("large", memory_quota="8GiB", priority="low", preemptible=True),
+        tenant("high", memory_quota="8GiB", priority="high")]))
+    small, large = InProcTenant(b, "small", pid=601), InProcTenant(b, "large", pid=602)
+    high = InProcTenant(b, "high", pid=603)
+    sctl, sclient = await setup(small)
+    lctl, lclient = await setup(large)
+    hctl, hclient = await setup(high)
+    assert await memory(small, sctl, sclient, 2 * GiB, 0xC0) == nvs.NV_OK
+    assert await memory(large, lctl, lclient, 4 * GiB, 0xC0) == nvs.NV_OK
+    # 2 GiB free, 3 GiB asked: either would do; the one with fewer bytes goes
+    assert await memory(high, hctl, hclient, 3 * GiB, 0xC0) == nvs.NV_OK
+    assert set(b.preemption.entries) == {"small"}
+    # 5 GiB more (1 GiB free): the large one is left, and its 4 GiB make the room
+    assert await memory(high, hctl, hclient, 5 * GiB, 0xC1) == nvs.NV_OK
+    assert [r["tenant"] for r in records(tmp_path, "checkpoint")] == ["small", "large"]
+    assert b.backend.used[0] == 8 * GiB
