@@ -217,7 +217,10 @@ async def test_an_equal_or_higher_priority_tenant_is_never_a_victim(inproc_broke
     assert b.preemption.entries == {} and not records(tmp_path, "checkpoint_refused")
 
 
-async def test_preemption_off_keeps_the_drivers_answer(inproc_broker):
+async def test_preemption_off_keeps_the_drivers_answer_until_a_policy_turns_it_on(
+        inproc_broker):
+    from devbroker.broker.policy import load_policy_text
+
     b = inproc_broker(POLICY.replace("enabled = true", "enabled = false"))
     low, high = InProcTenant(b, "low", pid=501), InProcTenant(b, "high", pid=503)
     lctl, lclient = await setup(low)
@@ -225,6 +228,9 @@ async def test_preemption_off_keeps_the_drivers_answer(inproc_broker):
     assert await memory(low, lctl, lclient, 6 * GiB, 0xC0) == nvs.NV_OK
     assert await memory(high, hctl, hclient, 4 * GiB, 0xC0) == nvs.NV_ERR_NO_MEMORY
     assert b.preemption.entries == {}
+    b.apply_policy(load_policy_text(POLICY, "reloaded.toml"))  # (hot reload)
+    assert await memory(high, hctl, hclient, 4 * GiB, 0xC0) == nvs.NV_OK
+    assert set(b.preemption.entries) == {"low"}
 
 
 async def test_room_is_reserved_in_the_books_before_the_restore(inproc_broker, tmp_path):
