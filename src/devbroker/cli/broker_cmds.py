@@ -146,7 +146,8 @@ def cmd_run(args) -> int:
         service = BrokerService(policy, args.run_dir, backend=args.backend, audit_path=args.audit,
                                 record=args.record, policy_source=args.policy,
                                 frontend=args.frontend)
-    except OSError as e:  # e.g. --backend real on a host without the NVIDIA driver
+    except (OSError, PolicyError) as e:  # e.g. --backend real on a host without the NVIDIA
+        # driver; a saved runtime tenant (RUN_DIR/tenants.json) the policy no longer fits
         print(f"devbroker run: {e}", file=sys.stderr)
         return 1
     _switch_interval()

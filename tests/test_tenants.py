@@ -1,0 +1,270 @@
+"""Tenants made at run time (broker/tenancy.py): `devbroker tenant add|set|rm|list` against a
+real `devbroker run`, with tenant processes in `devbroker exec` sandboxes (FUSE and seccomp
+front ends, emulated backend), across a restart and a live upgrade."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from devbroker.broker.policy import PolicyError, load_policy_text
+from devbroker.broker.tenancy import TenantError, check_spec, spec_of
+from devbroker.testing.policies import one_h200, tenant, two_h200
+from tenant_io import readline_json
+from test_metrics import scrape, total, wait_for
+from test_prometheus import free_port
+from test_upgrade import alive, successors  # noqa: F401  (a fixture)
+
+HERE = Path(__file__).resolve().parent
+TENANT = [sys.executable, str(HERE / "tenant_prog.py")]
+NVIDIA_SMI = "/usr/bin/nvidia-smi"
+LABELS = ["--label", "namespace=ml", "--label", "pod=train-0", "--label", "container=main"]
+MiB = 1 << 20
+
+
+def tenants(broker) -> dict[str, dict]:
+    r = broker.cli("tenant", "list", "--json")
+    assert r.returncode == 0, r.stderr
+    return {t["name"]: t for t in json.loads(r.stdout)}
+
+
+def smi_total_mib(broker, name: str, frontend: str = "auto") -> int:
+    broker.frontend = frontend
+    r = broker.exec(name, NVIDIA_SMI, "--query-gpu=memory.total", "--format=csv,noheader,nounits")
+    assert r.returncode == 0, r.stdout + r.stderr
+    return int(r.stdout.split()[0])
+
+
+# ------------------------------------------------------------------------------ no root needed
+def test_a_spec_is_checked_by_the_policy_loader_with_its_messages():
+    """A runtime spec gets exactly the reason a policy file's [tenant.NAME] table would."""
+    head = two_h200(tenant("alice"))
+    cases = [({"gpus": [0], "memory_quota": "8G"}, 'memory_quota = "8G"'),
+             ({"gpus": [2], "memory_quota": "1GiB"}, 'memory_quota = "1GiB"'),
+             ({"gpus": [0]}, None),
+             ({"gpus": [0], "memory_quota": "1GiB", "colour": "red"}, 'colour = "red"'),
+             ({"gpus": [0], "memory_quota": "200GiB"}, 'memory_quota = "200GiB"'),
+             ({"gpus": [0], "memory_quota": "1GiB", "priority": "urgent"},
+              'memory_quota = "1GiB"\npriority = "urgent"')]
+    broker = load_policy_text(head).broker
+    for spec, _ in cases:
+        table = "\n".join(f"{k} = {json.dumps(v)}" for k, v in spec.items())
+        with pytest.raises(PolicyError) as file_error:
+            load_policy_text(head + f"\n[tenant.carol]\n{table}\n")
+        with pytest.raises(TenantError) as runtime_error:
+            check_spec("carol", spec, None, broker)
+        assert str(runtime_error.value) == f"tenant spec: {file_error.value.reason}"
+    with pytest.raises(TenantError, match="must be lower-case"):
+        check_spec("Carol", {"gpus": [0], "memory_quota": 1}, None, broker)
+    with pytest.raises(TenantError, match="label name 'Pod'"):
+        check_spec("carol", {"gpus": [0], "memory_quota": 1}, {"Pod": "x"}, broker)
+    with pytest.raises(TenantError, match="label pod must be printable"):
+        check_spec("carol", {"gpus": [0], "memory_quota": 1}, {"pod": "a\nb"}, broker)
+
+
+def test_file_tenants_may_have_labels_and_they_round_trip():
+    text = two_h200(tenant("alice")) + '[tenant.alice.labels]\nnamespace = "ml"\npod = "p-0"\n'
+    p = load_policy_text(text)
+    assert p.tenants["alice"].labels == (("namespace", "ml"), ("pod", "p-0"))
+    assert load_policy_text(p.to_toml()) == p
+    # a spec read back from a tenant makes the same tenant again
+    tp = p.tenants["alice"]
+    assert check_spec("alice", spec_of(tp), dict(tp.labels), p.broker) == tp
+
+
+# ------------------------------------------------------------------------------ root
+@pytest.mark.root
+def test_add_set_list_and_rm_through_the_cli(start_broker):
+    port = free_port()
+    broker = start_broker(two_h200(tenant("alice", gpus=[0], memory_quota="1GiB"),
+                                   metrics=f"127.0.0.1:{port}"))
+    r = broker.cli("tenant", "add", "carol", "--gpus", "1", "--memory-quota", "4GiB", *LABELS)
+    assert r.returncode == 0, r.stderr
+    assert "added" in r.stdout
+    # the same again: nothing changes; another spec: refused in one line, exit 1
+    r = broker.cli("tenant", "add", "carol", "--gpus", "1", "--memory-quota", "4096MiB",
+                   *LABELS)
+    assert r.returncode == 0 and "exists already" in r.stdout, r.stdout + r.stderr
+    r = broker.cli("tenant", "add", "carol", "--gpus", "0", "--memory-quota", "4GiB", *LABELS)
+    assert r.returncode == 1
+    assert r.stderr.strip() == ("devbroker tenant add: tenant carol exists with another spec "
+                                "(gpus): `tenant set` changes it")
+    # a bad spec: the loader's own message; a file tenant's name: refused
+    r = broker.cli("tenant", "add", "dave", "--gpus", "0", "--memory-quota", "8G")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1
+    assert "memory_quota: bare K/M/G" in r.stderr or "unknown unit 'G'" in r.stderr, r.stderr
+    r = broker.cli("tenant", "add", "alice", "--gpus", "0", "--memory-quota", "1GiB")
+    assert r.returncode == 1 and "is in the policy file" in r.stderr
+
+    listed = tenants(broker)
+    assert listed["alice"]["source"] == "policy"
+    carol = listed["carol"]
+    assert carol["source"] == "runtime" and carol["spec"]["gpus"] == [1]
+    assert carol["spec"]["memory_quota"] == 4 << 30
+    assert carol["labels"] == {"namespace": "ml", "pod": "train-0", "container": "main"}
+    assert carol["node_dir"] == str(broker.run_dir / "nodes" / "carol")
+    assert sorted(os.listdir(broker.run_dir / "nodes")) == ["alice", "carol"]
+    r = broker.cli("tenant", "list")
+    assert r.returncode == 0
+    row = next(line for line in r.stdout.splitlines() if line.startswith("carol "))
+    assert "runtime" in row and "4 GiB" in row and "pod=train-0" in row
+
+    # what the tenant's nvidia-smi sees is its quota, before and after a change
+    assert smi_total_mib(broker, "carol") == 4096
+    r = broker.cli("tenant", "set", "carol", "--memory-quota", "6GiB")
+    assert r.returncode == 0 and "changed" in r.stdout, r.stderr
+    assert smi_total_mib(broker, "carol") == 6144
+    # CDI names it as it names a file tenant
+    r = broker.cli("cdi")
+    assert r.returncode == 0, r.stderr
+    assert {"alice", "carol"} <= {d["name"] for d in json.loads(r.stdout)["devices"]}
+
+    # its metrics carry its labels (a refusal too)
+    r = broker.exec("carol", *TENANT, "refusals")
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = scrape(f"http://127.0.0.1:{port}/metrics")
+    pod = {"tenant": "carol", "namespace": "ml", "pod": "train-0", "container": "main"}
+    assert total(m, "devbroker_tenant_memory_quota_bytes", **pod, gpu="1") == 6 << 30
+    assert total(m, "devbroker_refusals_total", **pod) == 3
+    assert total(m, "devbroker_tenant_memory_quota_bytes", tenant="alice", pod="") == 1 << 30
+
+    r = broker.cli("tenant", "rm", "carol")
+    assert r.returncode == 0 and "removed" in r.stdout, r.stderr
+    r = broker.cli("tenant", "rm", "carol")  # again: nothing to do, and fine
+    assert r.returncode == 0 and "no tenant carol" in r.stdout
+    assert sorted(tenants(broker)) == ["alice"]
+    assert os.listdir(broker.run_dir / "nodes") == ["alice"]
+    assert [t["name"] for t in broker.status()["tenants"]] == ["alice"]
+    events = [a for a in broker.audit() if a["event"].startswith("tenant-")
+              and a["event"] not in ("tenant-attached", "tenant-detached")]
+    assert [a["event"] for a in events] == ["tenant-added", "tenant-changed", "tenant-removed"]
+    assert all(a["by"].startswith("pid ") and " uid 0 " in a["by"] for a in events)
+    assert events[1]["changed"] == "memory_quota"
+    assert json.loads((broker.run_dir / "tenants.json").read_text())["tenants"] == []
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("frontend", ["fuse", "seccomp"])
+def test_rm_ends_the_tenants_processes_and_its_memory_returns(start_broker, frontend):
+    port = free_port()
+    broker = start_broker(one_h200(tenant("alice", memory_quota="1GiB"),
+                                   metrics=f"127.0.0.1:{port}"),
+                          extra=["--frontend", frontend])
+    broker.frontend = frontend
+
+    def gpu_used() -> float:  # what the (emulated) driver has allocated on the GPU
+        return total(scrape(f"http://127.0.0.1:{port}/metrics"),
+                     "devbroker_gpu_memory_used_bytes", gpu="0")
+    before = gpu_used()
+    r = broker.cli("tenant", "add", "carol", "--gpus", "0", "--memory-quota", "1GiB")
+    assert r.returncode == 0, r.stderr
+    # one process that ignores SIGTERM (ended by SIGKILL after the grace), one that does not
+    stubborn = ("import runpy, signal, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                f"sys.argv = [{TENANT[1]!r}, 'hold', '128MiB']; "
+                f"runpy.run_path({TENANT[1]!r}, run_name='__main__')")
+    procs = [broker.exec_popen("carol", *TENANT, "hold", "64MiB", stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True),
+             broker.exec_popen("carol", sys.executable, "-c", stubborn, stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)]
+    try:
+        held = [readline_json(p) for p in procs]
+        assert all(h["what"] == "holding" for h in held), held
+        assert tenants(broker)["carol"]["memory_used"] == {"0": 192 * MiB}
+        assert tenants(broker)["carol"]["processes"] == 2
+        assert gpu_used() >= before + 192 * MiB
+        r = broker.cli("tenant", "rm", "carol", "--grace", "1")
+        assert r.returncode == 0, r.stderr
+        ended = [int(pid) for pid in r.stdout.split("processes ended: ")[1].split(", ")]
+        assert len(ended) >= 2  # the holders, and their sandboxes' other processes
+        for p in procs:
+            p.wait(timeout=30)  # the sandboxes end with their tenant processes
+        assert not any(alive(pid) for pid in ended)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    removed = next(a for a in broker.audit() if a["event"] == "tenant-removed")
+    assert removed["memory_freed"] == {"0": 192 * MiB}
+    assert "memory_held" not in removed
+    # the books and the GPU have the memory back; no trace of carol is left
+    assert gpu_used() == before
+    assert [t["name"] for t in broker.status()["tenants"]] == ["alice"]
+    # the same name again is a new, empty tenant
+    r = broker.cli("tenant", "add", "carol", "--gpus", "0", "--memory-quota", "1GiB")
+    assert r.returncode == 0, r.stderr
+    assert tenants(broker)["carol"]["memory_used"] == {"0": 0}
+
+
+@pytest.mark.root
+def test_a_restart_keeps_runtime_tenants_and_policy_apply_too(start_broker, tmp_path):
+    policy = one_h200(tenant("alice", memory_quota="1GiB"))
+    broker = start_broker(policy)
+    r = broker.cli("tenant", "add", "carol", "--gpus", "0", "--memory-quota", "2GiB", *LABELS)
+    assert r.returncode == 0, r.stderr
+    saved = json.loads((broker.run_dir / "tenants.json").read_text())
+    assert saved["tenants"][0]["name"] == "carol"
+    assert oct((broker.run_dir / "tenants.json").stat().st_mode & 0o777) == "0o600"
+
+    # a new policy file keeps it; one that names it is refused, the running one stays
+    new = tmp_path / "new.toml"
+    new.write_text(one_h200(tenant("alice", memory_quota="1GiB"),
+                            tenant("erin", memory_quota="1GiB")))
+    r = broker.cli("policy", "apply", str(new))
+    assert r.returncode == 0, r.stderr
+    assert sorted(tenants(broker)) == ["alice", "carol", "erin"]
+    clash = tmp_path / "clash.toml"
+    clash.write_text(one_h200(tenant("alice"), tenant("carol")))
+    r = broker.cli("policy", "apply", str(clash))
+    assert r.returncode == 1
+    assert "carol exist as runtime tenants" in r.stderr, r.stderr
+    assert tenants(broker)["carol"]["source"] == "runtime"
+    # policy show is the file's policy (what apply takes back)
+    shown = broker.control({"op": "policy.show"})
+    assert "[tenant.carol]" not in shown["text"] and shown["runtime_tenants"] == ["carol"]
+
+    assert broker.stop() == 0
+    again = start_broker(policy, run_dir=broker.run_dir)
+    listed = tenants(again)
+    assert listed["carol"]["source"] == "runtime"
+    assert listed["carol"]["labels"]["pod"] == "train-0"
+    assert smi_total_mib(again, "carol") == 2048
+
+    # a saved tenant the policy now names itself: the broker says so and does not start
+    assert again.stop() == 0
+    with pytest.raises(RuntimeError, match="tenants.json: tenant 'carol' is in the policy"):
+        start_broker(one_h200(tenant("carol")), run_dir=broker.run_dir)
+
+
+@pytest.mark.root
+def test_a_live_upgrade_keeps_runtime_tenants_and_their_processes(start_broker, successors):
+    broker = start_broker(one_h200(tenant("alice", memory_quota="1GiB")))
+    r = broker.cli("tenant", "add", "carol", "--gpus", "0", "--memory-quota", "1GiB", *LABELS)
+    assert r.returncode == 0, r.stderr
+    p = broker.exec_popen("carol", *TENANT, "hold", "64MiB", stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True)
+    try:
+        held = readline_json(p)
+        r = broker.cli("upgrade", "--json", timeout=200)
+        assert r.returncode == 0, r.stderr
+        successors.append(json.loads(r.stdout)["pid"])
+        carol = tenants(broker)["carol"]
+        assert carol["source"] == "runtime" and carol["labels"]["namespace"] == "ml"
+        assert carol["memory_used"] == {"0": 64 * MiB} and carol["processes"] == 1
+        # the successor removes it as its predecessor would have
+        r = broker.cli("tenant", "rm", "carol", "--grace", "1")
+        assert r.returncode == 0, r.stderr
+        ended = [int(pid) for pid in r.stdout.split("processes ended: ")[1].split(", ")]
+        p.wait(timeout=30)
+        assert held["what"] == "holding" and not any(alive(pid) for pid in ended)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert sorted(tenants(broker)) == ["alice"]
+    wait_for(lambda: any(a["event"] == "tenant-removed" for a in broker.audit()),
+             "the removal's audit record")
