@@ -430,6 +430,9 @@ class BrokerService:
 
         if self.upgrading:
             raise ControlError("a live upgrade is already under way")
+        if self.tenancy.removing:
+            raise ControlError("a tenant is being removed: upgrade once `devbroker tenant "
+                               "rm` has returned")
         self.upgrading = True
         try:
             return await upgrade.hand_over(self, python=req.get("python"))

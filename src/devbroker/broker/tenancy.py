@@ -186,6 +186,9 @@ class Tenancy:
         self.state_path = state_path
         self.node_dir = node_dir
         self.runtime: dict[str, RuntimeTenant] = {}
+        # Removals waiting for their processes: a live upgrade waits until none is (the
+        # old process would otherwise close files whose books the successor holds now).
+        self.removing = 0
 
     # -- start, policy reload, live upgrade
     def restore(self, saved: list[dict] | None = None) -> None:
@@ -322,9 +325,13 @@ class Tenancy:
         del runtime[name]
         # From here on its nodes are gone and every call of its open files is refused.
         self._change(runtime)
-        pids = await trio.to_thread.run_sync(processes_of, state.openers())
-        ended = await end_processes(pids, grace)
-        closed = await self._close_files(state)
+        self.removing += 1
+        try:
+            pids = await trio.to_thread.run_sync(processes_of, state.openers())
+            ended = await end_processes(pids, grace)
+            closed = await self._close_files(state)
+        finally:
+            self.removing -= 1
         with STATE_LOCK:
             left = {g: n for g, n in state.used().items() if n}
             for key, t in list(self.broker.tenants.items()):
