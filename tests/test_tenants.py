@@ -15,7 +15,7 @@ from devbroker.broker.policy import PolicyError, load_policy_text
 from devbroker.broker.tenancy import TenantError, check_spec, spec_of
 from devbroker.testing.policies import one_h200, tenant, two_h200
 from tenant_io import readline_json
-from test_metrics import scrape, total, wait_for
+from test_metrics import scrape, total
 from test_prometheus import free_port
 from test_upgrade import alive, successors  # noqa: F401  (a fixture)
 
@@ -249,6 +249,8 @@ def test_a_live_upgrade_keeps_runtime_tenants_and_their_processes(start_broker, 
                           stdout=subprocess.PIPE, text=True)
     try:
         held = readline_json(p)
+        # what the successor knows of carol, it knows from the hand-over (not the file)
+        (broker.run_dir / "tenants.json").unlink()
         r = broker.cli("upgrade", "--json", timeout=200)
         assert r.returncode == 0, r.stderr
         successors.append(json.loads(r.stdout)["pid"])
@@ -266,5 +268,73 @@ def test_a_live_upgrade_keeps_runtime_tenants_and_their_processes(start_broker, 
             p.kill()
             p.wait()
     assert sorted(tenants(broker)) == ["alice"]
-    wait_for(lambda: any(a["event"] == "tenant-removed" for a in broker.audit()),
-             "the removal's audit record")
+    removed = next(a for a in broker.audit() if a["event"] == "tenant-removed")
+    assert removed["memory_freed"] == {"0": 64 * MiB}
+    assert json.loads((broker.run_dir / "tenants.json").read_text())["tenants"] == []
+
+
+@pytest.mark.root
+@pytest.mark.nvidia
+def test_a_container_of_a_runtime_tenant_and_its_removal(start_broker, tmp_path, tenant_tree):
+    """What a Kubernetes node does: a tenant added at run time, a CDI spec written after it,
+    containers (runc) naming it through the seccomp hand-over (oci-seccomp.sock); removing
+    the tenant ends the container holding its memory, and the memory returns."""
+    import shutil
+    import uuid
+
+    from devbroker.testing.oci import Runtime, apply_cdi, load_config, make_bundle, save_config
+
+    if shutil.which("runc") is None:
+        pytest.fail("runc is not installed: scripts/install-container-runtimes.sh")
+    runc = Runtime("runc", tmp_path / "runc-state")
+    broker = start_broker(one_h200(tenant("alice", memory_quota="1GiB")))
+    r = broker.cli("tenant", "add", "carol", "--gpus", "0", "--memory-quota", "3GiB", *LABELS)
+    assert r.returncode == 0, r.stderr
+    r = broker.cli("cdi", "--frontend", "seccomp", "--output", str(tmp_path / "cdi.json"))
+    assert r.returncode == 0, r.stderr
+    spec = json.loads((tmp_path / "cdi.json").read_text())
+
+    def bundle(argv, **kw) -> Path:
+        b = tmp_path / f"bundle-{uuid.uuid4().hex[:8]}"
+        b.mkdir()
+        make_bundle(b, argv, annotations={"cdi.k8s.io/devbroker": "devbroker.io/gpu=carol"},
+                    **kw)
+        config = load_config(b)
+        apply_cdi(config, spec, ["devbroker.io/gpu=carol"])
+        save_config(b, config)
+        r = broker.cli("oci-seccomp", "--frontend", "seccomp", "--config",
+                       str(b / "config.json"))
+        assert r.returncode == 0, r.stderr
+        return b
+
+    cid = f"db-{uuid.uuid4().hex[:10]}"
+    try:
+        r = runc.run(bundle([NVIDIA_SMI, "--query-gpu=memory.total", "--format=csv,noheader"]),
+                     cid, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert r.stdout.strip() == "3072 MiB"
+    finally:
+        runc.delete(cid)
+    attached = [a for a in broker.audit() if a["event"] == "tenant-attached"]
+    assert [(a["tenant"], a.get("container")) for a in attached] == [("carol", cid)]
+
+    cid = f"db-{uuid.uuid4().hex[:10]}"
+    b = bundle(["/usr/bin/python3", "-m", "devbroker.tools.probe", "--alloc", "256MiB",
+                "--keep"], tenant_tree=tenant_tree, env=["PYTHONPATH=/opt/devbroker/src"])
+    proc = runc.popen(b, cid, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                      stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if line.strip() == "holding":
+                break
+        assert tenants(broker)["carol"]["memory_used"] == {"0": 256 * MiB}
+        r = broker.cli("tenant", "rm", "carol", "--grace", "1")
+        assert r.returncode == 0, r.stderr
+        assert proc.wait(timeout=60) != 0  # the container ended with its tenant
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        runc.delete(cid)
+    removed = next(a for a in broker.audit() if a["event"] == "tenant-removed")
+    assert removed["memory_freed"] == {"0": 256 * MiB} and removed["ended"]
+    assert [t["name"] for t in broker.status()["tenants"]] == ["alice"]

@@ -172,6 +172,15 @@ def read_state(path: Path) -> list[dict]:
     return data["tenants"]
 
 
+def _under_state_lock(method):
+    """Listener threads change the books and sessions under STATE_LOCK (effects.py)."""
+    def locked(*args, **kw):
+        with STATE_LOCK:
+            return method(*args, **kw)
+    locked.__name__, locked.__doc__ = method.__name__, method.__doc__
+    return locked
+
+
 class Tenancy:
     """The runtime tenants of one broker, and the file policy they run beside.
 
@@ -320,14 +329,15 @@ class Tenancy:
         if not isinstance(name, str) or name not in self.runtime:
             return {"existed": False}
         state = self.broker.tenants[name]
-        before = state.used()
+        with STATE_LOCK:  # (listener threads change sessions and books under it)
+            before, openers = state.used(), state.openers()
         runtime = dict(self.runtime)
         del runtime[name]
         # From here on its nodes are gone and every call of its open files is refused.
         self._change(runtime)
         self.removing += 1
         try:
-            pids = await trio.to_thread.run_sync(processes_of, state.openers())
+            pids = await trio.to_thread.run_sync(processes_of, openers)
             ended = await end_processes(pids, grace)
             closed = await self._close_files(state)
         finally:
@@ -348,6 +358,7 @@ class Tenancy:
     def list(self, req: dict | None = None, who: str = "") -> dict:
         return {"tenants": [self.info(name) for name in self.broker.policy.tenants]}
 
+    @_under_state_lock
     def info(self, name: str) -> dict:
         tp = self.broker.policy.tenants[name]
         t = self.broker.tenants.get(name)
