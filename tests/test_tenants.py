@@ -78,6 +78,49 @@ def test_file_tenants_may_have_labels_and_they_round_trip():
 
 # ------------------------------------------------------------------------------ root
 @pytest.mark.root
+def test_which_processes_a_removal_ends():
+    """A tenant's pid namespace is ended whole, unless another tenant uses it or it is the
+    broker's own; a pid whose process is not the one seen (another uid) is left alone."""
+    import signal as _signal
+    import time
+
+    import trio
+
+    from devbroker.broker.procinfo import pid_namespace
+    from devbroker.broker.tenancy import end_processes, processes_of
+
+    box = subprocess.Popen(["unshare", "--pid", "--fork", "sh", "-c",
+                            "sleep 300 & sleep 300 & wait"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # unshare's child (sh) and its two sleeps, in a namespace of their own
+            own = pid_namespace(os.getpid())
+            kids = [int(d) for d in os.listdir("/proc") if d.isdigit()
+                    and pid_namespace(int(d)) not in (None, own)
+                    and pid_namespace(int(d)) == pid_namespace(box.pid + 1)]
+            if len(kids) == 3:
+                break
+            assert time.monotonic() < deadline, kids
+            time.sleep(0.05)
+        ns = pid_namespace(kids[0])
+        opener = {max(kids): (ns, 0)}
+        assert set(processes_of(opener)) == set(kids)
+        assert set(processes_of(opener, {ns})) == {max(kids)}  # another tenant's there too
+        mine = {box.pid: (own, 0)}
+        assert set(processes_of(mine)) == {box.pid}  # the broker's namespace: openers only
+        # an opener's uid that is not the process's: not signalled
+        assert trio.run(end_processes, {max(kids): (ns, 4242)}, 0) == set()
+        ended = trio.run(end_processes, processes_of(opener), 0.5)
+        assert ended == set(kids)
+        box.wait(timeout=30)  # (the sleeps took SIGTERM; sh, the namespace's init, ends then)
+        assert not any(alive(pid) for pid in kids)
+    finally:
+        if box.poll() is None:
+            os.killpg(box.pid, _signal.SIGKILL)
+            box.wait()
+
+
+@pytest.mark.root
 def test_add_set_list_and_rm_through_the_cli(start_broker):
     port = free_port()
     broker = start_broker(two_h200(tenant("alice", gpus=[0], memory_quota="1GiB"),
@@ -99,6 +142,9 @@ def test_add_set_list_and_rm_through_the_cli(start_broker):
     assert "memory_quota: bare K/M/G" in r.stderr or "unknown unit 'G'" in r.stderr, r.stderr
     r = broker.cli("tenant", "add", "alice", "--gpus", "0", "--memory-quota", "1GiB")
     assert r.returncode == 1 and "is in the policy file" in r.stderr
+    refused = [a for a in broker.audit() if a["event"] == "tenant-refused"]
+    assert [(a["op"], a["tenant"]) for a in refused] == [
+        ("tenant.add", "carol"), ("tenant.add", "dave"), ("tenant.add", "alice")]
 
     listed = tenants(broker)
     assert listed["alice"]["source"] == "policy"
@@ -140,7 +186,7 @@ def test_add_set_list_and_rm_through_the_cli(start_broker):
     assert os.listdir(broker.run_dir / "nodes") == ["alice"]
     assert [t["name"] for t in broker.status()["tenants"]] == ["alice"]
     events = [a for a in broker.audit() if a["event"].startswith("tenant-")
-              and a["event"] not in ("tenant-attached", "tenant-detached")]
+              and a["event"] not in ("tenant-attached", "tenant-detached", "tenant-refused")]
     assert [a["event"] for a in events] == ["tenant-added", "tenant-changed", "tenant-removed"]
     assert all(a["by"].startswith("pid ") and " uid 0 " in a["by"] for a in events)
     assert events[1]["changed"] == "memory_quota"

@@ -21,9 +21,10 @@ make, as the driver would).
 Removing a tenant: its nodes go and every further call of its open files is refused at
 once (the policy reload revokes it); then its processes are ended — those that opened its
 files, and every process of their pid namespaces (a `devbroker exec` sandbox or a
-container is the tenant's whole) unless that is the broker's own namespace — SIGTERM, then
-SIGKILL after the grace; files still open after that are closed by the broker, which frees
-their RM objects and returns their memory to the books.
+container is the tenant's whole) unless that is the broker's own namespace or another
+tenant's processes are there too — SIGTERM, then SIGKILL after the grace; files still open
+after that are closed by the broker, which frees their RM objects and returns their memory
+to the books.
 """
 from __future__ import annotations
 
@@ -257,13 +258,18 @@ class Tenancy:
             if why:
                 raise ControlError(why)
 
+        def refused(req: dict, e: Exception) -> ControlError:
+            self.audit.write("tenant-refused", op=req.get("op"), tenant=str(req.get("tenant")),
+                             by=who(), error=str(e))
+            return ControlError(str(e))
+
         def op(fn):
             def handle(req: dict):
                 refused_now()
                 try:
                     return fn(req, who())
                 except TenantError as e:
-                    raise ControlError(str(e)) from None
+                    raise refused(req, e) from None
             return handle
 
         async def rm(req: dict):
@@ -271,7 +277,7 @@ class Tenancy:
             try:
                 return await self.rm(req, who())
             except TenantError as e:
-                raise ControlError(str(e)) from None
+                raise refused(req, e) from None
 
         return {"tenant.add": op(self.add), "tenant.set": op(self.set),
                 "tenant.rm": rm, "tenant.list": op(self.list)}
@@ -330,14 +336,16 @@ class Tenancy:
             return {"existed": False}
         state = self.broker.tenants[name]
         with STATE_LOCK:  # (listener threads change sessions and books under it)
-            before, openers = state.used(), state.openers()
+            before, openers = state.used(), openers_of(state)
+            shared = {ns for t in self.broker.tenants.values() if t is not state
+                      for ns in t.openers().values()}
         runtime = dict(self.runtime)
         del runtime[name]
         # From here on its nodes are gone and every call of its open files is refused.
         self._change(runtime)
         self.removing += 1
         try:
-            pids = await trio.to_thread.run_sync(processes_of, openers)
+            pids = await trio.to_thread.run_sync(processes_of, openers, shared)
             ended = await end_processes(pids, grace)
             closed = await self._close_files(state)
         finally:
@@ -409,39 +417,68 @@ def _differences(old: TenantPolicy, new: TenantPolicy) -> str:
     keys = [k for k in {**a, **b} if a.get(k) != b.get(k)]
     if old.labels != new.labels:
         keys.append("labels")
-    return ", ".join(f"{k}" for k in keys) or "none"
+    return ", ".join(keys) or "none"
 
 
-def processes_of(openers: dict[int, str | None]) -> dict[int, str | None]:
-    """The tenant's processes: those that opened its files, and every process of their pid
-    namespaces but the broker's own (kmod/CUSE tenants share the host's: only the openers
-    there). pid -> its pid namespace, to check before signalling that the pid still names
-    that process."""
+def openers_of(state) -> dict[int, tuple[str | None, int | None]]:
+    """The processes that opened a tenant's files: pid -> (its pid namespace, its uid)."""
+    return {x.caller.pid: (x.pidns, x.caller.uid) for x in state.sessions.values()
+            if not x.prepared}
+
+
+def processes_of(openers: dict[int, tuple[str | None, int | None]],
+                 shared: set = frozenset()) -> dict[int, tuple[str | None, int | None]]:
+    """A tenant's processes: those that opened its files, and every process of their pid
+    namespaces — a `devbroker exec` sandbox or a container is the tenant's whole — but the
+    broker's own (kmod/CUSE tenants share the host's) and those `shared` with another
+    tenant's processes: there, the openers alone. pid -> (pid namespace, uid) to check
+    before signalling that the pid still names the process seen (uid None: any)."""
     own = pid_namespace(os.getpid())
     out = dict(openers)
-    spaces = {ns for ns in openers.values() if ns is not None and ns != own}
+    spaces = {ns for ns, _uid in openers.values()
+              if ns is not None and ns != own and ns not in shared}
     if spaces:
         for entry in os.scandir("/proc"):
-            if entry.name.isdigit():
+            if entry.name.isdigit() and int(entry.name) not in out:
                 ns = pid_namespace(int(entry.name))
                 if ns in spaces:
-                    out[int(entry.name)] = ns
+                    out[int(entry.name)] = (ns, None)
     out.pop(os.getpid(), None)
     return out
 
 
-async def end_processes(pids: dict[int, str | None], grace: float) -> set[int]:
+def _still(pid: int, ns: str | None, uid: int | None) -> bool:
+    """Whether pid (pinned by a pidfd already) is the process seen: same pid namespace,
+    and where its opener's uid is known, that uid among its real, effective, saved and
+    file-system uids (an opener that exited leaves its pid to any process of its
+    namespace; in the broker's own that could be anyone's)."""
+    if ns is not None and pid_namespace(pid) != ns:
+        return False
+    if uid is None:
+        return True
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Uid:"):
+                    return uid in {int(u) for u in line.split()[1:]}
+    except OSError:
+        pass
+    return False
+
+
+async def end_processes(pids: dict[int, tuple[str | None, int | None]],
+                        grace: float) -> set[int]:
     """SIGTERM, then SIGKILL to those alive after `grace` seconds; returns the pids
-    signalled. Each is pinned with a pidfd and checked to be in the namespace it was seen
-    in first, so a pid reused meanwhile is never signalled."""
+    signalled. Each is pinned with a pidfd first and then checked to be the process seen
+    (`_still`), so a pid reused meanwhile is never signalled."""
     fds: dict[int, int] = {}
     try:
-        for pid, ns in pids.items():
+        for pid, (ns, uid) in pids.items():
             try:
                 fd = os.pidfd_open(pid)
             except OSError:
                 continue  # already gone
-            if ns is not None and pid_namespace(pid) != ns:
+            if not _still(pid, ns, uid):
                 os.close(fd)
                 continue
             fds[pid] = fd
