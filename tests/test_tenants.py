@@ -76,6 +76,25 @@ def test_file_tenants_may_have_labels_and_they_round_trip():
     assert check_spec("alice", spec_of(tp), dict(tp.labels), p.broker) == tp
 
 
+def test_a_new_policy_file_must_still_fit_the_runtime_tenants():
+    """`policy apply` checks the runtime tenants again against the new file's GPUs; refused,
+    the running policy (file and runtime tenants) stays."""
+    from devbroker.assemble import assemble
+    from devbroker.broker.tenancy import Tenancy
+
+    first = load_policy_text(two_h200(tenant("alice")))
+    built = assemble(first)
+    tenancy = Tenancy(built.broker, built.audit, first)
+    tenancy.add({"tenant": "carol", "spec": {"gpus": [1], "memory_quota": "4GiB"}}, "test")
+    with pytest.raises(PolicyError, match="runtime tenant carol would no longer fit: tenant "
+                                          r"spec: GPU 1 is not one of the broker's GPUs \(0..0\)"):
+        tenancy.apply_file_policy(load_policy_text(one_h200(tenant("alice"))))
+    assert tenancy.file_policy is first
+    assert sorted(built.broker.policy.tenants) == ["alice", "carol"]
+    tenancy.apply_file_policy(load_policy_text(two_h200(tenant("alice"), tenant("erin"))))
+    assert sorted(built.broker.policy.tenants) == ["alice", "carol", "erin"]
+
+
 # ------------------------------------------------------------------------------ root
 @pytest.mark.root
 def test_which_processes_a_removal_ends():

@@ -214,6 +214,8 @@ class Tenancy:
             if not isinstance(entry, dict):
                 raise PolicyError(where, None, "each tenant must be an object")
             name = entry.get("name")
+            if not isinstance(name, str):
+                raise PolicyError(where, None, f"a tenant's name must be a string, not {name!r}")
             try:
                 if name in self.file_policy.tenants:
                     raise TenantError(f"tenant {name!r} is in the policy file "
@@ -238,8 +240,19 @@ class Tenancy:
             raise PolicyError(policy.source, None, f"tenant(s) {', '.join(clash)} exist as "
                               "runtime tenants (`devbroker tenant list`): remove them with "
                               "`devbroker tenant rm` first, or name the file's otherwise")
-        self.broker.apply_policy(with_runtime(policy, self.runtime))
-        self.file_policy = policy
+        # The runtime tenants checked again against the new file's GPUs.
+        old, self.file_policy = self.file_policy, policy
+        try:
+            for name, rt in self.runtime.items():
+                try:
+                    check_spec(name, rt.spec, rt.labels, self._gpu_config())
+                except TenantError as e:
+                    raise PolicyError(policy.source, None, f"runtime tenant {name} would no "
+                                      f"longer fit: {e}") from None
+            self.broker.apply_policy(with_runtime(policy, self.runtime))
+        except BaseException:
+            self.file_policy = old
+            raise
 
     def export(self) -> list[dict]:
         return export(self.runtime)
