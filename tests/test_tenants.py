@@ -291,6 +291,8 @@ def test_a_restart_keeps_runtime_tenants_and_policy_apply_too(start_broker, tmp_
     # policy show is the file's policy (what apply takes back)
     shown = broker.control({"op": "policy.show"})
     assert "[tenant.carol]" not in shown["text"] and shown["runtime_tenants"] == ["carol"]
+    r = broker.cli("policy", "show")
+    assert r.returncode == 0 and "# and runtime tenants: carol" in r.stdout
 
     assert broker.stop() == 0
     again = start_broker(policy, run_dir=broker.run_dir)

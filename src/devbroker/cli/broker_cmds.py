@@ -335,6 +335,8 @@ def cmd_policy_show(args) -> int:
         print(f"devbroker policy show: {e}", file=sys.stderr)
         return 1
     print(f"# running policy, from {reply['source']}")
+    if reply.get("runtime_tenants"):  # not the file's: `devbroker tenant list` shows them
+        print(f"# and runtime tenants: {', '.join(reply['runtime_tenants'])}")
     print(reply["text"])
     return 0
 
