@@ -82,6 +82,10 @@ class TenantPolicy:
     # (broker/compute.py, docs/compute-shares.md).
     compute_weight: int = 1
     priority: str = "normal"  # one of PRIORITIES
+    # Free-form names the cluster knows the tenant by (Kubernetes: namespace, pod,
+    # container): shown in status and added to its metrics (docs/operations.md). Sorted
+    # (key, value) pairs, so that the policy stays hashable and comparable.
+    labels: tuple[tuple[str, str], ...] = ()
 
 
 # Scheduling priorities a policy may name (broker/compute.py maps them to interleave levels).
@@ -188,6 +192,9 @@ class Policy:
                 out.append(f"compute_weight = {t.compute_weight}")
             if t.priority != "normal":
                 out.append(f"priority = {_q(t.priority)}")
+            if t.labels:
+                out.append("labels = { " + ", ".join(f"{k} = {_q(v)}" for k, v in t.labels)
+                           + " }")
         c = self.control
         if c != ControlAccess():
             out += ["", "[control]"]
@@ -588,9 +595,25 @@ class _Loader:
             if priority not in PRIORITIES:
                 self.fail(path + ("priority",), f"priority must be one of "
                           f"{', '.join(PRIORITIES)}, not {priority!r}")
+        labels = self.labels(t["labels"], path + ("labels",)) if "labels" in t else ()
         return TenantPolicy(name=name, gpus=gpus, memory_quota=quota, capabilities=tuple(caps),
                             rate_limit=rate, uids=uids, limits=limits,
-                            compute_weight=weight, priority=priority)
+                            compute_weight=weight, priority=priority, labels=labels)
+
+    def labels(self, lab: Any, path: tuple) -> tuple[tuple[str, str], ...]:
+        # They become Prometheus label values and status columns: short, printable, few.
+        if not isinstance(lab, dict):
+            self.fail(path, f"labels must be a table of strings, not {_type_name(lab)}")
+        if len(lab) > _LABELS_MAX:
+            self.fail(path, f"at most {_LABELS_MAX} labels, not {len(lab)}")
+        for key, value in lab.items():
+            if not isinstance(key, str) or not _LABEL_KEY.match(key):
+                self.fail(path, f"label name {key!r} must be lower-case letters and '_'")
+            value = self.string(value, path + (key,), f"label {key}")
+            if len(value) > _LABEL_VALUE_MAX or not value.isprintable():
+                self.fail(path + (key,), f"label {key} must be printable and at most "
+                                         f"{_LABEL_VALUE_MAX} characters")
+        return tuple(sorted(lab.items()))
 
     def limits(self, lim: Any, path: tuple) -> TenantLimits:
         self.table(lim, path, {k: "" for k in _limits.KEYS}, "limits")
@@ -627,7 +650,11 @@ _ALERT_KEYS = {"quota_percent": "", "refusals_per_minute": "", "escape_attempts"
                "escape_window": ""}
 _GPU_KEYS = {"name": "", "uuid": "", "pci_bus_id": "", "memory": ""}
 _TENANT_KEYS = {"gpus": "", "memory_quota": "", "capabilities": "", "rate_limit": "", "uids": "",
-                "limits": "", "compute_weight": "", "priority": ""}
+                "limits": "", "compute_weight": "", "priority": "", "labels": ""}
+# Label names are Prometheus label names too; a Kubernetes pod name is at most 253 characters.
+_LABEL_KEY = re.compile(r"^[a-z_]{1,63}$")
+_LABEL_VALUE_MAX = 253
+_LABELS_MAX = 16
 _CONTROL_KEYS = ("admin_uids", "admin_groups", "readonly_uids", "readonly_groups")
 # Each RM object costs the broker ~0.5 KiB: 2^24 of them would be 8 GiB.
 _LIMIT_MAX = 1 << 24

@@ -146,7 +146,8 @@ def cmd_run(args) -> int:
         service = BrokerService(policy, args.run_dir, backend=args.backend, audit_path=args.audit,
                                 record=args.record, policy_source=args.policy,
                                 frontend=args.frontend)
-    except OSError as e:  # e.g. --backend real on a host without the NVIDIA driver
+    except (OSError, PolicyError) as e:  # e.g. --backend real on a host without the NVIDIA
+        # driver; a saved runtime tenant (RUN_DIR/tenants.json) the policy no longer fits
         print(f"devbroker run: {e}", file=sys.stderr)
         return 1
     _switch_interval()
@@ -334,6 +335,8 @@ def cmd_policy_show(args) -> int:
         print(f"devbroker policy show: {e}", file=sys.stderr)
         return 1
     print(f"# running policy, from {reply['source']}")
+    if reply.get("runtime_tenants"):  # not the file's: `devbroker tenant list` shows them
+        print(f"# and runtime tenants: {', '.join(reply['runtime_tenants'])}")
     print(reply["text"])
     return 0
 
