@@ -76,6 +76,12 @@ class CudaCheckpointer:
     def why(self) -> str:
         return self._probed()[1]
 
+    def probe_soon(self) -> None:
+        """Probe on a thread of its own now, so that the first read of `supported` (which
+        would otherwise run the probe and wait for it) finds the answer ready."""
+        if self._probe is None:
+            threading.Thread(target=self._probed, name="dvb-ckpt-probe", daemon=True).start()
+
     def _probed(self) -> tuple[bool, str]:
         with self._probe_lock:
             if self._probe is None:

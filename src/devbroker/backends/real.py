@@ -525,7 +525,7 @@ class RealBackend:
     # default, so a backend rebuilt by a live upgrade starts at 0 too).
     relayed_here = 0
     # libcuda's checkpoint API, one helper process per call (backends/cudackpt.py); whether
-    # the host's driver has it is probed on first use (`checkpointer.supported`).
+    # the host's driver has it is probed once (`checkpointer.supported`), from start.
     checkpointer = CudaCheckpointer()
 
     def __init__(self, notice: Callable[[str], None] | None = None, *, dev: str = "/dev",
@@ -565,6 +565,8 @@ class RealBackend:
             raise OSError(errno.EPERM, "the relay process kept capabilities; refusing to run")
         if discover:
             self._discover()
+            # (the answer is ready before preemption first asks, on the broker's trio thread)
+            self.checkpointer.probe_soon()
 
     def prepare_tenant_files(self) -> None:
         """Make what tenant files need (the private-node tmpfs, the GPU files the broker
