@@ -196,3 +196,10 @@ def test_the_helper_reports_driver_answers(libs, script):
     rc, rec = helper("probe", env={"DEVBROKER_LIBCUDA": libs["old"]})
     assert rc == 3 and rec["error"] == "no-symbol"
     assert "cuCheckpointProcessLock" in rec["missing"]
+
+
+def test_a_slow_checkpoint_names_the_deadline(libs, script):
+    script("checkpoint=hang")
+    with pytest.raises(CheckpointError, match=r"checkpoint of process 8 did not finish within "
+                                              r"5 s; the helper was killed \(the copy runs"):
+        CudaCheckpointer(library=libs["new"]).checkpoint(8, 5.0)

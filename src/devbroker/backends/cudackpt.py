@@ -53,12 +53,23 @@ HINTS = {
 }
 
 
+# What a missed deadline most likely means, by operation (docs/preemption-driver.md).
+DEADLINE_HINTS = {
+    "lock": "a stopped or hung process never answers the driver: is it SIGSTOPped?",
+    "checkpoint": "the copy runs at ~1.8 GiB/s on an H200: is the deadline long enough for "
+                  "the process's memory?",
+    "restore": "the copy runs at ~6 GiB/s on an H200: is the deadline long enough for the "
+               "process's memory?",
+}
+
+
 class CudaCheckpointer:
     """backends/checkpoint.Checkpointer over libcuda, one helper process per call.
 
     `library`: the libcuda to load (None: the helper's default, $DEVBROKER_LIBCUDA, else
-    libcuda.so.1). `supported` and `why` come from a probe run on first use (a helper that
-    loads the library and looks for the five symbols), then kept."""
+    libcuda.so.1). `supported` and `why` come from a probe (a helper that loads the library
+    and looks for the five symbols), run once: at the first read, or earlier by
+    `probe_soon` (the real backend's start)."""
 
     def __init__(self, library: str | None = None, python: str = sys.executable):
         self.library = library
@@ -142,10 +153,9 @@ class CudaCheckpointer:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.communicate()
-            raise CheckpointError(
-                f"{what} did not finish within {timeout_s:g} s; the helper was killed "
-                "(a stopped or hung process never answers the driver: is it SIGSTOPped?)"
-            ) from None
+            raise CheckpointError(f"{what} did not finish within {timeout_s:g} s; the helper "
+                                  f"was killed ({DEADLINE_HINTS.get(op, DEADLINE_HINTS['lock'])})"
+                                  ) from None
         rec = last_json(out)
         if rec is None:
             tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
