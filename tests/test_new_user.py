@@ -161,6 +161,12 @@ def test_a_directory_under_the_hosts_tmp_says_once_why_it_runs_in_root(start_bro
     # bound, it is kept, and nothing is said
     r = b.exec("alice", "pwd", uid=0, cwd=here, opts=("--bind", str(here)))
     assert (r.returncode, r.stdout, r.stderr) == (0, f"{here}\n", "")
+    # asked for by --cwd and not there: refused, in one line with what to do
+    r = b.exec("alice", "pwd", uid=0, opts=("--cwd", str(here)))
+    assert r.returncode == 125
+    assert one_line(r.stderr) == (f"devbroker exec: --cwd {here}: not in the command's view "
+                                  "(the host's files, a /tmp of its own, the --bind targets); "
+                                  "--bind it or choose another --cwd")
 
 
 def _readme_line(pattern: str) -> str:
@@ -230,6 +236,14 @@ def test_demo_from_a_directory_under_tmp_warns_of_nothing_and_explains_refusals(
     if shutil.which("nvidia-smi"):  # nvidia-smi's probing is refused: said to be expected
         assert "The refusals above are expected" in out
     subprocess.run(["umount", "-l", str(run_dir / "nodes")], capture_output=True)
+
+
+def test_trace_of_a_missing_file_is_one_line(tmp_path):
+    r = subprocess.run(DEVBROKER + ["trace", "show", str(tmp_path / "none.nvtrace")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert one_line(r.stderr) == (f"devbroker trace: {tmp_path / 'none.nvtrace'}: No such "
+                                  "file or directory")
 
 
 # ------------------------------------------------------------------------ devbroker top

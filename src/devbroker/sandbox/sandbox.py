@@ -544,11 +544,13 @@ def _command_main(spec: SandboxSpec, shim_fd: int | None = None) -> None:
                          .encode())
                 os.chdir("/")
             elif isinstance(e, PermissionError):
-                raise PermissionError(e.errno, f"{e.strerror}: {where} (the command runs as "
-                                      f"uid {os.getuid()}, which cannot enter it; pass --cwd "
-                                      "DIR)") from None
+                raise CommandNotRun(f"--cwd {where}: the command runs as uid {os.getuid()}, "
+                                    "which may not enter it; choose another --cwd or --uid",
+                                    EXIT_SETUP_FAILED) from None
             else:
-                raise
+                raise CommandNotRun(f"--cwd {where}: not in the command's view (the host's "
+                                    "files, a /tmp of its own, the --bind targets); --bind "
+                                    "it or choose another --cwd", EXIT_SETUP_FAILED) from None
         step = "exec"
         # Python ignores SIGPIPE and SIGXFSZ, and ignored dispositions survive exec.
         for sig in (*_WAITED_SIGNALS, signal.SIGPIPE, signal.SIGXFSZ):
