@@ -1,4 +1,4 @@
-"""A new user's first hour (issue 46): the README's examples as written, the mistakes a new
+"""A new user's first hour: the README's examples as written, the mistakes a new
 user makes on the command line (through real `devbroker` processes), and what the scripts
 and the checkout promise — nothing read from beside the checkout, nothing upgraded."""
 from __future__ import annotations

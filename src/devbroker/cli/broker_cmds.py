@@ -268,9 +268,9 @@ def _tenant_ids(args, binds=()) -> tuple[int, int | None]:
 
 
 def _writable_binds_owner(binds) -> tuple[int, int] | None:
-    """(uid, gid) of the one non-root owner of every writable bind's source that nobody may
-    not write; None when there is no such bind. SandboxError (with the --uid to give) when
-    only root, or owners that differ, could write them."""
+    """(uid, gid) of the one non-root owner of the writable binds' sources (those anyone may
+    write left aside); None when there are none. SandboxError, naming --uid, when root owns
+    them or their owners differ."""
     from devbroker.sandbox import SandboxError
 
     owners: dict[tuple[int, int], str] = {}

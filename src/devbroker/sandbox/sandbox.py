@@ -624,8 +624,9 @@ def _exec_command(argv: list[str], env: dict) -> None:
             refused = refused or e
     who = f"uid {os.getuid()}"
     if refused is not None:
-        raise CommandNotRun(f"{refused.filename or name}: {refused.strerror} (as {who}); "
-                            "check its mode, or choose the uid with --uid",
+        hint = ("; check its mode, or choose the uid with --uid"
+                if refused.errno == errno.EACCES else "")
+        raise CommandNotRun(f"{refused.filename or name}: {refused.strerror} (as {who}){hint}",
                             EXIT_NOT_EXECUTABLE)
     if "/" in name:
         raise CommandNotRun(f"{name}: not found in the command's view (the host's files as "
