@@ -118,7 +118,7 @@ def test_a_second_broker_on_a_run_dir_in_use_says_so_in_one_line(start_broker):
 def closed_dir():
     """A PATH directory nobody may search (like root's /root/.cargo/bin), outside /tmp so
     that the tenant sees it as the host has it."""
-    closed = Path(tempfile.mkdtemp(prefix="devbroker-test-", dir="/var/tmp"))  # 0700
+    closed = Path(tempfile.mkdtemp(prefix="devbroker-closed-path-", dir="/var/tmp"))  # 0700
     (closed / "bin").mkdir()
     yield closed / "bin"
     shutil.rmtree(closed)
