@@ -253,7 +253,7 @@ def load_policy_text(text: str, name: str = "<policy>") -> Policy:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise PolicyError(name, _toml_error_line(str(e), text), _toml_error_reason(str(e))) from None
+        raise PolicyError(name, *_toml_error_at(str(e), text)) from None
     return _Loader(text, name).policy(data)
 
 
@@ -320,6 +320,26 @@ def _type_name(v: Any) -> str:
             list: "an array", dict: "a table"}.get(type(v), type(v).__name__)
 
 
+def _toml_error_at(msg: str, text: str) -> tuple[int | None, str]:
+    """(line, reason) of a tomllib error. A bracket left open is noticed where the next key
+    starts — the line after the mistake ("Unclosed array", or "Invalid value" when a key
+    follows inside the open array): the user is shown the line that opened it."""
+    reason = _toml_error_reason(msg)
+    line = _toml_error_line(msg, text)
+    if line is None:
+        return line, reason
+    opened = _opening_line(text, line)
+    if opened is None:
+        return line, reason
+    if msg.startswith(("Unclosed array", "Unclosed inline table")):
+        return opened, reason
+    lines = text.splitlines()
+    if line <= len(lines) and re.match(r'\s*[A-Za-z0-9_."\'-]+\s*=', lines[line - 1]):
+        return opened, f"{reason}: the array or table opened here is not closed before " \
+                       f"line {line}"
+    return line, reason
+
+
 def _toml_error_line(msg: str, text: str) -> int | None:
     m = re.search(r"at line (\d+)", msg)
     if m:
@@ -327,6 +347,25 @@ def _toml_error_line(msg: str, text: str) -> int | None:
     if "end of document" in msg:
         return max(1, text.count("\n") + (0 if text.endswith("\n") else 1))
     return None
+
+
+def _opening_line(text: str, before: int) -> int | None:
+    """The line (1-based) of the outermost `[` or `{` of a value still open at line
+    `before`, or None. Strings and comments are skipped; a line starting with `[` outside
+    a value is a table header, not an array."""
+    depth, opened = 0, None
+    for n, raw in enumerate(text.splitlines()[:before - 1], start=1):
+        line = re.sub(r'"(?:[^"\\]|\\.)*"|\'[^\']*\'', '""', raw).split("#", 1)[0]
+        if depth == 0 and line.lstrip().startswith("["):
+            continue  # [table] or [[array of tables]]
+        for ch in line:
+            if ch in "[{":
+                if depth == 0:
+                    opened = n
+                depth += 1
+            elif ch in "]}" and depth:
+                depth -= 1
+    return opened if depth else None
 
 
 def _toml_error_reason(msg: str) -> str:
