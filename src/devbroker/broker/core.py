@@ -892,6 +892,8 @@ class Broker:
             tenants.append({
                 "name": t.name,
                 "gpus": list(t.gpus),
+                # what the cluster calls it (pod, namespace, container: broker/tenancy.py)
+                "labels": dict(getattr(t.policy, "labels", ())),
                 # the files its processes hold (opens the broker prepared ahead and has
                 # not given out yet: "prepared_files")
                 "open_files": sum(not s.prepared for s in t.sessions.values()),
