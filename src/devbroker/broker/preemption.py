@@ -112,7 +112,6 @@ class Preempted:
     by: str  # the tenant whose allocation asked, or "operator"
     pids: tuple[int, ...]
     bytes: int  # device memory moved to host memory (all its GPUs)
-    need: dict[int, int]  # GPU -> bytes its restore needs (the books when it was taken)
     since: float = field(default_factory=time.time)
     state: str = PREEMPTING
     auto: bool = True  # restored when room frees (an operator's preemption waits for resume)
@@ -285,8 +284,7 @@ class Preemption:
                 return refusal
             used = t.used()
             pids = tuple(sorted({c.tgid for c in t.clients.values()}))
-            entry = Preempted(name, gpu, by, pids, sum(used.values()),
-                              {g: n for g, n in used.items() if n}, auto=auto)
+            entry = Preempted(name, gpu, by, pids, sum(used.values()), auto=auto)
             self.entries[name] = entry
             if getattr(ck, "holds_calls", False):
                 self.held.add(name)
@@ -442,10 +440,16 @@ class Preemption:
                             if e.auto and e.state == PREEMPTED and not self.waiting.get(e.gpu)),
                            key=lambda e: (-RANK.get(self._priority(e.tenant), 1), e.since))
             for e in order:
-                async with self._trio_lock():
-                    if self.waiting.get(e.gpu):
-                        continue
-                    await self.restore_tenant(e.tenant)
+                try:
+                    async with self._trio_lock():
+                        if self.waiting.get(e.gpu) or e.state != PREEMPTED:
+                            continue
+                        await self.restore_tenant(e.tenant)
+                except Exception as err:  # a bug must cost one look, never the broker
+                    log.exception("preemption: restoring %s failed", e.tenant)
+                    self.broker.audit.write("error", tenant=e.tenant, what="restore",
+                                            reason=f"internal error: {type(err).__name__}: "
+                                                   f"{err}; trying again at the next look")
 
     def _priority(self, name: str) -> str:
         t = self.broker.tenants.get(name)
@@ -454,8 +458,7 @@ class Preemption:
     # ------------------------------------------------------------------ hand-over
     def export(self) -> dict[str, Any]:
         return {"entries": [{"tenant": e.tenant, "gpu": e.gpu, "by": e.by,
-                             "pids": list(e.pids), "bytes": e.bytes,
-                             "need": [[g, n] for g, n in e.need.items()], "since": e.since,
+                             "pids": list(e.pids), "bytes": e.bytes, "since": e.since,
                              "state": e.state, "auto": e.auto, "seconds": e.seconds}
                             for e in self.entries.values()],
                 "held": sorted(self.held),
@@ -464,14 +467,12 @@ class Preemption:
                 "moved": [[t, n] for t, n in self.moved.items()]}
 
     def restore_state(self, state: dict[str, Any]) -> None:
-        """The predecessor's state (broker/handover.py). A preemption or restore it had in
-        progress is taken as done: the executor's calls ran to their end before the
-        hand-over (the upgrade waits for its calls), so a tenant `preempting` there is
-        treated as preempted and one `restoring` as preempted (the task retries)."""
+        """The predecessor's state (broker/handover.py). Only settled preemptions are handed
+        over (`handover_refusal` refuses an upgrade during a checkpoint or restore)."""
         for d in state.get("entries", []):
             self.entries[d["tenant"]] = Preempted(
                 d["tenant"], int(d["gpu"]), d["by"], tuple(d["pids"]), int(d["bytes"]),
-                {int(g): int(n) for g, n in d["need"]}, since=float(d["since"]),
+                since=float(d["since"]),
                 state=PREEMPTED, auto=bool(d["auto"]), seconds=float(d["seconds"]))
         self.held = set(state.get("held", []))
         self.counts = {(ev, t): int(n) for ev, t, n in state.get("counts", [])}
