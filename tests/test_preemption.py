@@ -408,3 +408,37 @@ async def test_the_smallest_tenant_that_makes_enough_room_is_the_one_preempted(
     assert await memory(high, hctl, hclient, 5 * GiB, 0xC1) == nvs.NV_OK
     assert [r["tenant"] for r in records(tmp_path, "checkpoint")] == ["small", "large"]
     assert b.backend.used[0] == 8 * GiB
+
+
+# ------------------------------------------------------------------------ migration
+async def test_a_tenant_moves_to_another_gpu_with_its_objects_and_books(inproc_broker,
+                                                                       tmp_path):
+    """Checkpointed on GPU 0, restored onto GPU 1: the emulated heap and the broker's books
+    move, its device object is GPU 1's (so what it asks of it is GPU 1's), and its next
+    allocation lands on GPU 1. A GPU outside its policy, or without the room, is refused."""
+    b = inproc_broker("\n".join([
+        h200s(2, memory="8GiB"), "[broker.preemption]\nenabled = true\n",
+        tenant("mover", gpus=[0, 1], memory_quota="8GiB"),
+        tenant("pinned", gpus=[0], memory_quota="8GiB"),
+        tenant("big", gpus=[1], memory_quota="8GiB")]))
+    mover = InProcTenant(b, "mover", pid=701)
+    ctl, client = await setup(mover)
+    assert await memory(mover, ctl, client, 3 * GiB, 0xC0) == nvs.NV_OK
+    assert "is not one of tenant pinned's GPUs" in await b.preemption.migrate("pinned", 1)
+    big = InProcTenant(b, "big", pid=702)
+    bctl, bclient = await setup(big, gpu=1)
+    assert await memory(big, bctl, bclient, 6 * GiB, 0xC0) == nvs.NV_OK
+    assert "GPU 1 lacks the room" in await b.preemption.migrate("mover", 1)
+    assert b.backend.used == {0: 3 * GiB, 1: 6 * GiB} and b.preemption.entries == {}
+    assert await free(big, bctl, bclient, 0xC0) == nvs.NV_OK
+    assert await b.preemption.migrate("mover", 1) is None
+    assert b.backend.used == {0: 0, 1: 3 * GiB}
+    assert b.tenants["mover"].used() == {0: 0, 1: 3 * GiB}
+    assert b.backend.clients[client].objects[0xA0].gpu == 1  # its device: GPU 1's now
+    assert b.backend.checkpointer.states == {} and b.preemption.entries == {}
+    assert await memory(mover, ctl, client, 1 * GiB, 0xC1) == nvs.NV_OK
+    assert b.backend.used == {0: 0, 1: 4 * GiB}
+    assert "on GPU 1 already" in await b.preemption.migrate("mover", 1)
+    rec, = records(tmp_path, "migrate")
+    assert (rec["tenant"], rec["from_gpu"], rec["gpu"], rec["bytes"]) == ("mover", 0, 1,
+                                                                          3 * GiB)

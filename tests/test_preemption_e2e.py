@@ -228,3 +228,24 @@ def test_a_broker_that_dies_during_a_preemption_leaves_no_tenant_waiting(start):
             if p.poll() is None:
                 p.kill()
                 p.wait(timeout=30)
+
+
+def test_devbroker_migrate_moves_a_tenant_to_another_of_its_gpus(start):
+    b = start("\n".join([
+        h200s(2, memory="8GiB"), "[broker.preemption]\nenabled = true\n",
+        tenant("low", gpus=[0, 1], memory_quota="8GiB")]))
+    low = spawn(b, "low")
+    try:
+        assert ask(low, "alloc 1024 0xC0") == [0, nvs.NV_OK]
+        r = b.cli("migrate", "low", "--gpu", "2")
+        assert r.returncode == 1 and "GPU 2 is not one of tenant low's GPUs" in r.stderr
+        r = b.cli("migrate", "low", "--gpu", "1")
+        assert r.returncode == 0 and "tenant low moved to GPU 1" in r.stdout, r.stderr
+        mem = b.tenant("low")["memory"]
+        assert (mem["0"]["used"], mem["1"]["used"]) == (0, 1 << 30)
+        # its device is GPU 1's now: the next allocation lands there
+        assert ask(low, "alloc 2 0xC1") == [0, nvs.NV_OK]
+        assert b.tenant("low")["memory"]["1"]["used"] == (1 << 30) + (2 << 20)
+    finally:
+        quit_(low)
+    assert [(a["from_gpu"], a["gpu"]) for a in b.audit() if a["event"] == "migrate"] == [(0, 1)]

@@ -63,18 +63,36 @@ class EmulatedCheckpointer:
             self.states[pid] = CHECKPOINTED
 
     def restore(self, pid: int, pairs: tuple[GpuPair, ...], timeout_s: float) -> None:
+        """Back onto the GPUs it was taken from, or onto others (`pairs`: as the driver, a
+        GPU not listed stays where it was). The objects move with it: a device object of
+        the old GPU is the new GPU's from now on, as the driver's restored context is."""
         b = self.backend
         with b._calls:
             self._expect(pid, CHECKPOINTED, "restore")
-            if any(p.old_uuid != p.new_uuid for p in pairs):
-                raise CheckpointError("the emulated driver restores onto the same GPUs only")
-            need = self._need(pid)
+            by_uuid = {g.uuid.lower(): g.index for g in b.gpus()}
+            moves = {}
+            for p in pairs:
+                old, new = by_uuid.get(p.old_uuid.lower()), by_uuid.get(p.new_uuid.lower())
+                if old is None or new is None:
+                    raise CheckpointError(f"cannot restore process {pid}: no GPU "
+                                          f"{p.old_uuid if old is None else p.new_uuid}")
+                moves[old] = new
+            need: dict[int, int] = {}
+            for gpu, n in self._need(pid).items():
+                need[moves.get(gpu, gpu)] = need.get(moves.get(gpu, gpu), 0) + n
             for gpu, n in need.items():
                 total = b.gpus()[gpu].memory_bytes
                 if b.used[gpu] + n > total:
                     raise CheckpointError(
                         f"cannot restore process {pid}: GPU {gpu} has "
                         f"{total - b.used[gpu]} bytes free, the process needs {n}")
+            if any(old != new for old, new in moves.items()):
+                for c in [c for c in b.clients.values() if c.tgid == pid]:
+                    for obj in c.objects.values():
+                        if obj.gpu in moves:
+                            b._unindex(c, obj)  # (away: only the indexes, not `used`)
+                            obj.gpu = moves[obj.gpu]
+                            b._index(c, obj)
             for gpu, n in need.items():
                 b.used[gpu] += n
             self.states[pid] = LOCKED

@@ -29,7 +29,7 @@ from typing import Any, Iterable
 import trio
 
 from devbroker.abi import status as nvstatus
-from devbroker.backends.checkpoint import CheckpointError
+from devbroker.backends.checkpoint import CheckpointError, GpuPair
 from devbroker.broker import compute
 from devbroker.broker.effects import STATE_LOCK, Await
 from devbroker.broker.objects import BOOKS
@@ -421,6 +421,92 @@ class Preemption:
         async with self._trio_lock():
             return await self.restore_tenant(name, by="operator")
 
+    async def migrate(self, name: str, gpu: int) -> str | None:
+        """`devbroker migrate TENANT --gpu N`: checkpoint the tenant's processes, restore them
+        onto GPU N (one the tenant's policy allows), their objects and the broker's books
+        with them — its device objects are GPU N's from then on, so what it asks of them
+        (UUID, PCI id, memory) is GPU N's. None: done; else why not (nothing moved)."""
+        b = self.broker
+        ck = b.backend.checkpointer
+        t = b.tenants.get(name)
+        if t is None or t.revoked:
+            return f"no tenant {name}"
+        if not ck.supported:
+            return f"the driver cannot checkpoint: {ck.why}"
+        gpus = b.backend.gpus()
+        async with self._trio_lock():
+            with STATE_LOCK:
+                if name in self.entries:
+                    return f"tenant {name} is preempted: resume it first"
+                if gpu not in t.gpus:
+                    return f"GPU {gpu} is not one of tenant {name}'s GPUs {list(t.gpus)}"
+                on = {o.gpu for c in t.clients.values() for o in c.objects.values()
+                      if o.gpu is not None}
+                if on == {gpu}:
+                    return f"tenant {name} is on GPU {gpu} already"
+                if len(on) != 1:
+                    return (f"tenant {name} uses GPUs {sorted(on)}: a migration moves the "
+                            "state of one GPU")
+                old = on.pop()
+                need = t.used().get(old, 0)
+                if need > self.gpu_free(gpu) - self.reserved.get(gpu, 0):
+                    return f"GPU {gpu} lacks the room ({need} bytes) for tenant {name}"
+                self.reserved[gpu] = self.reserved.get(gpu, 0) + need
+            started = time.monotonic()
+            try:
+                with trio.CancelScope(shield=True):
+                    return await self._migrate(name, t, old, gpu, started,
+                                               (GpuPair(gpus[old].uuid, gpus[gpu].uuid),))
+            finally:
+                with STATE_LOCK:
+                    self.reserved[gpu] -= need
+                    if not self.reserved[gpu]:
+                        del self.reserved[gpu]
+
+    async def _migrate(self, name: str, t: Any, old: int, gpu: int, started: float,
+                       pairs: tuple[GpuPair, ...]) -> str | None:
+        b = self.broker
+        ck = b.backend.checkpointer
+        why = await self.checkpoint_tenant(name, old, by="operator", auto=False)
+        if why is not None:
+            return why
+        e = self.entries[name]
+        e.state = RESTORING
+        moved: list[int] = []
+        try:
+            for pid in e.pids:
+                await _run(ck.restore, pid, pairs, RESTORE_TIMEOUT_S)
+                moved.append(pid)
+        except CheckpointError as err:
+            # Back where it was (those moved already stay on the new GPU: the driver cannot
+            # move a restored process back without another checkpoint); then running again.
+            e.state = PREEMPTED
+            b.audit.write("migrate_failed", tenant=name, gpu=gpu, reason=str(err))
+            await self.restore_tenant(name, by="migrate_failed")
+            return f"restore onto GPU {gpu} failed: {err}"
+        with STATE_LOCK:
+            # The books follow the objects before any held call of the tenant goes on.
+            for c in t.clients.values():
+                for obj in c.objects.values():
+                    if obj.gpu == old:
+                        c._count(obj, -1)
+                        obj.gpu = gpu
+                        c._count(obj, 1)
+            BOOKS.policy_changed()  # (settled facts name the objects' GPUs)
+        for pid in e.pids:
+            try:
+                await _run(ck.unlock, pid, RESTORE_TIMEOUT_S)
+            except CheckpointError as err:
+                log.warning("migration of %s: unlocking %d: %s", name, pid, err)
+        self._release(name)
+        seconds = time.monotonic() - started
+        self._count("migrated", name, seconds)
+        b.audit.write("migrate", tenant=name, from_gpu=old, gpu=gpu, bytes=e.bytes,
+                      pids=list(e.pids), seconds=round(seconds, 6),
+                      message=f"tenant {name} moved from GPU {old} to GPU {gpu} "
+                              f"({e.bytes} bytes)")
+        return None
+
     # ------------------------------------------------------------------ the restoring task
     def _kick(self) -> None:
         if self._wake is not None:
@@ -600,7 +686,7 @@ def metric_families(snap: dict[str, Any], gauge, counter) -> list:
     host.add_metric(["used"], snap["host_used"])
     host.add_metric(["limit"], snap["host_memory"])
     events = counter("devbroker_preemptions", "Preemptions and restores by tenant and outcome "
-                     "(preempted, restored, refused, failed, restore_failed)",
+                     "(preempted, restored, refused, failed, restore_failed, migrated)",
                      labels=["tenant", "event"])
     secs = counter("devbroker_preemption_seconds", "Time the checkpoints and restores took",
                    labels=["tenant", "event"])
@@ -618,7 +704,7 @@ def metric_families(snap: dict[str, Any], gauge, counter) -> list:
 
 # ---------------------------------------------------------------------- the control socket
 def control_ops(broker: Any) -> dict[str, Any]:
-    """`tenant.preempt` / `tenant.resume` for the control socket (broker/control.py: admin
+    """`tenant.preempt` / `tenant.resume` / `tenant.migrate` for the control socket (broker/control.py: admin
     role, as every op it does not list). A refusal is the reply's error, with its reason."""
     from devbroker.broker.control import ControlError
 
@@ -643,4 +729,14 @@ def control_ops(broker: Any) -> dict[str, Any]:
             raise ControlError(f"tenant {name} not resumed: {why}")
         return {"tenant": name}
 
-    return {"tenant.preempt": preempt, "tenant.resume": resume}
+    async def migrate(req: dict) -> dict:
+        name = tenant_of(req)
+        gpu = req.get("gpu")
+        if isinstance(gpu, bool) or not isinstance(gpu, int):
+            raise ControlError("migrate needs \"gpu\": a GPU index")
+        why = await broker.preemption.migrate(name, gpu)
+        if why is not None:
+            raise ControlError(f"tenant {name} not migrated: {why}")
+        return {"tenant": name, "gpu": gpu}
+
+    return {"tenant.preempt": preempt, "tenant.resume": resume, "tenant.migrate": migrate}
