@@ -435,6 +435,13 @@ async def test_a_tenant_moves_to_another_gpu_with_its_objects_and_books(inproc_b
     assert b.backend.used == {0: 0, 1: 3 * GiB}
     assert b.tenants["mover"].used() == {0: 0, 1: 3 * GiB}
     assert b.backend.clients[client].objects[0xA0].gpu == 1  # its device: GPU 1's now
+    # a subdevice of it names GPU 1 by UUID, and a GID query of the tenant's says so
+    _, out, _ = await mover.alloc(ctl, client, 0xA0, 0x2080,
+                                  mover.new("NV2080_ALLOC_PARAMETERS"), new=0xB0)
+    assert out.status == nvs.NV_OK
+    _, out, got = await mover.control(ctl, client, 0xB0, 0x2080014A, flags=2)  # (binary)
+    assert out.status == nvs.NV_OK
+    assert bytes(got.data)[:got.length] == b.backend.gpus()[1].uuid_bytes
     assert b.backend.checkpointer.states == {} and b.preemption.entries == {}
     assert await memory(mover, ctl, client, 1 * GiB, 0xC1) == nvs.NV_OK
     assert b.backend.used == {0: 0, 1: 4 * GiB}
