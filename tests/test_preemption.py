@@ -449,3 +449,24 @@ async def test_a_tenant_moves_to_another_gpu_with_its_objects_and_books(inproc_b
     rec, = records(tmp_path, "migrate")
     assert (rec["tenant"], rec["from_gpu"], rec["gpu"], rec["bytes"]) == ("mover", 0, 1,
                                                                           3 * GiB)
+
+
+async def test_an_executor_that_breaks_leaves_nobody_locked(inproc_broker, tmp_path):
+    """An executor's bug (any exception, not its CheckpointError) is a refused preemption:
+    the processes already locked are unlocked, the tenant is not held."""
+    from devbroker.backends.emulated_ckpt import EmulatedCheckpointer
+
+    class Broken(EmulatedCheckpointer):
+        def checkpoint(self, pid, timeout_s):
+            raise OSError(5, "helper crashed")
+
+    b = inproc_broker(POLICY)
+    b.backend.checkpointer = Broken(b.backend)
+    low, high = InProcTenant(b, "low", pid=501), InProcTenant(b, "high", pid=503)
+    lctl, lclient = await setup(low)
+    hctl, hclient = await setup(high)
+    assert await memory(low, lctl, lclient, 6 * GiB, 0xC0) == nvs.NV_OK
+    assert await memory(high, hctl, hclient, 4 * GiB, 0xC0) == nvs.NV_ERR_NO_MEMORY
+    assert b.preemption.entries == {} and b.preemption.held == set()
+    assert b.backend.checkpointer.states == {}  # unlocked again
+    assert "checkpoint failed: OSError" in records(tmp_path, "checkpoint_failed")[0]["reason"]

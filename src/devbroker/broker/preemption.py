@@ -146,9 +146,6 @@ class Preemption:
     def host_used(self) -> int:
         return sum(e.bytes for e in self.entries.values())
 
-    def holds(self, tenant: str) -> bool:
-        return tenant in self.held
-
     def state_of(self, tenant: str) -> str | None:
         e = self.entries.get(tenant)
         return e.state if e else None
@@ -585,8 +582,17 @@ class Preemption:
 
 
 async def _run(fn, *args) -> Any:
-    """An executor call on a worker thread (it keeps its own deadline: checkpoint.py)."""
-    return await trio.to_thread.run_sync(fn, *args)
+    """An executor call on a worker thread (it keeps its own deadline: checkpoint.py). Any
+    failure is a CheckpointError to the sequences, which undo what was done: an executor's
+    bug must not leave a tenant locked."""
+    try:
+        return await trio.to_thread.run_sync(fn, *args)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        log.exception("checkpoint executor: %s failed", getattr(fn, "__name__", fn))
+        raise CheckpointError(f"{getattr(fn, '__name__', 'the executor')} failed: "
+                              f"{type(e).__name__}: {e}") from e
 
 
 def _started(t: Any) -> float:
