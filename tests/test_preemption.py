@@ -199,11 +199,30 @@ async def test_a_victim_using_managed_memory_is_not_preempted(inproc_broker, tmp
     lctl, lclient = await setup(low)
     hctl, hclient = await setup(high)
     assert await memory(low, lctl, lclient, 6 * GiB, 0xC0) == nvs.NV_OK
-    b.tenants["low"].uvm_mapped[501] = 1 << 20  # (an nvidia-uvm mapping: managed memory)
+    # CUDA's own 2 MiB mapping and one managed allocation of 1 MiB
+    b.tenants["low"].uvm_mapped[501] = (2 << 20) + (1 << 20)
     assert await memory(high, hctl, hclient, 4 * GiB, 0xC0) == nvs.NV_ERR_NO_MEMORY
     assert b.preemption.entries == {}
     rec, = records(tmp_path, "checkpoint_refused")
     assert "tenant low: it uses managed (UVM) memory" in rec["reason"]
+
+
+async def test_cuda_own_uvm_mapping_does_not_keep_a_victim_from_preemption(inproc_broker,
+                                                                          tmp_path):
+    """Every CUDA process maps 2 MiB of nvidia-uvm at init, and the driver checkpoints it:
+    only mappings beyond that are managed memory."""
+    b = inproc_broker(POLICY)
+    low, high = InProcTenant(b, "low", pid=501), InProcTenant(b, "high", pid=503)
+    lctl, lclient = await setup(low)
+    hctl, hclient = await setup(high)
+    assert await memory(low, lctl, lclient, 6 * GiB, 0xC0) == nvs.NV_OK
+    b.tenants["low"].uvm_mapped[501] = 2 << 20
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(b.preemption.restoring)
+        assert await memory(high, hctl, hclient, 4 * GiB, 0xC0) == nvs.NV_OK
+        assert b.preemption.state_of("low") == "preempted"
+        assert records(tmp_path, "checkpoint_refused") == []
+        nursery.cancel_scope.cancel()
 
 
 async def test_an_equal_or_higher_priority_tenant_is_never_a_victim(inproc_broker, tmp_path):

@@ -146,7 +146,9 @@ class PreemptionConfig:
 
     enabled: bool = False
     host_memory: int = 64 << 30  # bytes of host memory checkpoints may hold, all together
-    wait: float = 30.0  # seconds a waiting allocation may wait for its preemption
+    # seconds a waiting allocation may wait for its preemption: a 60 GiB process took 35 s
+    # to checkpoint on the H200 (docs/preemption-driver.md)
+    wait: float = 120.0
     lock_timeout: float = 10.0  # seconds a process has to answer the driver's lock
 
 

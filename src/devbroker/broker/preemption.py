@@ -45,6 +45,20 @@ RESTORE_TICK_S = 0.2
 # Seconds an executor call for a restore or an undo may take (no waiting allocation bounds
 # them; the executor itself keeps this deadline).
 RESTORE_TIMEOUT_S = 60.0
+# The driver moves device memory to and from host memory at ~1.8 GiB/s out and ~6 GiB/s
+# back on the H200 (docs/preemption-driver.md); a checkpoint's or restore's deadline grows
+# with the bytes it moves at a quarter of the slower rate, so a 100 GiB tenant is not cut
+# off half way while a hung one is still found out.
+MOVE_BYTES_PER_S = (1 << 30) // 2
+# CUDA maps one 2 MiB range of nvidia-uvm for itself at init (the PyTorch trace, and the
+# driver checkpoints such processes: H200, docs/preemption-driver.md); beyond that a
+# process's nvidia-uvm mappings are managed allocations, which the checkpoint cannot carry.
+CUDA_OWN_UVM_MAPPING = 2 << 20
+
+
+def move_deadline(nbytes: int) -> float:
+    """Seconds a checkpoint or restore that moves `nbytes` may take."""
+    return RESTORE_TIMEOUT_S + nbytes / MOVE_BYTES_PER_S
 
 # States of a preempted tenant (Preempted.state)
 PREEMPTING, PREEMPTED, RESTORING = "preempting", "preempted", "restoring"
@@ -295,7 +309,7 @@ class Preemption:
                 await _run(ck.lock, pid, timeout)
                 locked.append(pid)
             for pid in pids:
-                await _run(ck.checkpoint, pid, RESTORE_TIMEOUT_S)
+                await _run(ck.checkpoint, pid, move_deadline(entry.bytes))
                 taken.append(pid)
         except CheckpointError as e:
             await self._undo(name, taken, locked)
@@ -315,9 +329,10 @@ class Preemption:
 
     async def _undo(self, name: str, taken: list[int], locked: list[int]) -> None:
         ck = self.broker.backend.checkpointer
+        moved = self.entries[name].bytes if name in self.entries else 0
         for pid in taken:
             try:
-                await _run(ck.restore, pid, (), RESTORE_TIMEOUT_S)
+                await _run(ck.restore, pid, (), move_deadline(moved))
             except CheckpointError as e:
                 log.warning("preemption of %s: undoing the checkpoint of %d: %s", name, pid, e)
         for pid in locked:
@@ -363,7 +378,7 @@ class Preemption:
         try:
             for pid in e.pids:
                 try:
-                    await _run(ck.restore, pid, (), RESTORE_TIMEOUT_S)
+                    await _run(ck.restore, pid, (), move_deadline(e.bytes))
                     await _run(ck.unlock, pid, RESTORE_TIMEOUT_S)
                 except CheckpointError as err:
                     if pid in live:
@@ -472,7 +487,7 @@ class Preemption:
         moved: list[int] = []
         try:
             for pid in e.pids:
-                await _run(ck.restore, pid, pairs, RESTORE_TIMEOUT_S)
+                await _run(ck.restore, pid, pairs, move_deadline(e.bytes))
                 moved.append(pid)
         except CheckpointError as err:
             # Back where it was (those moved already stay on the new GPU: the driver cannot
@@ -604,7 +619,7 @@ def _refusal(b: Any, t: Any) -> str | None:
     """Why the tenant's processes may not be checkpointed, None when they may: the
     driver's checkpoint does not carry managed (UVM) memory or memory another process
     imported (CUDA IPC)."""
-    if any(t.uvm_mapped.values()):
+    if any(n > CUDA_OWN_UVM_MAPPING for n in t.uvm_mapped.values()):
         return ("it uses managed (UVM) memory, which the driver's checkpoint does not "
                 "carry")
     for c in t.clients.values():
