@@ -225,6 +225,26 @@ async def test_cuda_own_uvm_mapping_does_not_keep_a_victim_from_preemption(inpro
         nursery.cancel_scope.cancel()
 
 
+async def test_the_waiting_allocation_is_not_counted_as_used_when_the_books_decide(
+        inproc_broker, tmp_path):
+    """A backend without its own count of the GPU's memory (the real driver's case) leaves
+    the room to the broker's books, which hold the waiting allocation's bytes while it
+    waits: they are not on the GPU and must not inflate what the victims must free."""
+    b = inproc_broker(POLICY)
+    b.backend.memory_in_use = lambda: None  # the real backend keeps no count of its own
+    low, high = InProcTenant(b, "low", pid=501), InProcTenant(b, "high", pid=503)
+    lctl, lclient = await setup(low)
+    hctl, hclient = await setup(high)
+    assert await memory(low, lctl, lclient, 6 * GiB, 0xC0) == nvs.NV_OK
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(b.preemption.restoring)
+        # 5 GiB: 3 GiB short on the 8 GiB GPU, which low's 6 GiB cover
+        assert await memory(high, hctl, hclient, 5 * GiB, 0xC0) == nvs.NV_OK
+        assert b.preemption.state_of("low") == "preempted"
+        assert records(tmp_path, "checkpoint_refused") == []
+        nursery.cancel_scope.cancel()
+
+
 async def test_an_equal_or_higher_priority_tenant_is_never_a_victim(inproc_broker, tmp_path):
     b = inproc_broker(POLICY)
     mid, low = InProcTenant(b, "mid", pid=502), InProcTenant(b, "low", pid=501)

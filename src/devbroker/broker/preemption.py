@@ -184,9 +184,11 @@ class Preemption:
         self.seconds[(event, tenant)] = self.seconds.get((event, tenant), 0.0) + seconds
 
     # ------------------------------------------------------------------ the books
-    def gpu_free(self, gpu: int) -> int:
+    def gpu_free(self, gpu: int, waiting: int = 0) -> int:
         """Bytes free on the GPU: the backend's own count where it keeps one (the
-        emulator), else its size less what the books hold there outside checkpoints."""
+        emulator), else its size less what the books hold there outside checkpoints.
+        `waiting`: the bytes of an allocation waiting for room, which its tenant's books
+        hold while it waits (core._reserved) although the driver refused them."""
         b = self.broker
         total = b.backend.gpus()[gpu].memory_bytes
         in_use = b.backend.memory_in_use()
@@ -194,7 +196,7 @@ class Preemption:
             return total - in_use.get(gpu, 0)
         held = sum(t.used().get(gpu, 0) for t in b.tenants.values()
                    if t.name not in self.entries)
-        return total - held
+        return total - held + waiting
 
     def room_refusal(self, gpu: int | None, charge: int) -> str | None:
         """(Under STATE_LOCK, before an allocation reaches the driver.) Room reserved for a
@@ -252,7 +254,7 @@ class Preemption:
         if not ck.supported:
             return f"the driver cannot checkpoint: {ck.why}"
         with STATE_LOCK:
-            need = charge - self.gpu_free(gpu) + self.reserved.get(gpu, 0)
+            need = charge - self.gpu_free(gpu, waiting=charge) + self.reserved.get(gpu, 0)
             if need <= 0:
                 return None  # room freed meanwhile: retry
             plan = choose_victims(self._candidates(requester, gpu), need,
