@@ -1,0 +1,91 @@
+"""The test cluster itself (devbroker.testing.k8s): real etcd, apiserver, scheduler,
+controller-manager, and two nodes of containerd + runc + kubelet, each in its own network
+namespace. A pod scheduled to each node must run there, get an address from that node's pod
+range and its service-account token volume, and its output must come back through the
+apiserver from that node's kubelet (kubectl logs)."""
+from __future__ import annotations
+
+import ipaddress
+import json
+import time
+
+import pytest
+
+from devbroker.testing import k8s_config
+
+pytestmark = pytest.mark.root
+
+
+def pod_manifest(name: str, node: str) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {"test": "k8s-cluster"}},
+        "spec": {
+            "restartPolicy": "Never",
+            # the scheduler places it: a node selector, not spec.nodeName
+            "nodeSelector": {"kubernetes.io/hostname": node},
+            "terminationGracePeriodSeconds": 1,
+            "containers": [{
+                "name": "main",
+                "image": k8s_config.HOST_IMAGE,
+                "imagePullPolicy": "Never",
+                "command": ["/bin/sh", "-c",
+                            'echo "hello from $NODE_NAME"; '
+                            "ls /var/run/secrets/kubernetes.io/serviceaccount; "
+                            "python3 -c 'import sys; print(\"python\", sys.version_info[0])'"],
+                "env": [{"name": "NODE_NAME",
+                         "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
+                "volumeMounts": [{"name": "usr", "mountPath": "/usr", "readOnly": True}],
+            }],
+            "volumes": [{"name": "usr", "hostPath": {"path": "/usr", "type": "Directory"}}],
+        },
+    }
+
+
+def wait_phase(cluster, name: str, phases: set[str], timeout: float = 180) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        pod = json.loads(cluster.kubectl("get", "pod", name, "-o", "json").stdout)
+        if pod["status"].get("phase") in phases:
+            return pod
+        if time.monotonic() > deadline:
+            events = cluster.kubectl("get", "events", "-o", "wide", check=False).stdout
+            raise AssertionError(f"pod {name} stuck in {pod['status']}\n{events}")
+        time.sleep(1)
+
+
+def test_both_nodes_ready(k8s_cluster):
+    nodes = json.loads(k8s_cluster.kubectl("get", "nodes", "-o", "json").stdout)["items"]
+    by_name = {n["metadata"]["name"]: n for n in nodes}
+    assert set(by_name) == {"node-a", "node-b"}
+    for name, node in by_name.items():
+        ready = [c for c in node["status"]["conditions"] if c["type"] == "Ready"]
+        assert ready and ready[0]["status"] == "True", (name, node["status"]["conditions"])
+        addrs = {a["type"]: a["address"] for a in node["status"]["addresses"]}
+        assert addrs["InternalIP"] == k8s_cluster.nodes[name].ip
+        assert node["status"]["nodeInfo"]["kubeletVersion"] == "v1.37.2"
+        assert node["status"]["nodeInfo"]["containerRuntimeVersion"].startswith(
+            "containerd://2.4.2")
+
+
+def test_a_pod_runs_on_each_node(k8s_cluster):
+    names = {node: f"hello-{node}" for node in ("node-a", "node-b")}
+    for node, name in names.items():
+        k8s_cluster.kubectl("apply", "-f", "-", input=json.dumps(pod_manifest(name, node)))
+    try:
+        for node, name in names.items():
+            pod = wait_phase(k8s_cluster, name, {"Succeeded", "Failed"})
+            logs = k8s_cluster.kubectl("logs", name).stdout
+            assert pod["status"]["phase"] == "Succeeded", (pod["status"], logs)
+            assert pod["spec"]["nodeName"] == node
+            assert f"hello from {node}\n" in logs
+            assert "token\n" in logs            # the projected service-account volume
+            assert "python 3\n" in logs         # the host's /usr, mounted read-only
+            pod_ip = ipaddress.ip_address(pod["status"]["podIP"])
+            assert pod_ip in ipaddress.ip_network(k8s_cluster.nodes[node].pod_cidr)
+    finally:
+        k8s_cluster.kubectl("delete", "pod", "-l", "test=k8s-cluster", "--wait=true",
+                            "--timeout=120s")
+    left = k8s_cluster.kubectl("get", "pods", "-l", "test=k8s-cluster", "-o", "name").stdout
+    assert left.strip() == ""
