@@ -5,17 +5,25 @@
 //
 //	kube kube-apiserver|kube-scheduler|kube-controller-manager|kubelet|kubectl [flags]
 //
-// or a link named after the component (argv[0]).
+// or a link named after the component (argv[0]). Each case does what that component's own
+// main in k8s.io/kubernetes/cmd does; scripts/k8s/build.sh stamps the version (-X) as the
+// release build would, since a module build has none.
 package main
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"path/filepath"
+	_ "time/tzdata" // CronJob time zones, as the upstream mains have it
 
 	"github.com/spf13/cobra"
+	_ "k8s.io/client-go/plugin/pkg/client/auth" // kubectl's client auth plugins
 	"k8s.io/component-base/cli"
 	"k8s.io/component-base/logs"
+	_ "k8s.io/component-base/logs/json/register"          // --logging-format=json
+	_ "k8s.io/component-base/metrics/prometheus/clientgo" // client-go metrics
+	_ "k8s.io/component-base/metrics/prometheus/version"  // the version metric
 	kubectl "k8s.io/kubectl/pkg/cmd"
 	kubectlutil "k8s.io/kubectl/pkg/cmd/util"
 	apiserver "k8s.io/kubernetes/cmd/kube-apiserver/app"
@@ -45,7 +53,7 @@ func main() {
 	case "kube-controller-manager":
 		cmd = controllermanager.NewControllerManagerCommand()
 	case "kubelet":
-		cmd = kubelet.NewKubeletCommand(nil)
+		cmd = kubelet.NewKubeletCommand(context.Background())
 	case "kubectl":
 		runKubectl(args)
 		return

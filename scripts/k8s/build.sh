@@ -120,13 +120,22 @@ build_containerd() {
 }
 
 build_kube() {
-    local h t0 c
-    h=$(stamp kube k8s/cluster/go.mod k8s/cluster/go.sum k8s/cluster/*.go)
+    local h t0 c v ldflags p
+    v=$(sed -n 's/^\tk8s.io\/kubernetes \(v[0-9.]*\)$/\1/p' k8s/cluster/go.mod | head -1)
+    [ -n "$v" ] || fail "kube: no k8s.io/kubernetes version in k8s/cluster/go.mod"
+    # What hack/lib/version.sh stamps into a release build; a module build has none, and the
+    # nodes would report kubelet v0.0.0-master.
+    v=${v%%+*}
+    ldflags=$LDFLAGS
+    for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+        ldflags="$ldflags -X $p.gitVersion=$v -X $p.gitMajor=$(echo "${v#v}" | cut -d. -f1)"
+        ldflags="$ldflags -X $p.gitMinor=$(echo "$v" | cut -d. -f2) -X $p.gitTreeState=clean"
+    done
+    h=$(LDFLAGS=$ldflags stamp kube k8s/cluster/go.mod k8s/cluster/go.sum k8s/cluster/*.go)
     if current kube "$h" kube; then say "kube: up to date"; return; fi
     t0=$(now)
-    say "kube: building k8s.io/kubernetes $(sed -n 's/^\tk8s.io\/kubernetes //p' k8s/cluster/go.mod | head -1)" \
-        "(cold: tens of minutes on 2 cores; warm: a link)"
-    (cd k8s/cluster && go build -ldflags="$LDFLAGS" -o "$BIN/kube" .) || fail "kube: go build failed"
+    say "kube: building k8s.io/kubernetes $v (cold: about 20 minutes on 2 busy cores; warm: a link)"
+    (cd k8s/cluster && go build -ldflags="$ldflags" -o "$BIN/kube" .) || fail "kube: go build failed"
     for c in kube-apiserver kube-scheduler kube-controller-manager kubelet kubectl; do
         ln -sfn kube "$BIN/$c"
     done

@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[3]
 DEFAULT_BIN = Path(os.environ.get("DEVBROKER_K8S_BIN", REPO / ".cache" / "k8s" / "bin"))
 DEFAULT_STATE = REPO / ".cache" / "k8s" / "run"
 CLAIMS = Path("/run/devbroker-k8s")
-RUNC = "/usr/sbin/runc"
+RUNC = os.environ.get("DEVBROKER_K8S_RUNC", "/usr/sbin/runc")
 CNI_BIN = "/usr/lib/cni"
 CDI_SHARED_DIRS = ["/etc/cdi", "/var/run/cdi"]
 NEEDED_BINARIES = ("kube", "etcd", "containerd", "containerd-shim-runc-v2", "ctr", "pause")
@@ -223,6 +223,10 @@ class Cluster:
             for n in self._plan().nodes():
                 self._start_node(n, timeout)
             self._wait_nodes_ready(timeout)
+            # Pods are refused until the service-account controller has made "default".
+            self._wait("the default service account",
+                       lambda: self.kubectl("get", "serviceaccount", "default",
+                                            check=False).returncode == 0, timeout)
         except BaseException:
             self.log(f"up failed; logs in {self.state_dir}; tearing down")
             self.down()

@@ -185,7 +185,11 @@ def cni_conflist(node: NodePlan) -> str:
 
 def containerd_config(node: NodePlan, runc: str, cni_bin_dir: str,
                       cdi_dirs: list[str]) -> str:
-    """containerd 2.x (config version 3) for one node: its own root, state and socket, CDI on."""
+    """containerd 2.4 for one node: its own root, state and socket; CDI is always on.
+
+    Config version 3: containerd 2.4 migrates it at start (a warning). Version 4 moved the
+    [grpc] section into server plugins, and the socket would fall back to the default path.
+    """
     root = node.state_dir / "containerd"
     q = json.dumps   # TOML basic strings and JSON strings agree for these paths
     return f"""version = 3
@@ -218,12 +222,17 @@ temp = {q(str(root / "tmp"))}
   [plugins.'io.containerd.cri.v1.runtime']
     cdi_spec_dirs = {json.dumps(cdi_dirs)}
     netns_mounts_under_state_dir = true
+    # This machine withholds CAP_SYS_RESOURCE even from root: no process may lower its
+    # oom_score_adj, and the kubelet asks -998 for every pod sandbox. Capped at containerd's
+    # own (0), as in rootless setups.
+    restrict_oom_score_adj = true
     [plugins.'io.containerd.cri.v1.runtime'.containerd]
       default_runtime_name = "runc"
       [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
         runtime_type = "io.containerd.runc.v2"
         [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
           BinaryName = {q(runc)}
+          Root = {q(str(node.run_dir / "runc"))}
           SystemdCgroup = false
     [plugins.'io.containerd.cri.v1.runtime'.cni]
       bin_dirs = [{q(cni_bin_dir)}]
@@ -261,6 +270,8 @@ def kubelet_config(node: NodePlan, ca_file: Path) -> str:
         "cgroupRoot": node.cgroup_root,
         "cgroupsPerQOS": True,
         "failSwapOn": False,
+        # no CAP_SYS_RESOURCE here (see containerd_config): leave the kubelet at 0
+        "oomScoreAdj": 0,
         "failCgroupV1": False,
         "containerRuntimeEndpoint": f"unix://{node.containerd_socket}",
         "podCIDR": node.pod_cidr,
