@@ -89,3 +89,49 @@ def test_a_pod_runs_on_each_node(k8s_cluster):
                             "--timeout=120s")
     left = k8s_cluster.kubectl("get", "pods", "-l", "test=k8s-cluster", "-o", "name").stdout
     assert left.strip() == ""
+
+
+def test_dra_api_and_claim_controller(k8s_cluster):
+    """What a DRA driver builds on, with no driver yet: resource.k8s.io/v1 is served, the
+    apiserver has consumable capacity on, and the controller manager's resource-claim
+    controller makes a pod's ResourceClaim from its template (the pod then waits: no driver
+    publishes devices of that class)."""
+    kinds = k8s_cluster.kubectl("api-resources", "--api-group=resource.k8s.io",
+                                "-o", "name").stdout.split()
+    assert {"resourceclaims.resource.k8s.io", "resourceclaimtemplates.resource.k8s.io",
+            "resourceslices.resource.k8s.io", "deviceclasses.resource.k8s.io"} <= set(kinds)
+    metrics = k8s_cluster.kubectl("get", "--raw", "/metrics").stdout
+    assert 'kubernetes_feature_enabled{name="DRAConsumableCapacity",stage="BETA"} 1' in metrics
+
+    template = {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+        "metadata": {"name": "one-thing", "labels": {"test": "k8s-cluster"}},
+        "spec": {"spec": {"devices": {"requests": [
+            {"name": "thing", "exactly": {"deviceClassName": "nothing.example.com"}}]}}},
+    }
+    pod = pod_manifest("claims", "node-a")
+    pod["spec"]["resourceClaims"] = [{"name": "thing",
+                                      "resourceClaimTemplateName": "one-thing"}]
+    pod["spec"]["containers"][0]["resources"] = {"claims": [{"name": "thing"}]}
+    k8s_cluster.kubectl("apply", "-f", "-", input=json.dumps(template))
+    k8s_cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            got = json.loads(k8s_cluster.kubectl("get", "pod", "claims", "-o", "json").stdout)
+            statuses = got["status"].get("resourceClaimStatuses") or []
+            if statuses and statuses[0].get("resourceClaimName"):
+                break
+            assert time.monotonic() < deadline, got["status"]
+            time.sleep(1)
+        claim_name = statuses[0]["resourceClaimName"]
+        claim = json.loads(k8s_cluster.kubectl("get", "resourceclaim", claim_name,
+                                               "-o", "json").stdout)
+        owner = claim["metadata"]["ownerReferences"][0]
+        assert (owner["kind"], owner["name"]) == ("Pod", "claims")
+        assert claim["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] == \
+            "nothing.example.com"
+        assert got["status"]["phase"] == "Pending"   # nothing can allocate it
+    finally:
+        k8s_cluster.kubectl("delete", "pod,resourceclaimtemplate", "-l", "test=k8s-cluster",
+                            "--wait=true", "--timeout=120s")
