@@ -96,7 +96,7 @@ build_etcd() {
     if current etcd "$h" etcd; then say "etcd: up to date"; return; fi
     t0=$(now)
     say "etcd: building go.etcd.io/etcd/server/v3 $(sed -n 's/^require go.etcd.io\/etcd\/server\/v3 //p' k8s/etcd/go.mod)"
-    (cd k8s/etcd && go build -ldflags="$LDFLAGS" -o "$BIN/etcd" .) || fail "etcd: go build failed"
+    (cd k8s/etcd && go build -buildvcs=false -ldflags="$LDFLAGS" -o "$BIN/etcd" .) || fail "etcd: go build failed"
     echo "$h" > "$BIN/.stamp-etcd"
     say "etcd: built in $(( $(now) - t0 ))s"
 }
@@ -111,7 +111,7 @@ build_containerd() {
     say "containerd: building containerd, containerd-shim-runc-v2, ctr"
     # btrfs needs its C headers; devmapper and zfs snapshotters are not used here.
     for c in containerd containerd-shim-runc-v2 ctr; do
-        (cd k8s/containerd && go build -tags "no_btrfs no_devmapper no_zfs" -ldflags="$LDFLAGS" \
+        (cd k8s/containerd && go build -buildvcs=false -tags "no_btrfs no_devmapper no_zfs" -ldflags="$LDFLAGS" \
             -o "$BIN/$c" "github.com/containerd/containerd/v2/cmd/$c") \
             || fail "containerd: go build $c failed"
     done
@@ -135,7 +135,7 @@ build_kube() {
     if current kube "$h" kube; then say "kube: up to date"; return; fi
     t0=$(now)
     say "kube: building k8s.io/kubernetes $v (cold: about 20 minutes on 2 busy cores; warm: a link)"
-    (cd k8s/cluster && go build -ldflags="$ldflags" -o "$BIN/kube" .) || fail "kube: go build failed"
+    (cd k8s/cluster && go build -buildvcs=false -ldflags="$ldflags" -o "$BIN/kube" .) || fail "kube: go build failed"
     for c in kube-apiserver kube-scheduler kube-controller-manager kubelet kubectl; do
         ln -sfn kube "$BIN/$c"
     done

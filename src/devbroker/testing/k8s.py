@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import ssl
@@ -370,6 +371,7 @@ class Cluster:
             f"--root-ca-file={pki / 'ca.crt'}",
             f"--cluster-signing-cert-file={pki / 'ca.crt'}",
             f"--cluster-signing-key-file={pki / 'ca.key'}",
+            f"--flex-volume-plugin-dir={self.state_dir / 'volume-plugins'}",
             "--controllers=*", *common])
         sk = str(self.state_dir / "scheduler.kubeconfig")
         self._spawn("kube-scheduler", [
@@ -394,11 +396,18 @@ class Cluster:
             if r.returncode != 0:
                 raise ClusterError(f"{n.name}: ctr images import {image.name}: {r.stderr}")
         # The kubelet gets a mount namespace of its own whose /proc/sys files read as it wants
-        # (see k8s_config.KUBELET_SYSCTLS); the shared state dir carries its volume mounts out.
-        binds = "".join(
-            f"mount --bind {n.state_dir / 'sysctl' / k.replace('/', '.')} /proc/sys/{k} && "
-            for k in cfg.KUBELET_SYSCTLS)
-        script = (f"mount --make-rslave /proc && {binds}exec \"$0\" \"$@\"")
+        # (see k8s_config.KUBELET_SYSCTLS), and where the two host paths it uses whatever its
+        # --root-dir are the node's own: every kubelet would share them otherwise. The shared
+        # state dir carries its volume mounts out to containerd.
+        binds = [(n.state_dir / "sysctl" / k.replace("/", "."), f"/proc/sys/{k}")
+                 for k in cfg.KUBELET_SYSCTLS]
+        for src, dst in cfg.KUBELET_FIXED_DIRS.items():
+            (n.state_dir / src).mkdir(parents=True, exist_ok=True)
+            Path(dst).mkdir(parents=True, exist_ok=True)   # the mount point, left empty
+            binds.append((n.state_dir / src, dst))
+        script = "".join(f"mount --bind {shlex.quote(str(a))} {shlex.quote(str(b))} && "
+                         for a, b in binds)
+        script += 'exec "$0" "$@"'
         self._spawn(f"{n.name}-kubelet", [
             "nsenter", f"--net={netns}", "--",
             "unshare", "--mount", "--propagation", "unchanged", "--",
@@ -407,6 +416,7 @@ class Cluster:
             f"--config={n.state_dir / 'kubelet.json'}",
             f"--kubeconfig={n.kubeconfig}",
             f"--root-dir={n.kubelet_root}",
+            f"--cert-dir={n.kubelet_root / 'pki'}",
             f"--hostname-override={n.name}",
             f"--node-ip={n.ip}",
             "--v=1"])

@@ -38,6 +38,14 @@ KUBELET_SYSCTLS = {
     "kernel/keys/root_maxbytes": 25000000,
 }
 
+# Paths the kubelet uses whatever its --root-dir (constants in its source): the device
+# plugins' socket dir and the /var/log/containers links. Each node's kubelet sees its own
+# directory (under the node's state dir) there.
+KUBELET_FIXED_DIRS = {
+    "device-plugins": "/var/lib/kubelet/device-plugins",
+    "container-logs": "/var/log/containers",
+}
+
 
 @dataclass(frozen=True)
 class NodePlan:
