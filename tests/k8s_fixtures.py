@@ -26,12 +26,11 @@ def k8s_cluster():
     state = Path(tempfile.mkdtemp(prefix="dbk", dir="/tmp"))
     cluster = Cluster(state_dir=state)
     cluster.up()
-    instance = cluster.plan.instance
     try:
         yield cluster
     finally:
         cluster.down()
-        left = cluster.leftovers(instance, state)
+        left = cluster.leftovers()
         if not left:
             shutil.rmtree(state, ignore_errors=True)
         assert not left, f"the test cluster left behind: {left} (logs in {state})"

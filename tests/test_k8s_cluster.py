@@ -67,6 +67,9 @@ def test_both_nodes_ready(k8s_cluster):
         assert node["status"]["nodeInfo"]["kubeletVersion"] == "v1.37.2"
         assert node["status"]["nodeInfo"]["containerRuntimeVersion"].startswith(
             "containerd://2.4.2")
+    # The check the fixture's teardown makes (nothing left after down) sees a live cluster.
+    kinds = {what.split()[0] for what in k8s_cluster.leftovers()}
+    assert {"netns", "link", "bridge", "cgroup", "mount", "process"} <= kinds
 
 
 def test_a_pod_runs_on_each_node(k8s_cluster):

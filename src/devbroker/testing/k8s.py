@@ -36,6 +36,7 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from typing import Callable
 from pathlib import Path
 
 from devbroker.testing import k8s_config as cfg
@@ -116,9 +117,10 @@ class Cluster:
     state_dir: Path = DEFAULT_STATE
     bin_dir: Path = DEFAULT_BIN
     node_names: tuple[str, ...] = ("node-a", "node-b")
-    log: "callable" = lambda msg: print(f"k8s: {msg}", file=sys.stderr, flush=True)
+    log: Callable[[str], None] = lambda msg: print(f"k8s: {msg}", file=sys.stderr, flush=True)
     plan: cfg.ClusterPlan | None = None
     daemons: list[Daemon] = field(default_factory=list)
+    images: list[Path] = field(default_factory=list)   # the image archives of this `up`
 
     # ---- facts the tests use --------------------------------------------------------------
 
@@ -294,7 +296,7 @@ class Cluster:
             (n.state_dir / "kubelet.json").write_text(cfg.kubelet_config(n, ca))
             for key, value in cfg.KUBELET_SYSCTLS.items():
                 (n.state_dir / "sysctl" / key.replace("/", ".")).write_text(f"{value}\n")
-        self._images = images
+        self.images = images
 
     def _make_network(self) -> None:
         plan = self._plan()
@@ -389,7 +391,7 @@ class Cluster:
             "nsenter", f"--net={netns}", "--",
             str(self.bin_dir / "containerd"), f"--config={n.state_dir / 'containerd.toml'}"])
         self._wait(f"{n.name} containerd", lambda: self._ctr_ok(n), timeout, containerd)
-        for image in self._images:
+        for image in self.images:
             r = _run(str(self.bin_dir / "ctr"), "--address", str(n.containerd_socket),
                      "-n", "k8s.io", "images", "import", "--platform", "linux/amd64",
                      str(image), check=False)
@@ -469,7 +471,6 @@ class Cluster:
         for d in reversed(self.daemons):
             d.stop()
         self._cleanup_leftovers()
-        self.daemons = []
         claim = CLAIMS / f"{plan.instance}.claim"
         try:
             if claim.read_text().strip() == str(self.state_dir.resolve()):
@@ -496,9 +497,9 @@ class Cluster:
         _run("ip", "link", "del", plan.bridge, check=False)
         shutil.rmtree(plan.run_dir, ignore_errors=True)
 
-    def leftovers(self, instance: int, state_dir: Path) -> list[str]:
-        """What a cluster of this instance and state dir left behind (empty after down)."""
-        plan = cfg.ClusterPlan(instance, state_dir, self.node_names)
+    def leftovers(self) -> list[str]:
+        """What this cluster left behind after `down` (empty when nothing)."""
+        plan, state_dir = self._plan(), self.state_dir
         out = []
         netns = _run("ip", "netns", "list", check=False).stdout.split()
         links = _run("ip", "-o", "link", "show", check=False).stdout
