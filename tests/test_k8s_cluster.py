@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import shutil
 import time
 
 import pytest
@@ -92,6 +93,29 @@ def test_a_pod_runs_on_each_node(k8s_cluster):
                             "--timeout=120s")
     left = k8s_cluster.kubectl("get", "pods", "-l", "test=k8s-cluster", "-o", "name").stdout
     assert left.strip() == ""
+
+
+@pytest.mark.nvidia
+def test_host_tools_pod_loads_nvml(k8s_cluster):
+    """The host-tools image runs Debian's nvidia-smi from the host's /usr: it finds
+    libnvidia-ml.so.1 through the image's /etc/alternatives links and gets as far as NVML's
+    init, which fails: the pod has no device node (a DRA driver's claim gives one)."""
+    if shutil.which("nvidia-smi") is None:
+        pytest.skip("nvidia-smi is not installed (scripts/install-nvidia-clients.sh)")
+    pod = pod_manifest("nvml", "node-b")
+    pod["spec"]["containers"][0]["command"] = ["/bin/sh", "-c", "nvidia-smi; echo rc=$?"]
+    k8s_cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
+    try:
+        wait_phase(k8s_cluster, "nvml", {"Succeeded", "Failed"})
+        logs = k8s_cluster.kubectl("logs", "nvml").stdout
+        # Both are NVML's own answers (nvmlInit failed), so the library was loaded; without
+        # it nvidia-smi says it "couldn't find libnvidia-ml.so", without the alternatives
+        # links the shell finds no nvidia-smi (rc=127).
+        assert ("Failed to initialize NVML" in logs
+                or "couldn't communicate with the NVIDIA driver" in logs), logs
+        assert "rc=127" not in logs and "rc=0\n" not in logs, logs
+    finally:
+        k8s_cluster.kubectl("delete", "pod", "nvml", "--wait=true", "--timeout=120s")
 
 
 def test_dra_api_and_claim_controller(k8s_cluster):
