@@ -122,6 +122,11 @@ class Cluster:
     daemons: list[Daemon] = field(default_factory=list)
     images: list[Path] = field(default_factory=list)   # the image archives of this `up`
 
+    def __post_init__(self) -> None:
+        # absolute: the paths go into config files and the claim
+        self.state_dir = Path(self.state_dir).resolve()
+        self.bin_dir = Path(self.bin_dir).resolve()
+
     # ---- facts the tests use --------------------------------------------------------------
 
     @property
@@ -210,8 +215,10 @@ class Cluster:
         missing = missing_prerequisites(self.bin_dir)
         if missing:
             raise ClusterError("cannot start a cluster: missing " + ", ".join(missing))
+        names, bin_dir = self.node_names, self.bin_dir
         if self._load() and any(d.alive() for d in self.daemons):
             raise ClusterError(f"a cluster already runs from {self.state_dir}: down first")
+        self.node_names, self.bin_dir = names, bin_dir   # not a stale state file's
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.plan = cfg.ClusterPlan(self._claim_instance(), self.state_dir, self.node_names)
         self.daemons = []
@@ -715,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bin-dir", type=Path, default=DEFAULT_BIN)
     ap.add_argument("--timeout", type=float, default=300)
     a = ap.parse_args(argv)
-    c = Cluster(state_dir=a.state_dir.resolve(), bin_dir=a.bin_dir.resolve())
+    c = Cluster(state_dir=a.state_dir, bin_dir=a.bin_dir)
     try:
         if a.command == "up":
             c.up(timeout=a.timeout)
