@@ -95,6 +95,23 @@ def test_a_pod_runs_on_each_node(k8s_cluster):
     assert left.strip() == ""
 
 
+def test_exec_in_a_running_pod(k8s_cluster):
+    """kubectl exec goes apiserver -> the node's kubelet -> its containerd's stream server,
+    and the container lives under that node's own cgroup root."""
+    pod = pod_manifest("sleeper", "node-b")
+    pod["spec"]["containers"][0]["command"] = ["/bin/sh", "-c", "sleep 600"]
+    k8s_cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
+    try:
+        wait_phase(k8s_cluster, "sleeper", {"Running"})
+        out = k8s_cluster.kubectl("exec", "sleeper", "--", "/bin/sh", "-c",
+                                  "echo exec-ok; grep memory /proc/self/cgroup").stdout
+        assert out.startswith("exec-ok\n"), out
+        root = k8s_cluster.nodes["node-b"].cgroup_root
+        assert f":memory:{root}/kubepods/besteffort/pod" in out, out
+    finally:
+        k8s_cluster.kubectl("delete", "pod", "sleeper", "--wait=true", "--timeout=120s")
+
+
 @pytest.mark.nvidia
 def test_host_tools_pod_loads_nvml(k8s_cluster):
     """The host-tools image runs Debian's nvidia-smi from the host's /usr: it finds
