@@ -36,9 +36,13 @@ from prometheus_client.core import (
 )
 from socketserver import ThreadingMixIn
 
+from devbroker.broker import preemption
 from devbroker.broker.alerts import ALERTS
 
 log = logging.getLogger("devbroker.metrics")
+
+# Tenant labels (policy key `labels`) carried by the per-tenant memory and refusal series.
+POD_LABELS = ("namespace", "pod", "container")
 
 
 class BrokerCollector:
@@ -60,14 +64,24 @@ class BrokerCollector:
         def gauge(name, doc, labels):
             return GaugeMetricFamily(name, doc, labels=labels)
 
+        # The tenant's labels that name a Kubernetes pod, under the names dcgm-exporter and
+        # HAMi's exporter give them, so that a cluster's dashboards join the series by pod
+        # ("" where a tenant has none: Prometheus treats an empty label as absent).
+        pod_of = {t["name"]: [t.get("labels", {}).get(k, "") for k in POD_LABELS]
+                  for t in tenants if t.get("labels")}
+
+        def pod(name):
+            return pod_of.get(name, ["", "", ""])
+
         used = gauge("devbroker_tenant_memory_used_bytes",
                      "Device memory the tenant holds on a GPU (the broker's books)",
-                     ["tenant", "gpu"])
+                     ["tenant", "gpu", *POD_LABELS])
         quota = gauge("devbroker_tenant_memory_quota_bytes",
-                      "The tenant's device-memory quota on a GPU", ["tenant", "gpu"])
+                      "The tenant's device-memory quota on a GPU",
+                      ["tenant", "gpu", *POD_LABELS])
         revoked = gauge("devbroker_tenant_revoked_memory_bytes",
                         "Memory the tenant still holds on a GPU a policy change took away",
-                        ["tenant", "gpu"])
+                        ["tenant", "gpu", *POD_LABELS])
         files = gauge("devbroker_tenant_open_files", "NVIDIA files the tenant has open",
                       ["tenant"])
         procs = gauge("devbroker_tenant_processes", "Processes of the tenant with open files",
@@ -87,10 +101,10 @@ class BrokerCollector:
         for t in tenants:
             name = t["name"]
             for g, m in t["memory"].items():
-                used.add_metric([name, g], m["used"])
-                quota.add_metric([name, g], m["quota"])
+                used.add_metric([name, g, *pod(name)], m["used"])
+                quota.add_metric([name, g, *pod(name)], m["quota"])
             for g, n in t.get("revoked_memory", {}).items():
-                revoked.add_metric([name, g], n)
+                revoked.add_metric([name, g, *pod(name)], n)
             files.add_metric([name], t["open_files"])
             procs.add_metric([name], len(t["processes"]))
             clients.add_metric([name], t["clients"])
@@ -119,9 +133,9 @@ class BrokerCollector:
         refusals = CounterMetricFamily("devbroker_refusals",
                                        "Refusals by tenant and reason (every one, also those "
                                        "the audit file's rate limit left out)",
-                                       labels=["tenant", "reason"])
+                                       labels=["tenant", "reason", *POD_LABELS])
         for (tenant, reason), n in snap["refusals"].items():
-            refusals.add_metric([tenant, reason], n)
+            refusals.add_metric([tenant, reason, *pod(tenant)], n)
         yield refusals
         escapes = CounterMetricFamily("devbroker_escape_attempts",
                                       "Refusals only an escape attempt explains (another "
@@ -170,6 +184,9 @@ class BrokerCollector:
                 gpu_backend.add_metric([idx], g["backend_used"])
             gpu_tenants.add_metric([idx], g["tenants"])
         yield from (gpu_total, gpu_alloc, gpu_backend, gpu_tenants)
+        if "preemption" in snap:  # priority preemption (broker/preemption.py)
+            yield from preemption.metric_families(snap["preemption"], gauge,
+                                                  CounterMetricFamily)
         info = GaugeMetricFamily("devbroker_info", "The running broker",
                                  labels=["backend", "driver", "pid"])
         info.add_metric([snap["backend"], snap["driver"], str(snap["pid"])], 1)
@@ -210,6 +227,7 @@ def metrics_snapshot(broker, stats, monitor, audit, *, started: float) -> dict[s
         "thresholds": {"quota": cfg.quota_percent, "refusal_rate": cfg.refusals_per_minute,
                        "escape_attempts": cfg.escape_attempts},
         "audit_suppressed": audit.suppressed_total,
+        "preemption": snap["preemption"],
     }
 
 
