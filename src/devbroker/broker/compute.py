@@ -164,7 +164,19 @@ def stops_new_channels(broker: Any, tenant: str, gpu: int) -> bool:
     """Whether a channel the tenant allocates on `gpu` now is stopped before it has the
     handle (after_channel_alloc): the tenant is stopped there for a high-priority tenant,
     or it is another tenant's turn (turns.py)."""
+    if _in_checkpoint(broker, tenant):
+        return False
     return (tenant, gpu) in books(broker).preempted or out_of_turn(broker, tenant, gpu)
+
+
+def _in_checkpoint(broker: Any, tenant: str) -> bool:
+    """Whether the tenant is being checkpointed, is in host memory or is being restored
+    (broker/preemption.py). Its channels are not stopped for compute priority then: the
+    driver's lock waits for the process's work on them to finish, so a stopped channel
+    makes the lock time out (CUDA_ERROR_NOT_READY on the H200), and the restore enables
+    them again itself."""
+    pre = getattr(broker, "preemption", None)
+    return pre is not None and tenant in pre.entries
 
 
 def never_stops_channels(broker: Any, tenant: Any) -> bool:
@@ -641,7 +653,8 @@ def preempt_all(broker: Any) -> Steps:
     _discover(broker)
     high = _high_holders(broker)
     for t in list(broker.tenants.values()):
-        low = getattr(t.policy, "priority", "normal") == "low" and not t.revoked
+        low = (getattr(t.policy, "priority", "normal") == "low" and not t.revoked
+               and not _in_checkpoint(broker, t.name))
         for gpu in sorted(set(t.gpus) | {k[1] for k in b.stopped if k[0] == t.name}):
             key = (t.name, gpu)
             chans = _channels_on(t, gpu)

@@ -31,7 +31,8 @@ import trio
 from devbroker.abi import status as nvstatus
 from devbroker.backends.checkpoint import CheckpointError, GpuPair
 from devbroker.broker import compute
-from devbroker.broker.effects import STATE_LOCK, Await
+from devbroker.broker.effects import STATE_LOCK, Await, run_async
+from devbroker.broker.effects import locked as effects_locked
 from devbroker.broker.objects import BOOKS
 from devbroker.broker.refusal import Refusal
 
@@ -307,6 +308,12 @@ class Preemption:
         locked: list[int] = []
         taken: list[int] = []
         try:
+            # Channels compute priority stopped would keep the lock from ever completing:
+            # they run again first (the entry above exempts the tenant from those stops).
+            try:
+                await run_async(effects_locked(compute.preempt_all(b)), b.perform)
+            except Exception:  # a failed pass costs the lock its chance, never the broker
+                log.exception("preemption of %s: letting its channels run", name)
             for pid in pids:
                 await _run(ck.lock, pid, timeout)
                 locked.append(pid)
