@@ -232,7 +232,10 @@ for op in sys.argv[2:]:
     s2 = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); s2.connect(sys.argv[1])
     # An empty policy: an admin gets it refused for what it is, others for who they are.
     req = {"op": op, "text": "", "name": "empty"} if op == "policy.apply" else {"op": op}
-    s2.sendall((json.dumps(req) + "\n").encode())
+    try:
+        s2.sendall((json.dumps(req) + "\n").encode())
+    except OSError:
+        pass  # a caller without a role is answered and closed at accept, unread
     buf = b""
     while not buf.endswith(b"\n"):
         chunk = s2.recv(65536)
@@ -287,9 +290,9 @@ def test_control_socket_roles_by_credentials(host_dir, start_broker):
                                               "namespace")
     assert tenant_root["policy.apply"]["error"] == tenant_root["status"]["error"]
     refused = [a for a in broker.audit() if a["event"] == "control-refused"]
+    # Callers without a role are refused at accept, before their request is read.
     assert {(a["uid"], a["op"]) for a in refused} == {
-        (1001, "policy.apply"), (1001, "tenant.dir"), (1003, "status"), (0, "status"),
-        (0, "policy.apply")}
+        (1001, "policy.apply"), (1001, "tenant.dir"), (1003, "connect"), (0, "connect")}
     # The nodes stay root's: a reader cannot walk into the mount to a tenant's node.
     r = subprocess.run([SYSTEM_PYTHON, "-c", "import os,sys; os.open(sys.argv[1], os.O_RDWR)",
                         str(broker.run_dir / "nodes" / "alice" / "nvidiactl")],
@@ -304,3 +307,75 @@ def test_default_control_socket_is_roots_alone(host_dir, start_broker):
                                                                                     0o700)
     assert ask(sock, "status", uid=1001) == {"connect": {"connect": "Permission denied"}}
     assert ask(sock, "status")["status"]["ok"]
+
+
+# Opens connections as one uid and reports what the broker did with each.
+HOLDER = r'''
+import json, socket, sys
+path, mode, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+def reply(s):
+    buf = b""
+    while not buf.endswith(b"\n"):
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        buf += chunk
+    return buf.decode()
+held = []
+for i in range(n):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    if mode == "hold":  # a request never finished: the connection stays open
+        s.sendall(b"{")
+        held.append(s)
+        continue
+    try:  # 8 KiB of request without a newline, then nothing more to send
+        s.sendall(b" " * 8192)
+        s.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+    print(json.dumps({"i": i, "reply": reply(s)}), flush=True)
+if mode == "hold":
+    print(json.dumps({"held": len(held)}), flush=True)
+    sys.stdin.read()  # until the test says so
+'''
+
+
+def test_control_socket_bounds_callers_before_reading(host_dir, start_broker):
+    broker = start_broker(ROLES, run_dir=host_dir / "run")
+    sock = str(broker.run_dir / "control.sock")
+
+    def flood(uid: int, n: int) -> list[str]:
+        r = subprocess.run([SYSTEM_PYTHON, "-c", HOLDER, sock, "send", str(n)],
+                           capture_output=True, text=True, timeout=120, user=uid, cwd="/")
+        assert r.returncode == 0, r.stderr
+        return [json.loads(x)["reply"] for x in r.stdout.splitlines()]
+
+    # A uid without a role is answered and closed at accept: none of its bytes are read
+    # (they used to be buffered up to 1 MiB per connection, for 10 s each).
+    for got in flood(1003, 20):
+        assert json.loads(got) == {"ok": False,
+                                   "error": "permission denied: uid 1003 has no control role"}
+    # A reader's request line is capped small (policy texts are an admin's).
+    for got in flood(1001, 2):
+        assert json.loads(got) == {"ok": False, "error": "request too large"}
+    # A reader holding connections open gets MAX_PER_UID of them served; the rest are closed
+    # at accept, and the operator is still answered.
+    from devbroker.broker.control import MAX_PER_UID
+
+    holder = subprocess.Popen([SYSTEM_PYTHON, "-c", HOLDER, sock, "hold", str(MAX_PER_UID + 4)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              user=1001, cwd="/")
+    try:
+        assert json.loads(holder.stdout.readline()) == {"held": MAX_PER_UID + 4}
+        assert broker.status()["ok"]
+        assert ask(sock, "status", uid=1002)["status"]["ok"]
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    refused = [a for a in broker.audit() if a["event"] == "control-refused"]
+    assert {a["op"] for a in refused if a["uid"] == 1003} == {"connect"}
+    # paced: at most REFUSALS_PER_UID records a second for one uid, the rest counted
+    assert len([a for a in refused if a["uid"] == 1003]) < 20
+    assert [a for a in refused if a["uid"] == 1001
+            and a["reason"].startswith("too many connections open for uid 1001")]
