@@ -23,7 +23,7 @@ from devbroker.broker.alerts import AlertMonitor
 from devbroker.broker.audit import AuditLog
 from devbroker.broker.callstats import CallStats, InstrumentedBroker
 from devbroker.broker.control import (
-    ROLE_ADMIN, ControlError, ControlServer, Peer, peer_of, role_of,
+    ROLE_ADMIN, ControlError, ControlServer, Peer, RefusalPacer, peer_of, role_of,
 )
 from devbroker.broker.core import Broker
 from devbroker.broker.record import Recorder
@@ -143,6 +143,7 @@ class BrokerService:
         self.handed_over = False
         self.done = trio.Event()  # serve() returns when set
         self._seccomp_sock = None  # the listening socket of RUN_DIR/seccomp.sock
+        self._handover_pacer = RefusalPacer()  # its refusal records, per uid
         self._seccomp_accepting: trio.CancelScope | None = None
         self._attaching = 0  # seccomp hand-overs accepted and not yet attached or refused
         self.oci_agent = None
@@ -293,8 +294,11 @@ class BrokerService:
                     if role_of(peer, self._access()) != ROLE_ADMIN:
                         # Handing over a listener names the tenant it serves: whoever may
                         # do it could be any tenant. The operator's `devbroker exec` only.
-                        self._control_refused(peer, "seccomp hand-over",
-                                              "only an admin of the broker's pid namespace")
+                        note = self._handover_pacer.admit(peer.uid, trio.current_time())
+                        if note is not None:
+                            self._control_refused(peer, "seccomp hand-over",
+                                                  "only an admin of the broker's pid namespace"
+                                                  + note)
                         conn.close()
                         self._attaching -= 1
                         continue

@@ -118,6 +118,30 @@ def allowed(role: str | None, op: str) -> bool:
     return role == ROLE_ADMIN or (role == ROLE_READ and need == ROLE_READ)
 
 
+class RefusalPacer:
+    """How many records of refused connections a uid may write: REFUSALS_PER_UID a second;
+    the ones left out are counted into its next record. Refusing must not let a caller
+    without a role fill the disk (the control socket, the hand-over sockets)."""
+
+    def __init__(self, per_second: int = REFUSALS_PER_UID, remember: int = 4096):
+        self.per_second, self.remember = per_second, remember
+        self._seen: dict[int, tuple[float, int, int]] = {}  # uid -> (second, n, left out)
+
+    def admit(self, uid: int, now: float) -> str | None:
+        """None: leave this one out; else the note to add to its record ("" or the count of
+        those left out before it)."""
+        second, count, dropped = self._seen.get(uid, (now, 0, 0))
+        if now - second >= 1.0:
+            second, count = now, 0
+        if count >= self.per_second:
+            self._seen[uid] = (second, count, dropped + 1)
+            return None
+        self._seen[uid] = (second, count + 1, 0)
+        if len(self._seen) > self.remember:  # (uids seen: bounded, the oldest forgotten)
+            self._seen.pop(next(iter(self._seen)))
+        return f" ({dropped} more refused before this one, not recorded)" if dropped else ""
+
+
 class Reply:
     """A handler's reply with something to do once it has been sent (live upgrade: the old
     broker exits only after telling the operator which process took over)."""
@@ -148,7 +172,7 @@ class ControlServer:
         self._kept = False
         self._open_total = 0
         self._open_by_uid: dict[int, int] = {}
-        self._refusals: dict[int, tuple[float, int, int]] = {}  # uid -> (second, n, left out)
+        self._pacer = RefusalPacer()
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         if self.sock is None:
@@ -229,18 +253,9 @@ class ControlServer:
         a caller without a role fill the disk."""
         if self.on_refusal is None:
             return
-        now = trio.current_time()
-        second, count, dropped = self._refusals.get(uid, (now, 0, 0))
-        if now - second >= 1.0:
-            second, count = now, 0
-        if count >= REFUSALS_PER_UID:
-            self._refusals[uid] = (second, count, dropped + 1)
-            return
-        self._refusals[uid] = (second, count + 1, 0)
-        if len(self._refusals) > 4096:  # (uids seen: bounded, the oldest forgotten)
-            self._refusals.pop(next(iter(self._refusals)))
-        self.on_refusal(peer, op, why + (f" ({dropped} more refused before this one, "
-                                         "not recorded)" if dropped else ""))
+        note = self._pacer.admit(uid, trio.current_time())
+        if note is not None:
+            self.on_refusal(peer, op, why + note)
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         async with stream:
