@@ -69,6 +69,8 @@ for arg in sys.argv[1:]:
         attempt(arg, lambda: [os.getuid(), os.getgid()])
     elif kind == "listdir":
         attempt(arg, lambda: sorted(os.listdir(path)))
+    elif kind == "open":  # a device node, opened read-only: "ok" only if it opens
+        attempt(arg, lambda: os.close(os.open(path, os.O_RDONLY)))
 '''
 
 
@@ -193,7 +195,8 @@ def test_other_brokers_sockets_and_an_outside_audit_log_are_out_of_reach(start_b
     assert got[f"control={mine.run_dir / 'control.sock'}"]["result"] == "ENOENT"
     assert got[f"control={mine.run_dir / 'seccomp.sock'}"]["result"] == "ENOENT"
     assert got[f"append={audit}"]["result"] == "EROFS"
-    assert got[f"read={audit}"] == {"what": f"read={audit}", "result": "ok", "got": ""}
+    # Its whole directory is covered: the rotated files beside it too (sandbox/brokers.py)
+    assert got[f"read={audit}"]["result"] == "ENOENT"
     records = [json.loads(x) for x in audit.read_text().splitlines()]
     assert records and not any("forged" in json.dumps(r) for r in records)
     # Bound in writable on purpose, the log itself still is not.
@@ -379,3 +382,36 @@ def test_control_socket_bounds_callers_before_reading(host_dir, start_broker):
     assert len([a for a in refused if a["uid"] == 1003]) < 20
     assert [a for a in refused if a["uid"] == 1001
             and a["reason"].startswith("too many connections open for uid 1001")]
+
+
+def test_every_brokers_files_are_hidden_whatever_its_front_end(start_broker, host_dir):
+    """A root tenant of one broker reads nothing of another broker that has no FUSE mount
+    (--frontend seccomp: its run dir used to stay in the tenant's view), nor any rotated
+    file of its own broker's audit log, and no device node in the host's tree opens for it
+    (a real backend's spare driver nodes sat on a tmpfs without nodev)."""
+    other = start_broker(POLICY, run_dir=host_dir / "other", extra=["--frontend", "seccomp"])
+    logs = host_dir / "logs"
+    mine = start_broker(POLICY, run_dir=host_dir / "mine", extra=["--audit",
+                                                                  str(logs / "audit.jsonl")])
+    rotated = logs / "audit.jsonl.1"  # what a rotation leaves beside the live file
+    rotated.write_text('{"event": "deny", "tenant": "bob", "secret": "OTHER-TENANTS"}\n')
+    rotated.chmod(0o600)
+    node = host_dir / "node"  # a character device node in the host's tree (here /dev/null's)
+    os.mknod(node, 0o600 | 0o020000, os.makedev(1, 3))
+    got = attempts(mine, f"listdir={other.run_dir}", f"read={other.run_dir / 'audit.log'}",
+                   f"control={other.run_dir / 'control.sock'}", f"read={rotated}",
+                   f"read={logs / 'audit.jsonl'}", f"open={node}")
+    assert got[f"listdir={other.run_dir}"] == {"what": f"listdir={other.run_dir}",
+                                               "result": "ok", "got": []}
+    assert got[f"read={other.run_dir / 'audit.log'}"]["result"] == "ENOENT"
+    assert got[f"control={other.run_dir / 'control.sock'}"]["result"] == "ENOENT"
+    assert got[f"read={rotated}"]["result"] == "ENOENT"
+    assert got[f"read={logs / 'audit.jsonl'}"]["result"] == "ENOENT"
+    assert got[f"open={node}"]["result"] == "EACCES"
+    # The brokers wrote down where they are, for every sandbox; gone when they stop.
+    from devbroker.sandbox import brokers
+
+    hidden = brokers.paths_to_hide()
+    assert str(other.run_dir.resolve()) in hidden and str(logs.resolve()) in hidden
+    other.stop()
+    assert str(other.run_dir.resolve()) not in brokers.paths_to_hide()

@@ -461,6 +461,15 @@ class BrokerService:
                 self.paths.mount.mkdir(parents=True, exist_ok=True)
         else:
             self._seccomp_sock = adopted.seccomp
+        # Where this broker's files are, for every sandbox on the host to hide (a broker
+        # without the FUSE front end shows in no mount table): sandbox/brokers.py.
+        from devbroker.sandbox import brokers
+
+        registered = brokers.register(self.paths.run_dir, self.audit.path)
+        if self.audit.path and brokers.audit_dir_is_shared(self.audit.path):
+            log.warning("the audit log %s is in a directory sandboxes cannot cover whole: "
+                        "its rotated files show to root tenants after a rotation; give it a "
+                        "directory of its own", self.audit.path)
         control = self.control = ControlServer(self.paths.control, {
             "status": self._status,
             "policy.show": self._policy_show,
@@ -536,6 +545,7 @@ class BrokerService:
                         fe.detach()
                     nursery.cancel_scope.cancel()
         finally:
+            brokers.unregister(registered)
             if self.metrics is not None:
                 self.metrics.stop()
                 self.metrics = None

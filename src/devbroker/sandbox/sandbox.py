@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from devbroker.sandbox import linux
+from devbroker.sandbox import brokers, linux
 from devbroker.sandbox.linux import (
     MNT_DETACH, MS_BIND, MS_NODEV, MS_NOEXEC, MS_NOSUID, MS_PRIVATE, MS_RDONLY, MS_REC,
     MS_STRICTATIME,
@@ -618,7 +618,11 @@ def build_view(spec: SandboxSpec, *, proc_devices: str | None = None) -> None:
     # Every mount the tenant inherits from the host, at once (issue 13: a root tenant wrote
     # a broker source file and had the broker import it). Mounts made below are new and
     # writable where they must be (/dev/shm, /dev/pts, /tmp, the node binds).
-    linux.mount_setattr("/", set_=linux.MOUNT_ATTR_RDONLY, recursive=True)
+    # And nodev: no device node anywhere in the host's tree opens as a device for the tenant
+    # (a broker's spare driver nodes, a node left in some directory); its own /dev is a new
+    # mount, and the node binds below clear it where they are real devices (CUSE/kmod).
+    linux.mount_setattr("/", set_=linux.MOUNT_ATTR_RDONLY | linux.MOUNT_ATTR_NODEV,
+                        recursive=True)
     # Found before /proc is replaced and before anything is stacked on top of it.
     fuse_root = fuse_mount_containing(tenant)
     # Every devbroker mount on the host (other broker instances too), not only this one,
@@ -626,6 +630,9 @@ def build_view(spec: SandboxSpec, *, proc_devices: str | None = None) -> None:
     broker_mounts = [mp for mp, _root, fstype in linux.mountinfo()
                      if fstype == BROKER_FSTYPE and mp != "/"]
     run_dirs = [os.path.dirname(mp) for mp in broker_mounts if os.path.dirname(mp) != "/"]
+    # And every broker's run dir and audit log the host tells of, whatever its front end
+    # (a seccomp-only broker mounts nothing): sandbox/brokers.py.
+    run_dirs += brokers.paths_to_hide()
     _build_dev(tenant, char_nodes=_char_nodes(spec, proc_devices))
     _build_proc(tenant, proc_devices)
     _build_sys(tenant, spec.driver_version or _driver_version_from(tenant))
@@ -783,8 +790,9 @@ def _build_dev(tenant: Path, char_nodes: dict[str, int] | None = None) -> None:
         os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o666))
         linux.mount(str(tenant / name), target, None, MS_BIND)
         # Writable (the copy of the host's mount is read-only, and the nodes are opened
-        # O_RDWR); nodev stays off: with the CUSE/kmod front ends these are real devices.
-        linux.mount_setattr(target, clear=linux.MOUNT_ATTR_RDONLY,
+        # O_RDWR); nodev off on these binds alone: with the CUSE/kmod front ends these are
+        # real devices.
+        linux.mount_setattr(target, clear=linux.MOUNT_ATTR_RDONLY | linux.MOUNT_ATTR_NODEV,
                             set_=linux.MOUNT_ATTR_NOSUID | linux.MOUNT_ATTR_NOEXEC)
     # Read-only: the tenant cannot plant its own nvidia* files, /dev/nvidia-caps, symlinks.
     linux.remount_bind("/dev", MS_RDONLY)
