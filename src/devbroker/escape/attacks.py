@@ -1700,10 +1700,12 @@ ATTACKS: list[Attack] = [
     Attack("fd-pass-mmap", "victim's mapped nvidiactl (its page faulted in and written) "
            "received over a Unix socket and mapped", "cross-tenant", E, ("SIGBUS",),
            "front end (FUSE page cache)", "passed to another sandbox", a_fd_pass_mmap, True,
-           frontends=("fuse",),
-           na={"seccomp": "the tenant's files are placeholders or real driver files: no FUSE "
-                          "page cache between tenants", "kmod": "the module maps a broker memfd "
-                          "per file", "cuse": "CUSE nodes have no mmap"}),
+           frontends=("fuse", "seccomp"),
+           na={"kmod": "the module maps a broker memfd per file", "cuse": "CUSE nodes have "
+                                                                       "no mmap"},
+           overrides={"seccomp": {
+               "layer": "seccomp front end (what the mapped file is)", "expect": ("EACCES",),
+               "audit": "a broker file that is not this tenant's"}}),
     Attack("fd-pass-register", "victim's ctl fd as REGISTER_FD.ctl_fd on the attacker's GPU fd",
            "cross-tenant", E, ("EBADF", "EINVAL"), "broker", "NV_ESC_REGISTER_FD",
            a_fd_pass_register, True),
