@@ -196,6 +196,7 @@ class Broker:
             if gpu >= len(self.backend.gpus()):
                 raise ValueError(f"policy names GPU {gpu}; the {self.backend.name} backend has "
                                  f"{len(self.backend.gpus())}")
+        self._check_kernel_run_kept(policy)
         new: dict[str, TenantState] = {}
         for name, tp in policy.tenants.items():
             rate = tp.rate_limit.requests_per_second if tp.rate_limit else 0
@@ -228,6 +229,39 @@ class Broker:
         BOOKS.policy_changed()  # (every settled decision read the policy: decided again)
         for cb in self.on_policy_change:
             cb(policy)
+
+    def _check_kernel_run_kept(self, policy: Policy) -> None:
+        """ValueError when the policy would take from a running tenant calls the kernel runs
+        for it unasked. A seccomp tenant with real driver files has the UVM rows with
+        `in_kernel` in its filter (rules.kernel_commands), and a running process's filter
+        cannot be changed: taking the capability away (or the tenant) while it holds
+        nvidia-uvm files would leave those calls reaching the driver. So the change is
+        refused until those files are closed (its processes ended); the running policy
+        stays in force."""
+        if not self.backend.tenant_files:
+            return
+        try:
+            abi = registry.get(self.backend.version)
+        except UnknownVersion:  # no tables: no command is run by the kernel alone
+            return
+        for name, t in self.tenants.items():
+            if t.revoked:
+                continue
+            tp = policy.tenants.get(name)
+            keep = set(rules.kernel_commands(abi, frozenset(tp.capabilities) if tp else
+                                             frozenset()))
+            lost = set(rules.kernel_commands(abi, t.capabilities())) - keep
+            if not lost:
+                continue
+            live = [s for s in t.sessions.values() if s.node is NodeKind.UVM
+                    and not s.closed and getattr(s.file, "runs_in_caller", False)]
+            if live:
+                pids = sorted({s.caller.pid for s in live})
+                raise ValueError(
+                    f"tenant {name} holds {len(live)} open nvidia-uvm file(s) (pids "
+                    f"{', '.join(map(str, pids[:8]))}) whose seccomp filter lets the kernel "
+                    f"run {len(lost)} UVM commands this policy takes away; a running "
+                    "filter cannot be changed: end those processes, then apply again")
 
     def tenant_gpus(self, tenant: str) -> tuple[int, ...]:
         t = self.tenants.get(tenant)
