@@ -958,6 +958,25 @@ def a_gpu_id_fields(ctx):
     return combine(outs)
 
 
+def a_no_layout_controls(ctx):
+    """Controls allowed by a row but without a layout in the client's own ABI (a client that
+    checked in as driver 535, which defines neither): GET_ACTIVE_DEVICE_IDS and
+    ASYNC_ATTACH_ID, the latter naming the victim's GPU id. Nothing in their parameters
+    could be checked, so they must not be relayed."""
+    from devbroker.tools.probe import Client
+
+    old = "535.309.01"
+    c = Client(version=old)
+    c.check_version()
+    c.open_root()
+    gid = ctx.victim["gpu_ids"][str(ctx.victim_gpu)]
+    outs = [judge(*rm_control(c, c.hclient, 0x289, struct.pack("<I", gid)),
+                  f"ASYNC_ATTACH_ID {gid:#x} as driver {old}"),
+            judge(*rm_control(c, c.hclient, 0x288, bytes(4 + 4 * 32)),
+                  f"GET_ACTIVE_DEVICE_IDS as driver {old}")]
+    return combine(outs)
+
+
 def a_client_fields(ctx):
     """Issue 13 item 6: allocation parameters naming the victim's client (an OS event's
     hParentClient, a device's hTargetClient)."""
@@ -1734,6 +1753,13 @@ ATTACKS: list[Attack] = [
            "cross-tenant", E, ("NV_ERR_INVALID_ARGUMENT",), "broker",
            r"(P2P_CAPS_MATRIX|ASYNC_ATTACH_ID).*=0x[0-9a-f]+ is not one of the tenant's GPUs",
            a_gpu_id_fields, True, gpus=2),
+    Attack("no-layout-controls", "allowed controls the client's ABI has no layout for "
+           "(checked in as driver 535: ASYNC_ATTACH_ID with the victim's GPU id, "
+           "GET_ACTIVE_DEVICE_IDS)", "cross-tenant", E, ("NV_ERR_NOT_SUPPORTED",), "broker",
+           "defines no layout for it", a_no_layout_controls, True,
+           frontends=("fuse", "seccomp"), gpus=2, backends=("emulated",),
+           na={fe: "the guest's broker runs the same rule rows; the harness there checks in "
+                   "as its own driver only" for fe in GUEST}),
     Attack("client-fields", "OS event hParentClient / device hTargetClient naming the "
            "victim's client", "cross-tenant", E, ("NV_ERR_INVALID_CLIENT",), "broker",
            "(hParentClient|hTargetClient)=0x[0-9a-f]+ is not a client of this tenant",
