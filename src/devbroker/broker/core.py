@@ -86,6 +86,9 @@ def _locked(method: Callable) -> Callable:
     return locked
 
 
+SQUAT_RECORDS = 16  # client-squat records written for each tenant before they thin out
+
+
 @dataclass
 class Session:
     id: int
@@ -173,6 +176,7 @@ class Broker:
         # and removed; TenantState.clients is its per-tenant view).
         self.clients = ClientRegistry()
         self._ids = itertools.count(1)
+        self._squats: dict[str, int] = {}  # tenant -> root clients named in the driver's range
         self.policy: Policy | None = None
         self.on_policy_change: list[Callable[[Policy], None]] = []
         compute.install(self)  # issue 15: a policy change re-sets running channel groups
@@ -262,6 +266,18 @@ class Broker:
                     f"{', '.join(map(str, pids[:8]))}) whose seccomp filter lets the kernel "
                     f"run {len(lost)} UVM commands this policy takes away; a running "
                     "filter cannot be changed: end those processes, then apply again")
+
+    def note_client_squat(self, s: Session, handle: int, what: str) -> None:
+        """Audit a root client named with a handle of the driver's own range
+        (handlers.names_driver_client_handle): the first SQUAT_RECORDS of a tenant, then
+        every power of two (a tenant that loops cannot fill the log with them)."""
+        n = self._squats[s.tenant.name] = self._squats.get(s.tenant.name, 0) + 1
+        if n <= SQUAT_RECORDS or not n & (n - 1):
+            self.audit.write("client-squat", tenant=s.tenant.name, pid=s.caller.pid,
+                             what=what, handle=f"{handle:#x}", count=n,
+                             reason="a root client named with a handle of the range the "
+                                    "driver hands out itself (another tenant's next client "
+                                    "would get it; the driver skips it)")
 
     def tenant_gpus(self, tenant: str) -> tuple[int, ...]:
         t = self.tenants.get(tenant)
