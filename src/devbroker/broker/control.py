@@ -20,13 +20,14 @@ broker's socket and applied a policy there):
 The role is decided when the connection is accepted, before a byte of it is read: a caller
 without one is closed at once (one audit record, paced per uid), so a world-connectable
 socket costs an unprivileged user one short-lived fd per attempt, never a buffer. What a
-connection may hold is bounded too: at most `MAX_PER_UID` connections of one uid and
-`MAX_CONNECTIONS` in all are served at a time (the rest are closed at accept), and a
-request line is at most `MAX_READ_REQUEST` bytes for the read role (`MAX_REQUEST` for
-admins, whose `policy.apply` carries a policy text).
+connection may hold is bounded too: at most `MAX_PER_UID` connections of one uid (other
+than root) and `MAX_CONNECTIONS` in all are served at a time (the rest are closed at
+accept), and a request line is at most `MAX_READ_REQUEST` bytes for the read role
+(`MAX_REQUEST` for admins, whose `policy.apply` carries a policy text).
 """
 from __future__ import annotations
 
+import errno
 import inspect
 import json
 import os
@@ -42,7 +43,7 @@ import trio
 MAX_REQUEST = 1 << 20
 MAX_READ_REQUEST = 4096  # `status` and `policy.show` requests are a few dozen bytes
 MAX_CONNECTIONS = 64  # served at a time, all callers together
-MAX_PER_UID = 8  # served at a time for one uid
+MAX_PER_UID = 8  # served at a time for one uid other than root
 REFUSALS_PER_UID = 5  # audit records of refused connections per uid per second (then counted)
 REQUEST_TIMEOUT = 10.0  # seconds a connection may take to send its request line
 ROLE_READ = "read"
@@ -191,7 +192,16 @@ class ControlServer:
         try:
             async with trio.open_nursery() as nursery:
                 while True:
-                    conn, _ = await sock.accept()
+                    try:
+                        conn, _ = await sock.accept()
+                    except OSError as e:
+                        # Out of fds or memory (a flood, or the host): wait and accept
+                        # again, as trio's listeners do; a connection that went away
+                        # before it was accepted: next.
+                        if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS,
+                                       errno.ENOMEM):
+                            await trio.sleep(0.1)
+                        continue
                     self._admit(conn, nursery)
         finally:
             if not self._kept:
@@ -225,7 +235,10 @@ class ControlServer:
         except OSError:
             conn.close()
             return
-        if self._open_total >= MAX_CONNECTIONS or self._open_by_uid.get(uid, 0) >= MAX_PER_UID:
+        # (root's own tools are bounded by the total only: `devbroker exec` asks once per
+        # tenant it starts, and an operator may start many at once)
+        per_uid = self._open_by_uid.get(uid, 0)
+        if self._open_total >= MAX_CONNECTIONS or (uid != 0 and per_uid >= MAX_PER_UID):
             conn.close()
             self._refused_record(uid, Peer(0, uid, -1, frozenset(), False), "connect",
                                  "too many connections open" + (
