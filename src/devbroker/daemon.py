@@ -465,7 +465,12 @@ class BrokerService:
         # without the FUSE front end shows in no mount table): sandbox/brokers.py.
         from devbroker.sandbox import brokers
 
-        registered = brokers.register(self.paths.run_dir, self.audit.path)
+        try:
+            registered = brokers.register(self.paths.run_dir, self.audit.path)
+        except OSError as e:  # (a broker without root: no sandbox it could serve either)
+            log.warning("cannot write down where this broker's files are for sandboxes to "
+                        "hide (%s): only /run/devbroker* and FUSE mounts are hidden", e)
+            registered = None
         if self.audit.path and brokers.audit_dir_is_shared(self.audit.path):
             log.warning("the audit log %s is in a directory sandboxes cannot cover whole: "
                         "its rotated files show to root tenants after a rotation; give it a "
@@ -545,7 +550,8 @@ class BrokerService:
                         fe.detach()
                     nursery.cancel_scope.cancel()
         finally:
-            brokers.unregister(registered)
+            if registered is not None:
+                brokers.unregister(registered)
             if self.metrics is not None:
                 self.metrics.stop()
                 self.metrics = None
