@@ -17,7 +17,7 @@ from devbroker.abi import nvtrace, registry
 from devbroker.abi.traceview import TraceDecoder
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT = REPO.parent / "shared" / "traces" / "h200-580.159.04-torch.nvtrace"
+DEFAULT = REPO / "tests" / "data" / "h200-580.159.04-torch.nvtrace"
 
 
 def main() -> int:

@@ -13,10 +13,7 @@ if have; then
     echo "install-bench-tools: already installed: libfuse3 $(pkg-config --modversion fuse3)"
     exit 0
 fi
-[ "$(id -u)" = 0 ] || fail "needs root (apt-get)"
-export DEBIAN_FRONTEND=noninteractive
-apt-get update -qq || fail "apt-get update failed (network? mirror?)"
-apt-get install -y -qq --no-install-recommends gcc libc6-dev pkg-config libfuse3-dev >/dev/null \
-    || fail "apt-get install gcc libc6-dev pkg-config libfuse3-dev failed"
+"$(dirname "$0")/apt-install.sh" install-bench-tools gcc libc6-dev pkg-config libfuse3-dev \
+    || exit 1
 have || fail "gcc, pkg-config or libfuse3-dev still missing after apt-get"
 echo "install-bench-tools: installed: libfuse3 $(pkg-config --modversion fuse3)"

@@ -13,10 +13,6 @@ if installed; then
     echo "install-container-runtimes: already installed: $(dpkg-query -W -f='${Package} ${Version}  ' $PKGS)"
     exit 0
 fi
-[ "$(id -u)" = 0 ] || { echo "install-container-runtimes: needs root (apt-get)" >&2; exit 1; }
-export DEBIAN_FRONTEND=noninteractive
-apt-get update -qq || { echo "install-container-runtimes: apt-get update failed" >&2; exit 1; }
-apt-get install -y -qq --no-install-recommends $PKGS \
-    || { echo "install-container-runtimes: apt-get install $PKGS failed" >&2; exit 1; }
+"$(dirname "$0")/apt-install.sh" install-container-runtimes $PKGS || exit 1
 installed || { echo "install-container-runtimes: $PKGS still not installed" >&2; exit 1; }
 echo "install-container-runtimes: installed: $(dpkg-query -W -f='${Package} ${Version}  ' $PKGS)"

@@ -21,20 +21,22 @@ fail() { echo "install-nvidia-clients: $*" >&2; exit 1; }
 [ "$(id -u)" = 0 ] || fail "needs root (apt-get)"
 [ -f "$SOURCES" ] || fail "$SOURCES not found: expected a Debian 12 deb822 sources file"
 
-# Enable contrib/non-free/non-free-firmware on every Components: line that lacks them.
-if grep -q '^Components:' "$SOURCES"; then
-    for c in contrib non-free non-free-firmware; do
+# Enable contrib/non-free/non-free-firmware on every Components: line that lacks them (a
+# change to the host's apt sources that stays: the README lists it; said here when made).
+grep -q '^Components:' "$SOURCES" || fail "no Components: line in $SOURCES"
+added=""
+for c in contrib non-free non-free-firmware; do
+    if grep '^Components:' "$SOURCES" | grep -qv " $c\( \|\$\)"; then
         # appends " $c" to each Components: line that lacks exactly that word
         sed -i "/^Components:/ { / $c\\( \\|\$\\)/! s/\$/ $c/ }" "$SOURCES"
-    done
-else
-    fail "no Components: line in $SOURCES"
-fi
+        added="$added $c"
+    fi
+done
+[ -z "$added" ] || echo "install-nvidia-clients: added the components$added to $SOURCES" \
+    "(nvidia-smi is in Debian's non-free)" >&2
 
-export DEBIAN_FRONTEND=noninteractive
-apt-get update -qq || fail "apt-get update failed (network? mirror?)"
-# --no-install-recommends: the kernel module (nvidia-kernel-dkms) is not wanted here.
-apt-get install -y -qq --no-install-recommends $PKGS \
-    || fail "apt-get install $PKGS failed; is the non-free component reachable?"
+# No recommends: the kernel module (nvidia-kernel-dkms) is not wanted here.
+"$(dirname "$0")/apt-install.sh" install-nvidia-clients $PKGS \
+    || fail "is the non-free component reachable?"
 installed || fail "packages still not installed after apt-get"
 echo "install-nvidia-clients: installed: $(dpkg-query -W -f='${Package} ${Version}  ' $PKGS)"

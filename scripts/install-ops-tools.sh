@@ -1,7 +1,8 @@
 #!/bin/sh
 # Install what the operations tests run (tests/test_prometheus.py, tests/test_upgrade.py):
 # Debian's Prometheus server and promtool (package prometheus) and systemd-analyze (package
-# systemd). Idempotent: does nothing when they are there. Needs root and Debian 12.
+# systemd, installed only where it is missing: never upgraded). Idempotent: does nothing
+# when they are there. Needs root and Debian 12.
 # The Prometheus package would start its own service on :9090; the tests start their own
 # server on a free loopback port, so the package's is kept from starting during the install.
 set -eu
@@ -15,8 +16,9 @@ if have; then
     exit 0
 fi
 [ "$(id -u)" = 0 ] || fail "needs root (apt-get)"
-export DEBIAN_FRONTEND=noninteractive
-apt-get update -qq || fail "apt-get update failed (network? mirror?)"
+pkgs=""
+{ command -v prometheus >/dev/null && command -v promtool >/dev/null; } || pkgs="prometheus"
+command -v systemd-analyze >/dev/null || pkgs="$pkgs systemd"
 # No service may start during the install (policy-rc.d exit 101: "action forbidden"). An
 # existing policy-rc.d (a container's) is left as it is.
 made_policy=0
@@ -26,8 +28,9 @@ if [ ! -e /usr/sbin/policy-rc.d ]; then
     made_policy=1
 fi
 rc=0
-apt-get install -y -qq --no-install-recommends prometheus systemd >/dev/null || rc=$?
+# shellcheck disable=SC2086 # one word per package
+"$(dirname "$0")/apt-install.sh" install-ops-tools $pkgs || rc=$?
 [ $made_policy = 1 ] && rm -f /usr/sbin/policy-rc.d
-[ $rc = 0 ] || fail "apt-get install prometheus systemd failed"
+[ $rc = 0 ] || exit 1
 have || fail "prometheus, promtool or systemd-analyze still missing after apt-get"
 echo "install-ops-tools: installed: $(prometheus --version 2>&1 | head -n1)"

@@ -16,8 +16,7 @@ if [ ! -e /dev/fuse ]; then
 fi
 # setpriv/unshare (util-linux) drop capabilities and make namespaces for tenant sandboxes.
 if ! command -v setpriv >/dev/null || ! command -v unshare >/dev/null; then
-    echo "setup: installing util-linux" >&2
-    apt-get update -qq && apt-get install -y -qq util-linux >/dev/null
+    scripts/apt-install.sh setup util-linux
 fi
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
@@ -43,8 +42,8 @@ fi
 # now so the broker does not build it at its first tenant. Without a compiler the broker
 # still runs, on its Python listener (slower: docs/benchmarks.md).
 if ! command -v cc >/dev/null; then
-    echo "setup: installing gcc (the native listener loop)" >&2
-    apt-get update -qq && apt-get install -y -qq gcc libc6-dev >/dev/null || true
+    echo "setup: no C compiler: installing gcc (the native listener loop)" >&2
+    scripts/apt-install.sh setup gcc libc6-dev || true
 fi
 .venv/bin/python -m devbroker.native >/dev/null \
     || echo "setup: the native listener loop did not build; the Python one will serve" >&2

@@ -8,8 +8,11 @@
 #            must still see the checkout, its cache and its run directories
 # Each copy is set up from nothing by the README's test command (scripts/test.sh: its own
 # .venv, guest kernel and kmod build under .cache/), then runs a targeted subset: the non-root
-# sandbox tests and one guest boot (kmod from the private copy, CUSE, which needs modprobe and
-# so the guest's /lib/modules, from the /tmp copy).
+# sandbox tests, the tests that replay the H200 recordings of tests/data (in the broker and,
+# for the control lane's, inside a tenant, whose /tmp hides a checkout under /tmp unless it
+# is bound), and one guest boot (kmod from the private copy, CUSE, which needs modprobe and
+# so the guest's /lib/modules, from the /tmp copy). A copy has nothing beside it: a test
+# that read from outside the checkout fails here.
 #   scripts/test-locations.sh [private|tmp]...     (default: both)
 # Environment: DEVBROKER_LOCATIONS_KEEP=1 keeps the copies (their paths are printed).
 set -uo pipefail
@@ -17,7 +20,12 @@ cd "$(dirname "$0")/.."
 SRC=$PWD
 NONROOT="tests/test_sandbox.py::test_runs_as_given_uid_without_capabilities
 tests/test_stat_shim.py::test_sandbox_stat_shim_for_a_non_root_tenant"
-MIN_PASSED=12  # the two sandbox tests and at least ten of the guest's; fewer: selection broke
+# The recordings' tests: test_cuda_rules.py and test_fastlane.py's two that read them.
+TRACES="tests/test_cuda_rules.py tests/test_fastlane.py"
+TRACES_K="cuda_rules or test_lane_answers_as_the_general_path or general_steps_continue"
+# the two sandbox tests, the recordings' 10 and at least ten of the guest's; fewer: the
+# selection broke
+MIN_PASSED=22
 
 say() { echo "test-locations: $*" >&2; }
 
@@ -41,7 +49,8 @@ run_at() {
     say "$name: $dir ($(stat -c %A "$base") $base), guest front end $fe"
     # Everything from the copy itself: no cache shared with this checkout.
     (cd "$dir" && env -u DEVBROKER_QEMU_CACHE bash scripts/test.sh -p no:cacheprovider \
-        $NONROOT tests/test_guest_frontends.py -k "non_root_tenant or given_uid or $fe") \
+        $NONROOT $TRACES tests/test_guest_frontends.py \
+        -k "non_root_tenant or given_uid or $TRACES_K or $fe") \
         2>&1 | tee "$log"
     rc=${PIPESTATUS[0]}
     local passed

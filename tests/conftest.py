@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"
+# Everything a test reads lies in the checkout: a user's clone has nothing beside it.
+DATA = REPO / "tests" / "data"
 
 
 @pytest.fixture(scope="session")
@@ -22,15 +23,10 @@ def repo_root() -> Path:
 
 
 @pytest.fixture(scope="session")
-def shared_dir() -> Path:
-    if not SHARED.is_dir():
-        pytest.fail(f"{SHARED} is missing: the repository must sit beside shared/")
-    return SHARED
-
-
-@pytest.fixture(scope="session")
-def traces_dir(shared_dir) -> Path:
-    return shared_dir / "traces"
+def traces_dir() -> Path:
+    """The H200 recordings (nvtrace) the tests replay: tests/data, inside the checkout, where
+    a tenant bound to the checkout (testing/tenant_binds.py) can read them too."""
+    return DATA
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ from devbroker.abi import DecodeError, NodeKind, iowr, nvtrace, registry
 from devbroker.abi.traceview import TraceDecoder
 
 ABI = registry.get("580.159.04")
-TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+TRACES = Path(__file__).resolve().parent / "data"  # the H200 recordings, in the checkout
 _SEED = []
 if (TRACES / "h200-580.159.04-nvml.nvtrace").exists():
     _SEED = (TRACES / "h200-580.159.04-nvml.nvtrace").read_bytes()[:20000]

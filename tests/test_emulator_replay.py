@@ -1,7 +1,7 @@
 """The emulated driver against the real one (issue 19).
 
 1. Differential replay: every call of the recorded real sessions (tests/data: pynvml and
-   PyTorch on the H200, copied from ../shared/traces, and the broker's recording of the H200
+   PyTorch on the H200, the project's shared traces, and the broker's recording of the H200
    relay run) is sent to an emulator configured as the recorded machine; every answer that
    differs (errno, status, any data field) must be explained by an entry of
    testing/emulated_parity.py, and every entry must still explain something. A broken

@@ -173,10 +173,38 @@ def test_format_size():
 def test_syntax_error_has_tomllib_line():
     e = error("""
         [tenant.a]
+        gpus = [0]
+        memory_quota = "1GiB" x
+    """)
+    assert e.line == 20 and e.reason.startswith("TOML syntax")
+
+
+def test_unclosed_array_names_the_line_that_opened_it():
+    # tomllib notices the missing ] at the next key (line 20): the mistake is on line 19
+    e = error("""
+        [tenant.a]
         gpus = [0
         memory_quota = "1GiB"
     """)
-    assert e.line == 20 and e.reason.startswith("TOML syntax")
+    assert (e.line, e.reason) == (19, "TOML syntax: Unclosed array")
+    # an open array that runs on into the next key's line: tomllib says "Invalid value" there
+    e = error("""
+        [tenant.a]
+        name = "not [ an array"   # nor [ this
+        gpus = [0,
+          1,
+
+        memory_quota = "1GiB"
+    """)
+    assert e.line == 20 and "not closed before line 23" in e.reason, e
+    # a bad value inside a multi-line array stays where it is
+    e = error("""
+        [tenant.a]
+        gpus = [0,
+          x,
+        ]
+    """)
+    assert (e.line, e.reason) == (20, "TOML syntax: Invalid value")
 
 
 def test_duplicate_tenant_table():

@@ -4,17 +4,9 @@
 # The guest kernel itself (Debian's linux-image/headers .debs) is fetched by build-kernel.sh
 # into the repo's .cache/, never installed on the host: the host runs a different kernel.
 set -eu
-need=""
-for p in qemu-system-x86 busybox-static kmod xz-utils make gcc libc6-dev python3-venv cpio; do
-    dpkg-query -W -f='${Status}\n' "$p" 2>/dev/null | grep -q "install ok installed" || need="$need $p"
-done
-if [ -n "$need" ]; then
-    export DEBIAN_FRONTEND=noninteractive
-    # Other jobs may hold the dpkg lock (CI runs setup scripts side by side): wait for it.
-    apt-get update -qq -o DPkg::Lock::Timeout=900
-    # --no-install-recommends: qemu's recommends pull in a GUI stack we never use.
-    apt-get install -y -qq -o DPkg::Lock::Timeout=900 --no-install-recommends $need
-fi
+# Only what is missing, no recommends (qemu's pull in a GUI stack we never use).
+"$(dirname "$0")/../apt-install.sh" qemu-setup qemu-system-x86 busybox-static kmod xz-utils \
+    make gcc libc6-dev python3-venv cpio
 # Guest-side Python: a venv from Debian's /usr/bin/python3 (the pyenv interpreter of .venv
 # starts 2-3 s slower over 9p), with trio and the repo's src/ on its path.
 REPO=$(cd "$(dirname "$0")/../.." && pwd)

@@ -27,6 +27,7 @@ from devbroker.broker.control import (
 )
 from devbroker.broker.core import Broker
 from devbroker.broker.record import Recorder
+from devbroker.broker.tenancy import STATE_FILE, Tenancy
 
 log = logging.getLogger("devbroker")
 
@@ -114,7 +115,8 @@ class BrokerService:
 
     def __init__(self, policy: Any, run_dir: str | Path, *, backend: str | None = None,
                  audit_path: str | Path | None = None, record: str | Path | None = None,
-                 policy_source: str | None = None, frontend: str = "fuse"):
+                 policy_source: str | None = None, frontend: str = "fuse",
+                 runtime_tenants: list | None = None):
         if frontend not in FRONTENDS:
             raise ValueError(f"unknown front end {frontend!r} ({', '.join(FRONTENDS)})")
         self.paths = RunPaths(Path(run_dir))
@@ -126,6 +128,13 @@ class BrokerService:
         built = assemble(policy, backend=backend, audit=audit, recorder=recorder,
                          private_dir=self.paths.run_dir / "private-nodes")
         self.audit, self.backend, self.broker = built.audit, built.backend, built.broker
+        # Tenants added over the control socket (broker/tenancy.py): those a live upgrade
+        # handed over (runtime_tenants), else those saved in the run dir.
+        self.tenancy = Tenancy(
+            self.broker, self.audit, policy, state_path=self.paths.run_dir / STATE_FILE,
+            node_dir=lambda name: (str(self.paths.tenant_dir(name))
+                                   if frontend in ("fuse", "seccomp") else None))
+        self.tenancy.restore(runtime_tenants)
         # Observed at the boundaries, never inside the core: calls where the front ends
         # hand them over (InstrumentedBroker), refusals through the audit log.
         self.callstats = CallStats()
@@ -197,8 +206,10 @@ class BrokerService:
             self.audit.write("metrics", listen=new.url)
 
     def _policy_show(self, req: dict) -> dict:
+        # The file's policy: what `policy apply` takes back (runtime tenants: tenant.list).
         return {"source": self.policy_source or "built-in example",
-                "text": self.broker.policy.to_toml()}
+                "text": self.tenancy.file_policy.to_toml(),
+                "runtime_tenants": sorted(self.tenancy.runtime)}
 
     def _policy_apply(self, req: dict) -> dict:
         from devbroker.broker.policy import PolicyError, load_policy_text
@@ -214,7 +225,7 @@ class BrokerService:
             except OSError as e:
                 raise ValueError(f"[broker.metrics] listen {policy.broker.metrics.listen}: "
                                  f"{e.strerror or e}") from None
-            self.broker.apply_policy(policy)
+            self.tenancy.apply_file_policy(policy)  # the runtime tenants kept
         except PolicyError as e:
             self.audit.write("policy-refused", source=name, error=str(e))
             raise ControlError(f"policy refused, the running policy stays in force: {e}")
@@ -423,6 +434,9 @@ class BrokerService:
 
         if self.upgrading:
             raise ControlError("a live upgrade is already under way")
+        if self.tenancy.removing:
+            raise ControlError("a tenant is being removed: upgrade once `devbroker tenant "
+                               "rm` has returned")
         self.upgrading = True
         try:
             return await upgrade.hand_over(self, python=req.get("python"))
@@ -481,6 +495,9 @@ class BrokerService:
             "policy.apply": self._policy_apply,
             "tenant.dir": self._tenant_dir,
             "upgrade": self._upgrade,
+            **self.tenancy.handlers(lambda: "a live upgrade is under way: change tenants on "
+                                    "the new broker once `devbroker upgrade` has returned"
+                                    if self.upgrading else None),
         }, access=self._access, on_refusal=self._control_refused,
             sock=adopted.control if adopted else None)
         self.broker.on_policy_change.append(lambda p: self._set_modes(control))

@@ -168,7 +168,6 @@ def export_service(service) -> tuple[dict[str, Any], list[int]]:
 
 
 def _export_service(service) -> tuple[dict[str, Any], list[int]]:
-    policy = service.broker.policy
     metrics = service.metrics.address if service.metrics is not None else None
     backend_fds: list[int] = []
     if service.backend.handover_format == "real":
@@ -184,7 +183,10 @@ def _export_service(service) -> tuple[dict[str, Any], list[int]]:
     return {
         "format": handover.FORMAT,
         "from_pid": os.getpid(),
-        "policy": {"text": policy.to_toml(), "source": service.policy_source},
+        # the file's policy, and the tenants added at run time (broker/tenancy.py) apart
+        "policy": {"text": service.tenancy.file_policy.to_toml(),
+                   "source": service.policy_source},
+        "runtime_tenants": service.tenancy.export(),
         "audit_path": str(service.audit.path) if service.audit.path else None,
         "backend": {"name": service.backend.name, "state": backend_state},
         "broker": broker_state,
@@ -379,13 +381,15 @@ def build_service(run_dir: str | Path, state: dict[str, Any], fds: list[int]):
         backend, files = realhandover.import_real(
             state["backend"]["state"], [fds[i] for i in state["backend"]["fds"]])
         service = BrokerService(policy, run_dir, backend=backend,
-                                audit_path=state["audit_path"], policy_source=source)
+                                audit_path=state["audit_path"], policy_source=source,
+                                runtime_tenants=state.get("runtime_tenants"))
         backend.notice = lambda m: service.audit.write("notice", message=m)
         backend.notice(f"real backend: relay pid {backend.relay.pid} adopted with "
                        f"{len(files)} session files")
     elif name == "emulated":
         service = BrokerService(policy, run_dir, backend=name,
-                                audit_path=state["audit_path"], policy_source=source)
+                                audit_path=state["audit_path"], policy_source=source,
+                                runtime_tenants=state.get("runtime_tenants"))
         files = handover.import_emulated(service.backend, state["backend"]["state"])
     else:
         raise handover.HandoverError(f"backend {name} cannot be taken over")

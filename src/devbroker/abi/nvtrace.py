@@ -1,4 +1,4 @@
-"""nvtrace (version 1): reader and writer.  Format: /work/shared/traces/README.md.
+"""nvtrace (version 1): reader and writer.  Format: docs/nvtrace.md.
 
 A file is a sequence of records: a 64-byte little-endian header and four byte strings
 (in, out, xin, xout) whose lengths the header gives.  The reader checks every length

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from devbroker.abi.nodes import NodeKind
+from devbroker.backends.checkpoint import NOT_SUPPORTED, Checkpointer
 
 
 class PciLocation:
@@ -128,6 +129,10 @@ class Backend(Protocol):
     # A counter, not a capability: the control lane's calls run on the broker's own
     # duplicates of relayed files (the real backend, from FUSE readers); 0 without any.
     relayed_here: int
+    # Moves a process's GPU state to host memory and back (backends/checkpoint.py; the
+    # broker's preemption, docs/preemption.md). A backend without a checkpoint API keeps
+    # the default, which refuses every operation with the reason.
+    checkpointer: Checkpointer = NOT_SUPPORTED
 
     def gpus(self) -> "list[GpuInfo]": ...
 

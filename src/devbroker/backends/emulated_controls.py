@@ -1,7 +1,7 @@
 """The RM controls the emulated driver models, as a table: command -> handler.
 
 Each handler gets (backend, client, object, params) and returns (NV_STATUS, params). The
-values mirror what the real driver answered on the H200 (../shared/traces, see
+values mirror what the real driver answered on the H200 (tests/data, docs/nvtrace.md; see
 docs/emulator.md), derived from the emulated GPU's configuration. Controls not listed here
 are answered NV_ERR_NOT_SUPPORTED by EmulatedBackend.
 """
@@ -272,7 +272,7 @@ def get_virtualization_mode(backend, client, obj, p):
 
 
 # ------------------------------------------------------------------ H200 hardware facts
-# What the real H200 (PCI device 0x2335) answered in ../shared/traces/h200-580.159.04-nvml:
+# What the real H200 (PCI device 0x2335) answered in tests/data/h200-580.159.04-nvml.nvtrace:
 # they describe the chip and the board, so an emulated H200 answers the same. A GPU of
 # another PCI device id has no recorded facts: NOT_SUPPORTED.
 H200_FACTS = {

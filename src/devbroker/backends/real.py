@@ -41,6 +41,7 @@ from devbroker.abi import status as nvs
 from devbroker.abi.nodes import NodeKind
 from devbroker.abi.spec import StructSpec, StructValue
 from devbroker.backends import relaywire as w
+from devbroker.backends.cudackpt import CudaCheckpointer
 from devbroker.backends.base import DriverCall, DriverResult, NotHere, PciLocation
 from devbroker.backends.relay import run_ioctl
 from devbroker.backends.tenantfile import (
@@ -523,6 +524,9 @@ class RealBackend:
     # Lane calls run on the broker's own duplicates of relayed files (a counter; a class
     # default, so a backend rebuilt by a live upgrade starts at 0 too).
     relayed_here = 0
+    # libcuda's checkpoint API, one helper process per call (backends/cudackpt.py); whether
+    # the host's driver has it is probed once (`checkpointer.supported`), from start.
+    checkpointer = CudaCheckpointer()
 
     def __init__(self, notice: Callable[[str], None] | None = None, *, dev: str = "/dev",
                  proc: Path = PROC, relay_uid: int | None = 65534, channels: int = 8,
@@ -561,6 +565,8 @@ class RealBackend:
             raise OSError(errno.EPERM, "the relay process kept capabilities; refusing to run")
         if discover:
             self._discover()
+            # (the answer is ready before preemption first asks, on the broker's trio thread)
+            self.checkpointer.probe_soon()
 
     def prepare_tenant_files(self) -> None:
         """Make what tenant files need (the private-node tmpfs, the GPU files the broker

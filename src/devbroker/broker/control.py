@@ -27,6 +27,7 @@ accept), and a request line is at most `MAX_READ_REQUEST` bytes for the read rol
 """
 from __future__ import annotations
 
+import contextvars
 import errno
 import inspect
 import json
@@ -52,6 +53,13 @@ ROLE_ADMIN = "admin"
 OP_ROLES = {"status": ROLE_READ, "policy.show": ROLE_READ,
             "policy.apply": ROLE_ADMIN, "tenant.dir": ROLE_ADMIN}
 _SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5
+# The caller of the request being handled (each connection is its own trio task, with its
+# own context): handlers that audit what they change say who asked (current_peer()).
+_PEER: contextvars.ContextVar["Peer | None"] = contextvars.ContextVar("peer", default=None)
+
+
+def current_peer() -> "Peer | None":
+    return _PEER.get()
 
 
 @dataclass(frozen=True)
@@ -320,6 +328,7 @@ class ControlServer:
                 elif handler is None:
                     reply = {"ok": False, "error": f"unknown op {req.get('op')!r}"}
                 else:
+                    _PEER.set(peer)
                     result = handler(req)
                     if inspect.isawaitable(result):
                         result = await result

@@ -194,13 +194,15 @@ class Broker:
 
     # ------------------------------------------------------------------ policy
     @_locked
-    def apply_policy(self, policy: Policy) -> None:
-        """Install a (validated) policy. Running tenants keep their sessions and objects."""
+    def apply_policy(self, policy: Policy, *, ending: frozenset[str] = frozenset()) -> None:
+        """Install a (validated) policy. Running tenants keep their sessions and objects.
+        `ending`: tenants the caller removes and whose processes it then ends (`devbroker
+        tenant rm`): what their filters let the kernel run ends with them."""
         for gpu in {g for t in policy.tenants.values() for g in t.gpus}:
             if gpu >= len(self.backend.gpus()):
                 raise ValueError(f"policy names GPU {gpu}; the {self.backend.name} backend has "
                                  f"{len(self.backend.gpus())}")
-        self._check_kernel_run_kept(policy)
+        self._check_kernel_run_kept(policy, ending)
         new: dict[str, TenantState] = {}
         for name, tp in policy.tenants.items():
             rate = tp.rate_limit.requests_per_second if tp.rate_limit else 0
@@ -234,14 +236,15 @@ class Broker:
         for cb in self.on_policy_change:
             cb(policy)
 
-    def _check_kernel_run_kept(self, policy: Policy) -> None:
+    def _check_kernel_run_kept(self, policy: Policy, ending: frozenset[str]) -> None:
         """ValueError when the policy would take from a running tenant calls the kernel runs
         for it unasked. A seccomp tenant with real driver files has the UVM rows with
         `in_kernel` in its filter (rules.kernel_commands), and a running process's filter
         cannot be changed: taking the capability away (or the tenant) while it holds
         nvidia-uvm files would leave those calls reaching the driver. So the change is
         refused until those files are closed (its processes ended); the running policy
-        stays in force."""
+        stays in force. A tenant in `ending` is removed by a caller that ends its processes
+        next, which ends those calls too."""
         if not self.backend.tenant_files:
             return
         try:
@@ -249,7 +252,7 @@ class Broker:
         except UnknownVersion:  # no tables: no command is run by the kernel alone
             return
         for name, t in self.tenants.items():
-            if t.revoked:
+            if t.revoked or (name in ending and name not in policy.tenants):
                 continue
             tp = policy.tenants.get(name)
             keep = set(rules.kernel_commands(abi, frozenset(tp.capabilities) if tp else
@@ -935,6 +938,8 @@ class Broker:
             tenants.append({
                 "name": t.name,
                 "gpus": list(t.gpus),
+                # what the cluster calls it (pod, namespace, container: broker/tenancy.py)
+                "labels": dict(getattr(t.policy, "labels", ())),
                 # the files its processes hold (opens the broker prepared ahead and has
                 # not given out yet: "prepared_files")
                 "open_files": sum(not s.prepared for s in t.sessions.values()),

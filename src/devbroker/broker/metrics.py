@@ -40,6 +40,9 @@ from devbroker.broker.alerts import ALERTS
 
 log = logging.getLogger("devbroker.metrics")
 
+# Tenant labels (policy key `labels`) carried by the per-tenant memory and refusal series.
+POD_LABELS = ("namespace", "pod", "container")
+
 
 class BrokerCollector:
     """prometheus_client collector over one running broker (see module doc).
@@ -60,14 +63,24 @@ class BrokerCollector:
         def gauge(name, doc, labels):
             return GaugeMetricFamily(name, doc, labels=labels)
 
+        # The tenant's labels that name a Kubernetes pod, under the names dcgm-exporter and
+        # HAMi's exporter give them, so that a cluster's dashboards join the series by pod
+        # ("" where a tenant has none: Prometheus treats an empty label as absent).
+        pod_of = {t["name"]: [t.get("labels", {}).get(k, "") for k in POD_LABELS]
+                  for t in tenants if t.get("labels")}
+
+        def pod(name):
+            return pod_of.get(name, ["", "", ""])
+
         used = gauge("devbroker_tenant_memory_used_bytes",
                      "Device memory the tenant holds on a GPU (the broker's books)",
-                     ["tenant", "gpu"])
+                     ["tenant", "gpu", *POD_LABELS])
         quota = gauge("devbroker_tenant_memory_quota_bytes",
-                      "The tenant's device-memory quota on a GPU", ["tenant", "gpu"])
+                      "The tenant's device-memory quota on a GPU",
+                      ["tenant", "gpu", *POD_LABELS])
         revoked = gauge("devbroker_tenant_revoked_memory_bytes",
                         "Memory the tenant still holds on a GPU a policy change took away",
-                        ["tenant", "gpu"])
+                        ["tenant", "gpu", *POD_LABELS])
         files = gauge("devbroker_tenant_open_files", "NVIDIA files the tenant has open",
                       ["tenant"])
         procs = gauge("devbroker_tenant_processes", "Processes of the tenant with open files",
@@ -87,10 +100,10 @@ class BrokerCollector:
         for t in tenants:
             name = t["name"]
             for g, m in t["memory"].items():
-                used.add_metric([name, g], m["used"])
-                quota.add_metric([name, g], m["quota"])
+                used.add_metric([name, g, *pod(name)], m["used"])
+                quota.add_metric([name, g, *pod(name)], m["quota"])
             for g, n in t.get("revoked_memory", {}).items():
-                revoked.add_metric([name, g], n)
+                revoked.add_metric([name, g, *pod(name)], n)
             files.add_metric([name], t["open_files"])
             procs.add_metric([name], len(t["processes"]))
             clients.add_metric([name], t["clients"])
@@ -119,9 +132,9 @@ class BrokerCollector:
         refusals = CounterMetricFamily("devbroker_refusals",
                                        "Refusals by tenant and reason (every one, also those "
                                        "the audit file's rate limit left out)",
-                                       labels=["tenant", "reason"])
+                                       labels=["tenant", "reason", *POD_LABELS])
         for (tenant, reason), n in snap["refusals"].items():
-            refusals.add_metric([tenant, reason], n)
+            refusals.add_metric([tenant, reason, *pod(tenant)], n)
         yield refusals
         escapes = CounterMetricFamily("devbroker_escape_attempts",
                                       "Refusals only an escape attempt explains (another "

@@ -2,7 +2,7 @@
 
 `devbroker run --record FILE` writes what the *backend* was asked and answered: calls the
 broker refused never reach the backend and so never appear (a recording of a session is the
-proof that the driver did not see them). Records follow /work/shared/traces/README.md:
+proof that the driver did not see them). Records follow docs/nvtrace.md:
 
 - an OPEN record the first time a session is seen (path /dev/<node>, ret = session id; the
   session id stands in for the fd number everywhere in the file),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import shutil
@@ -142,16 +143,33 @@ def cmd_run(args) -> int:
     except PolicyError as e:
         print(f"devbroker run: {e}", file=sys.stderr)
         return 1
+    busy = _run_dir_in_use(args.run_dir)
+    if busy:
+        print(f"devbroker run: {busy}", file=sys.stderr)
+        return 1
     try:
         service = BrokerService(policy, args.run_dir, backend=args.backend, audit_path=args.audit,
                                 record=args.record, policy_source=args.policy,
                                 frontend=args.frontend)
-    except OSError as e:  # e.g. --backend real on a host without the NVIDIA driver
+    except (OSError, PolicyError) as e:  # e.g. --backend real on a host without the NVIDIA
+        # driver; a saved runtime tenant (RUN_DIR/tenants.json) the policy no longer fits
         print(f"devbroker run: {e}", file=sys.stderr)
         return 1
     _switch_interval()
     try:
         trio.run(run_forever, service)
+    except (OSError, BaseExceptionGroup) as e:
+        # A start-up failure the operator can act on (a mount point or socket path in use,
+        # a full disk): one line, not trio's traceback of the nursery.
+        first = _first_oserror(e)
+        if first is None:
+            raise
+        where = f": {first.filename}" if first.filename else ""
+        hint = ("; is another broker using it? Stop that one or give another --run-dir"
+                if first.errno in (errno.EBUSY, errno.EADDRINUSE) else "")
+        print(f"devbroker run: cannot serve {args.run_dir}: {first.strerror or first}{where}"
+              f"{hint}", file=sys.stderr)
+        return 1
     finally:
         # The real backend's relay, driver threads and private-node mount go with the broker
         # (unless a successor took them over).
@@ -159,6 +177,35 @@ def cmd_run(args) -> int:
             service.backend.stop()
         service.audit.close()  # writes the summaries of rate-limited refusals
     return 0
+
+
+def _first_oserror(e: BaseException) -> OSError | None:
+    """The OSError e is, or the first one inside the exception groups e is."""
+    if isinstance(e, OSError):
+        return e
+    if isinstance(e, BaseExceptionGroup):
+        for sub in e.exceptions:
+            found = _first_oserror(sub)
+            if found is not None:
+                return found
+    return None
+
+
+def _run_dir_in_use(run_dir: str) -> str | None:
+    """Why a broker must not start on run_dir (another one answers on its control socket),
+    else None."""
+    from devbroker.broker.control import ControlError, call
+
+    sock = _paths(argparse.Namespace(run_dir=run_dir)).control
+    if not sock.exists():
+        return None
+    try:
+        reply = call(sock, {"op": "status"}, timeout=5)
+    except (ControlError, OSError, ValueError):
+        return None  # a stale socket of a broker that died: the new one replaces it
+    pid = reply.get("pid", "?")
+    return (f"a broker (pid {pid}) is already running on {run_dir}; stop it first "
+            f"(kill {pid}) or give this one another --run-dir")
 
 
 # --------------------------------------------------------------------------- exec
@@ -170,6 +217,12 @@ def cmd_exec(args) -> int:
     argv = list(args.argv)
     if argv and argv[0] == "--":
         argv = argv[1:]
+    try:  # mistakes in the command line first: no broker needed to report them
+        binds = [Bind.parse(b) for b in args.bind]
+        uid, gid = _tenant_ids(args, binds)
+    except SandboxError as e:
+        print(f"devbroker exec: {e}", file=sys.stderr)
+        return 125
     try:
         info = call(_paths(args).control, {"op": "tenant.dir", "tenant": args.tenant})
     except ControlError as e:
@@ -183,14 +236,13 @@ def cmd_exec(args) -> int:
     frontend = args.frontend
     if frontend == "auto":
         frontend = "seccomp" if info.get("real_files") else "fuse"
-    uid, gid = _tenant_ids(args)
     # The audit log may live outside the run dir (policy audit_log, --audit): hidden too.
     hide = [Path(args.run_dir)] + ([Path(info["audit"])] if info.get("audit") else [])
     try:
         return exec_main(Path(info["dir"]), argv, uid=uid, gid=gid, cwd=args.cwd,
                          hide=hide, stat_shim=args.stat_shim,
                          frontend=frontend, seccomp_socket=info.get("seccomp"),
-                         tenant=args.tenant, binds=[Bind.parse(b) for b in args.bind],
+                         tenant=args.tenant, binds=binds,
                          kernel_ioctls=info.get("kernel_ioctls", ()) if frontend == "seccomp"
                          else ())
     except SandboxError as e:
@@ -198,16 +250,56 @@ def cmd_exec(args) -> int:
         return 125
 
 
-def _tenant_ids(args) -> tuple[int, int | None]:
-    """Who the command runs as: --uid, else the user who ran `sudo devbroker exec`, else
-    nobody — never root unless asked (issue 13: a root tenant owned the host)."""
+def _tenant_ids(args, binds=()) -> tuple[int, int | None]:
+    """Who the command runs as: --uid, else the user who ran `sudo devbroker exec`, else the
+    owner of the directories bound writable (`--bind DIR:DIR:rw` as root: the command is
+    there to write into DIR), else nobody — never root unless asked (issue 13: a root tenant
+    owned the host). A writable bind that only root may write refuses to start, naming
+    --uid, rather than run a command that fails at its first write."""
     if args.uid is not None:
         return args.uid, args.gid
     sudo_uid, sudo_gid = os.environ.get("SUDO_UID", ""), os.environ.get("SUDO_GID", "")
     if sudo_uid.isdigit() and int(sudo_uid) != 0:
         return int(sudo_uid), (args.gid if args.gid is not None
                                else int(sudo_gid) if sudo_gid.isdigit() else None)
+    owner = _writable_binds_owner(binds)
+    if owner is not None:
+        return owner[0], args.gid if args.gid is not None else owner[1]
     return NOBODY, args.gid if args.gid is not None else NOBODY
+
+
+def _writable_binds_owner(binds) -> tuple[int, int] | None:
+    """(uid, gid) of the one non-root owner of the writable binds' sources (those anyone may
+    write left aside); None when there are none. SandboxError, naming --uid, when root owns
+    them or their owners differ."""
+    from devbroker.sandbox import SandboxError
+
+    owners: dict[tuple[int, int], str] = {}
+    for b in binds:
+        if not b.writable:
+            continue
+        try:
+            st = os.stat(b.src)
+        except OSError:
+            continue  # the sandbox reports a missing source itself
+        if st.st_mode & 0o002:  # anyone may write there: nobody too
+            continue
+        owners.setdefault((st.st_uid, st.st_gid), b.text())
+    if not owners:
+        return None
+    uids = {uid for uid, _ in owners}
+    if len(uids) == 1 and 0 not in uids:
+        return next(iter(owners))
+    bind = next(iter(owners.values()))
+    if uids == {0}:
+        src = bind.split(":")[0]
+        raise SandboxError(f"--bind {bind}: {src} is root's, and the command would run as "
+                           f"nobody (uid {NOBODY}), which may not write there; add --uid 0 to "
+                           "run it as root (without capabilities), or --uid UID of a user who "
+                           "may write there (docs/sandbox.md)")
+    mixed = ", ".join(f"{b.split(':')[0]}: uid {u}" for (u, _), b in owners.items())
+    raise SandboxError(f"the writable --bind directories have different owners ({mixed}); "
+                       "choose the uid the command runs as with --uid")
 
 
 # --------------------------------------------------------------------------- status
@@ -334,6 +426,8 @@ def cmd_policy_show(args) -> int:
         print(f"devbroker policy show: {e}", file=sys.stderr)
         return 1
     print(f"# running policy, from {reply['source']}")
+    if reply.get("runtime_tenants"):  # not the file's: `devbroker tenant list` shows them
+        print(f"# and runtime tenants: {', '.join(reply['runtime_tenants'])}")
     print(reply["text"])
     return 0
 
@@ -384,8 +478,10 @@ def cmd_demo(args) -> int:
             for opts, cmd in _demo_commands():
                 print(f"$ devbroker exec --tenant {tenant} {' '.join(opts)}{' ' if opts else ''}"
                       f"-- {' '.join(cmd)}", flush=True)
+                # In / : the demo's own directory (the checkout, perhaps under /tmp or a
+                # 0700 home) is none of the tenant's business.
                 subprocess.run(me + ["exec", "--tenant", tenant, *opts, "--"] + cmd,
-                               check=False)
+                               check=False, cwd="/")
         print("\n== broker status after the tenants ran", flush=True)
         subprocess.run(me + ["status"], check=False)
         print(f"\n== audit log ({paths.audit}), last lines", flush=True)
@@ -394,6 +490,8 @@ def cmd_demo(args) -> int:
                 print(line)
         except OSError:
             pass
+        if shutil.which("nvidia-smi"):
+            print(DEMO_REFUSALS_NOTE, flush=True)
         if args.keep:
             print(f"\nbroker left running (pid {broker.pid}); stop it with kill {broker.pid}")
             return 0
@@ -405,6 +503,14 @@ def cmd_demo(args) -> int:
             except subprocess.TimeoutExpired:
                 broker.kill()
     return 0
+
+
+# What the DENIED column and the "deny" lines of the demo are: they surprise a first reader.
+DEMO_REFUSALS_NOTE = """
+The refusals above are expected: nvidia-smi tries, in every run, a few classes and controls a
+tenant may not use (display, diagnostics, power management). They are not on the allowlist:
+the broker refuses each with an audit line, and nvidia-smi shows what it can without them.
+`devbroker policy allowlist` says what a tenant may do, and why."""
 
 
 def _wait_for_socket(path: Path, proc: subprocess.Popen, timeout: float = 60) -> bool:

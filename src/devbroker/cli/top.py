@@ -50,15 +50,15 @@ class View:
             return [line[:width] for line in out]
         s = cur.status
         alerts = s.get("alerts") or []
-        out.append(f"devbroker top - {clock} - pid {s.get('pid', '?')} - {s['backend']} backend, "
-                   f"driver {s['driver']} - {len(s['tenants'])} tenants - "
-                   f"{len(alerts)} alerts - every {interval:g} s")
+        out += _wrap([f"devbroker top - {clock}", f"pid {s.get('pid', '?')}",
+                      f"{s['backend']} backend, driver {s['driver']}",
+                      f"{len(s['tenants'])} tenants", f"{len(alerts)} alerts",
+                      f"every {interval:g} s"], " - ", width)
         out.append("")
-        out.append(f"{'TENANT':<14} {'PROCS':>5} {'FILES':>5} {'MEMORY USED / QUOTA':<34} "
-                   f"{'IOCTL/S':>8} {'REFUSED/S':>9} {'REFUSED':>8}")
         prev = {t["name"]: t for t in (self.prev.status["tenants"] if self.prev
                                       and self.prev.status else [])}
         dt = cur.at - self.prev.at if self.prev else 0.0
+        rows = []
         for t in s["tenants"]:
             mem = ", ".join(f"gpu{g} {_human(m['used'])}/{_human(m['quota'])}"
                             + (f" {100 * m['used'] / m['quota']:.0f}%" if m["quota"] else "")
@@ -69,8 +69,18 @@ class View:
                 refs = f"{max(0, t['refusals'] - p['refusals']) / dt:.1f}"
             else:
                 ios = refs = "-"
-            out.append(f"{t['name']:<14} {len(t['processes']):>5} {t['open_files']:>5} "
-                       f"{mem:<34} {ios:>8} {refs:>9} {t['refusals']:>8}")
+            rows.append((t["name"], len(t["processes"]), t["open_files"], mem, ios, refs,
+                         t["refusals"]))
+        # The numbers keep their columns at any width (an 80-column terminal included): the
+        # tenant names and the memory column share what is left, memory cut short first.
+        room = width - NUMBERS_WIDTH
+        name_w = min(max([len("TENANT")] + [len(r[0]) for r in rows]),
+                     max(len("TENANT"), room - MEMORY_MIN))
+        mem_w = max(MEMORY_MIN, min(max([len(MEMORY)] + [len(r[3]) for r in rows]),
+                                    room - name_w))
+        out.append(_row(("TENANT", "PROCS", "FILES", MEMORY, "IOCTL/S", "REFUSED/S",
+                         "REFUSED"), name_w, mem_w))
+        out += [_row(r, name_w, mem_w) for r in rows]
         if alerts:
             out.append("")
             out.append("ALERTS")
@@ -78,6 +88,36 @@ class View:
                 out.append(f"  {a['alert']}: {a.get('message', a['tenant'])}")
         self.prev = cur
         return [line[:width] for line in out]
+
+
+# Column widths of the numbers (with the spaces between all seven columns); the tenant
+# names and the memory column get the rest.
+PROCS_W, FILES_W, IOCTL_W, REFUSED_RATE_W, REFUSED_W = 5, 5, 8, 9, 7
+NUMBERS_WIDTH = PROCS_W + FILES_W + IOCTL_W + REFUSED_RATE_W + REFUSED_W + 6
+MEMORY, MEMORY_MIN = "MEMORY USED / QUOTA", 12
+
+
+def _cut(text: str, width: int) -> str:
+    text = str(text)
+    return text if len(text) <= width else text[:width - 1] + "~"
+
+
+def _row(cols: tuple, name_w: int, mem_w: int) -> str:
+    name, procs, files, mem, ios, refs, refused = cols
+    return (f"{_cut(name, name_w):<{name_w}} {procs:>{PROCS_W}} {files:>{FILES_W}} "
+            f"{_cut(mem, mem_w):<{mem_w}} {ios:>{IOCTL_W}} {refs:>{REFUSED_RATE_W}} "
+            f"{refused:>{REFUSED_W}}")
+
+
+def _wrap(parts: list[str], sep: str, width: int) -> list[str]:
+    """parts joined by sep, broken between parts into lines of at most width."""
+    lines = [parts[0]]
+    for part in parts[1:]:
+        if len(lines[-1]) + len(sep) + len(part) <= width:
+            lines[-1] += sep + part
+        else:
+            lines.append("  " + part)
+    return lines
 
 
 def _human(n: int) -> str:

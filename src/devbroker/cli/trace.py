@@ -40,7 +40,7 @@ def _load(args):
         with open(args.file, "rb") as f:
             data = f.read()
     except OSError as e:
-        print(f"devbroker trace: {e}", file=sys.stderr)
+        print(f"devbroker trace: {args.file}: {e.strerror or e}", file=sys.stderr)
         return None, None
     try:
         recs = list(nvtrace.iter_records(data))

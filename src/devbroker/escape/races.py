@@ -37,6 +37,7 @@ import json
 import mmap
 import os
 import select
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -67,12 +68,16 @@ def _flip_lib():
     global _flip
     if _flip is None:
         d = tempfile.mkdtemp(prefix="devbroker-flip-")
-        src, so = os.path.join(d, "flip.c"), os.path.join(d, "flip.so")
-        with open(src, "w") as f:
-            f.write(FLIP_C)
-        subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", so, src], check=True,
-                       capture_output=True, timeout=60)
-        _flip = ctypes.CDLL(so)
+        try:
+            src, so = os.path.join(d, "flip.c"), os.path.join(d, "flip.so")
+            with open(src, "w") as f:
+                f.write(FLIP_C)
+            subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", so, src], check=True,
+                           capture_output=True, timeout=60)
+            _flip = ctypes.CDLL(so)
+        finally:
+            # Loaded (mapped) by now, or failed: the files are of no further use.
+            shutil.rmtree(d, ignore_errors=True)
         _flip.flip.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p,
                                ctypes.c_ulong, ctypes.c_void_p]
     return _flip

@@ -538,17 +538,19 @@ def _command_main(spec: SandboxSpec, shim_fd: int | None = None) -> None:
             if spec.cwd is None:
                 # The caller's directory is not the command's to enter (a 0700 home and the
                 # default uid, or under the host's /tmp, which the tenant does not see):
-                # start in / and say so, rather than fail a command that never asked.
-                _fail("changing directory", OSError(e.errno, f"{e.strerror}: {where} (as uid "
-                      f"{os.getuid()}, in the tenant's view); running in / instead (--cwd "
-                      "DIR to choose)"))
+                # start in / and say why in one line, rather than fail a command that never
+                # asked for a directory.
+                os.write(2, f"devbroker exec: running in /: {_why_not_cwd(where, e)}\n"
+                         .encode())
                 os.chdir("/")
             elif isinstance(e, PermissionError):
-                raise PermissionError(e.errno, f"{e.strerror}: {where} (the command runs as "
-                                      f"uid {os.getuid()}, which cannot enter it; pass --cwd "
-                                      "DIR)") from None
+                raise CommandNotRun(f"--cwd {where}: the command runs as uid {os.getuid()}, "
+                                    "which may not enter it; choose another --cwd or --uid",
+                                    EXIT_SETUP_FAILED) from None
             else:
-                raise
+                raise CommandNotRun(f"--cwd {where}: not in the command's view (the host's "
+                                    "files, a /tmp of its own, the --bind targets); --bind "
+                                    "it or choose another --cwd", EXIT_SETUP_FAILED) from None
         step = "exec"
         # Python ignores SIGPIPE and SIGXFSZ, and ignored dispositions survive exec.
         for sig in (*_WAITED_SIGNALS, signal.SIGPIPE, signal.SIGXFSZ):
@@ -572,7 +574,10 @@ def _command_main(spec: SandboxSpec, shim_fd: int | None = None) -> None:
             else:
                 install_and_send(shim_fd)
             step = "exec"
-        os.execvpe(spec.argv[0], list(spec.argv), env)
+        _exec_command(list(spec.argv), env)
+    except CommandNotRun as e:
+        code = e.code
+        os.write(2, f"devbroker exec: {e}\n".encode())
     except FileNotFoundError as e:
         code = EXIT_NOT_FOUND if step == "exec" else EXIT_SETUP_FAILED
         _fail(step, e)
@@ -583,6 +588,64 @@ def _command_main(spec: SandboxSpec, shim_fd: int | None = None) -> None:
         _fail(step, e)
     finally:
         os._exit(code)
+
+
+class CommandNotRun(Exception):
+    """The command could not be started: the message for the user and the exit status a
+    shell gives (127 not found, 126 found but not executable)."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def _exec_command(argv: list[str], env: dict) -> None:
+    """execvpe as a shell searches PATH: a PATH directory the command's uid may not search
+    (root's /root/.cargo/bin, seen by nobody) does not hold the program for it, so a name
+    found nowhere is "not found" (127) — os.execvpe would report that directory's EACCES as
+    "permission denied" (126). A name found but not executable is 126. Never returns."""
+    name = argv[0]
+    if "/" in name:
+        candidates = [name]
+    else:
+        candidates = [os.path.join(d or ".", name)
+                      for d in env.get("PATH", os.defpath).split(os.pathsep)]
+    refused: OSError | None = None
+    for path in candidates:
+        try:
+            os.execve(path, argv, env)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError as e:
+            try:
+                os.stat(path)
+            except OSError:
+                continue  # a directory on the way is closed to this uid: not here for it
+            refused = refused or e
+    who = f"uid {os.getuid()}"
+    if refused is not None:
+        hint = ("; check its mode, or choose the uid with --uid"
+                if refused.errno == errno.EACCES else "")
+        raise CommandNotRun(f"{refused.filename or name}: {refused.strerror} (as {who}){hint}",
+                            EXIT_NOT_EXECUTABLE)
+    if "/" in name:
+        raise CommandNotRun(f"{name}: not found in the command's view (the host's files as "
+                            f"{who} sees them, a /tmp of its own); --bind the directory that "
+                            "holds it", EXIT_NOT_FOUND)
+    raise CommandNotRun(f"{name}: command not found (searched PATH as {who}); give its "
+                        "full path", EXIT_NOT_FOUND)
+
+
+def _why_not_cwd(where: str, e: OSError) -> str:
+    """One line: why the command cannot start in the caller's directory, and what to pass."""
+    if where == "/tmp" or where.startswith("/tmp/"):
+        return (f"the current directory {where} is under the host's /tmp, which the command "
+                f"does not see (its /tmp is its own); --bind {where} keeps it, --cwd DIR "
+                "chooses another")
+    if isinstance(e, PermissionError):
+        return (f"uid {os.getuid()} may not enter the current directory {where}; --uid UID "
+                "or --cwd DIR chooses")
+    return f"the current directory {where} is not in the command's view; --cwd DIR chooses"
 
 
 def _caller_cwd() -> str:

@@ -1,6 +1,6 @@
 """Differential replay: a recorded real session, call by call, against a driver backend.
 
-Each ioctl of an nvtrace recording (the real driver's own answers: ../shared/traces, and the
+Each ioctl of an nvtrace recording (the real driver's own answers: tests/data, and the
 broker's `--record` files of the H200 runs in tests/data) is sent to a backend as the broker
 would send it, with the handles the real driver gave out replaced by the ones the backend
 gave out and fd fields pointing at the backend's files; the answer is compared with the

@@ -208,6 +208,13 @@ def _human(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB" if n >= (1 << 30) else f"{n / (1 << 20):.0f} MiB"
 
 
+def _version_verdict(reply) -> str:
+    """NV_ESC_CHECK_VERSION_STR's reply in words (the driver's NV_RM_API_VERSION_REPLY_*)."""
+    return {0: "the driver does NOT recognize this version (reply UNRECOGNIZED)",
+            1: "the driver recognizes this version (reply RECOGNIZED)",
+            None: "no reply to the version check"}.get(reply, f"version check reply {reply}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="devbroker-probe", description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -254,8 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"driver version check: reply {report.get('version_reply')}; "
-              f"cards visible: {report.get('cards')}")
+        print(f"driver {c.version}: {_version_verdict(report.get('version_reply'))}; "
+              f"GPUs visible (minor numbers): {report.get('cards')}")
         for g in report["gpus"]:
             m = g["memory"]
             print(f"GPU {g['minor']}: {g['name']}  {g['uuid']}  id {g['gpu_id']:#x}")
