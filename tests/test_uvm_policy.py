@@ -53,3 +53,40 @@ def test_uvm_is_not_taken_from_a_tenant_holding_uvm_files(tmp_path):
     assert "the running policy stays in force" in held["error"]
     assert [a["source"] for a in seen["audit"]][:1] == ["no-uvm"]
     assert seen["closed"]["ok"], seen["closed"]
+
+
+def test_a_runtime_tenant_keeps_uvm_while_it_holds_files_and_its_removal_ends_them(tmp_path):
+    """The same for a tenant made at run time (`devbroker tenant set` is refused while its
+    process holds a uvm file); `devbroker tenant rm` is not: it ends the tenant's processes
+    itself, and with them what their filters let the kernel run."""
+    import json
+    import subprocess
+
+    from test_real_lane import _on_stand_in_nodes
+
+    seen = {}
+
+    def during(broker, line):
+        # (the stand-in GPU reports no memory: a quota of none)
+        r = broker.cli("tenant", "add", "u1", "--gpus", "0", "--memory-quota", "0")
+        assert r.returncode == 0, r.stderr
+        held = broker.exec_popen("u1", sys.executable, str(HERE / "uvm_hold_prog.py"),
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        try:
+            assert json.loads(held.stdout.readline())["uvm"] >= 0
+            seen["set"] = broker.cli("tenant", "set", "u1", "--capability", "nvml",
+                                     "--capability", "compute")
+            seen["rm"] = broker.cli("tenant", "rm", "u1", "--grace", "0")
+            seen["held_rc"] = held.wait(timeout=60)
+        finally:
+            if held.poll() is None:
+                held.kill()
+                held.wait()
+
+    _on_stand_in_nodes(tmp_path, "uvmruntime", {}, "seccomp",
+                       [sys.executable, str(HERE / "uvm_hold_prog.py")], during=during)
+    assert seen["set"].returncode != 0 and "open nvidia-uvm file" in seen["set"].stderr, \
+        seen["set"].stdout + seen["set"].stderr
+    assert seen["rm"].returncode == 0, seen["rm"].stderr
+    assert seen["held_rc"] != 0  # ended by the removal
