@@ -485,10 +485,11 @@ class BrokerService:
             log.warning("cannot write down where this broker's files are for sandboxes to "
                         "hide (%s): only /run/devbroker* and FUSE mounts are hidden", e)
             registered = None
-        if self.audit.path and brokers.audit_dir_is_shared(self.audit.path):
-            log.warning("the audit log %s is in a directory sandboxes cannot cover whole: "
-                        "its rotated files show to root tenants after a rotation; give it a "
-                        "directory of its own", self.audit.path)
+        if self.audit.path and brokers.audit_outside(self.paths.run_dir, self.audit.path) \
+                and brokers.audit_dir_is_shared(self.audit.path):
+            log.warning("the audit log %s shares its directory, which sandboxes therefore "
+                        "cannot cover whole: its rotated files show to root tenants after a "
+                        "rotation; give it a directory of its own", self.audit.path)
         control = self.control = ControlServer(self.paths.control, {
             "status": self._status,
             "policy.show": self._policy_show,

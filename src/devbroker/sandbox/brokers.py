@@ -14,10 +14,11 @@ under the default run directory's prefix), and the sandbox covers (`paths_to_hid
 * each registered broker's audit log where it lives outside its run directory: the log's
   directory, so that the rotated files (``audit.log.1`` …) are covered with the live one and
   stay covered across rotations — a cover on a file is dropped by the kernel when the host
-  renames that file, which rotation does. A log kept directly in a directory every program
-  needs (``/``, ``/var/log``, ``/tmp`` …, `SHARED_DIRS`) cannot be covered whole; there the
-  live file and the rotated files that exist are covered, which holds only until the next
-  rotation (the broker says so at start: give the audit log a directory of its own).
+  renames that file, which rotation does. A log kept in a directory every program needs
+  (``/``, ``/var/log``, ``/tmp`` …, `SHARED_DIRS`) or beside other files cannot be covered
+  whole; there the live file and the rotated files that exist are covered, which holds only
+  until the next rotation (the broker says so at start: give the audit log a directory of
+  its own).
 
 Standard library only: it is loaded into every ``devbroker exec``.
 """
@@ -69,14 +70,31 @@ def unregister(entry: Path) -> None:
         pass
 
 
+def audit_outside(run_dir: str | os.PathLike, audit: str | os.PathLike) -> bool:
+    """Whether the audit log lives outside the run dir (which is covered whole anyway)."""
+    run = os.path.abspath(run_dir).rstrip("/") + "/"
+    return not os.path.abspath(audit).startswith(run)
+
+
 def audit_dir_is_shared(audit: str | os.PathLike) -> bool:
-    """Whether the audit log's directory is one a sandbox cannot cover whole."""
-    return os.path.dirname(os.path.abspath(audit)) in SHARED_DIRS
+    """Whether the audit log's directory is one a sandbox cannot cover whole: a directory
+    every program needs, or one that holds anything but the log and its rotated files (a
+    cover would take those from the tenant too: a home, a project it binds in)."""
+    path = os.path.abspath(audit)
+    parent, name = os.path.split(path)
+    if parent in SHARED_DIRS:
+        return True
+    try:
+        entries = os.listdir(parent)
+    except OSError:
+        return False  # (not there yet: made by the broker for its log alone)
+    return any(e != name and not (e.startswith(name + ".") and e[len(name) + 1:].isdigit())
+               for e in entries)
 
 
 def audit_paths(audit: str | os.PathLike) -> list[str]:
-    """What hides an audit log with its rotated files: its directory, or (in a shared
-    directory) the live file and the rotated ones that exist now."""
+    """What hides an audit log with its rotated files: its directory, or (in a directory
+    shared with other files) the live file and the rotated ones that exist now."""
     path = os.path.abspath(audit)
     if not audit_dir_is_shared(path):
         return [os.path.dirname(path)]
@@ -99,9 +117,11 @@ def paths_to_hide(registry: Path = REGISTRY) -> list[str]:
             continue
         if not isinstance(d, dict):
             continue
-        if isinstance(d.get("run_dir"), str):
-            out.append(d["run_dir"])
-        if isinstance(d.get("audit"), str):
-            out.extend(audit_paths(d["audit"]))
+        run_dir, audit = d.get("run_dir"), d.get("audit")
+        if isinstance(run_dir, str):
+            out.append(run_dir)
+        if isinstance(audit, str) and not (isinstance(run_dir, str)
+                                           and not audit_outside(run_dir, audit)):
+            out.extend(audit_paths(audit))
     # (a run dir named as a directory every program needs would take the tenant's view away)
     return [p for p in out if os.path.abspath(p) not in SHARED_DIRS]
