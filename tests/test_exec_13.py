@@ -13,6 +13,7 @@ default uid. The control socket's two roles are checked with processes of differ
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -420,3 +421,40 @@ def test_every_brokers_files_are_hidden_whatever_its_front_end(start_broker, hos
     assert str(other.run_dir.resolve()) in hidden and str(logs.resolve()) in hidden
     other.stop()
     assert str(other.run_dir.resolve()) not in brokers.paths_to_hide()
+
+
+# Maps, in a FUSE tenant, a memfd named as the seccomp front end names its placeholders
+# (what another tenant's placeholder passed over a socket is) and one of its own.
+MAP_MEMFDS = r'''
+import ctypes, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_long
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+out = {}
+for name in ("devbroker:nvidiactl", "scratch"):
+    fd = os.memfd_create(name)
+    os.pwrite(fd, b"PAGE-OF-" + name.encode(), 0)
+    os.ftruncate(fd, 4096)
+    r = libc.mmap(None, 4096, 3, 1, fd, 0)  # PROT_RW, MAP_SHARED
+    out[name] = ctypes.get_errno() if r == -1 else ctypes.string_at(r, 8 + len(name)).decode()
+out["pid"] = os.getpid()
+print(json.dumps(out))
+'''
+
+
+def test_a_fuse_tenant_cannot_map_a_seccomp_tenants_placeholder(start_broker):
+    """A seccomp tenant's node file is a memfd placeholder; passed to a FUSE tenant (fds
+    cross any socket both reach), the FUSE front end never sees its mapping. The FUSE
+    sandbox's stat shim now gets file mappings too and refuses a placeholder EACCES, with
+    the record in the broker's audit log; a memfd of the tenant's own maps as before."""
+    broker = start_broker(POLICY)
+    r = broker.exec("alice", sys.executable, "-c", MAP_MEMFDS)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = lines(r.stdout)[-1]
+    assert got["devbroker:nvidiactl"] == errno.EACCES, got
+    assert got["scratch"] == "PAGE-OF-scratch"
+    denials = [a for a in broker.audit() if a["event"] == "deny" and a.get("by") == "sandbox"]
+    assert [d["tenant"] for d in denials] == ["alice"], denials
+    assert denials[0]["what"].startswith("mmap of fd ")
+    assert "another tenant's node placeholder" in denials[0]["reason"]

@@ -249,6 +249,19 @@ class BrokerService:
                 # for `devbroker exec` to hide it when it is outside the run dir
                 "audit": str(self.audit.path) if self.audit.path else None}
 
+    def _tenant_refused(self, req: dict) -> dict:
+        """A refusal a tenant's sandbox made itself (its stat shim, in the `devbroker exec`
+        process, refuses the mapping of a broker placeholder that reached a FUSE tenant):
+        written as the broker's own refusals are (an admin's op: the exec runs as root of
+        this pid namespace)."""
+        tenant, pid, what, reason = (req.get(k) for k in ("tenant", "pid", "what", "reason"))
+        if not (isinstance(tenant, str) and isinstance(pid, int) and isinstance(what, str)
+                and isinstance(reason, str)):
+            raise ControlError("tenant.refused needs tenant, pid, what and reason")
+        self.audit.deny(tenant=tenant[:64], pid=pid, what=what[:200], reason=reason[:300],
+                        by="sandbox")
+        return {}
+
     def _control_refused(self, peer: Peer, op: str, reason: str) -> None:
         self.audit.write("control-refused", pid=peer.pid, uid=peer.uid, op=op, reason=reason)
 
@@ -495,6 +508,7 @@ class BrokerService:
             "policy.show": self._policy_show,
             "policy.apply": self._policy_apply,
             "tenant.dir": self._tenant_dir,
+            "tenant.refused": self._tenant_refused,
             "upgrade": self._upgrade,
             **self.tenancy.handlers(lambda: "a live upgrade is under way: change tenants on "
                                     "the new broker once `devbroker upgrade` has returned"

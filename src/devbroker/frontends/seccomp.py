@@ -369,19 +369,17 @@ class _CString(_TaskMemory):
         return read_cstring(self.tid, addr, length)
 
 
-# The name every broker gives its placeholders (memfd_create: "memfd:" + this, as
-# /proc/<pid>/fd shows it). Only the broker names them: a memfd's name is fixed at its
-# creation, so a file that shows this name is a broker's placeholder (or a tenant's own memfd
-# named to look like one, refused all the same: deny by default).
-PLACEHOLDER_PREFIX = "devbroker:"
-_PLACEHOLDER_LINK = "/memfd:" + PLACEHOLDER_PREFIX
+# The name every broker gives its placeholders (seccompwire.PLACEHOLDER_PREFIX): a memfd's
+# name is fixed at its creation, so a file that shows it is a broker's placeholder (or a
+# tenant's own memfd named to look like one, refused all the same: deny by default).
+PLACEHOLDER_PREFIX = w.PLACEHOLDER_PREFIX
 
 
 def _is_placeholder(tid: int, fd: int) -> bool:
     """Whether tid's fd is a broker's node placeholder (any tenant's, any broker's). A link
     that cannot be read counts as one: the mapping is then refused, not let through."""
     try:
-        return os.readlink(f"/proc/{tid}/fd/{fd}").startswith(_PLACEHOLDER_LINK)
+        return os.readlink(f"/proc/{tid}/fd/{fd}").startswith(w.PLACEHOLDER_LINK)
     except OSError:
         return True
 
