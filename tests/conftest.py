@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from k8s_fixtures import k8s_cluster  # noqa: F401  (the session's Kubernetes test cluster)
 
 REPO = Path(__file__).resolve().parent.parent
 # Everything a test reads lies in the checkout: a user's clone has nothing beside it.

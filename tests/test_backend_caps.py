@@ -67,3 +67,13 @@ def test_no_name_checks_or_getattr_probes_of_the_backend():
             if bad.search(line) and "getattr(broker, \"backend\"" not in line:
                 found.append(f"{p.relative_to(SRC)}:{i}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("cls", [EmulatedBackend, RealBackend])
+def test_each_backend_has_a_checkpointer(cls):
+    """Preemption asks `backend.checkpointer` (backends/checkpoint.py); one without the
+    driver's API says why instead of lacking the attribute."""
+    ck = cls().checkpointer if cls is EmulatedBackend else cls.checkpointer
+    assert isinstance(ck.supported, bool) and isinstance(ck.why, str)
+    for m in ("state", "lock", "checkpoint", "restore", "unlock"):
+        assert callable(getattr(ck, m, None)), m

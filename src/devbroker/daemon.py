@@ -18,7 +18,7 @@ import trio
 
 from devbroker.assemble import FRONTENDS, assemble, node_frontend
 from devbroker.assemble import make_backend  # noqa: F401  (its earlier home)
-from devbroker.broker import procview
+from devbroker.broker import preemption, procview
 from devbroker.broker.alerts import AlertMonitor
 from devbroker.broker.audit import AuditLog
 from devbroker.broker.callstats import CallStats, InstrumentedBroker
@@ -513,6 +513,7 @@ class BrokerService:
             **self.tenancy.handlers(lambda: "a live upgrade is under way: change tenants on "
                                     "the new broker once `devbroker upgrade` has returned"
                                     if self.upgrading else None),
+            **preemption.control_ops(self.broker),  # tenant.preempt, tenant.resume
         }, access=self._access, on_refusal=self._control_refused,
             sock=adopted.control if adopted else None)
         self.broker.on_policy_change.append(lambda p: self._set_modes(control))

@@ -36,6 +36,10 @@ class Checkpointer(Protocol):
 
     supported: bool  # False: the driver has no checkpoint API; why in `why`
     why: str
+    # Optional (absent: False): the broker must hold a locked or checkpointed process's
+    # driver calls itself until it runs again. The emulated driver's model sets it; libcuda
+    # blocks a locked process's work inside the process, so the real executor leaves it out.
+    holds_calls: bool
 
     def state(self, pid: int, timeout_s: float) -> str:
         """"running" | "locked" | "checkpointed" | "failed"."""
@@ -55,6 +59,7 @@ class NotSupported:
     refused with the reason, so the broker's refusal names it."""
 
     supported = False
+    holds_calls = False
 
     def __init__(self, why: str = "this backend's driver has no checkpoint API"):
         self.why = why

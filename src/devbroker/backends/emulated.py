@@ -24,6 +24,7 @@ from devbroker.abi.nodes import NodeKind
 from devbroker.backends.base import DriverCall, DriverResult, NotHere, PciLocation
 from devbroker.backends import emulated_export  # noqa: F401  (registers its control handlers)
 from devbroker.backends import emulated_sched  # channel groups (issue 15): registers controls
+from devbroker.backends.emulated_ckpt import EmulatedCheckpointer
 from devbroker.backends.emulated_controls import CONTROL_HANDLERS, H200_FACTS
 from devbroker.backends.emulated_objects import EmuClient, EmuFile, EmuObject
 
@@ -122,6 +123,9 @@ class EmulatedBackend:
         self.started = time.time()
         self._calls = threading.RLock()
         self._card_entries: dict = {}  # CARD_INFO's valid entries, by layout and GPUs
+        # The checkpoint API's model (emulated_ckpt.py): a checkpointed process's memory is
+        # not on the GPU (`used`), though its objects and `_held` stay.
+        self.checkpointer = EmulatedCheckpointer(self)
 
     # ------------------------------------------------------------------ Backend API
     def gpu_index_of_instance(self, instance: int) -> int | None:
@@ -249,7 +253,8 @@ class EmulatedBackend:
         if obj.rm_class == 0x80:
             self._devices_on[obj.gpu] = self._devices_on.get(obj.gpu, 0) + 1
         if obj.size:
-            self.used[obj.gpu] += obj.size
+            if not self.checkpointer.away(c.tgid):
+                self.used[obj.gpu] += obj.size
             held = self._held.setdefault(obj.gpu, {})
             held[c.tgid] = held.get(c.tgid, 0) + obj.size
 
@@ -259,7 +264,8 @@ class EmulatedBackend:
         if obj.rm_class == 0x80:
             self._devices_on[obj.gpu] -= 1
         if obj.size:
-            self.used[obj.gpu] -= obj.size
+            if not self.checkpointer.away(c.tgid):
+                self.used[obj.gpu] -= obj.size
             held = self._held[obj.gpu]
             held[c.tgid] -= obj.size
             if not held[c.tgid]:

@@ -28,7 +28,7 @@ from devbroker.abi import status as nvstatus
 from devbroker.abi.nodes import NodeKind
 from devbroker.abi.driver import DriverABI
 from devbroker.backends.base import Backend, DriverCall, DriverFile, DriverResult
-from devbroker.broker import compute, limits, rules, turns
+from devbroker.broker import compute, limits, preemption, rules, turns
 from devbroker.broker.audit import AuditLog
 from devbroker.broker.continuelane import ContinueLane
 from devbroker.broker.fastlane import ControlLane
@@ -189,6 +189,9 @@ class Broker:
         self.quota_watch: QuotaWatch | None = (
             QuotaWatch(backend.process_vidmem_many, lambda: self.tenants, self.audit,
                        self._start_soon) if backend.counts_process_memory else None)
+        # Priority preemption by checkpoint (preemption.py): who is preempted, the room
+        # reserved for restores.
+        self.preemption = preemption.Preemption(self)
         self.apply_policy(policy)
         self._logged_once: set[tuple] = set()
 
@@ -294,6 +297,7 @@ class Broker:
         if self.quota_watch is not None:
             self.quota_watch.resume()  # processes watched before the run (a live upgrade)
         turns.schedule(self, startup=True)  # weighted turns, when the policy asks (turns.py)
+        start_soon(self.preemption.restoring)  # preempted tenants back as room frees
 
     def _start_soon(self, fn: Callable) -> bool:
         """Start a background task from the trio thread or from a listener thread. False:
@@ -541,6 +545,9 @@ class Broker:
             return IoctlReply(errno=errno.EACCES)
         if not self._same_sandbox(s, req.caller):
             return IoctlReply(errno=errno.EACCES)
+        if tenant.name in self.preemption.held:
+            # Preempted: its calls wait until it runs again (the driver's lock, modelled)
+            yield from preemption.hold_steps(self, tenant)
         if s.node is NodeKind.GPU and s.minor not in tenant.gpus:
             # Issue 13 item 4: a GPU node opened before a policy change took the GPU away.
             # New opens are refused by rules.check_open; an open file must not outlive it.
@@ -958,6 +965,8 @@ class Broker:
                 "memory_stalled": self.memgate.stalled.get(t.name, 0),
                 "rate_limited": t.limiter.waited,
                 **compute.tenant_status(self, t),  # issue 15: share, priority, groups
+                "preemptible": t.policy.preemptible,
+                "preempted": self.preemption.state_of(t.name),  # None: running
             })
         return {"backend": self.backend.name, "driver": self.backend.version,
                 "tenants": tenants,
@@ -980,6 +989,7 @@ class Broker:
                                   "settled": self.continue_lane.settled,
                                   # of admitted: root clients the tenant allocated itself
                                   "roots": self.continue_lane.roots},
+                "preemption": self.preemption.snapshot(),
                 # quotawatch.py (real backend only): processes watched for device memory
                 # past the books, the looks at the driver's accounting, processes killed
                 **({"quota_watch": {"watching": len(self.quota_watch.watching()),
@@ -994,6 +1004,7 @@ class _RevokedTenant:
     memory_quota = 0
     uids = None
     rate_limit = None
+    preemptible = False
 
 
 def _get_path(value: Any, path: str):

@@ -85,7 +85,7 @@ from devbroker.abi.errors import DecodeError
 from devbroker.abi.nodes import NodeKind
 from devbroker.backends.base import DriverResult
 
-from . import compute, handlers, limits, rewrite, rules
+from . import compute, handlers, limits, preemption, rewrite, rules
 from .effects import STATE_LOCK, HandOver, locked, run_blocking
 from .refusal import Refusal
 
@@ -362,6 +362,8 @@ def _usable_session(b: Broker, session_id: int, caller: Caller) -> Session | Non
     s = b.sessions.get(session_id)
     if s is None or s.closed or s.tenant.revoked:
         return None
+    if s.tenant.name in b.preemption.held:
+        return None  # preempted: its calls wait on the general path (preemption.py)
     if caller.uid != s.caller.uid or (s.pidns is not None and (
             caller.pidns is None or caller.pidns != s.pidns)):
         return None
@@ -587,6 +589,8 @@ class ControlLane:
         if plan is None or plan[0] not in caps:
             return None
         _cap, size, checked, ptrs, rule = plan
+        if rule.no_memory is not None and preemption.lane_declines(b):
+            return None  # its NO_MEMORY answer may start a preemption: the general way's
         # paramsSize 0 (what CUDA sends) makes the driver read its class's own parameter
         # size, which is the table's for this driver version (abi.nested does the same)
         if params_size not in (0, size) or params_ptr == 0 or (

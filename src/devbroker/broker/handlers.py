@@ -286,8 +286,17 @@ def rm_alloc(ctx: CallContext) -> Steps:
         raise Refusal(f"{where}: attr {int(params.attr):#x}/attr2 {int(params.attr2):#x} "
                       "ask for a page size the driver does not offer",
                       status=nvstatus.NV_ERR_INVALID_ARGUMENT, what=where)
+    if cls_rule.no_memory is not None and charge:
+        # Room a preempted tenant is being given back is not offered to others (its restore
+        # reserved it first: broker/preemption.py); answered as the driver would.
+        if why := b.preemption.room_refusal(gpu, charge):
+            raise Refusal(f"{where}: {why}", status=nvstatus.NV_ERR_NO_MEMORY, what=where)
     with b._reserved(s, client, cls, v.hObjectParent, gpu, charge, where):
         result = yield from b._call_backend(s, call, nested, req=req, rm_class=cls)
+        if cls_rule.no_memory is not None and charge:
+            result = yield from cls_rule.no_memory(
+                ctx, gpu, charge, where, result,
+                lambda: b._call_backend(s, call, nested, req=req, rm_class=cls))
     out = abi.decode_ioctl(s.node, req.cmd, result.arg).value
     if not result.errno and out.status == nvstatus.NV_OK:
         out_params = (result.nested is not None and ref is not None

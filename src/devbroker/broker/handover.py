@@ -39,6 +39,7 @@ BROKER_ATTRS = frozenset({
     "control_lane", "continue_lane",  # plans derived again; counters start afresh
     # rebuilt: the successor watches every process holding a tenant's files (import_broker)
     "quota_watch",
+    "preemption",  # who is preempted, its counters (Preemption.export)
 })
 SESSION_FIELDS = frozenset({"id", "tenant", "node", "minor", "caller", "file", "closed",
                             "pidns", "prepared"})
@@ -56,7 +57,9 @@ EMULATED_ATTRS = frozenset({"version", "_gpus", "abi", "files", "clients", "_fil
                             "_calls",  # its lock: the successor's is new
                             "_card_entries",  # a cache of CARD_INFO's bytes: rebuilt on use
                             # indexes: rebuilt from the clients and checked against `used`
-                            "_clients_of_file", "_devices_on", "_held"})
+                            "_clients_of_file", "_devices_on", "_held",
+                            # its checkpoint model: the processes locked or checkpointed
+                            "checkpointer"})
 EMU_FILE_FIELDS = frozenset({"id", "node", "minor", "mapping", "registered_ctl", "export",
                              "attached"})
 EMU_CLIENT_FIELDS = frozenset({"handle", "file_id", "tgid", "objects"})
@@ -120,6 +123,8 @@ def check_supported(broker, *, frontends: dict[str, int] | None = None,
     if broker.recorder is not None:
         raise HandoverError("the broker is recording (--record): restart it without, then "
                             "upgrade")
+    if why := broker.preemption.handover_refusal():
+        raise HandoverError(why)
     for name, n in (frontends or {}).items():
         if n:
             raise HandoverError(f"{n} tenant(s) attached through the {name} front end cannot "
@@ -249,6 +254,7 @@ def export_broker(broker, file_id=lambda f: f.id) -> dict[str, Any]:
         "client_owner": [[h, name] for h, name in broker.clients.owners()],
         "logged_once": [_key(k) for k in broker._logged_once],
         "squats": dict(broker._squats),
+        "preemption": broker.preemption.export(),
     }
 
 
@@ -325,6 +331,7 @@ def import_broker(broker, state: dict[str, Any], files: dict[int, Any]) -> None:
     broker._logged_once = {_unkey(k) for k in state["logged_once"]}
     # (absent from a predecessor that kept no such count)
     broker._squats = {str(t): int(n) for t, n in state.get("squats", {}).items()}
+    broker.preemption.restore_state(state.get("preemption", {}))
 
 
 # ------------------------------------------------------------------------------ emulated backend
@@ -347,6 +354,7 @@ def export_emulated(backend) -> dict[str, Any]:
         "used": [[g, n] for g, n in backend.used.items()],
         "noticed": [_key(k) for k in backend._noticed],
         "memblock_size": backend.memblock_size, "started": backend.started,
+        "checkpointed": sorted([pid, st] for pid, st in backend.checkpointer.states.items()),
     }
 
 
@@ -386,6 +394,8 @@ def import_emulated(backend, state: dict[str, Any]) -> dict[int, Any]:
     # The indexes (memory used and held per process, devices, clients per file) are
     # rebuilt from the clients, and must come to the memory the exporter had in use.
     backend.used = {g.index: 0 for g in backend.gpus()}
+    # (before the index: a checkpointed process's memory is not on the GPU)
+    backend.checkpointer.states = {int(pid): st for pid, st in state.get("checkpointed", [])}
     backend._clients_of_file, backend._devices_on, backend._held = {}, {}, {}
     for c in backend.clients.values():
         backend._clients_of_file.setdefault(c.file_id, set()).add(c.handle)

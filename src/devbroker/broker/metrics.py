@@ -36,6 +36,7 @@ from prometheus_client.core import (
 )
 from socketserver import ThreadingMixIn
 
+from devbroker.broker import preemption
 from devbroker.broker.alerts import ALERTS
 
 log = logging.getLogger("devbroker.metrics")
@@ -183,6 +184,9 @@ class BrokerCollector:
                 gpu_backend.add_metric([idx], g["backend_used"])
             gpu_tenants.add_metric([idx], g["tenants"])
         yield from (gpu_total, gpu_alloc, gpu_backend, gpu_tenants)
+        if "preemption" in snap:  # priority preemption (broker/preemption.py)
+            yield from preemption.metric_families(snap["preemption"], gauge,
+                                                  CounterMetricFamily)
         info = GaugeMetricFamily("devbroker_info", "The running broker",
                                  labels=["backend", "driver", "pid"])
         info.add_metric([snap["backend"], snap["driver"], str(snap["pid"])], 1)
@@ -223,6 +227,7 @@ def metrics_snapshot(broker, stats, monitor, audit, *, started: float) -> dict[s
         "thresholds": {"quota": cfg.quota_percent, "refusal_rate": cfg.refusals_per_minute,
                        "escape_attempts": cfg.escape_attempts},
         "audit_suppressed": audit.suppressed_total,
+        "preemption": snap["preemption"],
     }
 
 

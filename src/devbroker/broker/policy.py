@@ -82,6 +82,9 @@ class TenantPolicy:
     # (broker/compute.py, docs/compute-shares.md).
     compute_weight: int = 1
     priority: str = "normal"  # one of PRIORITIES
+    # A higher-priority tenant's allocation may checkpoint this tenant's processes to host
+    # memory when the GPU is full ([broker.preemption], broker/preemption.py).
+    preemptible: bool = False
     # Free-form names the cluster knows the tenant by (Kubernetes: namespace, pod,
     # container): shown in status and added to its metrics (docs/operations.md). Sorted
     # (key, value) pairs, so that the policy stays hashable and comparable.
@@ -136,6 +139,20 @@ class AlertConfig:
 
 
 @dataclass(frozen=True)
+class PreemptionConfig:
+    """Priority preemption by checkpoint ([broker.preemption], docs/preemption.md): an
+    allocation the GPU cannot hold waits while lower-priority preemptible tenants' processes
+    go to host memory."""
+
+    enabled: bool = False
+    host_memory: int = 64 << 30  # bytes of host memory checkpoints may hold, all together
+    # seconds a waiting allocation may wait for its preemption: a 60 GiB process took 35 s
+    # to checkpoint on the H200 (docs/preemption-driver.md)
+    wait: float = 120.0
+    lock_timeout: float = 10.0  # seconds a process has to answer the driver's lock
+
+
+@dataclass(frozen=True)
 class BrokerConfig:
     backend: str
     driver_version: str
@@ -146,6 +163,7 @@ class BrokerConfig:
     # Weighted turns on shared GPUs (broker/turns.py, docs/policy.md): the length of a round
     # of turns in ms; 0: off (shares by the driver's timeslices alone)
     compute_turns_ms: int = 0
+    preemption: PreemptionConfig = PreemptionConfig()
 
 
 @dataclass(frozen=True, eq=True)
@@ -166,6 +184,12 @@ class Policy:
         if b.metrics is not None:
             out += ["", "[broker.metrics]", f"listen = {_q(b.metrics.listen)}",
                     f"allow_remote = {'true' if b.metrics.allow_remote else 'false'}"]
+        if b.preemption != PreemptionConfig():
+            pre = b.preemption
+            out += ["", "[broker.preemption]",
+                    f"enabled = {'true' if pre.enabled else 'false'}",
+                    f"host_memory = {_size_toml(pre.host_memory)}",
+                    f"wait = {pre.wait!r}", f"lock_timeout = {pre.lock_timeout!r}"]
         a = b.alerts
         out += ["", "[broker.alerts]", f"quota_percent = {a.quota_percent:g}",
                 f"refusals_per_minute = {a.refusals_per_minute}",
@@ -192,6 +216,8 @@ class Policy:
                 out.append(f"compute_weight = {t.compute_weight}")
             if t.priority != "normal":
                 out.append(f"priority = {_q(t.priority)}")
+            if t.preemptible:
+                out.append("preemptible = true")
             if t.labels:
                 out.append("labels = { " + ", ".join(f"{k} = {_q(v)}" for k, v in t.labels)
                            + " }")
@@ -211,6 +237,10 @@ class Policy:
                  f"{b.alerts.quota_percent:g} %, {b.alerts.refusals_per_minute} refusals/min, "
                  f"{b.alerts.escape_attempts} escape attempts in {b.alerts.escape_window} s "
                  "(0 = off)"]
+        pre = b.preemption
+        lines.append(f"  preemption: {'on' if pre.enabled else 'off'}; checkpoints may hold "
+                     f"{format_size(pre.host_memory)} of host memory, an allocation waits at "
+                     f"most {pre.wait:g} s, a lock {pre.lock_timeout:g} s")
         for g in b.gpus:
             lines.append(f"  GPU {g.index}: {g.name}  {g.uuid}  {g.pci_bus_id}  {format_size(g.memory)}")
         if not b.gpus:
@@ -225,7 +255,7 @@ class Policy:
                          f"rate {rate}; uids {uids}; at most {t.limits.open_files} open "
                          f"files, {t.limits.rm_clients} RM clients, {t.limits.rm_objects} "
                          f"RM objects; compute weight {t.compute_weight}, priority "
-                         f"{t.priority}")
+                         f"{t.priority}{', preemptible' if t.preemptible else ''}")
         if not self.tenants:
             lines.append("  no tenants")
         c = self.control
@@ -497,8 +527,35 @@ class _Loader:
             self.fail(path + ("compute_turns_ms",),
                       f"compute_turns_ms must be 0 (off) or {_TURNS_MIN_MS}..{_TURNS_MAX_MS} "
                       f"ms (a round of turns; each switch costs ~1 ms), not {turns}")
+        preemption = (self.preemption(b["preemption"]) if "preemption" in b
+                      else PreemptionConfig())
         return BrokerConfig(backend=backend, driver_version=version, audit_log=audit, gpus=gpus,
-                            metrics=metrics, alerts=alerts, compute_turns_ms=turns)
+                            metrics=metrics, alerts=alerts, compute_turns_ms=turns,
+                            preemption=preemption)
+
+    def preemption(self, p: Any) -> PreemptionConfig:
+        path = ("broker", "preemption")
+        self.table(p, path, _PREEMPTION_KEYS, "[broker.preemption]")
+        enabled = p.get("enabled", False)
+        if not isinstance(enabled, bool):
+            self.fail(path + ("enabled",),
+                      f"enabled must be true or false, not {_type_name(enabled)}")
+        host = PreemptionConfig.host_memory
+        if "host_memory" in p:
+            host = self.size(p["host_memory"], path + ("host_memory",), "host_memory")
+            if host == 0:
+                self.fail(path + ("host_memory",), "host_memory = 0 lets no checkpoint be "
+                          "taken; set enabled = false to turn preemption off")
+        seconds = {}
+        for key, low, high in (("wait", 0.1, 3600.0), ("lock_timeout", 0.1, 600.0)):
+            v = p.get(key, getattr(PreemptionConfig, key))
+            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                    or not low <= v <= high):
+                # A waiting allocation holds its caller's thread; beyond an hour it is a hang.
+                self.fail(path + (key,), f"{key} must be a number of seconds from {low:g} to "
+                          f"{high:g}, not {v!r}")
+            seconds[key] = float(v)
+        return PreemptionConfig(enabled=enabled, host_memory=host, **seconds)
 
     def metrics(self, m: Any) -> MetricsConfig:
         path = ("broker", "metrics")
@@ -634,10 +691,15 @@ class _Loader:
             if priority not in PRIORITIES:
                 self.fail(path + ("priority",), f"priority must be one of "
                           f"{', '.join(PRIORITIES)}, not {priority!r}")
+        preemptible = t.get("preemptible", False)
+        if not isinstance(preemptible, bool):
+            self.fail(path + ("preemptible",),
+                      f"preemptible must be true or false, not {_type_name(preemptible)}")
         labels = self.labels(t["labels"], path + ("labels",)) if "labels" in t else ()
         return TenantPolicy(name=name, gpus=gpus, memory_quota=quota, capabilities=tuple(caps),
                             rate_limit=rate, uids=uids, limits=limits,
-                            compute_weight=weight, priority=priority, labels=labels)
+                            compute_weight=weight, priority=priority, labels=labels,
+                            preemptible=preemptible)
 
     def labels(self, lab: Any, path: tuple) -> tuple[tuple[str, str], ...]:
         # They become Prometheus label values and status columns: short, printable, few.
@@ -680,7 +742,8 @@ class _Loader:
 
 
 _BROKER_KEYS = {"backend": "", "driver_version": "", "audit_log": "", "gpu": "", "metrics": "",
-                "alerts": "", "compute_turns_ms": ""}
+                "alerts": "", "compute_turns_ms": "", "preemption": ""}
+_PREEMPTION_KEYS = {"enabled": "", "host_memory": "", "wait": "", "lock_timeout": ""}
 # a round of turns (broker/turns.py): below 20 ms it would be mostly switches (each ~1 ms of
 # the driver's time per 20 channels)
 _TURNS_MIN_MS, _TURNS_MAX_MS = 20, 10_000
@@ -689,7 +752,8 @@ _ALERT_KEYS = {"quota_percent": "", "refusals_per_minute": "", "escape_attempts"
                "escape_window": ""}
 _GPU_KEYS = {"name": "", "uuid": "", "pci_bus_id": "", "memory": ""}
 _TENANT_KEYS = {"gpus": "", "memory_quota": "", "capabilities": "", "rate_limit": "", "uids": "",
-                "limits": "", "compute_weight": "", "priority": "", "labels": ""}
+                "limits": "", "compute_weight": "", "priority": "", "labels": "",
+                "preemptible": ""}
 # Label names are Prometheus label names too; a Kubernetes pod name is at most 253 characters.
 _LABEL_KEY = re.compile(r"^[a-z_]{1,63}$")
 _LABEL_VALUE_MAX = 253

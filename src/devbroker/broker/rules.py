@@ -39,7 +39,7 @@ from devbroker.abi import registry
 from devbroker.abi import status as nvstatus
 from devbroker.abi.nodes import NodeKind
 from devbroker.backends.emulated import CONTROL_HANDLERS as EMULATED_CONTROLS  # (all registered)
-from devbroker.broker import compute, handlers, rewrite, shares
+from devbroker.broker import compute, handlers, preemption, rewrite, shares
 
 CAPABILITIES = {
     "nvml": "GPU queries NVML and nvidia-smi need (names, UUIDs, memory, utilization)",
@@ -339,6 +339,11 @@ class ClassRule:
     # tenant has its answer: a function (CallContext, handlers.AllocCall, handle, gpu) ->
     # steps (NV_ESC_RM_ALLOC only). The channel group's compute share (compute.after_alloc).
     after: Callable | None = None
+    # Runs when the driver answered NV_ERR_NO_MEMORY to an allocation the quota allowed: a
+    # function (CallContext, gpu, charge, where, result, again) -> steps giving the result
+    # the tenant gets (`again()`: the driver call's steps, once more). Priority preemption
+    # (preemption.after_no_memory: lower-priority tenants checkpointed, then retried).
+    no_memory: Callable | None = None
     # The allocation escapes (NV_ESC_RM_ALLOC, NV_ESC_RM_ALLOC_MEMORY) through which the
     # driver binds this class to the calling process (see Rule.in_caller), and why.
     in_caller_via: frozenset = frozenset()
@@ -372,7 +377,7 @@ CLASSES: dict[int, ClassRule] = {
                     in_caller="NVOS02 creates the mmap context for the caller's pid (escape.c)",
                     race=_RACE_ALLOC_MEMORY),
     0x40: ClassRule("compute", "device memory, counted against the tenant's quota",
-                    charge=True),
+                    charge=True, no_memory=preemption.after_no_memory),
     0x71: ClassRule("compute", "OS descriptor memory (the tenant's own pages)",
                     in_caller_via=frozenset({"NV_ESC_RM_ALLOC", "NV_ESC_RM_ALLOC_MEMORY"}),
                     in_caller="pins pages of the caller's own address space",
@@ -645,6 +650,13 @@ CONTROLS[0x20803001] = ControlRule("compute", "NV2080_CTRL_CMD_NVLINK_GET_NVLINK
                                    "NVLink capabilities of the tenant's own subdevice "
                                    "(read-only; CUDA asks before peer access)",
                                    post=rewrite.nvlink_caps)
+# The driver's checkpoint (cuCheckpointProcess*, docs/preemption.md) stops and restarts the
+# process's own channels with it; the only refusal a checkpoint met on the H200.
+CONTROLS[0xA06F0103] = ControlRule("compute", "NVA06F_CTRL_CMD_GPFIFO_SCHEDULE: enables or "
+                                   "disables one of the tenant's own channels (the driver's "
+                                   "checkpoint does, in the process); not enabling one while "
+                                   "the broker holds the tenant's channels stopped",
+                                   pre=preemption.own_channel_schedule)
 CONTROLS[0xA06C0105] = ControlRule("compute", "NVA06C_CTRL_CMD_PREEMPT: preempts the tenant's "
                                    "own channel group (the object is checked to be the "
                                    "tenant's)")

@@ -359,7 +359,10 @@ def _share(t: dict) -> str:
     stopped = ", ".join(f"gpu{g}: {n} channel(s)" for g, n in c.get("stopped", {}).items())
     # Weighted turns (turns.py): on each GPU where the tenant takes turns, whose turn it is
     turns = ", ".join(f"gpu{g}: {state}" for g, state in c.get("turns", {}).items())
-    return (f"{shares} (weight {c['weight']}), {c['priority']}"
+    # Priority preemption (broker/preemption.py): its GPU state in host memory
+    pre = (f"; PREEMPTED ({t['preempted']})" if t.get("preempted")
+           else "; preemptible" if t.get("preemptible") else "")
+    return (f"{shares} (weight {c['weight']}), {c['priority']}{pre}"
             + (f"; STOPPED for a high-priority tenant ({stopped})" if "stopped" in c else "")
             + (f"; turns ({turns})" if turns else ""))
 

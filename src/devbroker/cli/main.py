@@ -18,10 +18,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    from devbroker.cli import broker_cmds, escape, oci, tenant, top, trace
+    from devbroker.cli import broker_cmds, escape, oci, preempt, tenant, top, trace
 
     broker_cmds.add_parsers(sub)
     oci.add_parsers(sub)
+    preempt.add_parsers(sub)
     top.add_parser(sub)
     trace.add_parser(sub)
     escape.add_parser(sub)

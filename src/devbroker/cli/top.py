@@ -69,6 +69,8 @@ class View:
                 refs = f"{max(0, t['refusals'] - p['refusals']) / dt:.1f}"
             else:
                 ios = refs = "-"
+            if t.get("preempted"):  # its GPU state in host memory (broker/preemption.py)
+                mem = f"PREEMPTED ({t['preempted']}) {mem}"
             rows.append((t["name"], len(t["processes"]), t["open_files"], mem, ios, refs,
                          t["refusals"]))
         # The numbers keep their columns at any width (an 80-column terminal included): the
