@@ -201,3 +201,27 @@ def test_nothing_else_writes_the_client_books():
              for path in sorted(Path(pkg.__path__[0]).glob("*.py")) if path.name != "objects.py"
              for n, line in enumerate(path.read_text().splitlines(), 1) if write.search(line)]
     assert found == []
+
+
+async def test_squatting_the_drivers_next_client_handles_fails_no_one_and_is_recorded(
+        inproc_broker, tmp_path):
+    """The driver numbers the client handles it chooses in order (0xc1d00001, ...). A tenant
+    that allocates root clients with the next few of those handles used to make another
+    tenant's root client (asked for with handle 0, as NVML and CUDA ask) fail with a
+    duplicate name, unrecorded. The emulator now skips handles in use as the driver's
+    search does, and the squat is in the audit log."""
+    broker = inproc_broker(POLICY)
+    bob, alice = InProcTenant(broker, "bob", pid=5001), InProcTenant(broker, "alice", pid=5002)
+    bctl = await bob.open(NodeKind.CTL)
+    squatted = [0xC1D00000 | n for n in range(1, 9)]
+    for h in squatted:
+        _, out, _ = await bob.alloc(bctl, 0, 0, 0x41, new=h)
+        assert out.status == nvs.NV_OK and out.hObjectNew == h
+    actl = await alice.open(NodeKind.CTL)
+    rep, out, _ = await alice.alloc(actl, 0, 0, 0x41)
+    assert rep.errno == 0 and out.status == nvs.NV_OK, out
+    assert out.hObjectNew not in squatted and out.hObjectNew in broker.tenants["alice"].clients
+    squats = [json.loads(x) for x in (tmp_path / "audit.jsonl").read_text().splitlines()
+              if '"client-squat"' in x]
+    assert [r["handle"] for r in squats] == [f"{h:#x}" for h in squatted]
+    assert {r["tenant"] for r in squats} == {"bob"}

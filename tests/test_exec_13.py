@@ -13,6 +13,7 @@ default uid. The control socket's two roles are checked with processes of differ
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -69,6 +70,8 @@ for arg in sys.argv[1:]:
         attempt(arg, lambda: [os.getuid(), os.getgid()])
     elif kind == "listdir":
         attempt(arg, lambda: sorted(os.listdir(path)))
+    elif kind == "open":  # a device node, opened read-only: "ok" only if it opens
+        attempt(arg, lambda: os.close(os.open(path, os.O_RDONLY)))
 '''
 
 
@@ -193,7 +196,8 @@ def test_other_brokers_sockets_and_an_outside_audit_log_are_out_of_reach(start_b
     assert got[f"control={mine.run_dir / 'control.sock'}"]["result"] == "ENOENT"
     assert got[f"control={mine.run_dir / 'seccomp.sock'}"]["result"] == "ENOENT"
     assert got[f"append={audit}"]["result"] == "EROFS"
-    assert got[f"read={audit}"] == {"what": f"read={audit}", "result": "ok", "got": ""}
+    # Its whole directory is covered: the rotated files beside it too (sandbox/brokers.py)
+    assert got[f"read={audit}"]["result"] == "ENOENT"
     records = [json.loads(x) for x in audit.read_text().splitlines()]
     assert records and not any("forged" in json.dumps(r) for r in records)
     # Bound in writable on purpose, the log itself still is not.
@@ -234,7 +238,10 @@ for op in sys.argv[2:]:
     s2 = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); s2.connect(sys.argv[1])
     # An empty policy: an admin gets it refused for what it is, others for who they are.
     req = {"op": op, "text": "", "name": "empty"} if op == "policy.apply" else {"op": op}
-    s2.sendall((json.dumps(req) + "\n").encode())
+    try:
+        s2.sendall((json.dumps(req) + "\n").encode())
+    except OSError:
+        pass  # a caller without a role is answered and closed at accept, unread
     buf = b""
     while not buf.endswith(b"\n"):
         chunk = s2.recv(65536)
@@ -291,9 +298,10 @@ def test_control_socket_roles_by_credentials(host_dir, start_broker):
                                               "namespace")
     assert tenant_root["policy.apply"]["error"] == tenant_root["status"]["error"]
     refused = [a for a in broker.audit() if a["event"] == "control-refused"]
+    # Callers without a role are refused at accept, before their request is read.
     assert {(a["uid"], a["op"]) for a in refused} == {
-        (1001, "policy.apply"), (1001, "tenant.dir"), (1003, "status"), (0, "status"),
-        (0, "policy.apply"), *((1001, op) for op in tenant_ops)}
+        (1001, "policy.apply"), (1001, "tenant.dir"), (1003, "connect"), (0, "connect"),
+        *((1001, op) for op in tenant_ops)}
     # The nodes stay root's: a reader cannot walk into the mount to a tenant's node.
     r = subprocess.run([SYSTEM_PYTHON, "-c", "import os,sys; os.open(sys.argv[1], os.O_RDWR)",
                         str(broker.run_dir / "nodes" / "alice" / "nvidiactl")],
@@ -308,3 +316,145 @@ def test_default_control_socket_is_roots_alone(host_dir, start_broker):
                                                                                     0o700)
     assert ask(sock, "status", uid=1001) == {"connect": {"connect": "Permission denied"}}
     assert ask(sock, "status")["status"]["ok"]
+
+
+# Opens connections as one uid and reports what the broker did with each.
+HOLDER = r'''
+import json, socket, sys
+path, mode, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+def reply(s):
+    buf = b""
+    while not buf.endswith(b"\n"):
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        buf += chunk
+    return buf.decode()
+held = []
+for i in range(n):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    if mode == "hold":  # a request never finished: the connection stays open
+        s.sendall(b"{")
+        held.append(s)
+        continue
+    try:  # 8 KiB of request without a newline, then nothing more to send
+        s.sendall(b" " * 8192)
+        s.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+    print(json.dumps({"i": i, "reply": reply(s)}), flush=True)
+if mode == "hold":
+    print(json.dumps({"held": len(held)}), flush=True)
+    sys.stdin.read()  # until the test says so
+'''
+
+
+def test_control_socket_bounds_callers_before_reading(host_dir, start_broker):
+    broker = start_broker(ROLES, run_dir=host_dir / "run")
+    sock = str(broker.run_dir / "control.sock")
+
+    def flood(uid: int, n: int) -> list[str]:
+        r = subprocess.run([SYSTEM_PYTHON, "-c", HOLDER, sock, "send", str(n)],
+                           capture_output=True, text=True, timeout=120, user=uid, cwd="/")
+        assert r.returncode == 0, r.stderr
+        return [json.loads(x)["reply"] for x in r.stdout.splitlines()]
+
+    # A uid without a role is answered and closed at accept: none of its bytes are read
+    # (they used to be buffered up to 1 MiB per connection, for 10 s each).
+    for got in flood(1003, 20):
+        assert json.loads(got) == {"ok": False,
+                                   "error": "permission denied: uid 1003 has no control role"}
+    # A reader's request line is capped small (policy texts are an admin's).
+    for got in flood(1001, 2):
+        assert json.loads(got) == {"ok": False, "error": "request too large"}
+    # A reader holding connections open gets MAX_PER_UID of them served; the rest are closed
+    # at accept, and the operator is still answered.
+    from devbroker.broker.control import MAX_PER_UID
+
+    holder = subprocess.Popen([SYSTEM_PYTHON, "-c", HOLDER, sock, "hold", str(MAX_PER_UID + 4)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              user=1001, cwd="/")
+    try:
+        assert json.loads(holder.stdout.readline()) == {"held": MAX_PER_UID + 4}
+        assert broker.status()["ok"]
+        assert ask(sock, "status", uid=1002)["status"]["ok"]
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    refused = [a for a in broker.audit() if a["event"] == "control-refused"]
+    assert {a["op"] for a in refused if a["uid"] == 1003} == {"connect"}
+    # paced: at most REFUSALS_PER_UID records a second for one uid, the rest counted
+    assert len([a for a in refused if a["uid"] == 1003]) < 20
+    assert [a for a in refused if a["uid"] == 1001
+            and a["reason"].startswith("too many connections open for uid 1001")]
+
+
+def test_every_brokers_files_are_hidden_whatever_its_front_end(start_broker, host_dir):
+    """A root tenant of one broker reads nothing of another broker that has no FUSE mount
+    (--frontend seccomp: its run dir used to stay in the tenant's view), nor any rotated
+    file of its own broker's audit log, and no device node in the host's tree opens for it
+    (a real backend's spare driver nodes sat on a tmpfs without nodev)."""
+    other = start_broker(POLICY, run_dir=host_dir / "other", extra=["--frontend", "seccomp"])
+    logs = host_dir / "logs"
+    mine = start_broker(POLICY, run_dir=host_dir / "mine", extra=["--audit",
+                                                                  str(logs / "audit.jsonl")])
+    rotated = logs / "audit.jsonl.1"  # what a rotation leaves beside the live file
+    rotated.write_text('{"event": "deny", "tenant": "bob", "secret": "OTHER-TENANTS"}\n')
+    rotated.chmod(0o600)
+    node = host_dir / "node"  # a character device node in the host's tree (here /dev/null's)
+    os.mknod(node, 0o600 | 0o020000, os.makedev(1, 3))
+    got = attempts(mine, f"listdir={other.run_dir}", f"read={other.run_dir / 'audit.log'}",
+                   f"control={other.run_dir / 'control.sock'}", f"read={rotated}",
+                   f"read={logs / 'audit.jsonl'}", f"open={node}")
+    assert got[f"listdir={other.run_dir}"] == {"what": f"listdir={other.run_dir}",
+                                               "result": "ok", "got": []}
+    assert got[f"read={other.run_dir / 'audit.log'}"]["result"] == "ENOENT"
+    assert got[f"control={other.run_dir / 'control.sock'}"]["result"] == "ENOENT"
+    assert got[f"read={rotated}"]["result"] == "ENOENT"
+    assert got[f"read={logs / 'audit.jsonl'}"]["result"] == "ENOENT"
+    assert got[f"open={node}"]["result"] == "EACCES"
+    # The brokers wrote down where they are, for every sandbox; gone when they stop.
+    from devbroker.sandbox import brokers
+
+    hidden = brokers.paths_to_hide()
+    assert str(other.run_dir.resolve()) in hidden and str(logs.resolve()) in hidden
+    other.stop()
+    assert str(other.run_dir.resolve()) not in brokers.paths_to_hide()
+
+
+# Maps, in a FUSE tenant, a memfd named as the seccomp front end names its placeholders
+# (what another tenant's placeholder passed over a socket is) and one of its own.
+MAP_MEMFDS = r'''
+import ctypes, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_long
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+out = {}
+for name in ("devbroker:nvidiactl", "scratch"):
+    fd = os.memfd_create(name)
+    os.pwrite(fd, b"PAGE-OF-" + name.encode(), 0)
+    os.ftruncate(fd, 4096)
+    r = libc.mmap(None, 4096, 3, 1, fd, 0)  # PROT_RW, MAP_SHARED
+    out[name] = ctypes.get_errno() if r == -1 else ctypes.string_at(r, 8 + len(name)).decode()
+out["pid"] = os.getpid()
+print(json.dumps(out))
+'''
+
+
+def test_a_fuse_tenant_cannot_map_a_seccomp_tenants_placeholder(start_broker):
+    """A seccomp tenant's node file is a memfd placeholder; passed to a FUSE tenant (fds
+    cross any socket both reach), the FUSE front end never sees its mapping. The FUSE
+    sandbox's stat shim now gets file mappings too and refuses a placeholder EACCES, with
+    the record in the broker's audit log; a memfd of the tenant's own maps as before."""
+    broker = start_broker(POLICY)
+    r = broker.exec("alice", sys.executable, "-c", MAP_MEMFDS)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = lines(r.stdout)[-1]
+    assert got["devbroker:nvidiactl"] == errno.EACCES, got
+    assert got["scratch"] == "PAGE-OF-scratch"
+    denials = [a for a in broker.audit() if a["event"] == "deny" and a.get("by") == "sandbox"]
+    assert [d["tenant"] for d in denials] == ["alice"], denials
+    assert denials[0]["what"].startswith("mmap of fd ")
+    assert "another tenant's node placeholder" in denials[0]["reason"]

@@ -180,3 +180,24 @@ async def test_a_new_control_is_one_row_and_two_functions(inproc_broker, monkeyp
     monkeypatch.delitem(rules.CONTROLS, GPU_QUERY_MODE)
     rep, out, got = await t.control(ctl, client, sub, GPU_QUERY_MODE, mode=2)
     assert out.status == nvs.NV_ERR_INSUFFICIENT_PERMISSIONS and len(calls) == 4
+
+
+def test_controls_without_a_layout_in_the_callers_abi_are_refused_unless_a_row_says_why():
+    """A row allows a control by number; where the caller's driver ABI has no layout for it
+    (535 defines neither GET_ACTIVE_DEVICE_IDS nor ASYNC_ATTACH_ID) nothing in its
+    parameters can be checked (ASYNC_ATTACH_ID names a GPU id): refused NOT_SUPPORTED, as
+    that driver answers. The unpublished GSP queries have no layout anywhere and say why."""
+    from devbroker.abi import registry
+    from devbroker.abi import status as nvs
+    from devbroker.broker import rules
+
+    old, new = registry.get("535.309.01"), registry.get("580.159.04")
+    for cmd in (0x288, 0x289):
+        rule = rules.control_rule(cmd, old)
+        assert not rule.granted(frozenset(rules.CAPABILITIES))
+        why, status = rules.control_refusal(rule)
+        assert status == nvs.NV_ERR_NOT_SUPPORTED and "defines no layout" in why
+        assert rules.control_rule(cmd, new).granted(frozenset(rules.CAPABILITIES))
+    gsp = [c for c, r in rules.CONTROLS.items() if new.control(c) is None]
+    assert gsp and all(rules.CONTROLS[c].no_layout for c in gsp)
+    assert all(rules.control_rule(c, old).granted(frozenset(rules.CAPABILITIES)) for c in gsp)

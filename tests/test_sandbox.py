@@ -259,3 +259,35 @@ def test_exec_main_in_process(tenants: Path, capfd):
 def test_run_in_sandbox(tenants: Path):
     spec = SandboxSpec(tenant_dir=tenants / "alice", argv=("sh", "-c", "test -e /dev/nvidia0 && exit 5"))
     assert run_in_sandbox(spec, stdout=subprocess.DEVNULL) == 5
+
+
+def test_what_hides_a_brokers_files(tmp_path):
+    """sandbox/brokers.py: a registered broker's run dir; its audit log's directory when the
+    directory holds only the log and its rotated files (covered across rotations), else the
+    files themselves (a cover over a home or a project would take them from the tenant);
+    nothing for a log inside the run dir (covered with it); entries of brokers gone are
+    dropped at the next registration."""
+    from devbroker.sandbox import brokers
+
+    reg, run = tmp_path / "registry", tmp_path / "run"
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "audit.jsonl").write_text("")
+    (tmp_path / "logs" / "audit.jsonl.1").write_text("")
+    (tmp_path / "home" / "project").mkdir(parents=True)
+    (tmp_path / "home" / "audit.jsonl").write_text("")
+    (tmp_path / "home" / "audit.jsonl.2").write_text("")
+
+    def hidden(audit) -> list[str]:
+        for old in reg.glob("*.json"):
+            old.unlink()
+        brokers.register(run, audit, registry=reg)
+        return [p for p in brokers.paths_to_hide(reg) if p.startswith(str(tmp_path))]
+
+    assert hidden(tmp_path / "logs" / "audit.jsonl") == [str(run), str(tmp_path / "logs")]
+    assert hidden(tmp_path / "home" / "audit.jsonl") == [
+        str(run), str(tmp_path / "home" / "audit.jsonl"), str(tmp_path / "home" / "audit.jsonl.2")]
+    assert hidden(run / "audit.log") == [str(run)]
+    assert brokers.audit_dir_is_shared("/var/log/audit.jsonl")
+    (reg / "999999999.json").write_text('{"run_dir": "/nowhere"}')  # a broker long gone
+    brokers.register(run, None, registry=reg)
+    assert not (reg / "999999999.json").exists()

@@ -328,6 +328,38 @@ async def test_mmap_of_a_node_is_served(tmp_path):
     assert h.supervisor.stats.mmaps == 3
 
 
+async def test_mmap_of_a_placeholder_not_its_own_is_refused(tmp_path):
+    """A tenant maps what a file IS: its own session's placeholder, or a file that is no
+    broker's. Another tenant's placeholder (passed over a socket: a memfd by the broker's
+    name, as the one made here stands for) is refused EACCES; a memfd of its own is not."""
+    b = FakeBroker()
+    rc, res, h = await run(
+        """
+        libc.mmap.restype = ctypes.c_long
+        def map_of(fd):
+            r = libc.mmap(None, 4096, 3, 1, fd, 0)  # PROT_RW, MAP_SHARED
+            return ctypes.get_errno() if r == -1 else ctypes.string_at(r, 19).decode()
+        foreign = os.memfd_create("devbroker:nvidia0")
+        os.pwrite(foreign, b"ALICE-PAGE-CONTENTS", 0)
+        os.ftruncate(foreign, 4096)
+        res["foreign"] = map_of(foreign)
+        mine = os.memfd_create("scratch")
+        os.pwrite(mine, b"MY-OWN-PAGE-CONTENT", 0)
+        os.ftruncate(mine, 4096)
+        res["mine"] = map_of(mine)
+        g = os.open("/dev/nvidia0", os.O_RDWR)
+        res["own_node"] = map_of(g)
+        """,
+        b,
+        tmp_path,
+    )
+    assert rc == 0, res
+    assert res["foreign"] == errno.EACCES
+    assert res["mine"] == "MY-OWN-PAGE-CONTENT"
+    assert res["own_node"].startswith("page of session")
+    assert h.supervisor.stats.refused_foreign == 1
+
+
 async def test_sessions_end_with_the_last_reference(tmp_path):
     b = FakeBroker()
     rc, res, h = await run(

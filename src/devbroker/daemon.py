@@ -23,7 +23,7 @@ from devbroker.broker.alerts import AlertMonitor
 from devbroker.broker.audit import AuditLog
 from devbroker.broker.callstats import CallStats, InstrumentedBroker
 from devbroker.broker.control import (
-    ROLE_ADMIN, ControlError, ControlServer, Peer, peer_of, role_of,
+    ROLE_ADMIN, ControlError, ControlServer, Peer, RefusalPacer, peer_of, role_of,
 )
 from devbroker.broker.core import Broker
 from devbroker.broker.record import Recorder
@@ -152,6 +152,7 @@ class BrokerService:
         self.handed_over = False
         self.done = trio.Event()  # serve() returns when set
         self._seccomp_sock = None  # the listening socket of RUN_DIR/seccomp.sock
+        self._handover_pacer = RefusalPacer()  # its refusal records, per uid
         self._seccomp_accepting: trio.CancelScope | None = None
         self._attaching = 0  # seccomp hand-overs accepted and not yet attached or refused
         self.oci_agent = None
@@ -248,6 +249,19 @@ class BrokerService:
                 # for `devbroker exec` to hide it when it is outside the run dir
                 "audit": str(self.audit.path) if self.audit.path else None}
 
+    def _tenant_refused(self, req: dict) -> dict:
+        """A refusal a tenant's sandbox made itself (its stat shim, in the `devbroker exec`
+        process, refuses the mapping of a broker placeholder that reached a FUSE tenant):
+        written as the broker's own refusals are (an admin's op: the exec runs as root of
+        this pid namespace)."""
+        tenant, pid, what, reason = (req.get(k) for k in ("tenant", "pid", "what", "reason"))
+        if not (isinstance(tenant, str) and isinstance(pid, int) and isinstance(what, str)
+                and isinstance(reason, str)):
+            raise ControlError("tenant.refused needs tenant, pid, what and reason")
+        self.audit.deny(tenant=tenant[:64], pid=pid, what=what[:200], reason=reason[:300],
+                        by="sandbox")
+        return {}
+
     def _control_refused(self, peer: Peer, op: str, reason: str) -> None:
         self.audit.write("control-refused", pid=peer.pid, uid=peer.uid, op=op, reason=reason)
 
@@ -304,8 +318,11 @@ class BrokerService:
                     if role_of(peer, self._access()) != ROLE_ADMIN:
                         # Handing over a listener names the tenant it serves: whoever may
                         # do it could be any tenant. The operator's `devbroker exec` only.
-                        self._control_refused(peer, "seccomp hand-over",
-                                              "only an admin of the broker's pid namespace")
+                        note = self._handover_pacer.admit(peer.uid, trio.current_time())
+                        if note is not None:
+                            self._control_refused(peer, "seccomp hand-over",
+                                                  "only an admin of the broker's pid namespace"
+                                                  + note)
                         conn.close()
                         self._attaching -= 1
                         continue
@@ -471,11 +488,27 @@ class BrokerService:
                 self.paths.mount.mkdir(parents=True, exist_ok=True)
         else:
             self._seccomp_sock = adopted.seccomp
+        # Where this broker's files are, for every sandbox on the host to hide (a broker
+        # without the FUSE front end shows in no mount table): sandbox/brokers.py.
+        from devbroker.sandbox import brokers
+
+        try:
+            registered = brokers.register(self.paths.run_dir, self.audit.path)
+        except OSError as e:  # (a broker without root: no sandbox it could serve either)
+            log.warning("cannot write down where this broker's files are for sandboxes to "
+                        "hide (%s): only /run/devbroker* and FUSE mounts are hidden", e)
+            registered = None
+        if self.audit.path and brokers.audit_outside(self.paths.run_dir, self.audit.path) \
+                and brokers.audit_dir_is_shared(self.audit.path):
+            log.warning("the audit log %s shares its directory, which sandboxes therefore "
+                        "cannot cover whole: its rotated files show to root tenants after a "
+                        "rotation; give it a directory of its own", self.audit.path)
         control = self.control = ControlServer(self.paths.control, {
             "status": self._status,
             "policy.show": self._policy_show,
             "policy.apply": self._policy_apply,
             "tenant.dir": self._tenant_dir,
+            "tenant.refused": self._tenant_refused,
             "upgrade": self._upgrade,
             **self.tenancy.handlers(lambda: "a live upgrade is under way: change tenants on "
                                     "the new broker once `devbroker upgrade` has returned"
@@ -550,6 +583,8 @@ class BrokerService:
                         fe.detach()
                     nursery.cancel_scope.cancel()
         finally:
+            if registered is not None:
+                brokers.unregister(registered)
             if self.metrics is not None:
                 self.metrics.stop()
                 self.metrics = None

@@ -382,7 +382,12 @@ class EmulatedBackend:
         v = dc.call.value
         cls = v.hClass
         if cls in (0x0, 0x41):
-            h = v.hObjectNew or (0xC1D00000 | next(self._client_ids))
+            h = v.hObjectNew
+            while not h or (h in self.clients and not v.hObjectNew):
+                # Numbered in order like the driver's, skipping handles in use (as RM's
+                # search for a free client handle does): a client someone allocated with
+                # an explicit handle never makes another caller's allocation fail.
+                h = 0xC1D00000 | next(self._client_ids)
             if h in self.clients:
                 return self._status(dc, nvs.NV_ERR_INSERT_DUPLICATE_NAME)
             c = EmuClient(h, f.id, dc.tgid)

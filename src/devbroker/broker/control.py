@@ -16,10 +16,19 @@ broker's socket and applied a policy there):
 * nobody else. And only callers in the broker's own pid namespace get any role: a tenant of
   `devbroker exec` (or of any container) is in a pid namespace of its own, so even a root
   tenant that found a socket gets nothing.
+
+The role is decided when the connection is accepted, before a byte of it is read: a caller
+without one is closed at once (one audit record, paced per uid), so a world-connectable
+socket costs an unprivileged user one short-lived fd per attempt, never a buffer. What a
+connection may hold is bounded too: at most `MAX_PER_UID` connections of one uid (other
+than root) and `MAX_CONNECTIONS` in all are served at a time (the rest are closed at
+accept), and a request line is at most `MAX_READ_REQUEST` bytes for the read role
+(`MAX_REQUEST` for admins, whose `policy.apply` carries a policy text).
 """
 from __future__ import annotations
 
 import contextvars
+import errno
 import inspect
 import json
 import os
@@ -33,6 +42,10 @@ from typing import Any, Callable
 import trio
 
 MAX_REQUEST = 1 << 20
+MAX_READ_REQUEST = 4096  # `status` and `policy.show` requests are a few dozen bytes
+MAX_CONNECTIONS = 64  # served at a time, all callers together
+MAX_PER_UID = 8  # served at a time for one uid other than root
+REFUSALS_PER_UID = 5  # audit records of refused connections per uid per second (then counted)
 REQUEST_TIMEOUT = 10.0  # seconds a connection may take to send its request line
 ROLE_READ = "read"
 ROLE_ADMIN = "admin"
@@ -114,6 +127,30 @@ def allowed(role: str | None, op: str) -> bool:
     return role == ROLE_ADMIN or (role == ROLE_READ and need == ROLE_READ)
 
 
+class RefusalPacer:
+    """How many records of refused connections a uid may write: REFUSALS_PER_UID a second;
+    the ones left out are counted into its next record. Refusing must not let a caller
+    without a role fill the disk (the control socket, the hand-over sockets)."""
+
+    def __init__(self, per_second: int = REFUSALS_PER_UID, remember: int = 4096):
+        self.per_second, self.remember = per_second, remember
+        self._seen: dict[int, tuple[float, int, int]] = {}  # uid -> (second, n, left out)
+
+    def admit(self, uid: int, now: float) -> str | None:
+        """None: leave this one out; else the note to add to its record ("" or the count of
+        those left out before it)."""
+        second, count, dropped = self._seen.get(uid, (now, 0, 0))
+        if now - second >= 1.0:
+            second, count = now, 0
+        if count >= self.per_second:
+            self._seen[uid] = (second, count, dropped + 1)
+            return None
+        self._seen[uid] = (second, count + 1, 0)
+        if len(self._seen) > self.remember:  # (uids seen: bounded, the oldest forgotten)
+            self._seen.pop(next(iter(self._seen)))
+        return f" ({dropped} more refused before this one, not recorded)" if dropped else ""
+
+
 class Reply:
     """A handler's reply with something to do once it has been sent (live upgrade: the old
     broker exits only after telling the operator which process took over)."""
@@ -142,6 +179,9 @@ class ControlServer:
         # are answered by the successor): sock= serves one handed over.
         self.sock = sock
         self._kept = False
+        self._open_total = 0
+        self._open_by_uid: dict[int, int] = {}
+        self._pacer = RefusalPacer()
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         if self.sock is None:
@@ -155,10 +195,22 @@ class ControlServer:
             self.set_mode()
             std.listen(16)
             self.sock = std
-        listener = trio.SocketListener(trio.socket.from_stdlib_socket(self.sock))
+        sock = trio.socket.from_stdlib_socket(self.sock)
         task_status.started()
         try:
-            await trio.serve_listeners(self._handle, [listener])
+            async with trio.open_nursery() as nursery:
+                while True:
+                    try:
+                        conn, _ = await sock.accept()
+                    except OSError as e:
+                        # Out of fds or memory (a flood, or the host): wait and accept
+                        # again, as trio's listeners do; a connection that went away
+                        # before it was accepted: next.
+                        if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS,
+                                       errno.ENOMEM):
+                            await trio.sleep(0.1)
+                        continue
+                    self._admit(conn, nursery)
         finally:
             if not self._kept:
                 try:
@@ -181,6 +233,51 @@ class ControlServer:
         except FileNotFoundError:
             pass
 
+    def _admit(self, conn, nursery) -> None:
+        """A connection just accepted: served (its role decided first, in `_handle`) while
+        the bounds leave room, else closed at once. Nothing of it is read here; the uid is
+        SO_PEERCRED's, which costs no /proc read."""
+        try:
+            uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                      struct.calcsize("3i")))[1]
+        except OSError:
+            conn.close()
+            return
+        # (root's own tools are bounded by the total only: `devbroker exec` asks once per
+        # tenant it starts, and an operator may start many at once)
+        per_uid = self._open_by_uid.get(uid, 0)
+        if self._open_total >= MAX_CONNECTIONS or (uid != 0 and per_uid >= MAX_PER_UID):
+            conn.close()
+            self._refused_record(uid, Peer(0, uid, -1, frozenset(), False), "connect",
+                                 "too many connections open" + (
+                                     "" if self._open_total >= MAX_CONNECTIONS
+                                     else f" for uid {uid}"))
+            return
+        self._open_total += 1
+        self._open_by_uid[uid] = self._open_by_uid.get(uid, 0) + 1
+        nursery.start_soon(self._counted, conn, uid)
+
+    async def _counted(self, conn, uid: int) -> None:
+        try:
+            await self._handle(trio.SocketStream(conn))
+        finally:
+            self._open_total -= 1
+            left = self._open_by_uid.get(uid, 1) - 1
+            if left:
+                self._open_by_uid[uid] = left
+            else:
+                self._open_by_uid.pop(uid, None)
+
+    def _refused_record(self, uid: int, peer: Peer, op: str, why: str) -> None:
+        """One audit record per refused connection, at most REFUSALS_PER_UID a second for
+        a uid (the ones left out are counted into its next record): refusing must not let
+        a caller without a role fill the disk."""
+        if self.on_refusal is None:
+            return
+        note = self._pacer.admit(uid, trio.current_time())
+        if note is not None:
+            self.on_refusal(peer, op, why + note)
+
     async def _handle(self, stream: trio.SocketStream) -> None:
         async with stream:
             try:
@@ -188,6 +285,20 @@ class ControlServer:
             except OSError:
                 return
             role = role_of(peer, self.access())
+            if role is None:
+                # Decided before anything is read: a caller without a role gets one line
+                # saying why and the connection closed, never a buffer or a task that waits.
+                why = ("not in the broker's pid namespace" if not peer.same_pidns
+                       else f"uid {peer.uid} has no control role")
+                self._refused_record(peer.uid, peer, "connect", why)
+                with trio.move_on_after(1):
+                    try:
+                        await stream.send_all(_line({"ok": False,
+                                                     "error": f"permission denied: {why}"}))
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        pass
+                return
+            cap = MAX_REQUEST if role == ROLE_ADMIN else MAX_READ_REQUEST
             buf = b""
             # A caller that connects and says nothing holds one task, for a while only.
             with trio.move_on_after(REQUEST_TIMEOUT) as idle:
@@ -196,7 +307,7 @@ class ControlServer:
                     if not chunk:
                         return
                     buf += chunk
-                    if len(buf) > MAX_REQUEST:
+                    if len(buf) > cap:
                         await stream.send_all(_line({"ok": False,
                                                      "error": "request too large"}))
                         return
@@ -255,7 +366,10 @@ def call(path: str | Path, request: dict, timeout: float = 10.0) -> dict:
         raise ControlError(f"no broker is listening on {path} ({e.strerror}); "
                            "start one with `devbroker run`") from None
     with s:
-        s.sendall(_line(request))
+        try:
+            s.sendall(_line(request))
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused at accept: the broker's one line says why
         return read_reply(s)
 
 

@@ -86,6 +86,9 @@ def _locked(method: Callable) -> Callable:
     return locked
 
 
+SQUAT_RECORDS = 16  # client-squat records written for each tenant before they thin out
+
+
 @dataclass
 class Session:
     id: int
@@ -173,6 +176,7 @@ class Broker:
         # and removed; TenantState.clients is its per-tenant view).
         self.clients = ClientRegistry()
         self._ids = itertools.count(1)
+        self._squats: dict[str, int] = {}  # tenant -> root clients named in the driver's range
         self.policy: Policy | None = None
         self.on_policy_change: list[Callable[[Policy], None]] = []
         compute.install(self)  # issue 15: a policy change re-sets running channel groups
@@ -193,12 +197,15 @@ class Broker:
 
     # ------------------------------------------------------------------ policy
     @_locked
-    def apply_policy(self, policy: Policy) -> None:
-        """Install a (validated) policy. Running tenants keep their sessions and objects."""
+    def apply_policy(self, policy: Policy, *, ending: frozenset[str] = frozenset()) -> None:
+        """Install a (validated) policy. Running tenants keep their sessions and objects.
+        `ending`: tenants the caller removes and whose processes it then ends (`devbroker
+        tenant rm`): what their filters let the kernel run ends with them."""
         for gpu in {g for t in policy.tenants.values() for g in t.gpus}:
             if gpu >= len(self.backend.gpus()):
                 raise ValueError(f"policy names GPU {gpu}; the {self.backend.name} backend has "
                                  f"{len(self.backend.gpus())}")
+        self._check_kernel_run_kept(policy, ending)
         new: dict[str, TenantState] = {}
         for name, tp in policy.tenants.items():
             rate = tp.rate_limit.requests_per_second if tp.rate_limit else 0
@@ -231,6 +238,52 @@ class Broker:
         BOOKS.policy_changed()  # (every settled decision read the policy: decided again)
         for cb in self.on_policy_change:
             cb(policy)
+
+    def _check_kernel_run_kept(self, policy: Policy, ending: frozenset[str]) -> None:
+        """ValueError when the policy would take from a running tenant calls the kernel runs
+        for it unasked. A seccomp tenant with real driver files has the UVM rows with
+        `in_kernel` in its filter (rules.kernel_commands), and a running process's filter
+        cannot be changed: taking the capability away (or the tenant) while it holds
+        nvidia-uvm files would leave those calls reaching the driver. So the change is
+        refused until those files are closed (its processes ended); the running policy
+        stays in force. A tenant in `ending` is removed by a caller that ends its processes
+        next, which ends those calls too."""
+        if not self.backend.tenant_files:
+            return
+        try:
+            abi = registry.get(self.backend.version)
+        except UnknownVersion:  # no tables: no command is run by the kernel alone
+            return
+        for name, t in self.tenants.items():
+            if t.revoked or (name in ending and name not in policy.tenants):
+                continue
+            tp = policy.tenants.get(name)
+            keep = set(rules.kernel_commands(abi, frozenset(tp.capabilities) if tp else
+                                             frozenset()))
+            lost = set(rules.kernel_commands(abi, t.capabilities())) - keep
+            if not lost:
+                continue
+            live = [s for s in t.sessions.values() if s.node is NodeKind.UVM
+                    and not s.closed and getattr(s.file, "runs_in_caller", False)]
+            if live:
+                pids = sorted({s.caller.pid for s in live})
+                raise ValueError(
+                    f"tenant {name} holds {len(live)} open nvidia-uvm file(s) (pids "
+                    f"{', '.join(map(str, pids[:8]))}) whose seccomp filter lets the kernel "
+                    f"run {len(lost)} UVM commands this policy takes away; a running "
+                    "filter cannot be changed: end those processes, then apply again")
+
+    def note_client_squat(self, s: Session, handle: int, what: str) -> None:
+        """Audit a root client named with a handle of the driver's own range
+        (handlers.names_driver_client_handle): the first SQUAT_RECORDS of a tenant, then
+        every power of two (a tenant that loops cannot fill the log with them)."""
+        n = self._squats[s.tenant.name] = self._squats.get(s.tenant.name, 0) + 1
+        if n <= SQUAT_RECORDS or not n & (n - 1):
+            self.audit.write("client-squat", tenant=s.tenant.name, pid=s.caller.pid,
+                             what=what, handle=f"{handle:#x}", count=n,
+                             reason="a root client named with a handle of the range the "
+                                    "driver hands out itself (another tenant's next client "
+                                    "would get it; the driver skips it)")
 
     def tenant_gpus(self, tenant: str) -> tuple[int, ...]:
         t = self.tenants.get(tenant)

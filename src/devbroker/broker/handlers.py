@@ -30,6 +30,15 @@ if TYPE_CHECKING:  # (core and rules import this module: names for annotations o
     from devbroker.broker.rules import EscapeRule
 
 ROOT_CLIENT_CLASSES = frozenset({0x0, 0x41})  # NV01_ROOT, NV01_ROOT_CLIENT
+# The client handles the driver hands out itself (RM_ALLOC of a root client with hObjectNew
+# 0, as NVML and CUDA ask: 0xc1d000xx in every trace): host-wide, numbered in order. A
+# tenant that names one takes the handle another tenant's next client would get.
+DRIVER_CLIENT_HANDLES = range(0xC1D00000, 0xC1E00000)
+
+
+def names_driver_client_handle(h_new: int) -> bool:
+    """Whether a root-client allocation names a handle of the driver's own range."""
+    return h_new in DRIVER_CLIENT_HANDLES
 DEVICE_CLASS = 0x80  # NV01_DEVICE_0
 SUBDEVICE_CLASS = 0x2080  # NV20_SUBDEVICE_0
 OS_EVENT_CLASS = 0x79  # NV01_EVENT_OS_EVENT
@@ -208,6 +217,12 @@ def rm_alloc(ctx: CallContext) -> Steps:
             raise Refusal(f"{where}: client handle {v.hObjectNew:#x} is held by another "
                           "tenant (answered as the driver answers a duplicate handle)",
                           status=nvstatus.NV_ERR_INSERT_DUPLICATE_NAME, what=where)
+        if names_driver_client_handle(v.hObjectNew):
+            # A squat on the handles the driver numbers in order for callers that ask it to
+            # choose (NVML and CUDA ask so). Let through: the driver (and the emulator)
+            # skip a handle in use, so no other tenant's allocation fails; recorded, so
+            # that the operator sees a tenant taking handles others would get.
+            b.note_client_squat(s, v.hObjectNew, where)
         if over := limits.alloc_refusal(s.tenant, root_client=True):
             raise Refusal(over, status=nvstatus.NV_ERR_INSUFFICIENT_RESOURCES, what=where)
         f = s.file

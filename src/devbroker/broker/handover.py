@@ -32,6 +32,7 @@ FORMAT = 1
 # name appearing on the live objects and missing here stops an upgrade (check_supported).
 BROKER_ATTRS = frozenset({
     "backend", "audit", "policy", "sessions", "tenants", "clients", "_ids", "_logged_once",
+    "_squats",  # client-squat records written per tenant (their thinning goes on)
     "memgate",  # rebuilt: its stalled threads belong to the old process
     "recorder",  # an upgrade is refused while recording (check_supported)
     "on_policy_change", "spawn", "_trio_token",  # set up by the successor's daemon
@@ -252,6 +253,7 @@ def export_broker(broker, file_id=lambda f: f.id) -> dict[str, Any]:
         # (the tenants' clients and the sessions say it too; kept: the format is unchanged)
         "client_owner": [[h, name] for h, name in broker.clients.owners()],
         "logged_once": [_key(k) for k in broker._logged_once],
+        "squats": dict(broker._squats),
         "preemption": broker.preemption.export(),
     }
 
@@ -327,6 +329,8 @@ def import_broker(broker, state: dict[str, Any], files: dict[int, Any]) -> None:
                             "sessions' clients)")
     broker._ids = itertools.count(int(state["next_id"]))
     broker._logged_once = {_unkey(k) for k in state["logged_once"]}
+    # (absent from a predecessor that kept no such count)
+    broker._squats = {str(t): int(n) for t, n in state.get("squats", {}).items()}
     broker.preemption.restore_state(state.get("preemption", {}))
 
 

@@ -498,6 +498,10 @@ class ControlRule:
     driver_flag: str = ""
     driver_why: str = ""
     driver_status: int = nvstatus.NV_ERR_INSUFFICIENT_PERMISSIONS
+    # Why the control may run where the caller's driver ABI has no layout for it (nothing in
+    # its parameters can then be checked: no GPU id, client or pointer). Empty: such a call
+    # is refused (`control_rule`), as the driver version that lacks it would answer.
+    no_layout: str = ""
 
     def granted(self, caps: frozenset[str]) -> bool:
         return not self.driver_flag and self.capability in caps
@@ -616,6 +620,14 @@ _COMPUTE_CONTROLS = [
     0x503C0102, 0x503C0104, 0x503C0105, 0x800280, 0x801307, 0x801402, 0x80170D, 0x801909,
     0x906F0101, 0x90E60102, 0xA06C0101, 0xA06C0103, 0xC36F0108, 0xCB330101,
 ]
+
+# No driver version's headers give these layouts: what the broker checks is the NVOS54
+# header (the tenant's own client and subdevice), the driver the rest.
+for _cmd, _row in list(CONTROLS.items()):
+    if _row.reason == _GSP_QUERY:
+        CONTROLS[_cmd] = dataclasses.replace(
+            _row, no_layout="unpublished in every driver version; a read-only query sent "
+                            "to the tenant's own subdevice (checked in the header)")
 
 _CUDA_TRACE = "used by CUDA on the tenant's own objects (seen in the PyTorch trace)"
 CONTROLS.update({c: _compute(_CUDA_TRACE) for c in _COMPUTE_CONTROLS})
@@ -784,6 +796,9 @@ def _driver_refusal(cmd: int, abi) -> tuple[str, str, str] | None:
     return None
 
 
+NO_LAYOUT = "NO_LAYOUT"  # ControlRule.driver_flag of a control the caller's ABI lacks
+
+
 def control_rule(cmd: int, abi=None) -> ControlRule | None:
     """The rule for a control: None when it is not on the allowlist; for one that is, a rule
     whose `driver_flag` is set (and `granted()` False) when the driver's own flags reserve it
@@ -792,6 +807,13 @@ def control_rule(cmd: int, abi=None) -> ControlRule | None:
     rule = CONTROLS.get(cmd)
     if rule is None:
         return None
+    if abi is not None and not rule.no_layout and abi.control(cmd) is None:
+        # A control this driver version does not define (no layout in its tables): nothing
+        # in its parameters could be checked, and the driver would not know it either.
+        return dataclasses.replace(
+            rule, driver_flag=NO_LAYOUT, driver_status=nvstatus.NV_ERR_NOT_SUPPORTED,
+            driver_why=f"driver {abi.version} defines no layout for it, so nothing in its "
+                       "parameters can be checked")
     ref = _driver_refusal(cmd, abi)
     if ref is None:
         return rule
@@ -808,6 +830,8 @@ def control_refusal(rule: ControlRule | None) -> tuple[str, int]:
     reserved by the driver's flags (named), or a capability the tenant lacks."""
     if rule is None:
         return "not on the control allowlist", nvstatus.NV_ERR_INSUFFICIENT_PERMISSIONS
+    if rule.driver_flag == NO_LAYOUT:
+        return f"refused whatever the policy grants: {rule.driver_why}", rule.driver_status
     if rule.driver_flag:
         return (f"refused whatever the policy grants: the driver marks it {rule.driver_flag} "
                 f"({rule.driver_why})", rule.driver_status)

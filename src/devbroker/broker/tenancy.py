@@ -354,8 +354,9 @@ class Tenancy:
                       for ns in t.openers().values()}
         runtime = dict(self.runtime)
         del runtime[name]
-        # From here on its nodes are gone and every call of its open files is refused.
-        self._change(runtime)
+        # From here on its nodes are gone and every call of its open files is refused
+        # (and what its seccomp filters let the kernel run ends with the processes, next).
+        self._change(runtime, ending=frozenset({name}))
         self.removing += 1
         try:
             pids = await trio.to_thread.run_sync(processes_of, openers, shared)
@@ -390,11 +391,13 @@ class Tenancy:
                 "memory_used": {str(g): n for g, n in t.used().items()} if t else {}}
 
     # -- internals
-    def _change(self, runtime: dict[str, RuntimeTenant]) -> None:
+    def _change(self, runtime: dict[str, RuntimeTenant], *,
+                ending: frozenset[str] = frozenset()) -> None:
         """Run the new set (a hot reload of the effective policy), then save it. Raises
-        TenantError, and changes nothing, when the broker refuses it."""
+        TenantError, and changes nothing, when the broker refuses it. `ending`: tenants
+        removed whose processes the caller ends next (Broker.apply_policy)."""
         try:
-            self.broker.apply_policy(with_runtime(self.file_policy, runtime))
+            self.broker.apply_policy(with_runtime(self.file_policy, runtime), ending=ending)
         except ValueError as e:
             raise TenantError(str(e)) from None
         self.runtime = runtime

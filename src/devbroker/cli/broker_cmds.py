@@ -244,7 +244,7 @@ def cmd_exec(args) -> int:
                          frontend=frontend, seccomp_socket=info.get("seccomp"),
                          tenant=args.tenant, binds=binds,
                          kernel_ioctls=info.get("kernel_ioctls", ()) if frontend == "seccomp"
-                         else ())
+                         else (), report_socket=str(_paths(args).control))
     except SandboxError as e:
         print(f"devbroker exec: cannot set up the sandbox: {e}", file=sys.stderr)
         return 125

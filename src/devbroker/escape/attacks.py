@@ -958,6 +958,44 @@ def a_gpu_id_fields(ctx):
     return combine(outs)
 
 
+def a_no_layout_controls(ctx):
+    """Controls allowed by a row but without a layout in the client's own ABI (a client that
+    checked in as driver 535, which defines neither): GET_ACTIVE_DEVICE_IDS and
+    ASYNC_ATTACH_ID, the latter naming the victim's GPU id. Nothing in their parameters
+    could be checked, so they must not be relayed."""
+    gid = ctx.victim["gpu_ids"][str(ctx.victim_gpu)]
+    old = "535.309.01"
+    # In a child: the broker decodes every later call of a process that checked in as
+    # another driver with that driver's ABI, and the attacks after this one are the
+    # parent's.
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            from devbroker.tools.probe import Client
+
+            c = Client(version=old)
+            c.check_version()
+            c.open_root()
+            got = [rm_control(c, c.hclient, 0x289, struct.pack("<I", gid)),
+                   rm_control(c, c.hclient, 0x288, bytes(4 + 4 * 32))]
+            os.write(w, json.dumps(got).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 4096):
+        data += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    if not data:
+        return Outcome("error", "", "the child checked in as driver 535 reported nothing")
+    (k1, c1), (k2, c2) = json.loads(data)
+    return combine([judge(k1, c1, f"ASYNC_ATTACH_ID {gid:#x} as driver {old}"),
+                    judge(k2, c2, f"GET_ACTIVE_DEVICE_IDS as driver {old}")])
+
+
 def a_client_fields(ctx):
     """Issue 13 item 6: allocation parameters naming the victim's client (an OS event's
     hParentClient, a device's hTargetClient)."""
@@ -1700,10 +1738,12 @@ ATTACKS: list[Attack] = [
     Attack("fd-pass-mmap", "victim's mapped nvidiactl (its page faulted in and written) "
            "received over a Unix socket and mapped", "cross-tenant", E, ("SIGBUS",),
            "front end (FUSE page cache)", "passed to another sandbox", a_fd_pass_mmap, True,
-           frontends=("fuse",),
-           na={"seccomp": "the tenant's files are placeholders or real driver files: no FUSE "
-                          "page cache between tenants", "kmod": "the module maps a broker memfd "
-                          "per file", "cuse": "CUSE nodes have no mmap"}),
+           frontends=("fuse", "seccomp"),
+           na={"kmod": "the module maps a broker memfd per file", "cuse": "CUSE nodes have "
+                                                                       "no mmap"},
+           overrides={"seccomp": {
+               "layer": "seccomp front end (what the mapped file is)", "expect": ("EACCES",),
+               "audit": "a broker file that is not this tenant's"}}),
     Attack("fd-pass-register", "victim's ctl fd as REGISTER_FD.ctl_fd on the attacker's GPU fd",
            "cross-tenant", E, ("EBADF", "EINVAL"), "broker", "NV_ESC_REGISTER_FD",
            a_fd_pass_register, True),
@@ -1732,6 +1772,13 @@ ATTACKS: list[Attack] = [
            "cross-tenant", E, ("NV_ERR_INVALID_ARGUMENT",), "broker",
            r"(P2P_CAPS_MATRIX|ASYNC_ATTACH_ID).*=0x[0-9a-f]+ is not one of the tenant's GPUs",
            a_gpu_id_fields, True, gpus=2),
+    Attack("no-layout-controls", "allowed controls the client's ABI has no layout for "
+           "(checked in as driver 535: ASYNC_ATTACH_ID with the victim's GPU id, "
+           "GET_ACTIVE_DEVICE_IDS)", "cross-tenant", E, ("NV_ERR_NOT_SUPPORTED",), "broker",
+           "defines no layout for it", a_no_layout_controls, True,
+           frontends=("fuse", "seccomp"), backends=("emulated",),
+           na={fe: "the guest's broker runs the same rule rows; the harness there checks in "
+                   "as its own driver only" for fe in GUEST}),
     Attack("client-fields", "OS event hParentClient / device hTargetClient naming the "
            "victim's client", "cross-tenant", E, ("NV_ERR_INVALID_CLIENT",), "broker",
            "(hParentClient|hTargetClient)=0x[0-9a-f]+ is not a client of this tenant",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import array
+import ctypes
 import json
 import os
 import socket
@@ -81,8 +82,17 @@ def victim(sock_name: str, alloc: int) -> int:
     # it). Best effort: a front end without node mappings (CUSE) has no such file.
     extra: dict = {}
     try:
-        map_fd, page = c.map_shared_data(first)
-        page[:len(MAP_SECRET)] = MAP_SECRET
+        map_fd = c.map_shared_data_fd(first)
+        # mmap(2) itself (Python's mmap checks the size of a regular file first, and the
+        # seccomp front end's placeholder is an empty memfd until the broker fills it).
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_long]
+        addr = libc.mmap(None, 2608, 3, 1, map_fd, 0)  # PROT_RW, MAP_SHARED
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), "mmap of the shared-data page")
+        ctypes.memmove(addr, MAP_SECRET, len(MAP_SECRET))
         extra = {"map_fd_index": 1 + len(c.gpu_fds), "map_secret": MAP_SECRET.decode()}
     except (OSError, ValueError, NvError) as e:
         map_fd, extra = -1, {"map_error": str(e)}

@@ -369,6 +369,21 @@ class _CString(_TaskMemory):
         return read_cstring(self.tid, addr, length)
 
 
+# The name every broker gives its placeholders (seccompwire.PLACEHOLDER_PREFIX): a memfd's
+# name is fixed at its creation, so a file that shows it is a broker's placeholder (or a
+# tenant's own memfd named to look like one, refused all the same: deny by default).
+PLACEHOLDER_PREFIX = w.PLACEHOLDER_PREFIX
+
+
+def _is_placeholder(tid: int, fd: int) -> bool:
+    """Whether tid's fd is a broker's node placeholder (any tenant's, any broker's). A link
+    that cannot be read counts as one: the mapping is then refused, not let through."""
+    try:
+        return os.readlink(f"/proc/{tid}/fd/{fd}").startswith(w.PLACEHOLDER_LINK)
+    except OSError:
+        return True
+
+
 class SeccompSupervisor:
     """Answers one listener's notifications with a broker (one per tenant process tree)."""
 
@@ -525,6 +540,22 @@ class SeccompSupervisor:
                        reason="an NVIDIA device file the broker did not give out (opened "
                               "past the broker, or passed from another process)")
         return w.NotifResp.fail(n.id, errno.EPERM)
+
+    def _refuse_placeholder(self, n: w.Notif, fd: int) -> w.NotifResp:
+        """A mapping of a broker's placeholder that is not one of this tenant's sessions
+        (another tenant's, passed over a socket; any broker's): refused with EACCES, what
+        mmap(2) answers for a file the caller may not map, and an audit record."""
+        self.stats.refused_foreign += 1
+        audit = getattr(self.broker, "audit", None)
+        if audit is not None:
+            try:
+                pid = self._caller(n.pid).pid
+            except OSError:
+                pid = n.pid
+            audit.deny(tenant=self.tenant, pid=pid, what=f"mmap of fd {fd}",
+                       reason="a broker file that is not this tenant's (another tenant's "
+                              "node placeholder, passed from another process)")
+        return w.NotifResp.fail(n.id, errno.EACCES)
 
     def _caller(self, tid: int) -> Caller:
         return self._caller_caps(tid)[0]
@@ -1900,7 +1931,8 @@ class SeccompSupervisor:
         epochs: the books' words read before the broker decided the open (with the native
         loop: a real ctl or GPU file's mappings are then left to it, `_native_map_fact`)."""
         real = real_fd >= 0
-        memfd = real_fd if real else os.memfd_create(f"devbroker:{name}", os.MFD_CLOEXEC)
+        memfd = real_fd if real else os.memfd_create(f"{PLACEHOLDER_PREFIX}{name}",
+                                                      os.MFD_CLOEXEC)
         try:
             sess = self._watched_session(memfd, sid, spec, (caller.pid, -1), real)
             key = sess.key
@@ -2252,6 +2284,8 @@ class SeccompSupervisor:
         if sess is None:
             if nvidia:
                 return self._refuse_foreign(n, f"mmap of fd {fd}")
+            if _is_placeholder(tid, fd):
+                return self._refuse_placeholder(n, fd)
             self.stats.mmaps_continued += 1
             return w.NotifResp.cont(n.id)
         caller = self._caller(tid)

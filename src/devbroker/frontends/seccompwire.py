@@ -502,12 +502,21 @@ def build_filter(opts: FilterOptions = FilterOptions()) -> bytes:
     return a.assemble()
 
 
-def build_stat_shim_filter() -> bytes:
+# The name every broker gives the seccomp front end's node placeholders (memfd_create), and
+# how /proc/<pid>/fd shows one. A memfd's name is fixed when it is made: a file that shows
+# this name is a broker's placeholder (or a tenant's own file named to look like one).
+PLACEHOLDER_PREFIX = "devbroker:"
+PLACEHOLDER_LINK = "/memfd:" + PLACEHOLDER_PREFIX
+
+
+def build_stat_shim_filter(*, notify_mmap: bool = False) -> bytes:
     """The sandbox's stat shim filter: the stat family goes to the supervisor, everything else
     is allowed.
 
     ===================== ===================================================================
     STAT_SYSCALLS         USER_NOTIF (x86_64 numbers, audit arch x86_64)
+    mmap                  with `notify_mmap`: USER_NOTIF unless MAP_ANONYMOUS (the shim
+                          refuses a broker placeholder that reached the tenant)
     anything else         ALLOW, other audit archs (i386 ``int 0x80``) and x32 included
     ===================== ===================================================================
 
@@ -521,6 +530,10 @@ def build_stat_shim_filter() -> bytes:
     a.ld(OFF_NR)
     for name in STAT_SYSCALLS:
         a.jmp(BPF_JEQ, NR[name], "notify", 0)
+    if notify_mmap:
+        a.jmp(BPF_JEQ, NR["mmap"], 0, "allow")
+        a.ld(OFF_ARG_LO(3))
+        a.jmp(BPF_JSET, MAP_ANONYMOUS, "allow", "notify")
     a.label("allow")
     a.ret(SECCOMP_RET_ALLOW)
     a.label("notify")

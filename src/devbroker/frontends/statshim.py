@@ -28,6 +28,11 @@ the ``devbroker exec`` process, outside the tenant's namespaces. For each call t
 Faking a stat result grants nothing: the open still reaches the FUSE node and the broker,
 and every other decision stays the kernel's. See docs/sandbox.md ("The stat shim").
 
+With ``notify_mmap`` (``devbroker exec`` installs it so) the filter sends file mappings here
+too, and one of a broker placeholder (a seccomp tenant's node memfd that reached this tenant
+over a socket; the FUSE front end never sees a memfd's mapping) is refused EACCES
+(:meth:`StatShim._mmap`); every other mapping is CONTINUEd.
+
 Sans-IO parts (:func:`parse_stat_call`, :func:`plan`, :func:`node_numbers`) are separate
 from the loop; this module imports only the standard library and the sans-IO seccomp codec,
 because it is loaded into every ``devbroker exec`` / ``python -m devbroker.sandbox``.
@@ -96,6 +101,7 @@ class StatCall(NamedTuple):
 
 _NR_STAT, _NR_FSTAT, _NR_LSTAT = w.NR["stat"], w.NR["fstat"], w.NR["lstat"]
 _NR_NEWFSTATAT, _NR_STATX = w.NR["newfstatat"], w.NR["statx"]
+_NR_MMAP = w.NR["mmap"]
 
 
 def _c_int(v: int) -> int:
@@ -442,6 +448,7 @@ class ShimStats:
     looked_up: int = 0  # candidates resolved (node-named paths, node-looking fds)
     stale: int = 0  # the caller went away before the answer
     errors: int = 0  # unexpected failures (answered CONTINUE)
+    refused_maps: int = 0  # mappings of a broker placeholder refused (EACCES)
 
 
 class StatShim:
@@ -459,7 +466,10 @@ class StatShim:
     _RESP = struct.Struct("=QqiI")
 
     def __init__(self, nodes: Mapping[tuple[int, int], tuple[int, int]], names, *,
-                 sizes: w.NotifSizes | None = None, log=None):
+                 sizes: w.NotifSizes | None = None, log=None, on_refused_map=None):
+        # on_refused_map(tid, fd): told of each refused mapping (the audit record), from the
+        # shim's thread; must not raise
+        self.on_refused_map = on_refused_map
         self.nodes = dict(nodes)
         self.names = frozenset(names)
         self._bnames = frozenset(n.encode() for n in self.names)
@@ -553,7 +563,9 @@ class StatShim:
         st.notifications += 1
         try:
             call = parse_raw(nr, args) if arch == w.AUDIT_ARCH_X86_64 else None
-            if call is None:
+            if nr == _NR_MMAP and arch == w.AUDIT_ARCH_X86_64:
+                answer = self._mmap(tid, _c_int(args[4]))
+            elif call is None:
                 answer = _CONTINUE
             else:
                 answer = self._stat(nid, tid, call)
@@ -567,6 +579,25 @@ class StatShim:
         if answer is _CONTINUE:
             st.continued += 1
         return answer
+
+    def _mmap(self, tid: int, fd: int) -> object:
+        """A file mapping (filter with notify_mmap): refused EACCES when the file is a broker
+        placeholder (a seccomp tenant's node file that reached this tenant over a socket:
+        its pages are that tenant's), else CONTINUE. The kernel looks the fd up again after
+        a CONTINUE: a thread that swaps a placeholder onto the number meanwhile is not
+        stopped (docs/security.md)."""
+        if fd < 0:
+            return _CONTINUE
+        try:
+            link = os.readlink(f"/proc/{tid}/fd/{fd}")
+        except OSError:
+            return _CONTINUE  # (no such fd: the kernel answers EBADF itself)
+        if not link.startswith(w.PLACEHOLDER_LINK):
+            return _CONTINUE
+        self.stats.refused_maps += 1
+        if self.on_refused_map is not None:
+            self.on_refused_map(tid, fd)
+        return errno.EACCES
 
     def _stat(self, nid: int, tid: int, call: StatCall) -> object:
         # the cheap tests first: most stats are of files that are not nodes

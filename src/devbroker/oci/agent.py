@@ -4,6 +4,12 @@
 runtime, reach it). One container per connection: the runtime sends the OCI container process
 state with the seccomp listener attached and closes (devbroker.oci.state). The agent
 
+0. decides who the peer is at accept, before it reads a byte: its kernel credentials AND its
+   pid namespace (broker/control.py ``peer_of``/``role_of``: an admin of the broker's own
+   pid namespace). A runtime (runc, crun) runs on the host, in that namespace; a root tenant
+   of any sandbox or container is in a pid namespace of its own, and a file mode cannot keep
+   it out (root passes modes; a run dir it should not see may still be in its view), so it
+   is refused here, whichever broker it found;
 1. reads the state up to the end of its JSON object (at most 1 MiB, at most 10 s: a
    runtime cannot hold the broker),
    keeps only the fd named ``seccompFd`` and checks it is a seccomp listener;
@@ -78,6 +84,9 @@ class OciSeccompAgent:
         self.sock = sock
         self.busy = 0
         self.accepting: trio.CancelScope | None = None
+        from devbroker.broker.control import RefusalPacer
+
+        self._pacer = RefusalPacer()
 
     async def serve(self, nursery, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         if self.sock is None:
@@ -112,11 +121,21 @@ class OciSeccompAgent:
         finally:
             self.busy -= 1
 
-    async def _read(self, conn) -> tuple[bytes, list[int], tuple[int, int, int]]:
-        """(payload, fds, peer (pid, uid, gid)) of one hand-over; the fds are the caller's
-        to close whatever happens next."""
-        creds = conn.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, 12)
-        peer = struct.unpack("=iII", creds)
+    async def _peer_may_hand_over(self, conn) -> tuple[bool, tuple[int, int, int]]:
+        """Whether the peer may hand over a container at all, decided from what the kernel
+        says about it (credentials, pid namespace), with its (pid, uid, gid)."""
+        from devbroker.broker.control import ROLE_ADMIN, peer_of, role_of
+
+        try:
+            peer = await trio.to_thread.run_sync(peer_of, conn)
+        except OSError:
+            return False, (0, -1, -1)
+        ok = role_of(peer, self.service._access()) == ROLE_ADMIN
+        return ok, (peer.pid, peer.uid, peer.gid)
+
+    async def _read(self, conn) -> tuple[bytes, list[int]]:
+        """(payload, fds) of one hand-over; the fds are the caller's to close whatever
+        happens next."""
         chunks: list[bytes] = []
         fds: list[int] = []
         size = 0
@@ -146,7 +165,7 @@ class OciSeccompAgent:
         except BaseException:
             _close_all(fds)
             raise
-        return b"".join(chunks), fds, peer
+        return b"".join(chunks), fds
 
     async def _one(self, conn, nursery) -> None:
         audit = self.service.audit
@@ -155,10 +174,19 @@ class OciSeccompAgent:
         hand = None
         peer = (0, -1, -1)
         with conn:
+            ok, peer = await self._peer_may_hand_over(conn)
+            if not ok:
+                # Nothing of it is read: no state parsed, no fd received.
+                self.refused += 1
+                note = self._pacer.admit(peer[1], trio.current_time())
+                if note is not None:
+                    audit.write("container-refused", runtime_pid=peer[0], uid=peer[1],
+                                reason="the peer is not an admin of the broker's pid "
+                                       "namespace (only the host's container runtime hands "
+                                       "over)" + note)
+                return
             try:
-                payload, fds, peer = await self._read(conn)
-                if peer[1] != 0:
-                    raise ocistate.StateError(f"peer uid {peer[1]} is not root")
+                payload, fds = await self._read(conn)
                 st = ocistate.decode_state(payload)
                 idx = st.fd_index()
                 if idx >= len(fds):

@@ -39,6 +39,9 @@ def parse_args(argv: list[str]) -> SandboxSpec:
     ap.add_argument("--kernel-ioctls", type=_ints, default=(),
                     help="seccomp front end: comma-separated UVM command numbers the kernel "
                     "runs without asking the broker (the broker's tenant.dir answer)")
+    ap.add_argument("--report-socket",
+                    help="the broker's control socket: refusals the sandbox makes are "
+                    "written to its audit log")
     ap.add_argument("--bind", action="append", default=[], metavar="SRC[:DST][:ro|rw]",
                     help="show a host path (read-only unless :rw); repeatable")
     ap.add_argument("command", nargs=argparse.REMAINDER)
@@ -51,7 +54,7 @@ def parse_args(argv: list[str]) -> SandboxSpec:
                        driver_version=a.driver_version, pass_fds=tuple(a.pass_fd),
                        stat_shim=a.stat_shim, frontend=a.frontend,
                        seccomp_socket=a.seccomp_socket, tenant=a.tenant,
-                       kernel_ioctls=tuple(a.kernel_ioctls),
+                       kernel_ioctls=tuple(a.kernel_ioctls), report_socket=a.report_socket,
                        binds=tuple(Bind.parse(b) for b in a.bind))
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import os
 import re
 import signal
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from devbroker.sandbox import linux
+from devbroker.sandbox import brokers, linux
 from devbroker.sandbox.linux import (
     MNT_DETACH, MS_BIND, MS_NODEV, MS_NOEXEC, MS_NOSUID, MS_PRIVATE, MS_RDONLY, MS_REC,
     MS_STRICTATIME,
@@ -152,6 +153,9 @@ class SandboxSpec:
     # seccomp front end: UVM command numbers the filter lets the kernel run without a
     # notification (the broker's answer to tenant.dir: rules.kernel_commands, real files only)
     kernel_ioctls: tuple[int, ...] = ()
+    # The broker's control socket, where refusals the sandbox's own supervisor makes are
+    # reported for the audit log (op tenant.refused; None: printed to stderr only)
+    report_socket: str | None = None
     # Host paths made visible (read-only unless writable): the host file system is
     # otherwise read-only to the command, and /tmp is a tmpfs of its own.
     binds: tuple[Bind, ...] = ()
@@ -184,7 +188,8 @@ def exec_main(tenant_dir: Path, argv: Sequence[str], *, uid: int | None = None,
               readonly: Sequence[Path] = (), driver_version: str | None = None,
               stat_shim: bool = True, frontend: str = "fuse",
               seccomp_socket: str | None = None, tenant: str | None = None,
-              binds: Sequence[Bind | str] = (), kernel_ioctls: Sequence[int] = ()) -> int:
+              binds: Sequence[Bind | str] = (), kernel_ioctls: Sequence[int] = (),
+              report_socket: str | None = None) -> int:
     """What `devbroker exec` runs: the command's exit status (128+N if killed by signal N;
     125 if the sandbox failed, 126/127 if the command could not be executed).
 
@@ -195,7 +200,8 @@ def exec_main(tenant_dir: Path, argv: Sequence[str], *, uid: int | None = None,
                        groups=tuple(groups), cwd=cwd, env=env, hide=tuple(hide),
                        readonly=tuple(readonly), driver_version=driver_version,
                        stat_shim=stat_shim, frontend=frontend, seccomp_socket=seccomp_socket,
-                       tenant=tenant, binds=tuple(binds), kernel_ioctls=tuple(kernel_ioctls))
+                       tenant=tenant, binds=tuple(binds), kernel_ioctls=tuple(kernel_ioctls),
+                       report_socket=report_socket)
     return run_here(spec)
 
 
@@ -237,6 +243,10 @@ def spec_to_args(spec: SandboxSpec) -> list[str]:
         args += ["--bind", b.text()]
     if not spec.stat_shim and spec.frontend == "fuse":
         args += ["--no-stat-shim"]
+    if spec.report_socket:
+        args += ["--report-socket", spec.report_socket]
+    if spec.tenant and spec.frontend == "fuse":
+        args += ["--tenant", spec.tenant]
     if spec.frontend == "seccomp":
         args += ["--frontend", "seccomp", "--seccomp-socket", str(spec.seccomp_socket),
                  "--tenant", str(spec.tenant)]
@@ -383,15 +393,39 @@ class _ShimThread(_ListenerThread):
         names = tenant_nodes(spec.tenant_dir)
         # Identities of the files that will be bound at /dev/<name>, taken now (a bind holds
         # the same inode). Fails early (SandboxError) when the kernel lacks user notification.
+        self._spec = spec
         try:
             self.shim = statshim.StatShim(
-                statshim.node_table(spec.tenant_dir, names, plan.uvm_major), names)
+                statshim.node_table(spec.tenant_dir, names, plan.uvm_major), names,
+                on_refused_map=self._refused_map)
         except OSError as e:
             raise SandboxError(f"stat shim: {e} (use --no-stat-shim to run without it)") from e
         super().__init__()
 
     def _serve(self, listener: int) -> None:
         self.shim.serve(listener, self._stop_r)
+
+    def _refused_map(self, tid: int, fd: int) -> None:
+        """The shim refused a mapping of a broker placeholder (another tenant's node file,
+        passed to this one): reported to the broker's audit log, else to stderr."""
+        what, reason = f"mmap of fd {fd}", ("a broker file that is not this tenant's "
+                                           "(another tenant's node placeholder, passed from "
+                                           "another process)")
+        path = self._spec.report_socket
+        if path:
+            try:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.settimeout(5)
+                with s:
+                    s.connect(path)
+                    s.sendall((json.dumps({"op": "tenant.refused",
+                                           "tenant": self._spec.tenant or "?", "pid": tid,
+                                           "what": what, "reason": reason}) + "\n").encode())
+                    s.recv(4096)
+                return
+            except OSError:
+                pass
+        _fail("stat shim", OSError(errno.EACCES, f"{what} of pid {tid} refused: {reason}"))
 
 
 class _SeccompHandover(_ListenerThread):
@@ -572,7 +606,11 @@ def _command_main(spec: SandboxSpec, shim_fd: int | None = None) -> None:
                 install_and_send(shim_fd, build_filter(FilterOptions(
                     kernel_ioctls=spec.kernel_ioctls)))
             else:
-                install_and_send(shim_fd)
+                from devbroker.frontends.seccompwire import build_stat_shim_filter
+
+                # File mappings too: a seccomp tenant's placeholder that reached this
+                # tenant is refused there (statshim.StatShim._mmap).
+                install_and_send(shim_fd, build_stat_shim_filter(notify_mmap=True))
             step = "exec"
         _exec_command(list(spec.argv), env)
     except CommandNotRun as e:
@@ -681,7 +719,11 @@ def build_view(spec: SandboxSpec, *, proc_devices: str | None = None) -> None:
     # Every mount the tenant inherits from the host, at once (issue 13: a root tenant wrote
     # a broker source file and had the broker import it). Mounts made below are new and
     # writable where they must be (/dev/shm, /dev/pts, /tmp, the node binds).
-    linux.mount_setattr("/", set_=linux.MOUNT_ATTR_RDONLY, recursive=True)
+    # And nodev: no device node anywhere in the host's tree opens as a device for the tenant
+    # (a broker's spare driver nodes, a node left in some directory); its own /dev is a new
+    # mount, and the node binds below clear it where they are real devices (CUSE/kmod).
+    linux.mount_setattr("/", set_=linux.MOUNT_ATTR_RDONLY | linux.MOUNT_ATTR_NODEV,
+                        recursive=True)
     # Found before /proc is replaced and before anything is stacked on top of it.
     fuse_root = fuse_mount_containing(tenant)
     # Every devbroker mount on the host (other broker instances too), not only this one,
@@ -689,6 +731,9 @@ def build_view(spec: SandboxSpec, *, proc_devices: str | None = None) -> None:
     broker_mounts = [mp for mp, _root, fstype in linux.mountinfo()
                      if fstype == BROKER_FSTYPE and mp != "/"]
     run_dirs = [os.path.dirname(mp) for mp in broker_mounts if os.path.dirname(mp) != "/"]
+    # And every broker's run dir and audit log the host tells of, whatever its front end
+    # (a seccomp-only broker mounts nothing): sandbox/brokers.py.
+    run_dirs += brokers.paths_to_hide()
     _build_dev(tenant, char_nodes=_char_nodes(spec, proc_devices))
     _build_proc(tenant, proc_devices)
     _build_sys(tenant, spec.driver_version or _driver_version_from(tenant))
@@ -846,8 +891,9 @@ def _build_dev(tenant: Path, char_nodes: dict[str, int] | None = None) -> None:
         os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o666))
         linux.mount(str(tenant / name), target, None, MS_BIND)
         # Writable (the copy of the host's mount is read-only, and the nodes are opened
-        # O_RDWR); nodev stays off: with the CUSE/kmod front ends these are real devices.
-        linux.mount_setattr(target, clear=linux.MOUNT_ATTR_RDONLY,
+        # O_RDWR); nodev off on these binds alone: with the CUSE/kmod front ends these are
+        # real devices.
+        linux.mount_setattr(target, clear=linux.MOUNT_ATTR_RDONLY | linux.MOUNT_ATTR_NODEV,
                             set_=linux.MOUNT_ATTR_NOSUID | linux.MOUNT_ATTR_NOEXEC)
     # Read-only: the tenant cannot plant its own nvidia* files, /dev/nvidia-caps, symlinks.
     linux.remount_bind("/dev", MS_RDONLY)

@@ -170,6 +170,12 @@ class Client:
         NVML's (2608 on 580.159.04; the H200 refuses 4096 with NV_ERR_INVALID_LIMIT)."""
         import mmap
 
+        fd = self.map_shared_data_fd(g, length)
+        return fd, mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+    def map_shared_data_fd(self, g: dict, length: int = 2608) -> int:
+        """`map_shared_data` up to the mapping: the fresh nvidiactl fd with its mapping made
+        (RM_MAP_MEMORY), for callers that map it their own way."""
         hshared = self.alloc(g["hsubdevice"], RM_USER_SHARED_DATA,
                              self.new("NV00DE_ALLOC_PARAMETERS"))
         fd = os.open(f"{self.dev}/nvidiactl", os.O_RDWR | os.O_CLOEXEC)
@@ -181,7 +187,7 @@ class Client:
         if out.params.status != nvs.NV_OK:
             os.close(fd)
             raise NvError("RM_MAP_MEMORY of RM_USER_SHARED_DATA", out.params.status)
-        return fd, mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        return fd
 
     def alloc_device_memory(self, hdev: int, size: int) -> int:
         p = self.new("NV_MEMORY_ALLOCATION_PARAMS", owner=self.hclient, type=0,
