@@ -349,6 +349,11 @@ class ClassRule:
     # them set, where any other pointer must be NULL (rules.lane_pointers).
     keys: tuple = ()
     keys_why: str = ""
+    # The classes its parent object must be of (empty: any object of the tenant's that the
+    # driver takes): checked on the header by the general path and the lane; such an
+    # allocation is never settled (the loop's facts are keyed by the parent's handle, not
+    # its class).
+    parents: frozenset = frozenset()
 
     def granted(self, caps: frozenset[str]) -> bool:
         return self.capability in caps
@@ -390,9 +395,18 @@ CLASSES: dict[int, ClassRule] = {
     0xA06C: ClassRule("compute", "channel group (time-sliced with other tenants); its "
                       "timeslice and interleave level are set to the tenant's compute share "
                       "before the tenant has the handle", after=compute.after_alloc),
-    0xC86F: ClassRule("compute", "GPFIFO channel in the tenant's channel group; stopped "
+    # Only under one of the tenant's channel groups: under anything else (the device) the
+    # driver wraps the channel in a channel group of its own making (kernel_channel.c,
+    # kchannelConstruct_IMPL, tag 580.142: a parent that is no KernelChannelGroupApi gets
+    # an internal KEPLER_CHANNEL_GROUP_A allocated under it with RMAPI_ALLOC_FLAGS_SKIP_RPC,
+    # its handle written back into hPhysChannelGroup), which the broker never sees
+    # allocated: it would run with the driver's default timeslice, not the policy's.
+    0xC86F: ClassRule("compute", "GPFIFO channel in the tenant's channel group (its parent "
+                      "must be one: a channel under the device would run in a group the "
+                      "driver makes itself, outside the tenant's compute share); stopped "
                       "before the tenant has the handle while the tenant is preempted "
-                      "(priority low next to a high tenant)", after=compute.after_channel_alloc),
+                      "(priority low next to a high tenant)", after=compute.after_channel_alloc,
+                      parents=frozenset({compute.KEPLER_CHANNEL_GROUP_A})),
     0xC8B5: ClassRule("compute", "copy engine object on the tenant's channel"),
     0xCBC0: ClassRule("compute", "compute engine object on the tenant's channel"),
     0xC661: ClassRule("compute", "usermode doorbell page (write-only)"),
