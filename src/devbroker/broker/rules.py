@@ -610,6 +610,18 @@ CONTROLS: dict[int, ControlRule] = {
     0x2080A068: _nvml(_GSP_QUERY),
     0x2080A06E: _nvml(_GSP_QUERY),
     0x2080A0A7: _nvml(_GSP_QUERY),
+    # NVML's nvmlDeviceGetUtilizationRates sent it on the H200 when the polled user-shared
+    # page (0xde, REQUEST_DATA_POLL) did not answer in time, i.e. under load (issue 51 item
+    # 12: refused, the tenant's NVML died with NoPermission). No header names it; the kernel
+    # forwards every number of a LEGACY_NON_PRIVILEGED category to GSP as one flat block
+    # (rmapi_gss_legacy_control.c RmGssLegacyRpcCmd, tag 580.142, lines 38-127: paramsSize
+    # bytes copied in, the object looked up in the caller's own client, the block handed to
+    # GSP's RM, which cannot follow a pointer into the caller's memory), so it can name
+    # nothing but the caller's own objects: the same grounds as the GSP queries above.
+    0x2080A097: _nvml("unpublished GSP utilization query NVML falls back to when the polled "
+                      "user-shared page is late (read-only; forwarded to GSP as a flat block "
+                      "in the caller's client: rmapi_gss_legacy_control.c; emulator: "
+                      "NOT_SUPPORTED)"),
     0x2080A612: _nvml(_GSP_QUERY),
     0x2080A637: _nvml(_GSP_QUERY),
     0x2080B201: _nvml(_GSP_QUERY),
@@ -718,7 +730,6 @@ REFUSED_CONTROLS: dict[int, str] = {
     0x2080A087: "unpublished (no header names it): layout unknown, may hide handles/pointers",
     0x2080A618: "unpublished (no header names it): layout unknown, may hide handles/pointers",
     0x2080852F: "unpublished (no header names it): layout unknown, may hide handles/pointers",
-    0x2080A097: "unpublished (no header names it): layout unknown, may hide handles/pointers",
     # Issue 15: scheduling controls a tenant could use to take more than its compute share
     # (docs/compute-shares.md).
     0xA06C0110: "MAKE_REALTIME puts a channel group ahead of every other tenant's (realtime "
