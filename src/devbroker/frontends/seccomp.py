@@ -111,6 +111,12 @@ def _raise_errno(what: str) -> None:
     raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
+class _Undecided(BaseException):
+    """A notification's wait for its pace token was ended by a live upgrade: nothing of it
+    was decided; the successor (or this supervisor, when the upgrade is called off) decides
+    it from the start. A BaseException, so that no step's `except Exception` keeps it."""
+
+
 def listener_cpus() -> set[int] | None:
     """The CPUs listener threads keep to (DEVBROKER_LISTENER_CPUS="2" or "2,3"; unset: any,
     the kernel's choice). An experiment's knob (docs/benchmarks.md): a thread woken on
@@ -449,6 +455,14 @@ class SeccompSupervisor:
         self._changed = trio.Event()
         self.closed = trio.Event()
         self._handover_hold: trio.Event | None = None  # set while a live upgrade pauses
+        # Notifications waiting on the trio thread for a token of the tenant's pace, by id:
+        # (notification, the wait's cancel scope). Nothing of such a call has been decided
+        # or done, so a live upgrade does not wait for them (a tenant with a long queue
+        # behind its limit froze every tenant for the whole drain timeout): they are
+        # cancelled and go to the successor undecided (`_undecided`), which decides them
+        # from the start, as do we if the upgrade is called off.
+        self._pace_waiters: dict[int, tuple[w.Notif, trio.CancelScope]] = {}
+        self._undecided: list[w.Notif] = []
 
     # -- kernel calls on the listener ---------------------------------------------------
 
@@ -638,6 +652,9 @@ class SeccompSupervisor:
                 outer.start_soon(self._watchdog)
                 for _ in range(self.threads):
                     self._start_thread()
+                undecided, self._undecided = self._undecided, []
+                for n in undecided:  # (a predecessor's: see _pace_waiters)
+                    outer.start_soon(self._decide_again, n)
                 await self._hup.wait()
                 self._drop_prepared(everything=True)  # (no caller is left to take them)
                 # No task uses the filter any more. On 6.18 that point is reached while the
@@ -1570,16 +1587,39 @@ class SeccompSupervisor:
     def _perform_here(self, eff):
         return perform_blocking(eff, self._gate)
 
-    async def _perform_async(self, eff):
+    async def _perform_async(self, eff, n: w.Notif | None = None):
+        if n is not None and isinstance(eff, RateLimit):
+            if self._handover_hold is not None:
+                raise _Undecided  # (a live upgrade is pausing: no wait starts now)
+            with trio.CancelScope() as scope:
+                self._pace_waiters[n.id] = (n, scope)
+                try:
+                    return await eff.limiter.acquire()
+                finally:
+                    self._pace_waiters.pop(n.id, None)
+            raise _Undecided  # (cancelled by pause_for_handover)
         return await perform_async(eff, self._gate)
 
     async def _finish_on_trio(self, n: w.Notif, steps: Steps, pending=None) -> None:
         try:
-            resp = await run_async(steps, self._perform_async, pending)
+            resp = await run_async(steps, functools.partial(self._perform_async, n=n),
+                                   pending)
+        except _Undecided:
+            self._undecided.append(n)  # (its steps were closed: nothing was held)
+            return
         except Exception:
             log.exception("seccomp: handling %s from %d failed", n.syscall, n.pid)
             resp = w.NotifResp.fail(n.id, errno.EIO)
         self._send_quietly(resp)
+
+    async def _decide_again(self, n: w.Notif) -> None:
+        """A notification a live upgrade found waiting for its pace token (ours, or the
+        predecessor's): decided from the start on the trio thread."""
+        steps = self._steps_for(n)
+        if steps is None:
+            self._send_quietly(w.NotifResp.cont(n.id))
+            return
+        await self._finish_on_trio(n, steps)
 
     def _send_quietly(self, resp: w.NotifResp | None) -> None:
         if resp is None:
@@ -2381,7 +2421,7 @@ class SeccompSupervisor:
         if self._nursery is None:
             return []
         return [t for t in self._nursery.child_tasks
-                if t.name.endswith(("._finish_on_trio", "._release"))]
+                if t.name.endswith(("._finish_on_trio", "._release", "._decide_again"))]
 
     async def pause_for_handover(self) -> None:
         """Stop receiving notifications; return once every one received has been answered
@@ -2405,6 +2445,8 @@ class SeccompSupervisor:
             self._token.run_sync_soon(flushed.set)
             await flushed.wait()
         while self._pending or self._handed_tasks():
+            for _n, scope in list(self._pace_waiters.values()):
+                scope.cancel()  # undecided: handed over (module doc of _pace_waiters)
             await trio.sleep(0.002)
 
     def resume_after_handover(self) -> None:
@@ -2422,6 +2464,9 @@ class SeccompSupervisor:
         self._stopping = False
         for _ in range(self.threads):
             self._start_thread()
+        undecided, self._undecided = self._undecided, []
+        for n in undecided:
+            self._nursery.start_soon(self._decide_again, n)
 
     def export_for_handover(self) -> tuple[dict, list[int]]:
         """(state, [listener fd, inotify fd]) of a paused supervisor. The fds stay this
@@ -2439,6 +2484,9 @@ class SeccompSupervisor:
             "real_files": self.real_files,
             "stats": dataclasses.asdict(self.stats),
             "sessions": [session(s) for s in self.sessions.values() if not s.released],
+            # received, not decided (waiting for the pace when the pause began): the
+            # successor answers them by id on the same listener
+            "undecided": [n.encode(self.sizes).hex() for n in self._undecided],
         }, [self._lfd, self._ifd]
 
     @classmethod
@@ -2459,6 +2507,8 @@ class SeccompSupervisor:
                         (opener[0], opener[1]), real=bool(real))
             sup.sessions[s.key] = s
             sup._by_wd[s.wd] = s
+        sup._undecided = [w.Notif.decode(bytes.fromhex(x))
+                          for x in state.get("undecided", ())]
         known = {f.name for f in dataclasses.fields(SupervisorStats)}
         for k, v in state["stats"].items():
             if k in known:
@@ -2471,6 +2521,7 @@ class SeccompSupervisor:
         self.sessions = {}
         self._by_wd = {}
         self._pending = []
+        self._undecided = []  # (the successor's to answer)
 
 
 # ---------------------------------------------------------------------------------------
