@@ -513,6 +513,7 @@ def test_extra_listener_threads_coming_back_together_leave_one_to_answer():
 
     sup = sc.SeccompSupervisor.__new__(sc.SeccompSupervisor)
     sup.threads, sup._serving, sup._threads_lock = 1, {}, threading.Lock()
+    sup._listener_tids = set()
     for live, leave in ((2, 1), (3, 2), (1, 0)):
         sup._live, sup._leaving = live, 0
         said = []

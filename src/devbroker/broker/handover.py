@@ -86,6 +86,7 @@ SUPERVISOR_ATTRS = frozenset({
     # calls waiting for their pace token (cancelled by the pause) and those found so:
     # exported as "undecided", answered by the successor
     "_pace_waiters", "_undecided",
+    "_listener_tids",  # the ids of this process's listener threads
     "_gate",  # the broker's memory gate (a cached property): the successor's broker's
     "_lane", "_lane_cmds", "_clane",  # the successor's broker's lanes
     # the native loop (frontends/nativelane.py): its threads fold their counters into

@@ -463,6 +463,7 @@ class SeccompSupervisor:
         # from the start, as do we if the upgrade is called off.
         self._pace_waiters: dict[int, tuple[w.Notif, trio.CancelScope]] = {}
         self._undecided: list[w.Notif] = []
+        self._listener_tids: set[int] = set()  # this supervisor's listener threads
 
     # -- kernel calls on the listener ---------------------------------------------------
 
@@ -758,6 +759,7 @@ class SeccompSupervisor:
         the supervisor's own duplicate of the listener (closed by the last one out), so a
         thread held up in a tenant's page never answers on an fd number reused meanwhile."""
         me = threading.get_native_id()
+        self._listener_tids.add(me)
         _keep_to_listener_cpus()
         if self.real_files:
             # Driver calls for the tenant run on this thread: never with the capabilities
@@ -837,6 +839,7 @@ class SeccompSupervisor:
         (frontends/nativelane.py): the loop comes back here for every notification it does
         not answer itself, which is then answered exactly as `_thread_main` would."""
         me = threading.get_native_id()
+        self._listener_tids.add(me)
         _keep_to_listener_cpus()
         if self.real_files:
             drop_driver_capabilities_for_thread()  # as _thread_main: before any driver call
@@ -1489,6 +1492,7 @@ class SeccompSupervisor:
     def _count_out(self, retired: bool) -> None:
         """(A listener thread's last step.) No longer live; nor leaving, if it retired
         because `_surplus` said so."""
+        self._listener_tids.discard(threading.get_native_id())
         with self._threads_lock:
             self._live -= 1
             if retired:
@@ -1753,11 +1757,22 @@ class SeccompSupervisor:
         The native loop takes these tokens from its credit and hands a call back here when
         it has none; the credit is topped up again after the wait."""
         limiter = self._limiter()
-        if limiter is not None and not limiter.try_acquire():
+        if limiter is not None and not limiter.try_acquire() and not (
+                self._on_listener_thread() and limiter.acquire_within(self.PACE_HERE_S)):
             yield RateLimit(limiter)
         if self._native is not None:
             self._native.top_up_pace(getattr(self.broker, "tenants", {}).get(self.tenant))
         return w.NotifResp.cont(n.id)
+
+    # The longest a paced call that needs no decision waits for its token on its own
+    # listener thread (`_paced_cont`): a tenant's own thread, so only the tenant waits; a
+    # longer wait goes to trio, where a live upgrade's pause can set it aside.
+    PACE_HERE_S = 0.05
+
+    def _on_listener_thread(self) -> bool:
+        return threading.get_native_id() in self._listener_tids
+
+
 
     def _open_steps(self, n: w.Notif, path_read: bytes | None = None) -> Steps:
         """An open of a path whose basename may be one of our nodes. path_read: the path as
