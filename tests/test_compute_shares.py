@@ -646,3 +646,106 @@ def test_a_tenant_stopped_for_a_high_priority_one_takes_no_turns():
     assert run_blocking(locked(turns.step(b, 0)), perform) is None  # alone: no turns
     assert channel_stopped(b.backend, clo, 0xD0) is True  # (turns let run nothing held)
     assert channel_stopped(b.backend, chi, 0xD0) is False
+
+
+# --------------------------------------------------------------------------- cost
+def _groups_broker(n: int):
+    """An in-process broker (emulated H200) whose tenant `hoard` holds n channel groups on
+    engine 1, allocated through the broker (each through compute.after_alloc)."""
+    import trio
+
+    from devbroker.testing.inproc import InProcTenant, make_broker
+    from devbroker.testing.policies import one_h200, tenant
+
+    b = make_broker(one_h200(tenant("hoard", capabilities=["nvml", "compute"],
+                                    limits={"rm_objects": 4096})))
+    t = InProcTenant(b, "hoard", pid=5101)
+
+    async def setup():
+        ctl, client, dev, _sub = await t.subdevice()
+        for i in range(n):
+            _, out, _ = await t.alloc(ctl, client, dev, 0xA06C, t.new(
+                "NV_CHANNEL_GROUP_ALLOCATION_PARAMETERS", engineType=1), new=0x1000 + i)
+            assert out.status == nvs.NV_OK, out
+        return ctl, client, dev
+
+    ctl, client, dev = trio.run(setup)
+    return b, t, ctl, client, dev
+
+
+def _group_timeslice(b, client: int, handle: int) -> int:
+    from devbroker.backends.emulated_sched import _sched
+
+    return _sched(b.backend.clients[client].objects[handle])["timeslice"]
+
+
+def test_a_new_channel_group_costs_the_same_whatever_the_tenant_holds(monkeypatch):
+    """Issue 51 item 4: one more channel group of a tenant holding many walked every group
+    of the tenant for every one of them (O(G²) under the state lock: 430 ms per allocation
+    at G=1000 for every other tenant's call). Counted, not timed: how many groups the
+    broker looks at to allocate one more does not grow with how many the tenant holds."""
+    import trio
+
+    b, t, ctl, client, dev = _groups_broker(120)
+    looked = []
+    real_alive = compute._alive
+    monkeypatch.setattr(compute, "_alive", lambda broker, g: looked.append(g) or
+                        real_alive(broker, g))
+
+    async def one_more():
+        _, out, _ = await t.alloc(ctl, client, dev, 0xA06C, t.new(
+            "NV_CHANNEL_GROUP_ALLOCATION_PARAMETERS", engineType=1), new=0x2000)
+        assert out.status == nvs.NV_OK, out
+
+    trio.run(one_more)
+    assert len(looked) <= 2, f"{len(looked)} groups looked at for one allocation"
+    # and the new group got the tenant's slice divided among its 121 groups (the floor)
+    assert _group_timeslice(b, client, 0x2000) == compute.MIN_SLICE_US
+
+
+def test_freed_groups_leave_the_split_at_once():
+    """The books' index follows frees (RmObject.watch): after freeing two of four groups,
+    a new one gets a third of the tenant's slice, not a fifth."""
+    import trio
+
+    b, t, ctl, client, dev = _groups_broker(4)
+    full = compute.tenant_slice(b.policy, b.tenants["hoard"].policy, 0)
+    assert _group_timeslice(b, client, 0x1003) == full // 4
+
+    async def free_two_and_alloc():
+        for h in (0x1000, 0x1001):
+            _, out, _ = await t.esc(ctl, "NV_ESC_RM_FREE", t.new(
+                "NVOS00_PARAMETERS", hRoot=client, hObjectParent=dev, hObjectOld=h))
+            assert out.status == nvs.NV_OK, out
+        _, out, _ = await t.alloc(ctl, client, dev, 0xA06C, t.new(
+            "NV_CHANNEL_GROUP_ALLOCATION_PARAMETERS", engineType=1), new=0x2000)
+        assert out.status == nvs.NV_OK, out
+
+    trio.run(free_two_and_alloc)
+    assert _group_timeslice(b, client, 0x2000) == full // 3
+    groups = b.snapshot()["tenants"][0]["compute"]["channel_groups"]
+    assert sorted(g["handle"] for g in groups) == [0x1002, 0x1003, 0x2000]
+
+
+def test_a_channel_outside_the_tenants_channel_groups_is_refused(start):
+    """Issue 51 item 10: a channel allocated right under the device runs, on the real
+    driver, in a channel group the driver makes itself (kernel_channel.c,
+    kchannelConstruct_IMPL, 580.142) and the broker never sees: with the driver's default
+    timeslice, not the policy's. The broker refuses it (the emulator's own refusal must
+    not be what the tenant meets: an audit record names the rule), and a channel in the
+    tenant's group is still allocated."""
+    b = start(policy("compute_weight = 3", ""))
+    p, _ = _hold(b, "alpha")
+    try:
+        r = _ask(p, "device-channel")
+        assert r["status"] == nvs.NV_ERR_INVALID_OBJECT_PARENT, r
+        denied = [a for a in b.audit() if a["event"] == "deny" and a["tenant"] == "alpha"]
+        assert any("HOPPER_CHANNEL_GPFIFO_A" in a.get("reason", "")
+                   and "would wrap it in a group the broker never sees" in a["reason"]
+                   for a in denied), denied
+        r = _ask(p, "channel")
+        assert r["status"] == nvs.NV_OK, r
+        r = _ask(p, "device-channel")  # (a second time: nothing was settled for it)
+        assert r["status"] == nvs.NV_ERR_INVALID_OBJECT_PARENT, r
+    finally:
+        _quit(p)

@@ -1071,7 +1071,8 @@ def test_card_info_is_answered_again_by_the_loop_from_the_brokers_answer(tmp_pat
 
 
 @pytest.mark.parametrize("priority", ["normal", "low"])
-def test_channel_groups_get_their_share_in_the_lane_and_channels_settle(tmp_path, priority):
+def test_channel_groups_get_their_share_in_the_lane_and_channels_do_not_settle(tmp_path,
+                                                                              priority):
     """A channel group's allocation in the native loop (fastlane.LANE_RUN_AFTER_HOOKS,
     ControlLane.run_after): the loop runs the driver call, and the broker books the group
     and sets its compute share (compute.after_alloc: SET_TIMESLICE, SET_INTERLEAVE_LEVEL on
@@ -1081,10 +1082,10 @@ def test_channel_groups_get_their_share_in_the_lane_and_channels_settle(tmp_path
     each and waiting while the test reads the broker's books: the tenant's answers and the
     books' groups with their values are the same with the control lane off
     (DEVBROKER_CONTROL_LANE=0, every allocation the general way's), and the lane admitted
-    the groups. A channel's after-hook can stop it only for a low-priority tenant or under
-    turns (compute.never_stops_channels): for a normal tenant the channels settle (the
-    class's fact from the second channel in the first group, each group's object fact from
-    its booking: the other six by the loop), for a low one none does. Each channel gets a
+    the groups. A channel is admitted by the lane but never settled, for either tenant: its
+    parent must be a channel group (rules.ClassRule.parents), and the loop's facts know the
+    parent's handle, not its class (a settled channel under the device would run in a group
+    the driver makes itself, outside the compute share). Each channel gets a
     copy engine object and a GET_WORK_SUBMIT_TOKEN, as CUDA's do: both settle from the
     third channel on, for either tenant."""
     import sys
@@ -1132,10 +1133,10 @@ def test_channel_groups_get_their_share_in_the_lane_and_channels_settle(tmp_path
     # the device, the groups, the channels and the copy engines through the lane (settled
     # ones included)
     assert lane_on["allocations"] == 1 + 4 + 8 + 8, lane_on
-    # Settled: the channels only for a normal tenant (6); the copy engines and the
+    # Settled: no channel; the copy engines and the
     # GET_WORK_SUBMIT_TOKENs — one per channel, so each on an object that gets it once —
     # from the third channel on (6 + 6): the class's or control's fact written at its
     # second admission on whatever object, the channel's object fact at its booking
     # (NativeLane.worth_settling); and of the four frees of the groups, the last three.
-    assert lane_on["settled"] == (6 if priority == "normal" else 0) + 6 + 6 + 3, lane_on
+    assert lane_on["settled"] == 6 + 6 + 3, lane_on
     assert lane_off["admitted"] == 0, lane_off

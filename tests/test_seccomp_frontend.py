@@ -545,6 +545,7 @@ def test_extra_listener_threads_coming_back_together_leave_one_to_answer():
 
     sup = sc.SeccompSupervisor.__new__(sc.SeccompSupervisor)
     sup.threads, sup._serving, sup._threads_lock = 1, {}, threading.Lock()
+    sup._listener_tids = set()
     for live, leave in ((2, 1), (3, 2), (1, 0)):
         sup._live, sup._leaving = live, 0
         said = []
@@ -557,3 +558,34 @@ def test_extra_listener_threads_coming_back_together_leave_one_to_answer():
             if retired:
                 sup._count_out(True)
         assert sup._live == sup.threads and sup._leaving == 0
+
+
+def test_a_late_release_leaves_a_file_that_reuses_the_identity_known():
+    """Issue 51 item 12: under load a tenant's own file was refused as "an NVIDIA device
+    file the broker did not give out". The release of a closed session, read late off the
+    inotify queue, took whatever session its identity (st_dev, st_ino) or watch number
+    named out of the lookups: a later file of the tenant's registered meanwhile with the
+    same identity was then unknown, and its calls refused. A release now takes out only its
+    own session. (Real supervisor state, its own release path, no listener threads.)"""
+    from devbroker.abi.nodes import NodeKind
+
+    class Broker:
+        released = []
+
+        async def release(self, req):
+            self.released.append(req.session)
+
+    sup = sc.SeccompSupervisor.__new__(sc.SeccompSupervisor)
+    sup.sessions, sup._by_wd, sup._ifd = {}, {}, -1
+    sup._changed, sup.broker = trio.Event(), Broker()
+    old = sc.Session(1, NodeKind.GPU, 0, (0x2A, 77), 5, (100, 9), real=True)
+    new = sc.Session(2, NodeKind.GPU, 0, (0x2A, 77), 6, (100, 9), real=True)
+    sup.sessions[old.key] = old
+    sup._by_wd[old.wd] = old
+    sup._by_wd.pop(old.wd)  # (the event was read: _note_events)
+    sup.sessions[new.key] = new  # a new file with the same identity is registered
+    sup._by_wd[new.wd] = new
+    trio.run(sup._release, old)
+    assert Broker.released == [1] and old.released
+    assert sup.sessions.get(new.key) is new and sup._by_wd.get(new.wd) is new
+    assert sup._looked(0x2A, 77, 0o20666, os.makedev(195, 0)) == (new, False)

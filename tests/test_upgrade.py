@@ -625,3 +625,78 @@ def test_real_backend_broker_upgrade_with_stand_in_nodes(tmp_path, successors):
             p.wait()
         broker.stop(signal.SIGKILL)
         subprocess.run(["umount", "-l", str(run)], capture_output=True)
+
+
+# A tenant with many calls queued behind its rate limit: N threads each looping on one
+# ioctl (the attached GPU ids) until told to stop; then what every call answered.
+QUEUED_PROG = r'''
+import json, sys, threading
+from devbroker.tools.probe import Client, NvError
+n = int(sys.argv[1])
+c = Client(); c.check_version(); c.open_root()
+stop, answers, lock = threading.Event(), {}, threading.Lock()
+def loop():
+    while not stop.is_set():
+        try:
+            got = "ok" if c.attached_ids() else "empty"
+        except (OSError, NvError) as e:
+            got = repr(e)
+        with lock:
+            answers[got] = answers.get(got, 0) + 1
+ts = [threading.Thread(target=loop) for _ in range(n)]
+for t in ts:
+    t.start()
+print(json.dumps({"what": "ready"}), flush=True)
+sys.stdin.readline()
+stop.set()
+for t in ts:
+    t.join()
+print(json.dumps({"what": "done", "answers": answers}), flush=True)
+'''
+
+
+@pytest.mark.parametrize("decide", ["successor", "called-off"])
+def test_calls_queued_behind_a_rate_limit_do_not_hold_an_upgrade(start_broker, successors,
+                                                                  tmp_path, decide):
+    """Issue 51 item 6: with 1,500 of a tenant's calls queued behind its rate limit,
+    `devbroker upgrade` waited for the queue (the drain timeout) while every tenant was
+    frozen, and was then called off. Calls still waiting for their pace token have had
+    nothing decided: the pause cancels their wait and they go to the successor, which
+    answers them by id on the same seccomp listener (or, when the upgrade is called off,
+    this broker decides them again). 80 waiting calls at 5/s are a 16 s queue, longer than
+    the drain timeout: the upgrade goes through, and every call is answered right."""
+    text = two_h200(tenant("q", gpus=[0], rate_limit={"requests_per_second": 5, "burst": 1}),
+                    tenant("t1", gpus=[1]), driver_version=None, uuids=UUIDS)
+    broker = start_broker(text)
+    broker.frontend = "seccomp"
+    old_pid = broker.proc.pid
+    p = broker.exec_popen("q", sys.executable, "-c", QUEUED_PROG, "80",
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert readline_json(p, timeout=120)["what"] == "ready"
+        time.sleep(1.0)  # every thread's call is waiting for a token now
+        assert broker.tenant("q")["rate_limited"] >= 40
+        if decide == "successor":
+            r = broker.cli("upgrade", "--json", timeout=200)
+            assert r.returncode == 0, r.stderr + broker.output()
+            reply = json.loads(r.stdout)
+            successors.append(reply["pid"])
+            assert reply["old_pid"] == old_pid
+            print(f"\nupgrade with 80 calls queued behind the pace: pause {reply['pause_ms']} ms, "
+                  f"phases {reply['phases_ms']}")
+            assert broker.proc.wait(timeout=30) == 0
+        else:
+            fake = tmp_path / "fake-successor"
+            fake.write_text(f"#!{sys.executable}\n" + FAKE_SUCCESSOR)
+            fake.chmod(0o755)
+            r = broker.cli("upgrade", "--python", str(fake), timeout=200)
+            assert r.returncode == 1 and "no thanks" in r.stderr, r.stderr
+            assert broker.status()["pid"] == old_pid
+        time.sleep(1.0)
+        p.stdin.write("stop\n")
+        p.stdin.flush()
+        done = readline_json(p, timeout=120)  # every queued call came back ...
+        assert set(done["answers"]) == {"ok"}, done  # ... answered right
+    finally:
+        p.kill()
+        p.wait()

@@ -82,6 +82,9 @@ def _stable_uuid(i: int) -> uuidlib.UUID:
 # run, 2026-11-30 22:18, the escape harness's fd-pass-mmap set-up). Unmeasured branches: no
 # check.
 USER_SHARED_DATA_SIZE = {"580": 2608}
+# Distinct "not modelled" notices of one kind (EmulatedBackend._note): enough for every
+# real client's, few enough that a tenant naming index after index cannot fill the log.
+NOTICES_PER_KIND = 32
 
 
 class EmulatedBackend:
@@ -119,6 +122,7 @@ class EmulatedBackend:
         self._held: dict[int, dict[int, int]] = {}  # GPU -> {tgid: device memory bytes}
         self.notice = notice or (lambda msg: log.info("%s", msg))
         self._noticed: set = set()
+        self._notices_of: dict = {}  # kind -> distinct notices said (_note)
         self.memblock_size = _host_memblock_size()
         self.started = time.time()
         self._calls = threading.RLock()
@@ -204,9 +208,22 @@ class EmulatedBackend:
 
     # ------------------------------------------------------------------ helpers
     def _note(self, key, msg: str) -> None:
-        if key not in self._noticed:
+        """Say once what the emulation does not model. Some keys come from the tenant (an FB
+        or GPU info index: 2^32 of them), so at most NOTICES_PER_KIND distinct ones of a
+        kind are said and remembered, then one notice that the rest are left out."""
+        if key in self._noticed:
+            return
+        kind = key[0]
+        n = self._notices_of.get(kind, 0)
+        if n < NOTICES_PER_KIND:
             self._noticed.add(key)
             self.notice(msg)
+        elif n == NOTICES_PER_KIND:
+            self.notice(f"emulator: more than {NOTICES_PER_KIND} '{kind}' items are not "
+                        "modelled; the others are not noted")
+        else:
+            return
+        self._notices_of[kind] = n + 1
 
     def _abi_for(self, call):
         return self.abi

@@ -20,6 +20,7 @@ class _Bucket:
     def __init__(self, rate: float, burst: float, now: float):
         self.rate, self.burst, self.tokens, self.at = rate, burst, burst, now
         self.suppressed = 0
+        self.over_share = False  # (some of them left out for the tenant's share of the file)
         self.since = 0.0
         self.example: dict[str, Any] = {}
 
@@ -33,15 +34,26 @@ class _Bucket:
 
 
 class AuditLog:
-    """One JSON line per event, bounded two ways (issue 13 item 8): refusal records are
-    rate-limited per tenant (a tenant that makes refused calls in a loop cannot fill the
-    disk; what was left out is summarised in a `suppressed` record with the count and one
-    example, written when that tenant's next refusal gets through or at close), and the file
-    is rotated at `max_bytes` (audit.log → audit.log.1 …, `keep` old files)."""
+    """One JSON line per event, bounded three ways:
+
+    * every record that names a tenant is paced per tenant and kind of record (`deny`,
+      `rewrite`, `notice`, ...: `deny_rate` per second, up to `deny_burst`): a tenant that
+      makes refused or rewritten calls in a loop cannot fill the disk, and its noise of one
+      kind cannot hide its records of another. What was left out is summarised in a
+      `suppressed` record (the kind, the count, one example), written when that tenant's
+      next record of the kind gets through, at rotation or at close;
+    * each tenant may fill at most `tenant_share` of the current file (half of it by
+      default), so one tenant alone never makes the file rotate: the records of the others
+      (refusals, escapes) are never pushed out of the retained files by one tenant's noise.
+      Over its share, its records are summarised the same way until the file rotates;
+    * the file is rotated at `max_bytes` (audit.log → audit.log.1 …, `keep` old files).
+
+    Records without a tenant (the broker's own: start, policy, upgrade) are not paced."""
 
     def __init__(self, path: str | Path | None = None, *, stream: IO[str] | None = None,
                  deny_rate: float = 50.0, deny_burst: float = 500.0,
-                 max_bytes: int = 64 << 20, keep: int = 3, clock=time.monotonic):
+                 max_bytes: int = 64 << 20, keep: int = 3, clock=time.monotonic,
+                 tenant_share: float = 0.5):
         self.path = Path(path) if path else None
         self._stream = stream
         self._file: IO[str] | None = None
@@ -51,7 +63,9 @@ class AuditLog:
         self.deny_rate, self.deny_burst = deny_rate, deny_burst
         self.max_bytes, self.keep = max_bytes, keep
         self._clock = clock
-        self._buckets: dict[str, _Bucket] = {}
+        self._buckets: dict[tuple[str, str], _Bucket] = {}
+        self.tenant_share = tenant_share
+        self._tenant_bytes: dict[str, int] = {}  # bytes each tenant wrote to the current file
         self.suppressed_total = 0
         # Called with every record, before the rate limit decides whether it is written:
         # metrics and alerts (broker/callstats.py, broker/alerts.py) count every refusal, also
@@ -81,18 +95,27 @@ class AuditLog:
             except FileNotFoundError:
                 pass
         self._size = 0
+        self._tenant_bytes.clear()
 
-    def _emit(self, record: dict[str, Any]) -> None:
-        line = json.dumps(record, sort_keys=False, default=str) + "\n"
+    def _line(self, record: dict[str, Any]) -> str:
+        return json.dumps(record, sort_keys=False, default=str) + "\n"
+
+    def _emit(self, record: dict[str, Any], line: str | None = None) -> None:
+        line = line or self._line(record)
         out = self._out()
         if out is not None:
             if (self._file is not None and self.path is not None and self.max_bytes
                     and self._size and self._size + len(line) > self.max_bytes):
                 self._rotate()
+                self._summarise_all()  # (into the fresh file: what each left out before)
                 out = self._out()
             out.write(line)
             out.flush()
             self._size += len(line)
+            tenant = record.get("tenant")
+            if tenant is not None:
+                key = str(tenant)
+                self._tenant_bytes[key] = self._tenant_bytes.get(key, 0) + len(line)
         self.recent.append(record)
         del self.recent[:-200]
 
@@ -101,43 +124,66 @@ class AuditLog:
         for observe in self.observers:
             observe(record)
         with self._lock:
-            if event == "deny" and self.deny_rate > 0 and not self._admit(record):
+            if record.get("tenant") is None or event == "suppressed":
+                self._emit(record)
                 return record
-            self._emit(record)
+            line = self._line(record)
+            if self._admit(record, len(line)):
+                self._emit(record, line)
         return record
 
-    def _admit(self, record: dict[str, Any]) -> bool:
-        key = str(record.get("tenant"))
+    def _over_share(self, tenant: str, size: int) -> bool:
+        """Whether this record would take the tenant past its share of the current file
+        (only for a file that rotates: a stream keeps everything)."""
+        if self.path is None or not self.max_bytes or self.tenant_share <= 0:
+            return False
+        used = self._tenant_bytes.get(tenant, 0)
+        return used + size > self.max_bytes * self.tenant_share
+
+    def _admit(self, record: dict[str, Any], size: int) -> bool:
+        tenant, event = str(record.get("tenant")), str(record.get("event"))
         now = self._clock()
-        b = self._buckets.get(key)
+        b = self._buckets.get((tenant, event))
         if b is None:
-            b = self._buckets[key] = _Bucket(self.deny_rate, self.deny_burst, now)
-        if not b.take(now):
+            b = self._buckets[(tenant, event)] = _Bucket(self.deny_rate, self.deny_burst, now)
+        # (a summary line may come first: ~300 bytes are kept free for it)
+        over = self._over_share(tenant, size + (512 if b.suppressed else 0))
+        if over or (self.deny_rate > 0 and not b.take(now)):
             if not b.suppressed:
                 b.since = time.time()
             b.suppressed += 1
+            b.over_share = over or b.over_share
             self.suppressed_total += 1
             b.example = {k: record.get(k) for k in ("pid", "node", "what", "reason")}
             return False
-        self._summarise(key, b)
+        self._summarise(tenant, event, b)
         return True
 
-    def _summarise(self, tenant: str, b: _Bucket) -> None:
+    def _summarise(self, tenant: str, event: str, b: _Bucket) -> None:
         if b.suppressed:
+            why = (f"its share of the audit file ({self.tenant_share:.0%} of "
+                   f"{self.max_bytes} bytes) was used up"
+                   if b.over_share else
+                   f"over the tenant's audit rate ({self.deny_rate:g}/s, burst "
+                   f"{self.deny_burst:g} per kind)")
             self._emit({"ts": round(time.time(), 6), "event": "suppressed", "tenant": tenant,
-                        "count": b.suppressed, "since": round(b.since, 6),
-                        "reason": "refusal records over the tenant's audit rate "
-                                  f"({self.deny_rate:g}/s, burst {self.deny_burst:g})",
+                        "kind": event, "count": b.suppressed, "since": round(b.since, 6),
+                        "reason": f"{b.suppressed} more '{event}' records like this left "
+                                  f"out: {why}",
                         "example": b.example})
             b.suppressed = 0
+            b.over_share = False
+
+    def _summarise_all(self) -> None:
+        for (tenant, event), b in list(self._buckets.items()):
+            self._summarise(tenant, event, b)
 
     def deny(self, **fields: Any) -> dict[str, Any]:
         return self.write("deny", **fields)
 
     def close(self) -> None:
         with self._lock:
-            for tenant, b in self._buckets.items():
-                self._summarise(tenant, b)
+            self._summarise_all()
             if self._file is not None:
                 self._file.close()
                 self._file = None

@@ -117,8 +117,34 @@ class ChannelGroup:
 
 
 @dataclass
+class _Siblings:
+    """A tenant's channel groups on one engine of one GPU (they split its slice), and how
+    many of them the driver has at each applied value: all of them want the same value, so
+    whether any still differs is one lookup (an allocation costs O(1), not a walk over the
+    tenant's groups: a tenant holding a thousand groups made every allocation a quadratic
+    walk under the state lock, and other tenants wait on that lock)."""
+    groups: dict[tuple[str, int, int], ChannelGroup] = field(default_factory=dict)
+    applied: dict[Schedule | None, int] = field(default_factory=dict)
+
+    def count(self, value: Schedule | None, sign: int) -> None:
+        n = self.applied.get(value, 0) + sign
+        if n:
+            self.applied[value] = n
+        else:
+            self.applied.pop(value, None)
+
+    def all_at(self, value: Schedule | None) -> bool:
+        return self.applied.get(value, 0) == len(self.groups)
+
+
+@dataclass
 class _Books:
     groups: dict[tuple[str, int, int], ChannelGroup] = field(default_factory=dict)
+    # Indexes of `groups` (kept by _enter/_leave alone): by tenant, and by (tenant, GPU,
+    # engine) with the applied values' counts.
+    by_tenant: dict[str, dict[tuple[str, int, int], ChannelGroup]] = field(default_factory=dict)
+    sets: dict[tuple[str, int | None, int], _Siblings] = field(default_factory=dict)
+    discovered: bool = False  # _discover ran once (what a predecessor's tenants hold)
     installed: bool = False
     # One background apply at a time (schedule_apply): `pending` while one is scheduled or
     # runs, `again` when another was asked for meanwhile (it runs once more before it ends:
@@ -126,6 +152,8 @@ class _Books:
     # older one's value could land last — found by tests/test_real_lane.py's channel test)
     pending: bool = False
     again: bool = False
+    dirty: set = field(default_factory=set)  # sets of siblings to apply (schedule_apply)
+    dirty_all: bool = False  # every group (a policy change)
     lock: threading.Lock = field(default_factory=threading.Lock)
     # The driver refused SET_INTERLEAVE_LEVEL to the broker (the H200 does to a caller
     # without CAP_SYS_ADMIN: the control is PRIVILEGED_IF_RS_ACCESS_DISABLED there, and the
@@ -242,49 +270,117 @@ def share_of(policy: Any, tenant: Any, gpu: int) -> float:
 
 
 # --------------------------------------------------------------------------- books
-def _alive(broker: Any, g: ChannelGroup) -> bool:
+def _set_key(g: ChannelGroup) -> tuple[str, int | None, int]:
+    return (g.tenant, g.gpu, g.engine)
+
+
+def _enter(broker: Any, g: ChannelGroup, obj: Any = None) -> None:
+    """Put a group into the books and their indexes; its object's removal from the broker's
+    object books takes it out again (RmObject.watch), so no walk has to find freed groups."""
+    b = books(broker)
+    key = (g.tenant, g.client, g.handle)
+    old = b.groups.get(key)
+    if old is not None:
+        _leave(b, old)
+    b.groups[key] = g
+    b.by_tenant.setdefault(g.tenant, {})[key] = g
+    sib = b.sets.setdefault(_set_key(g), _Siblings())
+    sib.groups[key] = g
+    sib.count(g.applied, 1)
+    if obj is not None:
+        ref = weakref.ref(b)
+
+        def gone(_obj: Any, g: ChannelGroup = g) -> None:
+            books_now = ref()
+            if books_now is not None:
+                _leave(books_now, g)
+
+        obj.watch = gone
+
+
+def _leave(b: _Books, g: ChannelGroup) -> None:
+    key = (g.tenant, g.client, g.handle)
+    if b.groups.get(key) is not g:
+        return
+    del b.groups[key]
+    mine = b.by_tenant.get(g.tenant)
+    if mine is not None:
+        mine.pop(key, None)
+        if not mine:
+            del b.by_tenant[g.tenant]
+    sib = b.sets.get(_set_key(g))
+    if sib is not None and sib.groups.pop(key, None) is g:
+        sib.count(g.applied, -1)
+        if not sib.groups:
+            del b.sets[_set_key(g)]
+
+
+def _set_applied(broker: Any, g: ChannelGroup, value: Schedule | None) -> None:
+    """g.applied = value, with its set's counts following (for a group in the books)."""
+    b = books(broker)
+    sib = b.sets.get(_set_key(g))
+    if sib is not None and sib.groups.get((g.tenant, g.client, g.handle)) is g:
+        sib.count(g.applied, -1)
+        sib.count(value, 1)
+    g.applied = value
+
+
+def _object_of(broker: Any, g: ChannelGroup) -> Any:
     t = broker.tenants.get(g.tenant)
     client = t.clients.get(g.client) if t is not None else None
-    obj = client.objects.get(g.handle) if client is not None else None
+    return client.objects.get(g.handle) if client is not None else None
+
+
+def _alive(broker: Any, g: ChannelGroup) -> bool:
+    obj = _object_of(broker, g)
     return obj is not None and obj.rm_class == KEPLER_CHANNEL_GROUP_A
 
 
 def live_groups(broker: Any, tenant: str | None = None) -> list[ChannelGroup]:
-    """The channel groups still in the books (freed ones are dropped here)."""
+    """The channel groups still in the books (freed ones are dropped here too, should one
+    have left the object books without its watch: a revoked tenant's successor)."""
     b = books(broker)
+    source = b.groups if tenant is None else b.by_tenant.get(tenant, {})
     out = []
-    for key, g in list(b.groups.items()):
+    for g in list(source.values()):
         if not _alive(broker, g):
-            del b.groups[key]
+            _leave(b, g)
             continue
-        if tenant is None or g.tenant == tenant:
-            out.append(g)
+        out.append(g)
     return out
 
 
 def _discover(broker: Any) -> None:
     """Put into the books the channel groups the broker's object books hold but these do not
-    (after a live upgrade the successor has the objects, not this module's books)."""
+    (after a live upgrade the successor has the objects, not this module's books). Once per
+    broker's trio run (a successor adopts its predecessor's objects before its run starts):
+    every group allocated since enters by after_alloc (or _group_for), and a walk over every
+    object per allocation (apply_all) is what other tenants would wait for."""
     b = books(broker)
+    if b.discovered:
+        return
+    b.discovered = broker.spawn is not None
     for t in list(broker.tenants.values()):
-        for client in t.clients.values():
-            for h, obj in client.objects.items():
+        for client in list(t.clients.values()):
+            for h, obj in list(client.objects.items()):
                 if (obj.rm_class == KEPLER_CHANNEL_GROUP_A
                         and (t.name, client.handle, h) not in b.groups):
-                    b.groups[(t.name, client.handle, h)] = ChannelGroup(
-                        t.name, client.session, client.handle, h, obj.gpu, 0)
+                    _enter(broker, ChannelGroup(t.name, client.session, client.handle, h,
+                                                obj.gpu, 0), obj)
 
 
 def _siblings(broker: Any, g: ChannelGroup) -> list[ChannelGroup]:
-    return [x for x in live_groups(broker, g.tenant)
-            if x.gpu == g.gpu and x.engine == g.engine]
+    sib = books(broker).sets.get(_set_key(g))
+    return list(sib.groups.values()) if sib is not None else []
 
 
 def _wanted(broker: Any, g: ChannelGroup) -> Schedule | None:
     t = broker.tenants.get(g.tenant)
     if t is None or not hasattr(t.policy, "compute_weight"):
         return None  # a revoked tenant: its calls are refused anyway
-    want = schedule_for(broker.policy, t.policy, g.gpu, len(_siblings(broker, g)))
+    sib = books(broker).sets.get(_set_key(g))
+    want = schedule_for(broker.policy, t.policy, g.gpu,
+                        len(sib.groups) if sib is not None else 1)
     if books(broker).levels_refused:
         return Schedule(want.timeslice_us, None)
     return want
@@ -335,13 +431,14 @@ def _apply(broker: Any, s: Any, req: Any, g: ChannelGroup, want: Schedule, why: 
     if err:
         g.error = err
         if st == nvstatus.NV_OK:  # the share held even if the level did not
-            g.applied = Schedule(want.timeslice_us, g.applied.interleave if g.applied
-                                 else INTERLEAVE_MEDIUM)
+            _set_applied(broker, g, Schedule(want.timeslice_us, g.applied.interleave
+                                             if g.applied else INTERLEAVE_MEDIUM))
         broker.audit.write("error", tenant=g.tenant, pid=s.caller.pid, what="compute share",
                            reason=f"channel group {g.handle:#x} ({why}): could not set "
                                   f"{want.describe()}: {err}")
         return False
-    g.applied, g.error = want, ""
+    _set_applied(broker, g, want)
+    g.error = ""
     return True
 
 
@@ -350,6 +447,7 @@ def _levels_refused(broker: Any, s: Any) -> None:
     b = books(broker)
     if not b.levels_refused:
         b.levels_refused = True
+        schedule_apply(broker)  # (every group's wanted level changed: the driver's)
         broker.audit.write("notice", tenant=s.tenant.name, what="compute share",
                            reason="the driver refuses SET_INTERLEAVE_LEVEL to the broker's "
                                   "unprivileged calls (NV_ERR_INSUFFICIENT_PERMISSIONS): "
@@ -366,7 +464,7 @@ def after_alloc(ctx: Any, alloc: Any, handle: int, gpu: int | None) -> Steps:
     engine = int(getattr(params, "engineType", 0) or 0) if params is not None else 0
     g = ChannelGroup(s.tenant.name, s.id, alloc.client.handle, handle, gpu, engine,
                      in_hook=True)
-    b.groups[(g.tenant, g.client, g.handle)] = g
+    _enter(broker, g, alloc.client.objects.get(handle))
     try:
         want = _wanted(broker, g)
         if want is None:
@@ -374,9 +472,11 @@ def after_alloc(ctx: Any, alloc: Any, handle: int, gpu: int | None) -> Steps:
         yield from _apply(broker, s, req, g, want, "allocated")
     finally:
         g.in_hook = False
-    # (itself too: a sibling made while its driver call ran has changed its part)
-    if any(x.applied != _wanted(broker, x) for x in _siblings(broker, g)):
-        schedule_apply(broker)
+    # (itself too: a sibling made while its driver call ran has changed its part). All of
+    # them want what g wants: one lookup in the set's counts, whatever their number.
+    sib = b.sets.get(_set_key(g))
+    if sib is not None and not sib.all_at(_wanted(broker, g)):
+        schedule_apply(broker, _set_key(g))
     if s.tenant.policy.priority == "high":
         schedule_preempt(broker)  # low tenants on this GPU: stopped by the watching task
     from devbroker.broker import turns
@@ -391,8 +491,8 @@ def _group_for(broker: Any, s: Any, client: Any, handle: int) -> ChannelGroup | 
     b = books(broker)
     g = b.groups.get((s.tenant.name, client.handle, handle))
     if g is None:  # allocated before the broker kept these books (a live upgrade)
-        g = b.groups[(s.tenant.name, client.handle, handle)] = ChannelGroup(
-            s.tenant.name, s.id, client.handle, handle, obj.gpu, 0)
+        g = ChannelGroup(s.tenant.name, s.id, client.handle, handle, obj.gpu, 0)
+        _enter(broker, g, obj)
     return g
 
 
@@ -444,13 +544,19 @@ def install(broker: Any) -> None:
         broker.on_policy_change.append(lambda policy: turns.schedule(broker))
 
 
-def schedule_apply(broker: Any) -> None:
-    """Bring every live channel group to its wanted values, in a background task (the policy
-    apply path holds the state lock; the driver calls wait on nothing of the broker's)."""
+def schedule_apply(broker: Any, only: tuple | None = None) -> None:
+    """Bring every live channel group to its wanted values — or only those of one set of
+    siblings (`only`, a tenant's groups on one engine of a GPU: what a new group changes) —
+    in a background task (the policy apply path holds the state lock; the driver calls wait
+    on nothing of the broker's)."""
     b = books(broker)
     if broker.spawn is None:
         return
     with b.lock:  # (asked from listener threads and the trio thread alike)
+        if only is None:
+            b.dirty_all = True
+        else:
+            b.dirty.add(only)
         if b.pending:
             b.again = True
             return
@@ -458,8 +564,12 @@ def schedule_apply(broker: Any) -> None:
 
     async def task() -> None:
         while True:
+            with b.lock:
+                keys = None if b.dirty_all else set(b.dirty)
+                b.dirty_all = False
+                b.dirty.clear()
             try:
-                await run_async(locked(apply_all(broker)), broker.perform)
+                await run_async(locked(apply_all(broker, keys)), broker.perform)
             except Exception as e:  # a bug must cost this apply, never the broker
                 log.exception("compute: applying the policy's values failed")
                 broker.audit.write("error", what="compute share",
@@ -473,12 +583,30 @@ def schedule_apply(broker: Any) -> None:
     broker._start_soon(task)
 
 
-def apply_all(broker: Any) -> Steps:
-    """Steps: set the wanted values on every live group whose applied values differ. Returns
-    how many groups were changed."""
+def _to_apply(broker: Any, keys: set | None) -> list[ChannelGroup]:
+    """The live groups of these sets of siblings (all when None) whose set is not all at its
+    wanted value already (one lookup per set)."""
+    b = books(broker)
+    if keys is None:
+        return live_groups(broker)
+    out = []
+    for key in keys:
+        sib = b.sets.get(key)
+        if sib is None or not sib.groups:
+            continue
+        first = next(iter(sib.groups.values()))
+        if sib.all_at(_wanted(broker, first)):
+            continue
+        out.extend(g for g in list(sib.groups.values()) if _alive(broker, g))
+    return out
+
+
+def apply_all(broker: Any, keys: set | None = None) -> Steps:
+    """Steps: set the wanted values on every live group (of the sets of siblings `keys`,
+    when given) whose applied values differ. Returns how many groups were changed."""
     changed = 0
     _discover(broker)
-    for g in live_groups(broker):
+    for g in _to_apply(broker, keys):
         if g.in_hook:
             continue  # a new group whose own after-hook is setting it (after_alloc)
         want = _wanted(broker, g)

@@ -591,6 +591,8 @@ class ControlLane:
         _cap, size, checked, ptrs, rule = plan
         if rule.no_memory is not None and preemption.lane_declines(b):
             return None  # its NO_MEMORY answer may start a preemption: the general way's
+        if rule.parents and parent.rm_class not in rule.parents:
+            return None  # (refused the general way, with its audit record)
         # paramsSize 0 (what CUDA sends) makes the driver read its class's own parameter
         # size, which is the table's for this driver version (abi.nested does the same)
         if params_size not in (0, size) or params_ptr == 0 or (
@@ -1090,7 +1092,7 @@ class ControlLane:
         driver's NV_ERR_INSERT_DUPLICATE_NAME too); the front end books the new object with
         `book_settled` after the answer."""
         rule = adm.alloc
-        return (rule is not None and rule.check is None
+        return (rule is not None and rule.check is None and not rule.parents
                 and (rule.after is None or (rule.after in LANE_AFTER_HOOKS
                                             and compute.never_stops_channels(
                                                 self.broker, adm.session.tenant)))

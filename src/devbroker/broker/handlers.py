@@ -254,6 +254,13 @@ def rm_alloc(ctx: CallContext) -> Steps:
                   else f"needs capability '{cls_rule.capability}'")
         raise Refusal(f"{where} ({cls:#x}): {reason}",
                       status=nvstatus.NV_ERR_INSUFFICIENT_PERMISSIONS, what=where)
+    parent_class = client.objects[v.hObjectParent].rm_class
+    if cls_rule.parents and parent_class not in cls_rule.parents:
+        raise Refusal(f"{where} ({cls:#x}): parent {v.hObjectParent:#x} is "
+                      f"{abi.class_name(parent_class)} ({parent_class:#x}), not one of "
+                      + ", ".join(f"{abi.class_name(c)} ({c:#x})" for c in sorted(cls_rule.parents))
+                      + " (the driver would wrap it in a group the broker never sees)",
+                      status=nvstatus.NV_ERR_INVALID_OBJECT_PARENT, what=where)
     if v.hObjectNew and v.hObjectNew in client.objects:
         raise Refusal(f"{where}: handle {v.hObjectNew:#x} already exists",
                       status=nvstatus.NV_ERR_INSERT_DUPLICATE_NAME, what=where)

@@ -50,10 +50,14 @@ CLIENT_FIELDS = frozenset({"handle", "session", "tgid", "objects",
 OBJECT_FIELDS = frozenset({"handle", "rm_class", "parent", "gpu", "charged", "children",
                            "share",  # duplicate groups: exported as groups of handles
                            "owner",  # the client holding it: rebuilt
-                           "tenant_share"})  # a broad share kept in the books (shares.py)
+                           "tenant_share",  # a broad share kept in the books (shares.py)
+                           # an index's removal hook (compute's channel groups): the
+                           # successor's compute._discover rebuilds the index and the hooks
+                           "watch"})
 EMULATED_ATTRS = frozenset({"version", "_gpus", "abi", "files", "clients", "_file_ids",
                             "_client_ids", "_object_ids", "used", "notice", "_noticed",
                             "memblock_size", "started",
+                            "_notices_of",  # notices said per kind: the successor says anew
                             "_calls",  # its lock: the successor's is new
                             "_card_entries",  # a cache of CARD_INFO's bytes: rebuilt on use
                             # indexes: rebuilt from the clients and checked against `used`
@@ -83,6 +87,10 @@ SUPERVISOR_ATTRS = frozenset({
     "_leaving",
     "_threads_lock", "_recv_lock", "_stopping", "_serving", "_token", "_nursery", "_hup",
     "_changed", "closed", "_handover_hold",
+    # calls waiting for their pace token (cancelled by the pause) and those found so:
+    # exported as "undecided", answered by the successor
+    "_pace_waiters", "_undecided",
+    "_listener_tids",  # the ids of this process's listener threads
     "_gate",  # the broker's memory gate (a cached property): the successor's broker's
     "_lane", "_lane_cmds", "_clane",  # the successor's broker's lanes
     # the native loop (frontends/nativelane.py): its threads fold their counters into

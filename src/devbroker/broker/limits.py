@@ -3,8 +3,9 @@
 Two kinds, both per tenant and both from the policy (`rate_limit`, `limits`; docs/policy.md):
 
 * **Pace**: every request a tenant's file-system or device calls turn into — node opens, page
-  reads of node mappings, ioctls, and the requests the FUSE front end answers by itself
-  (reads of the /proc view, lookups, stat, readdir) — takes a token from the tenant's one
+  reads of node mappings, ioctls, the requests the FUSE front end answers by itself
+  (reads of the /proc view, lookups, stat, readdir), and every seccomp notification the
+  broker answers without its core (opens and mmaps of other files) — takes a token from the tenant's one
   bucket (`TenantState.limiter`). Over the rate the request *waits* in its own task; other
   tenants' requests are read and served meanwhile. Waiting rather than failing keeps
   unmodified clients correct (the driver never answers EAGAIN) and costs the broker

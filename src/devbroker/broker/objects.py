@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -121,6 +121,17 @@ class RmObject:
     # share policy, kept here instead of by the driver (broker/shares.py): given, at each
     # duplicate by one of the tenant's own clients, to exactly that client.
     tenant_share: int = 0
+    # Called with the object when it leaves the books (freed, its client or file gone, or
+    # replaced): an index kept elsewhere (compute's channel groups by tenant and engine)
+    # drops it there, instead of walking every object to find what is gone.
+    watch: Callable[["RmObject"], None] | None = field(default=None, repr=False,
+                                                        compare=False)
+
+
+def _unwatch(obj: RmObject) -> None:
+    watch, obj.watch = obj.watch, None
+    if watch is not None:
+        watch(obj)
 
 
 DEVICE_CLASS = 0x80  # NV01_DEVICE_0
@@ -173,6 +184,7 @@ class RmClient:
         old = self.objects.get(handle)
         if old is not None:  # replaced (the driver refuses a duplicate; the books follow)
             self._count(old, -1)
+            _unwatch(old)
             BOOKS.removed(BooksLog.OBJECT, self.handle, handle)
         obj = RmObject(handle, rm_class, parent, gpu=gpu, charged=charged, owner=self)
         self.objects[handle] = obj
@@ -227,6 +239,8 @@ def drop_objects(objects) -> None:
     """These objects left the books (freed, or their client or file went away). A charge
     shared with a handle that is still there moves to it: the memory is still held."""
     for obj in objects:
+        if obj.watch is not None:
+            _unwatch(obj)
         members = obj.share
         if members is None:
             continue

@@ -354,6 +354,11 @@ class ClassRule:
     # them set, where any other pointer must be NULL (rules.lane_pointers).
     keys: tuple = ()
     keys_why: str = ""
+    # The classes its parent object must be of (empty: any object of the tenant's that the
+    # driver takes): checked on the header by the general path and the lane; such an
+    # allocation is never settled (the loop's facts are keyed by the parent's handle, not
+    # its class).
+    parents: frozenset = frozenset()
 
     def granted(self, caps: frozenset[str]) -> bool:
         return self.capability in caps
@@ -395,9 +400,18 @@ CLASSES: dict[int, ClassRule] = {
     0xA06C: ClassRule("compute", "channel group (time-sliced with other tenants); its "
                       "timeslice and interleave level are set to the tenant's compute share "
                       "before the tenant has the handle", after=compute.after_alloc),
-    0xC86F: ClassRule("compute", "GPFIFO channel in the tenant's channel group; stopped "
+    # Only under one of the tenant's channel groups: under anything else (the device) the
+    # driver wraps the channel in a channel group of its own making (kernel_channel.c,
+    # kchannelConstruct_IMPL, tag 580.142: a parent that is no KernelChannelGroupApi gets
+    # an internal KEPLER_CHANNEL_GROUP_A allocated under it with RMAPI_ALLOC_FLAGS_SKIP_RPC,
+    # its handle written back into hPhysChannelGroup), which the broker never sees
+    # allocated: it would run with the driver's default timeslice, not the policy's.
+    0xC86F: ClassRule("compute", "GPFIFO channel in the tenant's channel group (its parent "
+                      "must be one: a channel under the device would run in a group the "
+                      "driver makes itself, outside the tenant's compute share); stopped "
                       "before the tenant has the handle while the tenant is preempted "
-                      "(priority low next to a high tenant)", after=compute.after_channel_alloc),
+                      "(priority low next to a high tenant)", after=compute.after_channel_alloc,
+                      parents=frozenset({compute.KEPLER_CHANNEL_GROUP_A})),
     0xC8B5: ClassRule("compute", "copy engine object on the tenant's channel"),
     0xCBC0: ClassRule("compute", "compute engine object on the tenant's channel"),
     0xC661: ClassRule("compute", "usermode doorbell page (write-only)"),
@@ -605,6 +619,18 @@ CONTROLS: dict[int, ControlRule] = {
     0x2080A068: _nvml(_GSP_QUERY),
     0x2080A06E: _nvml(_GSP_QUERY),
     0x2080A0A7: _nvml(_GSP_QUERY),
+    # NVML's nvmlDeviceGetUtilizationRates sent it on the H200 when the polled user-shared
+    # page (0xde, REQUEST_DATA_POLL) did not answer in time, i.e. under load (issue 51 item
+    # 12: refused, the tenant's NVML died with NoPermission). No header names it; the kernel
+    # forwards every number of a LEGACY_NON_PRIVILEGED category to GSP as one flat block
+    # (rmapi_gss_legacy_control.c RmGssLegacyRpcCmd, tag 580.142, lines 38-127: paramsSize
+    # bytes copied in, the object looked up in the caller's own client, the block handed to
+    # GSP's RM, which cannot follow a pointer into the caller's memory), so it can name
+    # nothing but the caller's own objects: the same grounds as the GSP queries above.
+    0x2080A097: _nvml("unpublished GSP utilization query NVML falls back to when the polled "
+                      "user-shared page is late (read-only; forwarded to GSP as a flat block "
+                      "in the caller's client: rmapi_gss_legacy_control.c; emulator: "
+                      "NOT_SUPPORTED)"),
     0x2080A612: _nvml(_GSP_QUERY),
     0x2080A637: _nvml(_GSP_QUERY),
     0x2080B201: _nvml(_GSP_QUERY),
@@ -728,7 +754,6 @@ REFUSED_CONTROLS: dict[int, str] = {
     0x2080A087: "unpublished (no header names it): layout unknown, may hide handles/pointers",
     0x2080A618: "unpublished (no header names it): layout unknown, may hide handles/pointers",
     0x2080852F: "unpublished (no header names it): layout unknown, may hide handles/pointers",
-    0x2080A097: "unpublished (no header names it): layout unknown, may hide handles/pointers",
     # Issue 15: scheduling controls a tenant could use to take more than its compute share
     # (docs/compute-shares.md).
     0xA06C0110: "MAKE_REALTIME puts a channel group ahead of every other tenant's (realtime "

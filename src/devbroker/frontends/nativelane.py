@@ -810,6 +810,14 @@ class NativeLane:
             if got:
                 self.lib.dvb_settled_credit(self.shared, got, 0)
 
+    def top_up_pace(self, tenant) -> None:
+        """The loop's credit of the tenant's pace topped up (after the Python listener paced
+        a call the loop handed back for want of it: an open of another file, an mmap)."""
+        if tenant is None or not self.settled_on:
+            return
+        with self._settled_lock:
+            self._top_up(tenant)
+
     def fold_settled(self, lane, clane=None) -> None:
         """The settled calls' rows since the last fold, to the lanes (the tenant's requests,
         the call counters): controls to the control lane, continuations to the continue

@@ -111,6 +111,12 @@ def _raise_errno(what: str) -> None:
     raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
+class _Undecided(BaseException):
+    """A notification's wait for its pace token was ended by a live upgrade: nothing of it
+    was decided; the successor (or this supervisor, when the upgrade is called off) decides
+    it from the start. A BaseException, so that no step's `except Exception` keeps it."""
+
+
 def listener_cpus() -> set[int] | None:
     """The CPUs listener threads keep to (DEVBROKER_LISTENER_CPUS="2" or "2,3"; unset: any,
     the kernel's choice). An experiment's knob (docs/benchmarks.md): a thread woken on
@@ -464,6 +470,15 @@ class SeccompSupervisor:
         self._changed = trio.Event()
         self.closed = trio.Event()
         self._handover_hold: trio.Event | None = None  # set while a live upgrade pauses
+        # Notifications waiting on the trio thread for a token of the tenant's pace, by id:
+        # (notification, the wait's cancel scope). Nothing of such a call has been decided
+        # or done, so a live upgrade does not wait for them (a tenant with a long queue
+        # behind its limit froze every tenant for the whole drain timeout): they are
+        # cancelled and go to the successor undecided (`_undecided`), which decides them
+        # from the start, as do we if the upgrade is called off.
+        self._pace_waiters: dict[int, tuple[w.Notif, trio.CancelScope]] = {}
+        self._undecided: list[w.Notif] = []
+        self._listener_tids: set[int] = set()  # this supervisor's listener threads
 
     # -- kernel calls on the listener ---------------------------------------------------
 
@@ -525,6 +540,16 @@ class SeccompSupervisor:
         if s is not None and not s.released:
             return s, False
         return None, _stat.S_ISCHR(mode) and os.major(rdev) in self.nvidia_majors
+
+    def _look_again(self, tid: int, fd: int) -> tuple[Session | None, bool]:
+        """Before an NVIDIA file is refused as one the broker did not give out: the opens
+        the native loop answered with prepared files are booked first, and the fd is looked
+        at afresh (not through an identity read earlier for this call). A file the broker
+        gave out is then found whatever the listener threads were doing: load may delay a
+        call, never refuse it (issue 51 item 12)."""
+        if self._prepared:
+            self._drain_opens()
+        return self._lookup_stat(tid, fd)
 
     def _refuse_foreign(self, n: w.Notif, what: str) -> w.NotifResp:
         """An NVIDIA device file this supervisor did not install: no ioctl, no mmap."""
@@ -659,6 +684,9 @@ class SeccompSupervisor:
                 outer.start_soon(self._watchdog)
                 for _ in range(self.threads):
                     self._start_thread()
+                undecided, self._undecided = self._undecided, []
+                for n in undecided:  # (a predecessor's: see _pace_waiters)
+                    outer.start_soon(self._decide_again, n)
                 await self._hup.wait()
                 self._drop_prepared(everything=True)  # (no caller is left to take them)
                 # No task uses the filter any more. On 6.18 that point is reached while the
@@ -762,6 +790,7 @@ class SeccompSupervisor:
         the supervisor's own duplicate of the listener (closed by the last one out), so a
         thread held up in a tenant's page never answers on an fd number reused meanwhile."""
         me = threading.get_native_id()
+        self._listener_tids.add(me)
         _keep_to_listener_cpus()
         if self.real_files:
             # Driver calls for the tenant run on this thread: never with the capabilities
@@ -841,6 +870,7 @@ class SeccompSupervisor:
         (frontends/nativelane.py): the loop comes back here for every notification it does
         not answer itself, which is then answered exactly as `_thread_main` would."""
         me = threading.get_native_id()
+        self._listener_tids.add(me)
         _keep_to_listener_cpus()
         if self.real_files:
             drop_driver_capabilities_for_thread()  # as _thread_main: before any driver call
@@ -1493,6 +1523,7 @@ class SeccompSupervisor:
     def _count_out(self, retired: bool) -> None:
         """(A listener thread's last step.) No longer live; nor leaving, if it retired
         because `_surplus` said so."""
+        self._listener_tids.discard(threading.get_native_id())
         with self._threads_lock:
             self._live -= 1
             if retired:
@@ -1591,16 +1622,39 @@ class SeccompSupervisor:
     def _perform_here(self, eff):
         return perform_blocking(eff, self._gate)
 
-    async def _perform_async(self, eff):
+    async def _perform_async(self, eff, n: w.Notif | None = None):
+        if n is not None and isinstance(eff, RateLimit):
+            if self._handover_hold is not None:
+                raise _Undecided  # (a live upgrade is pausing: no wait starts now)
+            with trio.CancelScope() as scope:
+                self._pace_waiters[n.id] = (n, scope)
+                try:
+                    return await eff.limiter.acquire()
+                finally:
+                    self._pace_waiters.pop(n.id, None)
+            raise _Undecided  # (cancelled by pause_for_handover)
         return await perform_async(eff, self._gate)
 
     async def _finish_on_trio(self, n: w.Notif, steps: Steps, pending=None) -> None:
         try:
-            resp = await run_async(steps, self._perform_async, pending)
+            resp = await run_async(steps, functools.partial(self._perform_async, n=n),
+                                   pending)
+        except _Undecided:
+            self._undecided.append(n)  # (its steps were closed: nothing was held)
+            return
         except Exception:
             log.exception("seccomp: handling %s from %d failed", n.syscall, n.pid)
             resp = w.NotifResp.fail(n.id, errno.EIO)
         self._send_quietly(resp)
+
+    async def _decide_again(self, n: w.Notif) -> None:
+        """A notification a live upgrade found waiting for its pace token (ours, or the
+        predecessor's): decided from the start on the trio thread."""
+        steps = self._steps_for(n)
+        if steps is None:
+            self._send_quietly(w.NotifResp.cont(n.id))
+            return
+        await self._finish_on_trio(n, steps)
 
     def _send_quietly(self, resp: w.NotifResp | None) -> None:
         if resp is None:
@@ -1717,8 +1771,39 @@ class SeccompSupervisor:
         name = raw[:end].rpartition(b"/")[2].decode("utf-8", "surrogateescape")
         if name in self._basenames:
             return None
+        limiter = self._limiter()
+        if limiter is not None and not limiter.try_acquire():
+            return None  # (the general steps wait for the pace)
         self.stats.opens_continued += 1
         return w.NotifResp.cont(n.id)
+
+    def _limiter(self):
+        return getattr(getattr(self.broker, "tenants", {}).get(self.tenant), "limiter", None)
+
+    def _paced_cont(self, n: w.Notif) -> Steps:
+        """CONTINUE for a notification the broker's core never sees (an open of another
+        file, an mmap of one), after a token of the tenant's pace: each one costs the
+        broker a receive, a read and an answer, so a tenant looping on them is paced like
+        one looping on ioctls (issue 51 item 7: 41k opens/s from a tenant paced at 100/s).
+        The native loop takes these tokens from its credit and hands a call back here when
+        it has none; the credit is topped up again after the wait."""
+        limiter = self._limiter()
+        if limiter is not None and not limiter.try_acquire() and not (
+                self._on_listener_thread() and limiter.acquire_within(self.PACE_HERE_S)):
+            yield RateLimit(limiter)
+        if self._native is not None:
+            self._native.top_up_pace(getattr(self.broker, "tenants", {}).get(self.tenant))
+        return w.NotifResp.cont(n.id)
+
+    # The longest a paced call that needs no decision waits for its token on its own
+    # listener thread (`_paced_cont`): a tenant's own thread, so only the tenant waits; a
+    # longer wait goes to trio, where a live upgrade's pause can set it aside.
+    PACE_HERE_S = 0.05
+
+    def _on_listener_thread(self) -> bool:
+        return threading.get_native_id() in self._listener_tids
+
+
 
     def _open_steps(self, n: w.Notif, path_read: bytes | None = None) -> Steps:
         """An open of a path whose basename may be one of our nodes. path_read: the path as
@@ -1736,7 +1821,7 @@ class SeccompSupervisor:
                                        "read of open_how")
                 flags = struct.unpack("=Q", how)[0] & 0xFFFFFFFF
             except OSError:
-                return w.NotifResp.cont(n.id)  # the kernel will report the bad pointer
+                return (yield from self._paced_cont(n))  # the kernel will report the bad pointer
         try:
             # An effect like every tenant-memory access: the path may lie in a page that
             # only faults in with someone's help (issue 13).
@@ -1744,11 +1829,11 @@ class SeccompSupervisor:
                 yield ReadMemory(_CString(tid), path_ptr, _PATH_MAX, self.tenant,
                                  "read of an open path"))
         except OSError:
-            return w.NotifResp.cont(n.id)
+            return (yield from self._paced_cont(n))
         path = raw.decode("utf-8", "surrogateescape")
         if posixpath.basename(path) not in self._basenames:
             self.stats.opens_continued += 1
-            return w.NotifResp.cont(n.id)
+            return (yield from self._paced_cont(n))
         try:
             if path.startswith("/"):
                 full = path
@@ -1757,11 +1842,11 @@ class SeccompSupervisor:
             else:
                 full = os.readlink(f"/proc/{tid}/fd/{dirfd}") + "/" + path
         except OSError:
-            return w.NotifResp.cont(n.id)
+            return (yield from self._paced_cont(n))
         spec = self.nodes.get(_normalize(full))
         if spec is None:
             self.stats.opens_continued += 1
-            return w.NotifResp.cont(n.id)
+            return (yield from self._paced_cont(n))
         caller = self._caller(tid)
         if not self.id_valid(n.id):  # the path bytes were read from the right task
             self.stats.stale += 1
@@ -1965,18 +2050,29 @@ class SeccompSupervisor:
             except Exception:
                 log.exception("seccomp: the backend's work after an open failed")
 
+    def _unregister(self, sess: Session) -> bool:
+        """Take `sess` out of the lookups — only if they still name it: a file that reuses its
+        identity or watch number (a later session, registered before this one's release
+        was read off the inotify queue under load) must stay known, or its calls would be
+        refused as another NVIDIA file's (issue 51 item 12). Whether the watch was its."""
+        if self.sessions.get(sess.key) is sess:
+            del self.sessions[sess.key]
+        if self._by_wd.get(sess.wd) is sess:
+            del self._by_wd[sess.wd]
+            return True
+        return False
+
     def _forget(self, sess: Session) -> None:
-        self.sessions.pop(sess.key, None)
-        if self._by_wd.pop(sess.wd, None) is not None and self._ifd >= 0:
+        if self._unregister(sess) and self._ifd >= 0:
             _libc.inotify_rm_watch(self._ifd, sess.wd)
 
     async def _release(self, sess: Session) -> None:
         if sess.released:
             return
         sess.released = True
-        self.sessions.pop(sess.key, None)
-        BOOKS.removed(BOOKS.FILE, dev=sess.key[0], ino=sess.key[1])  # (its settled facts)
-        self._by_wd.pop(sess.wd, None)
+        self._unregister(sess)
+        # (its settled facts; a later file with the same identity only learns its own again)
+        BOOKS.removed(BOOKS.FILE, dev=sess.key[0], ino=sess.key[1])
         self._changed.set()
         with trio.CancelScope(shield=True):
             try:
@@ -2029,11 +2125,13 @@ class SeccompSupervisor:
         d, tid = n.data, n.pid
         fd, cmd, argp = d.arg_int(0), d.arg_u32(1), d.args[2]
         sess, nvidia = looked if looked is not None else self._lookup_stat(tid, fd)
+        if sess is None and nvidia:
+            sess, nvidia = self._look_again(tid, fd)
         if sess is None:
             if nvidia:
                 return self._refuse_foreign(n, f"ioctl {cmd:#x} on fd {fd}")
             self.stats.ioctls_continued += 1
-            return w.NotifResp.cont(n.id)
+            return (yield from self._paced_cont(n))
         size = w.IOC_SIZE(cmd) if w.IOC_TYPE(cmd) == w.NV_IOCTL_MAGIC else 0
         # (read before deciding: an answer the loop may keep is written down for this epoch)
         epochs = (BOOKS.now() if size and sess.real and self._native is not None
@@ -2281,13 +2379,15 @@ class SeccompSupervisor:
         d, tid = n.data, n.pid
         length, fd, offset = d.args[1], d.arg_int(4), d.args[5]
         sess, nvidia = self._lookup_stat(tid, fd)
+        if sess is None and nvidia:
+            sess, nvidia = self._look_again(tid, fd)
         if sess is None:
             if nvidia:
                 return self._refuse_foreign(n, f"mmap of fd {fd}")
             if _is_placeholder(tid, fd):
                 return self._refuse_placeholder(n, fd)
             self.stats.mmaps_continued += 1
-            return w.NotifResp.cont(n.id)
+            return (yield from self._paced_cont(n))
         caller = self._caller(tid)
         if not self.id_valid(n.id):
             self.stats.stale += 1
@@ -2298,6 +2398,10 @@ class SeccompSupervisor:
             # The driver maps its own pages; it checks the file's mapping context (made by a
             # decided RM_MAP_MEMORY) and, for nvidia-uvm, the caller's mm. The broker only
             # decides whether this file may be mapped at all (managed memory: see policy).
+            # Paced like every other notification (map_read paces the emulated ones).
+            limiter = self._limiter()
+            if limiter is not None and not limiter.try_acquire():
+                yield RateLimit(limiter)
             check_now = getattr(self.broker, "map_check_now", None)
             if check_now is not None:
                 rep = check_now(req)
@@ -2366,7 +2470,7 @@ class SeccompSupervisor:
         if self._nursery is None:
             return []
         return [t for t in self._nursery.child_tasks
-                if t.name.endswith(("._finish_on_trio", "._release"))]
+                if t.name.endswith(("._finish_on_trio", "._release", "._decide_again"))]
 
     async def pause_for_handover(self) -> None:
         """Stop receiving notifications; return once every one received has been answered
@@ -2390,6 +2494,8 @@ class SeccompSupervisor:
             self._token.run_sync_soon(flushed.set)
             await flushed.wait()
         while self._pending or self._handed_tasks():
+            for _n, scope in list(self._pace_waiters.values()):
+                scope.cancel()  # undecided: handed over (module doc of _pace_waiters)
             await trio.sleep(0.002)
 
     def resume_after_handover(self) -> None:
@@ -2407,6 +2513,9 @@ class SeccompSupervisor:
         self._stopping = False
         for _ in range(self.threads):
             self._start_thread()
+        undecided, self._undecided = self._undecided, []
+        for n in undecided:
+            self._nursery.start_soon(self._decide_again, n)
 
     def export_for_handover(self) -> tuple[dict, list[int]]:
         """(state, [listener fd, inotify fd]) of a paused supervisor. The fds stay this
@@ -2424,6 +2533,9 @@ class SeccompSupervisor:
             "real_files": self.real_files,
             "stats": dataclasses.asdict(self.stats),
             "sessions": [session(s) for s in self.sessions.values() if not s.released],
+            # received, not decided (waiting for the pace when the pause began): the
+            # successor answers them by id on the same listener
+            "undecided": [n.encode(self.sizes).hex() for n in self._undecided],
         }, [self._lfd, self._ifd]
 
     @classmethod
@@ -2444,6 +2556,8 @@ class SeccompSupervisor:
                         (opener[0], opener[1]), real=bool(real))
             sup.sessions[s.key] = s
             sup._by_wd[s.wd] = s
+        sup._undecided = [w.Notif.decode(bytes.fromhex(x))
+                          for x in state.get("undecided", ())]
         known = {f.name for f in dataclasses.fields(SupervisorStats)}
         for k, v in state["stats"].items():
             if k in known:
@@ -2456,6 +2570,7 @@ class SeccompSupervisor:
         self.sessions = {}
         self._by_wd = {}
         self._pending = []
+        self._undecided = []  # (the successor's to answer)
 
 
 # ---------------------------------------------------------------------------------------

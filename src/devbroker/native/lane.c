@@ -769,6 +769,22 @@ static ssize_t tenant_write2(struct dvb_thread *t, pid_t pid, uint64_t a1, void 
 static int answer_prepared_open(struct dvb_thread *t, struct dvb_notif *n, const char *path,
                                 size_t len, int64_t t0);
 
+/* A token of the tenant's pace for a notification the loop answers itself without the
+ * broker (an open of another file, an mmap): every notification costs the broker's CPU, so
+ * each is charged, from the credit Python took ahead of the tenant's bucket (-1: unpaced).
+ * 0: none left, the Python listener answers it and waits for the pace there. */
+static int take_pace(struct dvb_settled *m)
+{
+    int ok = 1;
+    pthread_mutex_lock(&m->lock);
+    if (!m->credit)
+        ok = 0;
+    else if (m->credit > 0)
+        m->credit--;
+    pthread_mutex_unlock(&m->lock);
+    return ok;
+}
+
 static int answer_open(struct dvb_thread *t, struct dvb_notif *n)
 {
     struct dvb_shared *sh = t->sh;
@@ -808,6 +824,13 @@ static int answer_open(struct dvb_thread *t, struct dvb_notif *n)
             return DVB_NOTIF;
         }
         i += l + 1;
+    }
+    if (!take_pace(&sh->settled)) {
+        struct dvb_call *c = &t->call; /* (the path read whole: Python reads no more) */
+        c->id = (int64_t)n->id;
+        c->path_len = end - buf + 1;
+        memcpy(c->hdr, buf, (size_t)c->path_len);
+        return DVB_NOTIF;
     }
     send_resp(t, n->id, 0, 0, 1);
     t->counters[C_OPENS_CONTINUED]++;
@@ -2845,7 +2868,7 @@ static int answer_mmap(struct dvb_thread *t, struct dvb_notif *n)
         return DVB_NOTIF;
     int64_t dev = (int64_t)makedev(sx.stx_dev_major, sx.stx_dev_minor);
     if (!S_ISCHR(sx.stx_mode)) {
-        if (dev == memfd_dev)
+        if (dev == memfd_dev || !take_pace(m))
             return DVB_NOTIF;
         send_resp(t, n->id, 0, 0, 1);
         t->counters[C_MMAPS_CONTINUED]++;
@@ -2864,8 +2887,10 @@ static int answer_mmap(struct dvb_thread *t, struct dvb_notif *n)
         if (!(e->epoch == now && e->dev == dev && e->ino == (int64_t)sx.stx_ino
               && e->kind == DVB_FACT_MMAP))
             continue;
-        if (!e->sandbox || caller_sandbox(m, n->pid) != e->sandbox)
+        if (!e->sandbox || caller_sandbox(m, n->pid) != e->sandbox || !m->credit)
             break;
+        if (m->credit > 0)
+            m->credit--; /* (a token of the tenant's pace, as every call the loop answers) */
         fact_count(m, e, now_ns() - t0);
         ok = 1;
     }

@@ -1,6 +1,7 @@
 """Tenant-side programs for the noisy-neighbour test and benchmark (issue 13 item 8).
 
-    python -m devbroker.tools.noisy flood --seconds S [--threads-per-kind T]
+    python -m devbroker.tools.noisy flood --seconds S [--threads-per-kind T] [--kinds K,...]
+    python -m devbroker.tools.noisy hoard --groups G --seconds S
     python -m devbroker.tools.noisy quiet --n N [--wait]
 
 `flood` makes every kind of request a tenant can send through the FUSE front end, each kind
@@ -9,6 +10,15 @@ reads of a node mapping (each mmap() drops the page, so every touch is a READ), 
 /proc view, lookups of names that do not exist (never cached), readdirs, polls, and RM
 clients and objects until its limits refuse them. One JSON line at the end: counts per kind,
 errors per kind.
+
+`--kinds` picks kinds (default: all of the above); two more are only asked for by name:
+`other-open` (opens of a file that is none of the broker's: through seccomp each is a
+notification) and `other-mmap` (file-backed mmaps of such a file).
+
+`hoard` holds G channel groups (the most objects its limits allow, say) and then loops on
+its most expensive call: allocating one more channel group (the broker sets its compute
+share, dividing the tenant's slice among all of them) and freeing it, for S seconds. One
+JSON line "hoard-start" once the G are held, one at the end with the loop's count.
 
 `quiet` runs NVML's sequence N times (version check, card info, root client, attached ids,
 id info, REGISTER_FD, device, subdevice, name, UUID, framebuffer info, the /proc view's
@@ -103,7 +113,7 @@ class _Flood:
                 self.note(kind, f"status {e.status:#x}")
 
 
-def flood(seconds: float, threads_per_kind: int) -> int:
+def flood(seconds: float, threads_per_kind: int, only: set[str] | None = None) -> int:
     import mmap
 
     f = _Flood(seconds)
@@ -111,7 +121,9 @@ def flood(seconds: float, threads_per_kind: int) -> int:
     c.check_version()
     c.open_root()
     g = c.open_gpu(c.attached_ids()[0])
-    map_fd, _page = c.map_shared_data(g)
+    # (a node mapping only for page reads: through seccomp's emulated placeholder the
+    # shared-data page is not a mappable file of that size)
+    map_fd = c.map_shared_data(g)[0] if not only or "page-read" in only else -1
     names = iter(range(1 << 62))
     held_clients: list[int] = []
 
@@ -150,9 +162,20 @@ def flood(seconds: float, threads_per_kind: int) -> int:
     def rm_object():
         c.alloc(g["hsubdevice"], 0xDE, c.new("NV00DE_ALLOC_PARAMETERS"))
 
+    other = os.open(sys.executable, os.O_RDONLY)
+
+    def other_open():
+        os.close(os.open(sys.executable, os.O_RDONLY))
+
+    def other_mmap():
+        mmap.mmap(other, 4096, mmap.MAP_SHARED, mmap.PROT_READ).close()
+
     kinds = {"open": node_open, "ioctl": ioctl, "page-read": page_read,
              "proc-read": proc_read, "lookup": lookup, "readdir": readdir, "poll": poll,
              "rm-client": rm_client, "rm-object": rm_object}
+    extra = {"other-open": other_open, "other-mmap": other_mmap}
+    if only:
+        kinds = {k: fn for k, fn in {**kinds, **extra}.items() if k in only}
     _out(what="flood-start", t=time.time())
     threads = [threading.Thread(target=f.loop, args=(k, fn), daemon=True)
                for k, fn in kinds.items() for _ in range(threads_per_kind)]
@@ -164,18 +187,49 @@ def flood(seconds: float, threads_per_kind: int) -> int:
     return 0
 
 
+def hoard(groups: int, seconds: float) -> int:
+    """Hold `groups` channel groups, then allocate and free one more in a loop."""
+    from devbroker.tools.sched_probe import Groups
+
+    gs = Groups()
+    for _ in range(groups):
+        gs.alloc()
+    _out(what="hoard-start", groups=len(gs.handles), t=time.time())
+    deadline, loops, errors = time.monotonic() + seconds, 0, {}
+    while time.monotonic() < deadline:
+        try:
+            h = gs.alloc()
+            gs.handles.pop()
+            st = gs.c.free(gs.g["hdevice"], h)
+            if st:
+                errors[f"free {st:#x}"] = errors.get(f"free {st:#x}", 0) + 1
+            loops += 1
+        except (OSError, NvError) as e:
+            key = str(getattr(e, "status", e))
+            errors[key] = errors.get(key, 0) + 1
+    _out(what="hoard", groups=len(gs.handles), loops=loops, errors=errors, t=time.time())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m devbroker.tools.noisy")
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("flood")
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--threads-per-kind", type=int, default=1)
+    p.add_argument("--kinds", default="", help="comma-separated kinds (default: all)")
+    p = sub.add_parser("hoard")
+    p.add_argument("--groups", type=int, default=100)
+    p.add_argument("--seconds", type=float, default=5.0)
     p = sub.add_parser("quiet")
     p.add_argument("--n", type=int, default=20)
     p.add_argument("--wait", action="store_true")
     a = ap.parse_args(argv)
     if a.cmd == "flood":
-        return flood(a.seconds, a.threads_per_kind)
+        return flood(a.seconds, a.threads_per_kind,
+                     {k for k in a.kinds.split(",") if k} or None)
+    if a.cmd == "hoard":
+        return hoard(a.groups, a.seconds)
     return quiet(a.n, a.wait)
 
 

@@ -6,6 +6,7 @@ scheduling controls on a channel group of the caller's own.
     python -m devbroker.tools.sched_probe hold N    # N channel groups, then commands on stdin:
         get | set US | level L | race THREADS ROUNDS | realtime | policy
         | channel (a GPFIFO channel in the first group: the emulated driver's)
+        | device-channel (a GPFIFO channel right under the device: the broker refuses it)
         | disable 0|1 (FIFO_DISABLE_CHANNELS on the tenant's own channels) | quit
 
 Used by the CI tests (tenants of the emulated driver) and by scripts/gpu/compute_shares.sh on
@@ -182,6 +183,10 @@ def hold(n: str) -> None:
             if st == nvs.NV_OK:
                 gs.channels.append(h)
             out(what="channel", status=st, channels=gs.channels)
+        elif cmd == "device-channel":  # a channel under the device, outside any group
+            st, h = status_of(gs.c.alloc, gs.g["hdevice"], CHANNEL,
+                              gs.c.new("NV_CHANNEL_ALLOC_PARAMS"))
+            out(what="device-channel", status=st)
         elif cmd == "disable":  # the tenant's own FIFO_DISABLE_CHANNELS on its channels
             n = len(gs.channels)
             st, _ = status_of(gs.c.control, gs.g["hsubdevice"], DISABLE_CHANNELS,
