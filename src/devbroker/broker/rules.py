@@ -41,6 +41,8 @@ from devbroker.abi.nodes import NodeKind
 from devbroker.backends.emulated import CONTROL_HANDLERS as EMULATED_CONTROLS  # (all registered)
 from devbroker.broker import compute, handlers, preemption, rewrite, shares
 
+NV01_DEVICE_0 = 0x80  # the device class: a parent the driver wraps channels under
+
 CAPABILITIES = {
     "nvml": "GPU queries NVML and nvidia-smi need (names, UUIDs, memory, utilization)",
     "compute": "CUDA contexts: device memory (under quota), VA spaces, channels, engines",
@@ -400,18 +402,19 @@ CLASSES: dict[int, ClassRule] = {
     0xA06C: ClassRule("compute", "channel group (time-sliced with other tenants); its "
                       "timeslice and interleave level are set to the tenant's compute share "
                       "before the tenant has the handle", after=compute.after_alloc),
-    # Only under one of the tenant's channel groups: under anything else (the device) the
-    # driver wraps the channel in a channel group of its own making (kernel_channel.c,
-    # kchannelConstruct_IMPL, tag 580.142: a parent that is no KernelChannelGroupApi gets
-    # an internal KEPLER_CHANNEL_GROUP_A allocated under it with RMAPI_ALLOC_FLAGS_SKIP_RPC,
-    # its handle written back into hPhysChannelGroup), which the broker never sees
-    # allocated: it would run with the driver's default timeslice, not the policy's.
-    0xC86F: ClassRule("compute", "GPFIFO channel in the tenant's channel group (its parent "
-                      "must be one: a channel under the device would run in a group the "
-                      "driver makes itself, outside the tenant's compute share); stopped "
-                      "before the tenant has the handle while the tenant is preempted "
-                      "(priority low next to a high tenant)", after=compute.after_channel_alloc,
-                      parents=frozenset({compute.KEPLER_CHANNEL_GROUP_A})),
+    # Under one of the tenant's channel groups, or under its device: CUDA 13 allocates
+    # channels right under the device too (seen on the H200, 580.159.04: refusing them made
+    # PyTorch's context fail, docs/hardware.md). The driver wraps such a channel in a channel
+    # group of its own making (kernel_channel.c, kchannelConstruct_IMPL, tag 580.142: a
+    # parent that is no KernelChannelGroupApi gets an internal KEPLER_CHANNEL_GROUP_A with
+    # RMAPI_ALLOC_FLAGS_SKIP_RPC, its handle written back into hPhysChannelGroup), which the
+    # broker never sees allocated: that group runs with the driver's default timeslice, not
+    # the policy's (docs/compute-shares.md, "Channels under the device": open).
+    0xC86F: ClassRule("compute", "GPFIFO channel in the tenant's channel group or under its "
+                      "device (where the driver makes the group); stopped before the tenant "
+                      "has the handle while the tenant is preempted (priority low next to a "
+                      "high tenant)", after=compute.after_channel_alloc,
+                      parents=frozenset({compute.KEPLER_CHANNEL_GROUP_A, NV01_DEVICE_0})),
     0xC8B5: ClassRule("compute", "copy engine object on the tenant's channel"),
     0xCBC0: ClassRule("compute", "compute engine object on the tenant's channel"),
     0xC661: ClassRule("compute", "usermode doorbell page (write-only)"),
@@ -650,7 +653,7 @@ _COMPUTE_CONTROLS = [
 # No driver version's headers give these layouts: what the broker checks is the NVOS54
 # header (the tenant's own client and subdevice), the driver the rest.
 for _cmd, _row in list(CONTROLS.items()):
-    if _row.reason == _GSP_QUERY:
+    if _row.reason == _GSP_QUERY or _cmd == 0x2080A097:
         CONTROLS[_cmd] = dataclasses.replace(
             _row, no_layout="unpublished in every driver version; a read-only query sent "
                             "to the tenant's own subdevice (checked in the header)")
