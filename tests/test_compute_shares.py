@@ -728,8 +728,8 @@ def test_freed_groups_leave_the_split_at_once():
 
 
 def test_a_channel_under_the_device_is_not_refused_by_the_broker(start):
-    """CUDA 13 allocates channels right under the device (seen on the H200: refusing them
-    failed PyTorch's context). The driver then wraps such a channel in a channel group of
+    """The driver's checkpoint, inside the tenant's process, allocates a channel right under
+    the device (seen on the H200: refusing it failed the checkpoint). The driver then wraps such a channel in a channel group of
     its own (kernel_channel.c, kchannelConstruct_IMPL, 580.142); the broker lets it through
     to the driver (the emulator answers as it models it) with no refusal of its own, and a
     channel in the tenant's group is allocated as before."""

@@ -402,9 +402,10 @@ CLASSES: dict[int, ClassRule] = {
     0xA06C: ClassRule("compute", "channel group (time-sliced with other tenants); its "
                       "timeslice and interleave level are set to the tenant's compute share "
                       "before the tenant has the handle", after=compute.after_alloc),
-    # Under one of the tenant's channel groups, or under its device: CUDA 13 allocates
-    # channels right under the device too (seen on the H200, 580.159.04: refusing them made
-    # PyTorch's context fail, docs/hardware.md). The driver wraps such a channel in a channel
+    # Under one of the tenant's channel groups, or under its device: the driver's checkpoint,
+    # which runs inside the tenant's process, allocates a channel right under the device
+    # (seen on the H200, 580.159.04: refusing it failed the checkpoint with
+    # CUDA_ERROR_UNKNOWN, docs/compute-shares.md). The driver wraps such a channel in a channel
     # group of its own making (kernel_channel.c, kchannelConstruct_IMPL, tag 580.142: a
     # parent that is no KernelChannelGroupApi gets an internal KEPLER_CHANNEL_GROUP_A with
     # RMAPI_ALLOC_FLAGS_SKIP_RPC, its handle written back into hPhysChannelGroup), which the
