@@ -8,6 +8,7 @@
 #   a  native baseline: a PyTorch process holding LOW_GIB (64) GiB checkpointed and restored
 #      by the executor's helper (scripts/gpu/ckpt_native.py), timed; and the unpreempted
 #      reference loss curve (scripts/gpu/ckpt_train.py, same seed)
+#   r  the reference loss curve alone (for b when a ran in an earlier call)
 #   b  through devbroker (scripts/gpu/h200-preempt-policy.toml, preemption on): `low`
 #      (preemptible) trains holding LOW_GIB GiB and writes its loss per step; `high` asks for
 #      HIGH_GIB (80) GiB: the request-to-answer time against the native checkpoint time;
@@ -55,7 +56,9 @@ print("native: checkpoint", c.get("checkpoint", {}).get("ms"), "ms, restore",
       c.get("restore", {}).get("ms"), "ms; host MiB", c.get("host_before_mib"), "->",
       c.get("host_ckpt_mib"), "->", c.get("host_after_mib"), "; check", c.get("check"))
 PYX
-  step "a: the unpreempted reference loss curve (native, same seed, small ballast)"
+fi
+if want a || want r; then
+  step "a/r: the unpreempted reference loss curve (native, same seed, small ballast)"
   timeout 200 "$PY" $TRAIN --gib 2 --steps "$STEPS" --loss "$TD/loss-reference.txt" 2>&1 | tail -2
   put reference "$(tail -1 "$TD/loss-reference.txt")"
 fi

@@ -233,21 +233,28 @@ class Preemption:
             self._lock = trio.Lock()
         return self._lock
 
+    def wait_begins(self, gpu: int) -> None:
+        """An allocation waits for room on `gpu`, from its first NO_MEMORY until its retry
+        has its answer: no automatic restore takes that room meanwhile (on the H200 the
+        restoring task gave a just-checkpointed tenant its room back before the waiting
+        allocation's retry reached the driver)."""
+        self.waiting[gpu] = self.waiting.get(gpu, 0) + 1
+
+    def wait_ends(self, gpu: int) -> None:
+        self.waiting[gpu] -= 1
+        if not self.waiting[gpu]:
+            del self.waiting[gpu]
+
     async def make_room(self, requester: str, gpu: int, charge: int) -> str | None:
-        """(Trio.) Checkpoint lower-priority preemptible tenants until `charge` bytes fit on
-        the GPU, within the policy's wait. None: retry the allocation; else why not."""
+        """(Trio, between wait_begins and wait_ends.) Checkpoint lower-priority preemptible
+        tenants until `charge` bytes fit on the GPU, within the policy's wait. None: retry
+        the allocation; else why not."""
         cfg = self.config
         deadline = trio.current_time() + cfg.wait
-        self.waiting[gpu] = self.waiting.get(gpu, 0) + 1
-        try:
-            with trio.move_on_at(deadline):
-                async with self._trio_lock():
-                    return await self._make_room(requester, gpu, charge, deadline)
-            return f"no room within the policy's wait of {cfg.wait:g} s"
-        finally:
-            self.waiting[gpu] -= 1
-            if not self.waiting[gpu]:
-                del self.waiting[gpu]
+        with trio.move_on_at(deadline):
+            async with self._trio_lock():
+                return await self._make_room(requester, gpu, charge, deadline)
+        return f"no room within the policy's wait of {cfg.wait:g} s"
 
     async def _make_room(self, requester: str, gpu: int, charge: int,
                          deadline: float) -> str | None:
@@ -670,9 +677,13 @@ def after_no_memory(ctx: Any, gpu: int | None, charge: int, where: str, result: 
     out = ctx.abi.decode_ioctl(s.node, ctx.req.cmd, result.arg).value
     if out.status != nvstatus.NV_ERR_NO_MEMORY or not may_preempt(b, s.tenant, gpu):
         return result
-    why = yield Await(b.preemption.make_room, (s.tenant.name, gpu, charge))
-    if why is None:
-        return (yield from again())
+    b.preemption.wait_begins(gpu)
+    try:
+        why = yield Await(b.preemption.make_room, (s.tenant.name, gpu, charge))
+        if why is None:
+            return (yield from again())
+    finally:
+        b.preemption.wait_ends(gpu)
     b.audit.write("checkpoint_refused", tenant=s.tenant.name, pid=s.caller.pid, what=where,
                   gpu=gpu, bytes=charge, reason=f"no preemption for this allocation: {why}")
     b.preemption._count("refused", s.tenant.name)
