@@ -245,6 +245,32 @@ async def test_the_waiting_allocation_is_not_counted_as_used_when_the_books_deci
         nursery.cancel_scope.cancel()
 
 
+async def test_a_restore_needs_what_the_tenant_held_when_it_was_checkpointed(inproc_broker,
+                                                                             tmp_path):
+    """The driver's checkpoint frees and remakes objects through the process's own calls,
+    so the books of a checkpointed tenant can show less than it will take back: the
+    restore waits for the room it held (on the H200 a restore sized from the books ran
+    while the high tenant held that room, and the trainer hung)."""
+    b = inproc_broker(POLICY)
+    b.backend.memory_in_use = lambda: None  # the books decide, as with the real driver
+    low, high = InProcTenant(b, "low", pid=501), InProcTenant(b, "high", pid=503)
+    lctl, lclient = await setup(low)
+    hctl, hclient = await setup(high)
+    assert await memory(low, lctl, lclient, 6 * GiB, 0xC0) == nvs.NV_OK
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(b.preemption.restoring)
+        assert await memory(high, hctl, hclient, 4 * GiB, 0xC0) == nvs.NV_OK
+        assert b.preemption.state_of("low") == "preempted"
+        # what the checkpoint's own frees do to the books (the emulator keeps them)
+        for c in b.tenants["low"].clients.values():
+            c.charged.clear()
+        assert not any(b.tenants["low"].used().values())
+        await trio.sleep(1.0)  # several looks of the restoring task
+        assert b.preemption.state_of("low") == "preempted"
+        assert records(tmp_path, "restore") == records(tmp_path, "restore_failed") == []
+        nursery.cancel_scope.cancel()
+
+
 async def test_an_equal_or_higher_priority_tenant_is_never_a_victim(inproc_broker, tmp_path):
     b = inproc_broker(POLICY)
     mid, low = InProcTenant(b, "mid", pid=502), InProcTenant(b, "low", pid=501)

@@ -131,6 +131,12 @@ class Preempted:
     state: str = PREEMPTING
     auto: bool = True  # restored when room frees (an operator's preemption waits for resume)
     seconds: float = 0.0  # what the checkpoint took
+    # Device memory it held on each GPU when it was checkpointed: what its restore needs.
+    # Its books cannot say afterwards: the driver's checkpoint, running inside the process,
+    # frees and remakes objects through the tenant's own calls (H200: the books fell from
+    # 66.7 to 59.1 GiB over a checkpoint and restore, and a restore sized from them ran
+    # while the room was taken).
+    held: dict[int, int] = field(default_factory=dict)
 
 
 class Preemption:
@@ -305,7 +311,8 @@ class Preemption:
                 return refusal
             used = t.used()
             pids = tuple(sorted({c.tgid for c in t.clients.values()}))
-            entry = Preempted(name, gpu, by, pids, sum(used.values()), auto=auto)
+            entry = Preempted(name, gpu, by, pids, sum(used.values()), auto=auto,
+                              held={g: n for g, n in used.items() if n})
             self.entries[name] = entry
             if getattr(ck, "holds_calls", False):
                 self.held.add(name)
@@ -380,7 +387,9 @@ class Preemption:
                 return f"tenant {name} is not preempted"
             t = b.tenants.get(name)
             live = {c.tgid for c in t.clients.values()} if t is not None else set()
-            need = {g: n for g, n in (t.used() if t is not None else {}).items() if n}
+            now = t.used() if t is not None else {}
+            need = {g: max(n, e.held.get(g, 0)) for g, n in {**e.held, **now}.items()}
+            need = {g: n for g, n in need.items() if n}
             short = [g for g, n in need.items()
                      if n > self.gpu_free(g) - self.reserved.get(g, 0)]
             if short:
@@ -573,7 +582,8 @@ class Preemption:
     def export(self) -> dict[str, Any]:
         return {"entries": [{"tenant": e.tenant, "gpu": e.gpu, "by": e.by,
                              "pids": list(e.pids), "bytes": e.bytes, "since": e.since,
-                             "state": e.state, "auto": e.auto, "seconds": e.seconds}
+                             "state": e.state, "auto": e.auto, "seconds": e.seconds,
+                             "held": [[g, n] for g, n in e.held.items()]}
                             for e in self.entries.values()],
                 "held": sorted(self.held),
                 "counts": [[ev, t, n] for (ev, t), n in self.counts.items()],
@@ -587,7 +597,8 @@ class Preemption:
             self.entries[d["tenant"]] = Preempted(
                 d["tenant"], int(d["gpu"]), d["by"], tuple(d["pids"]), int(d["bytes"]),
                 since=float(d["since"]),
-                state=PREEMPTED, auto=bool(d["auto"]), seconds=float(d["seconds"]))
+                state=PREEMPTED, auto=bool(d["auto"]), seconds=float(d["seconds"]),
+                held={int(g): int(n) for g, n in d.get("held", [])})
         self.held = set(state.get("held", []))
         self.counts = {(ev, t): int(n) for ev, t, n in state.get("counts", [])}
         self.seconds = {(ev, t): float(s) for ev, t, s in state.get("seconds", [])}
