@@ -10,6 +10,7 @@ plugin's Localhost profile.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -39,6 +40,12 @@ pci_bus_id = "0000:00:{n:02x}.0"
 memory = "32GiB"
 """
 
+SMI = "nvidia-smi --query-gpu=name,memory.total --format=csv,noheader && exec sleep 3600"
+# nvidia-smi again and again (NVML's whole sequence each time: opens, stats, ioctls), one
+# line per run
+SMI_LOOP = ("while true; do if nvidia-smi --query-gpu=memory.total --format=csv,noheader "
+            ">/dev/null 2>&1; then echo ok; else echo FAIL; fi; sleep 0.2; done")
+
 TEMPLATE = """\
 apiVersion: resource.k8s.io/v1
 kind: ResourceClaimTemplate
@@ -67,10 +74,6 @@ spec:
   restartPolicy: Never
   terminationGracePeriodSeconds: 2
   {node_selector}
-  securityContext:
-    seccompProfile:
-      type: Localhost
-      localhostProfile: devbroker.json
   resourceClaims:
   - name: gpu
     resourceClaimTemplateName: {template}
@@ -78,7 +81,9 @@ spec:
   - name: smi
     image: localhost/devbroker/host:1
     imagePullPolicy: Never
-    command: ["sh", "-c", "nvidia-smi --query-gpu=name,memory.total --format=csv,noheader && exec sleep 3600"]
+    command: ["sh", "-c", {command}]
+    securityContext:
+      seccompProfile: {{type: Localhost, localhostProfile: devbroker.json}}
     resources:
       claims:
       - name: gpu
@@ -129,6 +134,7 @@ class Dra:
         self.cluster = cluster
         self.ns = f"dra-{uuid.uuid4().hex[:6]}"
         self.brokers: dict[str, RunningBroker] = {}
+        self.successors: list[int] = []  # brokers started by a live upgrade
         self.plugins: dict[str, Plugin] = {}
         for i, node in enumerate(sorted(cluster.nodes)):
             (tmp / f"{node}.toml").write_text(POLICY.format(n=6 + i))
@@ -170,10 +176,14 @@ class Dra:
         self.kubectl("apply", "-f", "-", input=TEMPLATE.format(name=name, ns=self.ns,
                                                                memory=memory))
 
-    def pod(self, name: str, template: str, node: str | None = None) -> None:
+    def pod(self, name: str, template: str, node: str | None = None, command: str = SMI) -> None:
         sel = f"nodeSelector: {{kubernetes.io/hostname: {node}}}" if node else ""
         self.kubectl("apply", "-f", "-", input=POD.format(
-            name=name, ns=self.ns, template=template, node_selector=sel))
+            name=name, ns=self.ns, template=template, node_selector=sel,
+            command=json.dumps(command)))
+
+    def logs(self, name: str) -> list[str]:
+        return self.kubectl("logs", "-n", self.ns, name, check=False).stdout.split()
 
     def get_pod(self, name: str) -> dict:
         return self.json("pod", name, "-n", self.ns)
@@ -211,6 +221,11 @@ class Dra:
         self.kubectl("delete", "namespace", self.ns, "--wait=true", check=False, timeout=TIMEOUT)
         for p in self.plugins.values():
             p.stop()
+        for pid in self.successors:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
         for b in self.brokers.values():
             b.stop()
             subprocess.run(["umount", "-l", str(b.run_dir / "nodes")], capture_output=True)
@@ -313,3 +328,28 @@ def test_a_restarted_plugin_loses_no_claim(dra):
     assert not (plugin.cdi_dir / f"{DRIVER}-{tenant}.json").exists()
     dra.pod("r2", "gpu-2", node="node-b")
     assert _smi_total(dra.smi("r2")) == "2048 MiB"
+
+
+def test_a_live_upgrade_under_running_pods_fails_no_call(dra):
+    """`devbroker upgrade` on node-b's broker while a pod runs nvidia-smi in a loop: no run
+    fails, before, across or after it; the new broker keeps the claims' tenants and the
+    plugin removes them through it."""
+    dra.template("gpu-1", "1Gi")
+    dra.pod("loop", "gpu-1", node="node-b", command=SMI_LOOP)
+    dra.wait(lambda: dra.logs("loop").count("ok") >= 3, "the loop's first runs")
+    tenant = f"k8s-{dra.claim_of('loop')['metadata']['uid']}"
+    broker = dra.brokers["node-b"]
+    before = set(dra.tenants("node-b"))
+    r = broker.cli("upgrade", "--json", timeout=200)
+    assert r.returncode == 0, r.stderr
+    new_pid = json.loads(r.stdout)["pid"]
+    dra.successors.append(new_pid)
+    assert broker.proc.wait(timeout=30) == 0 and broker.status()["pid"] == new_pid
+    after_upgrade = len(dra.logs("loop"))
+    dra.wait(lambda: dra.logs("loop")[after_upgrade:].count("ok") >= 10,
+             "ten runs after the upgrade")
+    lines = dra.logs("loop")
+    assert "FAIL" not in lines, f"{lines.count('FAIL')} of {len(lines)} runs failed"
+    assert set(dra.tenants("node-b")) == before and tenant in before
+    dra.delete_pod("loop")
+    dra.wait(lambda: tenant not in dra.tenants("node-b"), "the loop's tenant to go")
