@@ -28,6 +28,10 @@ DEVBROKER = str(Path(sys.executable).parent / "devbroker")
 DRIVER = "gpu.devbroker.io"
 GiB = 1 << 30
 TIMEOUT = 180
+# How each node's pods reach their GPU (docs/containers.md): node-a the FUSE node files (the
+# emulated backend's default), node-b character nodes whose every open, ioctl and mmap goes
+# through the seccomp hand-over (what the real backend needs).
+FRONTENDS = {"node-a": "fuse", "node-b": "seccomp"}
 
 POLICY = """\
 [broker]
@@ -97,7 +101,7 @@ spec:
 class Plugin:
     """devbroker-dra-plugin for one node, as a host process."""
 
-    def __init__(self, cluster, node: str, broker: RunningBroker, log: Path):
+    def __init__(self, cluster, node: str, broker: RunningBroker, log: Path, frontend: str):
         n = cluster.nodes[node]
         self.node, self.cdi_dir = node, n.cdi_dir
         self.argv = [str(PLUGIN), "--run-dir", str(broker.run_dir), "--node-name", node,
@@ -105,7 +109,7 @@ class Plugin:
                      "--plugin-dir", str(n.plugins_dir / DRIVER),
                      "--registrar-dir", str(n.plugins_registry),
                      "--seccomp-dir", str(n.kubelet_root / "seccomp"),
-                     "--devbroker", DEVBROKER, "--grace", "2s"]
+                     "--devbroker", DEVBROKER, "--grace", "2s", "--frontend", frontend]
         self.log = log
         self.proc = None
         self.start()
@@ -140,7 +144,7 @@ class Dra:
             (tmp / f"{node}.toml").write_text(POLICY.format(n=6 + i))
             self.brokers[node] = RunningBroker(tmp / f"run-{node}", tmp / f"{node}.toml")
             self.plugins[node] = Plugin(cluster, node, self.brokers[node],
-                                        tmp / f"plugin-{node}.log")
+                                        tmp / f"plugin-{node}.log", FRONTENDS[node])
         self.kubectl("apply", "-f", str(REPO / "deploy" / "k8s" / "deviceclass.yaml"))
         self.kubectl("create", "namespace", self.ns)
         self.wait(lambda: len(self.slices()) == len(cluster.nodes), "a ResourceSlice per node")
@@ -333,7 +337,8 @@ def test_a_restarted_plugin_loses_no_claim(dra):
 def test_a_live_upgrade_under_running_pods_fails_no_call(dra):
     """`devbroker upgrade` on node-b's broker while a pod runs nvidia-smi in a loop: no run
     fails, before, across or after it; the new broker keeps the claims' tenants and the
-    plugin removes them through it."""
+    plugin removes them through it. (node-b's pods use the seccomp front end: the broker
+    refuses to upgrade while containers with FUSE nodes hold a stat shim, node-a's kind.)"""
     dra.template("gpu-1", "1Gi")
     dra.pod("loop", "gpu-1", node="node-b", command=SMI_LOOP)
     dra.wait(lambda: dra.logs("loop").count("ok") >= 3, "the loop's first runs")
