@@ -247,6 +247,16 @@ def dra(k8s_cluster, tmp_path_factory):
         d.close()
 
 
+@pytest.fixture(autouse=True)
+def _no_pods_left(request):
+    """Each test starts on empty GPUs: its pods are deleted after it (their claims
+    unprepared, tenants removed)."""
+    yield
+    if "dra" in request.fixturenames:
+        d = request.getfixturevalue("dra")
+        d.kubectl("delete", "pods", "--all", "-n", d.ns, "--wait=true", timeout=TIMEOUT)
+
+
 def _smi_total(line: str) -> str:
     return line.split(",")[-1].strip()
 
@@ -298,14 +308,12 @@ def test_two_pods_share_a_gpu_and_a_third_waits_for_capacity(dra):
 
 
 def test_the_scheduler_places_by_remaining_capacity(dra):
-    """node-a's GPU is full (16 + 16 GiB from the test before, or fills it here): a 24 GiB
-    pod goes to node-b; a pod asking more than any GPU has stays Pending."""
+    """node-a's GPU filled (16 + 16 GiB): a 24 GiB pod goes to node-b; a pod asking more
+    than any GPU has stays Pending."""
     dra.template("gpu-24", "24Gi")
     dra.template("gpu-40", "40Gi")
     dra.template("gpu-16", "16Gi")
-    running = {p["metadata"]["name"] for p in dra.json("pods", "-n", dra.ns)["items"]
-               if p["status"].get("phase") == "Running"}
-    for i in range(len({"p16", "p16b"} & running), 2):
+    for i in range(2):
         dra.pod(f"fill-{i}", "gpu-16", node="node-a")
         dra.smi(f"fill-{i}")
     dra.pod("p24", "gpu-24")
@@ -358,3 +366,109 @@ def test_a_live_upgrade_under_running_pods_fails_no_call(dra):
     assert set(dra.tenants("node-b")) == before and tenant in before
     dra.delete_pod("loop")
     dra.wait(lambda: tenant not in dra.tenants("node-b"), "the loop's tenant to go")
+
+
+ESCAPE_POD = """\
+apiVersion: v1
+kind: Pod
+metadata:
+  name: {name}
+  namespace: {ns}
+spec:
+  restartPolicy: Never
+  terminationGracePeriodSeconds: 2
+  nodeSelector: {{kubernetes.io/hostname: {node}}}
+  resourceClaims:
+  - {{name: victim, resourceClaimTemplateName: gpu-1}}
+  - {{name: attacker, resourceClaimTemplateName: gpu-1}}
+  containers:
+  - name: victim
+    image: localhost/devbroker/host:1
+    imagePullPolicy: Never
+    stdin: true       # the victim holds its client and memory until stdin closes
+    command: ["python3", "-m", "devbroker.escape.tenant", "--victim", "{sock}"]
+    env: [{{name: PYTHONPATH, value: /opt/devbroker/src}}]
+    securityContext: &sc
+      seccompProfile: {{type: Localhost, localhostProfile: devbroker.json}}
+    resources: {{claims: [{{name: victim}}]}}
+    volumeMounts: {mounts}
+  - name: attacker
+    image: localhost/devbroker/host:1
+    imagePullPolicy: Never
+    command: ["sh", "-c", "while [ ! -s /ctx/ctx.json ]; do sleep 0.2; done; DEVBROKER_ESCAPE_CTX=$(cat /ctx/ctx.json) exec python3 -m devbroker.escape.tenant {ids}"]
+    env: [{{name: PYTHONPATH, value: /opt/devbroker/src}}]
+    securityContext: *sc
+    resources: {{claims: [{{name: attacker}}]}}
+    volumeMounts: {mounts_ctx}
+  volumes:
+  - {{name: usr, hostPath: {{path: /usr}}}}
+  - {{name: tree, hostPath: {{path: {tree}}}}}
+  - {{name: ctx, hostPath: {{path: {ctx}}}}}
+"""
+
+
+@pytest.mark.parametrize("node", ["node-a", "node-b"])
+def test_the_escape_harness_in_a_pod(dra, tmp_path, monkeypatch, node):
+    """The escape harness's container attacks (those `devbroker escape-test --frontend
+    runc-fuse|runc-seccomp` runs) from one container of a pod against another container's
+    claim in the same pod (their own network namespace: the victim's fds are offered on an
+    abstract socket): nothing escapes, every refusal as the runc run judges it. The
+    containers keep containerd's default capabilities (CAP_MKNOD among them): the plugin's
+    profile refuses device nodes."""
+    from devbroker.escape import harness
+    from devbroker.testing import tenant_tree
+
+    base = FRONTENDS[node]
+    run, _skip = harness._select(f"runc-{base}", None, gpus=1)
+    ids = [a.id for a in run]
+    ctx_dir = tmp_path / "ctx"
+    ctx_dir.mkdir()
+    mounts = ("[{name: usr, mountPath: /usr, readOnly: true}, "
+              "{name: tree, mountPath: /opt/devbroker, readOnly: true}]")
+    name = f"escape-{node}"
+    dra.template("gpu-1", "1Gi")
+    dra.kubectl("apply", "-f", "-", input=ESCAPE_POD.format(
+        name=name, ns=dra.ns, node=node, sock=f"devbroker-escape-{uuid.uuid4().hex[:12]}",
+        ids=" ".join(ids), tree=tenant_tree.ensure(), ctx=ctx_dir, mounts=mounts,
+        mounts_ctx=mounts[:-1] + ", {name: ctx, mountPath: /ctx, readOnly: true}]"))
+
+    def victim_line():
+        out = dra.kubectl("logs", "-n", dra.ns, name, "-c", "victim", check=False).stdout
+        return next((x for x in harness._lines(out) if x.get("what") == "victim"), None)
+    vinfo = dra.wait(victim_line, "the victim's handles")
+    claims = {s["name"]: s["resourceClaimName"]
+              for s in dra.get_pod(name)["status"]["resourceClaimStatuses"]}
+    tenant = {k: "k8s-" + dra.json("resourceclaim", v, "-n", dra.ns)["metadata"]["uid"]
+              for k, v in claims.items()}
+    procs = dra.tenants(node)[tenant["victim"]]
+    broker = dra.brokers[node]
+    host = next(t for t in broker.status()["tenants"] if t["name"] == tenant["victim"])
+    vinfo.update(host_pid=host["processes"][0] if host["processes"] else None,
+                 tenant=tenant["victim"])
+    assert procs["processes"] >= 1
+    # The node has one GPU, which both claims share: the attacks that need a GPU only the
+    # victim has are left out (_select, gpus=1); "the victim's GPU" is GPU 1, a node neither
+    # container has (/dev/nvidia1), and the victim's GPU id is that of the shared GPU.
+    vinfo["gpu_ids"]["1"] = vinfo["gpu_ids"]["0"]
+    ctx = {"frontend": base, "run_dir": str(broker.run_dir), "broker_pid": broker.status()["pid"],
+           "own_gpu": 0, "victim_gpu": 1, "quota": GiB, "victim": vinfo}
+    (ctx_dir / "ctx.json").write_text(json.dumps(ctx))
+
+    def attacker_done():
+        st = dra.get_pod(name)["status"].get("containerStatuses", [])
+        return any(c["name"] == "attacker" and "terminated" in c["state"] for c in st)
+    dra.wait(attacker_done, "the attacks", timeout=600)
+    out = dra.kubectl("logs", "-n", dra.ns, name, "-c", "attacker").stdout
+    results = {x["id"]: x for x in harness._lines(out) if "id" in x}
+    audit = harness._read_audit(broker.run_dir / "audit.log")
+    # the harness's deny records are looked for under its tenants' names
+    monkeypatch.setattr(harness, "ATTACKER", tenant["attacker"])
+    monkeypatch.setattr(harness, "VICTIM", tenant["victim"])
+    rows = [harness.judge(a, results.get(a.id), audit) for a in run]
+    table = "\n".join(f"{r.attack.id}: {r.verdict} {r.got} {r.detail[:160]}" for r in rows)
+    assert rows and not [r for r in rows if r.verdict == "ESCAPED"], table
+    assert not [r for r in rows if r.failed], table
+    attached = {a.get("tenant") for a in audit if a.get("event") == "tenant-attached"
+                and a.get("via") == "oci"}
+    assert {tenant["victim"], tenant["attacker"]} <= attached
+    dra.delete_pod(name)

@@ -215,6 +215,10 @@ def test_tenant_from_the_applied_cdi_device():
     """`oci-seccomp --tenant-from-cdi`: one section for every tenant's containers; the
     tenant is the one whose CDI device (its oci-hook) the runtime put in config.json."""
     s = profile.seccomp_section("fuse", "/r/oci-seccomp.sock", tenant_from_cdi=True)
+    # a cluster's runtime grants CAP_MKNOD: this section refuses device nodes itself
+    assert [(r["names"], r["action"], r.get("errnoRet")) for r in s["syscalls"]] == [
+        (list(profile.w.STAT_SYSCALLS), "SCMP_ACT_NOTIFY", None),
+        *[([n], "SCMP_ACT_ERRNO", errno.EPERM) for n in ("mknod", "mknod", "mknodat", "mknodat")]]
     meta = s["listenerMetadata"]
     assert state.parse_metadata(meta) == {"devbroker": "1", "frontend": "fuse",
                                           "tenant_from": "cdi"}

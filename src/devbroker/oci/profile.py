@@ -136,6 +136,15 @@ def encode_metadata(frontend: str, tenant: str | None = None, *,
     return ";".join(items)
 
 
+def _options(frontend: str, kernel_ioctls: tuple[int, ...], tenant_from_cdi: bool):
+    opts = FRONTEND_OPTIONS[frontend]
+    if kernel_ioctls:
+        opts = dataclasses.replace(opts, kernel_ioctls=tuple(kernel_ioctls))
+    if tenant_from_cdi:
+        opts = dataclasses.replace(opts, deny_device_mknod=True)
+    return opts
+
+
 def seccomp_section(frontend: str, listener_path: str, *, tenant: str | None = None,
                     flags: list[str] | tuple[str, ...] = (),
                     kernel_ioctls: tuple[int, ...] = (), tenant_from_cdi: bool = False) -> dict:
@@ -148,7 +157,10 @@ def seccomp_section(frontend: str, listener_path: str, *, tenant: str | None = N
     crun 1.8 do not). ``kernel_ioctls``: UVM command numbers the kernel runs without a
     notification (seccomp front end with the real backend: rules.kernel_commands); empty,
     every NVIDIA-looking ioctl is notified. ``tenant_from_cdi``: the section names no
-    tenant; the broker takes the one whose CDI device the runtime applied.
+    tenant; the broker takes the one whose CDI device the runtime applied. Such a section is
+    a cluster's profile for every pod that claims a GPU, where the runtime grants
+    ``CAP_MKNOD`` (containerd's default set; runc's own spec does not), so it also refuses
+    mknod of devices with the FUSE nodes, as the seccomp front end's section always does.
     """
     if frontend not in FRONTENDS:
         raise ValueError(f"front end {frontend!r}: one of {', '.join(FRONTENDS)}")
@@ -160,9 +172,7 @@ def seccomp_section(frontend: str, listener_path: str, *, tenant: str | None = N
         "listenerPath": listener_path,
         "listenerMetadata": encode_metadata(frontend, tenant,
                                             tenant_from_cdi=tenant_from_cdi),
-        "syscalls": syscall_rules(dataclasses.replace(FRONTEND_OPTIONS[frontend],
-                                                      kernel_ioctls=tuple(kernel_ioctls))
-                                  if kernel_ioctls else FRONTEND_OPTIONS[frontend]),
+        "syscalls": syscall_rules(_options(frontend, kernel_ioctls, tenant_from_cdi)),
     }
     if flags:
         section["flags"] = list(flags)
