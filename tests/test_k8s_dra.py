@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -233,6 +234,17 @@ class Dra:
         for b in self.brokers.values():
             b.stop()
             subprocess.run(["umount", "-l", str(b.run_dir / "nodes")], capture_output=True)
+
+
+def test_go_unit_tests():
+    """The plugin's own unit tests (k8s/dra/internal/...): a claim's allocation to a tenant
+    spec, the published devices, the containers using a claim."""
+    if shutil.which("go") is None:
+        pytest.skip("no Go toolchain (scripts/k8s/build.sh needs one too)")
+    r = subprocess.run(["go", "test", "./..."], cwd=REPO / "k8s" / "dra", capture_output=True,
+                       text=True, timeout=900, env={**os.environ, "GOFLAGS": "-buildvcs=false"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ok  \tdevbroker.io/k8s/dra/internal/driver" in r.stdout, r.stdout
 
 
 @pytest.fixture(scope="module")
