@@ -13,6 +13,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
@@ -89,7 +90,9 @@ func (p *Plugin) prepare(ctx context.Context, claim *resourceapi.ResourceClaim) 
 	if err != nil || plan == nil {
 		return nil, err
 	}
-	plan.Labels["container"] = p.containers(ctx, claim)
+	if plan.Labels["container"], err = p.containers(ctx, claim); err != nil {
+		return nil, err
+	}
 	existed, err := p.Broker.TenantAdd(plan.Tenant, plan.Spec, plan.Labels)
 	if err != nil {
 		return nil, err
@@ -102,11 +105,12 @@ func (p *Plugin) prepare(ctx context.Context, claim *resourceapi.ResourceClaim) 
 	return plan.Devices, nil
 }
 
-// containers names the containers of the claim's pods that use it ("" when the
-// API does not say; it is only a label).
-func (p *Plugin) containers(ctx context.Context, claim *resourceapi.ResourceClaim) string {
+// containers names the containers of the claim's pods that use it (a label). An
+// API error fails the prepare (the kubelet retries): a label that depended on
+// the API's mood would make a repeated prepare ask for another tenant spec.
+func (p *Plugin) containers(ctx context.Context, claim *resourceapi.ResourceClaim) (string, error) {
 	if p.Kube == nil {
-		return ""
+		return "", nil
 	}
 	var names []string
 	for _, ref := range claim.Status.ReservedFor {
@@ -114,13 +118,16 @@ func (p *Plugin) containers(ctx context.Context, claim *resourceapi.ResourceClai
 			continue
 		}
 		pod, err := p.Kube.CoreV1().Pods(claim.Namespace).Get(ctx, ref.Name, metav1.GetOptions{})
-		if err != nil || pod.UID != ref.UID {
-			continue
+		if apierrors.IsNotFound(err) || (err == nil && pod.UID != ref.UID) {
+			continue // gone for good: it runs nothing here
+		}
+		if err != nil {
+			return "", fmt.Errorf("pod %s/%s: %w", claim.Namespace, ref.Name, err)
 		}
 		names = append(names, ContainersUsing(pod, claim.Name)...)
 	}
 	sort.Strings(names)
-	return strings.Join(names, ",")
+	return strings.Join(names, ","), nil
 }
 
 // ContainersUsing lists the containers of pod that use the ResourceClaim named
