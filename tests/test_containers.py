@@ -120,6 +120,8 @@ def bundle(broker, tmp: Path, tenant: str, frontend: str, argv: list[str], *,
     args = ["oci-seccomp", "--frontend", frontend, "--config", str(b / "config.json")]
     if via == "metadata":
         args += ["--tenant", tenant]
+    elif via == "cdi-applied":  # one section for every tenant: a Kubernetes profile
+        args += ["--tenant-from-cdi"]
     r = broker.cli(*args)
     assert r.returncode == 0, r.stderr
     return b
@@ -276,6 +278,40 @@ def test_refused_container_does_not_start(broker, runc, tmp_path, annotations,
     after = broker.status()["tenants"]
     assert [(t["name"], t["requests"], t["open_files"]) for t in after] == \
         [(t["name"], t["requests"], t["open_files"]) for t in before]
+
+
+@pytest.mark.parametrize("frontend", ["fuse", "seccomp"])
+def test_tenant_from_the_applied_cdi_device(broker, runc, tmp_path, frontend):
+    """`oci-seccomp --tenant-from-cdi` names no tenant, and the container carries no
+    annotation: the broker takes the tenant whose CDI device the runtime applied (its hook
+    in config.json), as a cluster's containers are named (docs/kubernetes.md)."""
+    for tenant, (gpu, quota) in TENANTS.items():
+        b = bundle(broker, tmp_path, tenant, frontend, [NVIDIA_SMI, *QUERY], via="cdi-applied")
+        assert "annotations" not in load_config(b) or not load_config(b)["annotations"]
+        cid, r = run(runc, b)
+        assert r.returncode == 0, f"{frontend} {tenant}: {r.stdout}{r.stderr}"
+        assert _smi_rows(r.stdout) == [["0", "NVIDIA H200", UUID[gpu], BUS[gpu],
+                                        f"{quota // MiB} MiB", "0 MiB"]], r.stdout
+        rec = _attached(broker, cid)
+        assert rec["tenant"] == tenant, rec
+        assert rec["named_by"] == [f"CDI device devbroker.io/gpu={tenant} applied (config.json)"]
+
+
+def test_cdi_spec_of_named_tenants_and_the_gpus_op(broker, tmp_path):
+    """`devbroker cdi --tenant` writes only those tenants' devices (a spec file per claim);
+    an unknown name is an error. The read-only `gpus` op lists the backend's GPUs."""
+    out = tmp_path / "bob.json"
+    r = broker.cli("cdi", "--frontend", "fuse", "--tenant", "bob", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    spec = json.loads(out.read_text())
+    assert [d["name"] for d in spec["devices"]] == ["bob"]
+    assert spec["devices"] == [d for d in broker.specs["fuse"]["devices"] if d["name"] == "bob"]
+    r = broker.cli("cdi", "--tenant", "bob", "--tenant", "mallory")
+    assert r.returncode == 1 and "no tenant 'mallory'" in r.stderr and not r.stdout
+    g = broker.control({"op": "gpus"})
+    assert g["ok"] and g["backend"] == "emulated"
+    assert [(x["index"], x["uuid"], x["pci_bus_id"], x["memory"]) for x in g["gpus"]] == \
+        [(i, UUID[i], f"0000:00:0{6 + i}.0", 141 * GiB) for i in (0, 1)]
 
 
 def test_cli_writes_usable_sections(broker, tmp_path):

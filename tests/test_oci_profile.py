@@ -203,6 +203,59 @@ def test_tenant_refused(meta, annotations, why):
         state.identify(state.decode_state(_state(meta, annotations)))
 
 
+def _config(*tenants, run_dir="/run/d"):
+    """A bundle's config.json after a runtime applied these tenants' CDI devices."""
+    return {"hooks": {"createContainer": [
+        {"path": "/usr/bin/python3", "args": ["/usr/bin/python3", "-m", "devbroker.cli.main",
+                                             "--run-dir", run_dir, "oci-hook", "--tenant", t]}
+        for t in tenants]}}
+
+
+def test_tenant_from_the_applied_cdi_device():
+    """`oci-seccomp --tenant-from-cdi`: one section for every tenant's containers; the
+    tenant is the one whose CDI device (its oci-hook) the runtime put in config.json."""
+    s = profile.seccomp_section("fuse", "/r/oci-seccomp.sock", tenant_from_cdi=True)
+    # a cluster's runtime grants CAP_MKNOD: this section refuses device nodes itself
+    assert [(r["names"], r["action"], r.get("errnoRet")) for r in s["syscalls"]] == [
+        (list(profile.w.STAT_SYSCALLS), "SCMP_ACT_NOTIFY", None),
+        *[([n], "SCMP_ACT_ERRNO", errno.EPERM) for n in ("mknod", "mknod", "mknodat", "mknodat")]]
+    meta = s["listenerMetadata"]
+    assert state.parse_metadata(meta) == {"devbroker": "1", "frontend": "fuse",
+                                          "tenant_from": "cdi"}
+    st = state.decode_state(_state(meta))
+    assert state.tenant_from_cdi(st)
+    cfg = _config("k8s-1")
+    cfg["hooks"]["createContainer"].insert(0, {"path": "/bin/true", "args": ["true", "--tenant", "x"]})
+    h = state.identify(st, cdi_tenants=state.hook_tenants(cfg, "/run/d"))
+    assert (h.tenant, h.frontend) == ("k8s-1", "fuse") and "config.json" in h.sources[0]
+    # another broker's hook names no tenant here; two tenants' devices are refused
+    assert state.hook_tenants(_config("k8s-1", run_dir="/run/other"), "/run/d") == []
+    with pytest.raises(state.StateError, match="no tenant named"):
+        state.identify(st, cdi_tenants=state.hook_tenants(_config(), "/run/d"))
+    with pytest.raises(state.StateError, match="more than one tenant"):
+        state.identify(st, cdi_tenants=state.hook_tenants(_config("a", "b"), "/run/d"))
+    # without tenant_from=cdi the applied device does not count (the sections that name
+    # their tenant keep their meaning)
+    plain = state.decode_state(_state("devbroker=1;frontend=fuse"))
+    assert not state.tenant_from_cdi(plain)
+    with pytest.raises(state.StateError, match="no tenant named"):
+        state.identify(plain, cdi_tenants=["k8s-1"])
+    for bad in ({"hooks": {"createContainer": "x"}}, {"hooks": []}, [],
+                {"hooks": {"createContainer": [{"args": ["oci-hook", "--tenant"]}]}}):
+        assert state.hook_tenants(bad, "/run/d") == []
+
+
+def test_read_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(_config("k8s-1")))
+    assert state.hook_tenants(state.read_config(str(tmp_path)), "/run/d") == ["k8s-1"]
+    for bundle, why in (("rel", "not an absolute"), (str(tmp_path / "none"), "config.json")):
+        with pytest.raises(state.StateError, match=why):
+            state.read_config(bundle)
+    (tmp_path / "config.json").write_text("[1]")
+    with pytest.raises(state.StateError, match="not a JSON object"):
+        state.read_config(str(tmp_path))
+
+
 # --------------------------------------------------------------------------- CDI
 HOOK = ["/usr/bin/python3", "-m", "devbroker.cli.main", "--run-dir", "/run/d", "oci-hook"]
 TENANTS = [cdi.TenantNodes("alice", "/run/d/nodes/alice",

@@ -236,6 +236,13 @@ class BrokerService:
         self.audit.write("policy-applied", source=name)
         return {"tenants": sorted(policy.tenants)}
 
+    def _gpus(self, req: dict) -> dict:
+        """The backend's GPUs (read-only): what a cluster driver publishes as devices."""
+        return {"backend": self.backend.name,
+                "gpus": [{"index": g.index, "name": g.name, "uuid": g.uuid,
+                          "pci_bus_id": g.pci_bus_id, "memory": g.memory_bytes}
+                         for g in sorted(self.backend.gpus(), key=lambda g: g.index)]}
+
     def _tenant_dir(self, req: dict) -> dict:
         t = req.get("tenant")
         if t not in self.broker.policy.tenants:
@@ -506,6 +513,7 @@ class BrokerService:
         control = self.control = ControlServer(self.paths.control, {
             "status": self._status,
             "policy.show": self._policy_show,
+            "gpus": self._gpus,
             "policy.apply": self._policy_apply,
             "tenant.dir": self._tenant_dir,
             "tenant.refused": self._tenant_refused,

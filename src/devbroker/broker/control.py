@@ -1,6 +1,6 @@
 """The operator's control socket: JSON lines over a Unix stream socket, with roles.
 
-Requests: {"op": "status"}, {"op": "policy.show"}, {"op": "policy.apply", "text": ..., "name": ...},
+Requests: {"op": "status"}, {"op": "gpus"}, {"op": "policy.show"}, {"op": "policy.apply", "text": ..., "name": ...},
 {"op": "tenant.dir", "tenant": ...}. Each gets one JSON line back: {"ok": true, ...} or
 {"ok": false, "error": "..."}. A bad policy is refused with its line and reason, and the
 running policy stays in force.
@@ -12,7 +12,7 @@ broker's socket and applied a policy there):
 
 * **admin** (every op): uid 0, or a uid/group the policy's `[control] admin_uids` /
   `admin_groups` names;
-* **read** (`status`, `policy.show`): a uid/group in `readonly_uids` / `readonly_groups`;
+* **read** (`status`, `gpus`, `policy.show`): a uid/group in `readonly_uids` / `readonly_groups`;
 * nobody else. And only callers in the broker's own pid namespace get any role: a tenant of
   `devbroker exec` (or of any container) is in a pid namespace of its own, so even a root
   tenant that found a socket gets nothing.
@@ -50,7 +50,7 @@ REQUEST_TIMEOUT = 10.0  # seconds a connection may take to send its request line
 ROLE_READ = "read"
 ROLE_ADMIN = "admin"
 # The role each operation needs (anything not listed needs admin).
-OP_ROLES = {"status": ROLE_READ, "policy.show": ROLE_READ,
+OP_ROLES = {"status": ROLE_READ, "policy.show": ROLE_READ, "gpus": ROLE_READ,
             "policy.apply": ROLE_ADMIN, "tenant.dir": ROLE_ADMIN}
 _SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5
 # The caller of the request being handled (each connection is its own trio task, with its

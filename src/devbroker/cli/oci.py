@@ -21,6 +21,9 @@ def add_parsers(sub) -> None:
                    help=FRONTEND_HELP)
     p.add_argument("--output", "-o", metavar="FILE",
                    help="write here (e.g. /etc/cdi/devbroker.json) instead of stdout")
+    p.add_argument("--tenant", action="append", default=[], metavar="NAME",
+                   help="only this tenant's device (repeatable; default: every tenant). A "
+                        "spec file per tenant is what a cluster's DRA driver writes")
     p.set_defaults(func=cmd_cdi)
 
     p = sub.add_parser("oci-seccomp", help="the linux.seccomp section that hands a "
@@ -29,6 +32,10 @@ def add_parsers(sub) -> None:
                    help=FRONTEND_HELP)
     p.add_argument("--tenant", help="name the tenant in listenerMetadata (else: the "
                                     "devbroker.io/tenant annotation or a CDI device request)")
+    p.add_argument("--tenant-from-cdi", action="store_true",
+                   help="the tenant is the one whose CDI device the runtime applied to the "
+                        "container (its oci-hook in the bundle's config.json): one section "
+                        "for every container, e.g. a Kubernetes Localhost seccomp profile")
     p.add_argument("--flag", action="append", default=[], metavar="SECCOMP_FILTER_FLAG_…",
                    help="OCI seccomp flag to add, e.g. SECCOMP_FILTER_FLAG_WAIT_KILLABLE_RECV "
                         "(runtimes that know it; runc 1.1 and crun 1.8 do not)")
@@ -86,7 +93,15 @@ def cmd_cdi(args) -> int:
         return 1
     paths = RunPaths(Path(args.run_dir).resolve())
     tenants = []
+    known = {t["name"] for t in snap["tenants"]}
+    missing = [n for n in args.tenant if n not in known]
+    if missing:
+        print(f"devbroker cdi: no tenant {', '.join(map(repr, missing))} in the running broker",
+              file=sys.stderr)
+        return 1
     for t in snap["tenants"]:
+        if args.tenant and t["name"] not in args.tenant:
+            continue
         d = paths.tenant_dir(t["name"])
         try:
             nodes = tuple(sorted(os.listdir(d)))
@@ -149,8 +164,11 @@ def cmd_oci_seccomp(args) -> int:
     frontend = _frontend(args, "oci-seccomp")
     listener = str(RunPaths(Path(args.run_dir).resolve()).oci_seccomp)
     kernel = _kernel_ioctls(args) if frontend == "seccomp" else ()
+    if args.tenant and args.tenant_from_cdi:
+        print("devbroker oci-seccomp: --tenant or --tenant-from-cdi, not both", file=sys.stderr)
+        return 1
     section = seccomp_section(frontend, listener, tenant=args.tenant, flags=args.flag,
-                              kernel_ioctls=kernel)
+                              kernel_ioctls=kernel, tenant_from_cdi=args.tenant_from_cdi)
     if not args.config:
         print(json.dumps(section, indent=2))
         return 0

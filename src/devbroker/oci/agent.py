@@ -13,8 +13,9 @@ state with the seccomp listener attached and closes (devbroker.oci.state). The a
 1. reads the state up to the end of its JSON object (at most 1 MiB, at most 10 s: a
    runtime cannot hold the broker),
    keeps only the fd named ``seccompFd`` and checks it is a seccomp listener;
-2. names the tenant (annotation, CDI device request, listenerMetadata; they must agree) and
-   checks it against the running policy;
+2. names the tenant (annotation, CDI device request, listenerMetadata, and with
+   ``tenant_from=cdi`` the CDI device applied in the bundle's config.json; they must agree)
+   and checks it against the running policy;
 3. serves the listener with the supervisor the section was written for:
    ``frontend=seccomp`` -> the seccomp front end's :class:`SeccompSupervisor` (the code
    ``devbroker exec --frontend seccomp`` hands over to, ``BrokerService.attach_listener``);
@@ -198,7 +199,11 @@ class OciSeccompAgent:
                 if not is_seccomp_listener(listener):
                     raise ocistate.StateError("the fd named seccompFd is not a seccomp "
                                               "listener")
-                hand = ocistate.identify(st)
+                cdi = ()
+                if ocistate.tenant_from_cdi(st):
+                    config = await trio.to_thread.run_sync(ocistate.read_config, st.bundle)
+                    cdi = ocistate.hook_tenants(config, str(self.service.paths.run_dir))
+                hand = ocistate.identify(st, cdi_tenants=cdi)
                 self.service.check_tenant(hand.tenant)
             except (ocistate.StateError, ValueError, OSError) as e:
                 _close_all(fds)

@@ -120,16 +120,34 @@ ARCHITECTURES = {
 }
 
 
-def encode_metadata(frontend: str, tenant: str | None = None) -> str:
+# listenerMetadata ``tenant_from=cdi``: the agent names the tenant by the CDI device the
+# runtime applied (devbroker.oci.state.hook_tenants), for one section shared by containers
+# of many tenants (a Kubernetes Localhost seccomp profile; docs/kubernetes.md).
+TENANT_FROM_CDI = "cdi"
+
+
+def encode_metadata(frontend: str, tenant: str | None = None, *,
+                    tenant_from_cdi: bool = False) -> str:
     items = [f"{METADATA_PREFIX}=1", f"frontend={frontend}"]
     if tenant:
         items.append(f"tenant={tenant}")
+    if tenant_from_cdi:
+        items.append(f"tenant_from={TENANT_FROM_CDI}")
     return ";".join(items)
+
+
+def _options(frontend: str, kernel_ioctls: tuple[int, ...], tenant_from_cdi: bool):
+    opts = FRONTEND_OPTIONS[frontend]
+    if kernel_ioctls:
+        opts = dataclasses.replace(opts, kernel_ioctls=tuple(kernel_ioctls))
+    if tenant_from_cdi:
+        opts = dataclasses.replace(opts, deny_device_mknod=True)
+    return opts
 
 
 def seccomp_section(frontend: str, listener_path: str, *, tenant: str | None = None,
                     flags: list[str] | tuple[str, ...] = (),
-                    kernel_ioctls: tuple[int, ...] = ()) -> dict:
+                    kernel_ioctls: tuple[int, ...] = (), tenant_from_cdi: bool = False) -> dict:
     """The ``linux.seccomp`` object of a container's config.json.
 
     ``tenant`` goes into ``listenerMetadata`` (one of the places the broker's agent takes
@@ -138,7 +156,11 @@ def seccomp_section(frontend: str, listener_path: str, *, tenant: str | None = N
     ``SECCOMP_FILTER_FLAG_WAIT_KILLABLE_RECV`` where the runtime knows it (runc 1.1 and
     crun 1.8 do not). ``kernel_ioctls``: UVM command numbers the kernel runs without a
     notification (seccomp front end with the real backend: rules.kernel_commands); empty,
-    every NVIDIA-looking ioctl is notified.
+    every NVIDIA-looking ioctl is notified. ``tenant_from_cdi``: the section names no
+    tenant; the broker takes the one whose CDI device the runtime applied. Such a section is
+    a cluster's profile for every pod that claims a GPU, where the runtime grants
+    ``CAP_MKNOD`` (containerd's default set; runc's own spec does not), so it also refuses
+    mknod of devices with the FUSE nodes, as the seccomp front end's section always does.
     """
     if frontend not in FRONTENDS:
         raise ValueError(f"front end {frontend!r}: one of {', '.join(FRONTENDS)}")
@@ -148,10 +170,9 @@ def seccomp_section(frontend: str, listener_path: str, *, tenant: str | None = N
         "defaultAction": "SCMP_ACT_ALLOW",
         "architectures": list(ARCHITECTURES[frontend]),
         "listenerPath": listener_path,
-        "listenerMetadata": encode_metadata(frontend, tenant),
-        "syscalls": syscall_rules(dataclasses.replace(FRONTEND_OPTIONS[frontend],
-                                                      kernel_ioctls=tuple(kernel_ioctls))
-                                  if kernel_ioctls else FRONTEND_OPTIONS[frontend]),
+        "listenerMetadata": encode_metadata(frontend, tenant,
+                                            tenant_from_cdi=tenant_from_cdi),
+        "syscalls": syscall_rules(_options(frontend, kernel_ioctls, tenant_from_cdi)),
     }
     if flags:
         section["flags"] = list(flags)

@@ -22,11 +22,18 @@ disagree:
 * the annotation ``devbroker.io/tenant`` (config.json ``annotations``);
 * a CDI device of devbroker's kind requested through the CDI annotations
   (``cdi.k8s.io/<key>: "devbroker.io/gpu=alice"``, how CRI runtimes carry CDI requests);
-* ``tenant=`` in ``listenerMetadata`` (``devbroker oci-seccomp --tenant``).
+* ``tenant=`` in ``listenerMetadata`` (``devbroker oci-seccomp --tenant``);
+* only where ``listenerMetadata`` says ``tenant_from=cdi`` (``devbroker oci-seccomp
+  --tenant-from-cdi``): the tenant whose CDI device the runtime applied, i.e. the
+  ``devbroker oci-hook --tenant NAME`` hook of this broker in the bundle's config.json
+  (:func:`hook_tenants`). The runtime manager writes config.json from the operator's CDI
+  specs; the container's own configuration cannot add hooks (a Kubernetes pod cannot), so
+  one seccomp section serves the containers of every tenant (a Localhost seccomp profile).
 """
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -37,6 +44,7 @@ CDI_KIND = "devbroker.io/gpu"
 CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
 SECCOMP_FD_NAME = "seccompFd"
 MAX_STATE_BYTES = 1 << 20  # annotations can be large, but not this large
+MAX_CONFIG_BYTES = 4 << 20  # a bundle's config.json (``tenant_from=cdi``)
 
 # CDI device names: alphanumerics with - _ . inside (SPEC.md, "CDI Devices").
 _CDI_NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9_.-]*[A-Za-z0-9])?$")
@@ -130,6 +138,51 @@ def cdi_requests(annotations: dict[str, str], kind: str = CDI_KIND) -> list[str]
     return names
 
 
+def hook_tenants(config: dict, run_dir: str) -> list[str]:
+    """Tenants named by ``devbroker oci-hook`` createContainer hooks of the broker at
+    run_dir in a bundle's config.json (what the tenants' CDI devices add: oci/cdi.py)."""
+    hooks = config.get("hooks") if isinstance(config, dict) else None
+    entries = hooks.get("createContainer") if isinstance(hooks, dict) else None
+    names = []
+    for h in entries if isinstance(entries, list) else ():
+        args = h.get("args") if isinstance(h, dict) else None
+        if not (isinstance(args, list) and all(isinstance(a, str) for a in args)):
+            continue
+        if "oci-hook" not in args or "--run-dir" not in args or "--tenant" not in args:
+            continue
+        at = args.index("oci-hook")
+        rd, tn = args.index("--run-dir"), args.index("--tenant")
+        if not (rd < at < tn and tn + 1 < len(args) and rd + 1 < at):
+            continue
+        if os.path.realpath(args[rd + 1]) == os.path.realpath(run_dir):
+            names.append(args[tn + 1])
+    return names
+
+
+def read_config(bundle: str) -> dict:
+    """A bundle's config.json (the runtime's peer is root, checked before this is asked)."""
+    if not bundle.startswith("/"):
+        raise StateError(f"bundle {bundle!r} is not an absolute path")
+    try:
+        with open(os.path.join(bundle, "config.json"), "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise StateError(f"the bundle's config.json: {e.strerror or e}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise StateError(f"the bundle's config.json is larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        config = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise StateError(f"the bundle's config.json is not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise StateError("the bundle's config.json is not a JSON object")
+    return config
+
+
+def tenant_from_cdi(state: ProcessState) -> bool:
+    return parse_metadata(state.metadata).get("tenant_from") == profile.TENANT_FROM_CDI
+
+
 @dataclass(frozen=True)
 class Hand:
     """What the broker makes of a hand-over: the tenant, the front end to serve it with,
@@ -140,9 +193,12 @@ class Hand:
     sources: tuple[str, ...]
 
 
-def identify(state: ProcessState, *, kind: str = CDI_KIND) -> Hand:
+def identify(state: ProcessState, *, kind: str = CDI_KIND,
+             cdi_tenants: list[str] | tuple[str, ...] = ()) -> Hand:
     """The tenant and front end of a hand-over, or StateError. Every place that names a
-    tenant must name the same one; a container asking for two tenants' devices is refused."""
+    tenant must name the same one; a container asking for two tenants' devices is refused.
+    ``cdi_tenants``: :func:`hook_tenants` of the bundle, counted only where the section
+    says ``tenant_from=cdi``."""
     meta = parse_metadata(state.metadata)
     if not meta:
         raise StateError("listenerMetadata is not devbroker's (write the seccomp section with "
@@ -157,6 +213,9 @@ def identify(state: ProcessState, *, kind: str = CDI_KIND) -> Hand:
         named.append((f"annotation {TENANT_ANNOTATION}", state.annotations[TENANT_ANNOTATION]))
     for name in cdi_requests(state.annotations, kind):
         named.append((f"CDI device {kind}={name}", name))
+    if meta.get("tenant_from") == profile.TENANT_FROM_CDI:
+        for name in cdi_tenants:
+            named.append((f"CDI device {kind}={name} applied (config.json)", name))
     if not named:
         raise StateError(f"no tenant named (annotation {TENANT_ANNOTATION}, a CDI device "
                          f"{kind}=NAME, or tenant= in listenerMetadata)")
