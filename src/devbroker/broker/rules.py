@@ -836,15 +836,17 @@ def control_rule(cmd: int, abi=None) -> ControlRule | None:
     rule = CONTROLS.get(cmd)
     if rule is None:
         return None
-    if abi is not None and not rule.no_layout and abi.control(cmd) is None:
-        # A control this driver version does not define (no layout in its tables): nothing
-        # in its parameters could be checked, and the driver would not know it either.
-        return dataclasses.replace(
-            rule, driver_flag=NO_LAYOUT, driver_status=nvstatus.NV_ERR_NOT_SUPPORTED,
-            driver_why=f"driver {abi.version} defines no layout for it, so nothing in its "
-                       "parameters can be checked")
+    # The driver's own reservation first: it is what the driver answers an unprivileged
+    # caller, layout or not.
     ref = _driver_refusal(cmd, abi)
     if ref is None:
+        if abi is not None and not rule.no_layout and abi.control(cmd) is None:
+            # A control this driver version does not define (no layout in its tables):
+            # nothing in its parameters could be checked, and the driver would not know it.
+            return dataclasses.replace(
+                rule, driver_flag=NO_LAYOUT, driver_status=nvstatus.NV_ERR_NOT_SUPPORTED,
+                driver_why=f"driver {abi.version} defines no layout for it, so nothing in "
+                           "its parameters can be checked")
         return rule
     flag, why, version = ref
     status = (nvstatus.NV_ERR_NOT_SUPPORTED if flag == "RMCTRL_FLAGS_INTERNAL"
