@@ -236,6 +236,7 @@ class Broker:
         self.tenants = new
         self.policy = policy
         BOOKS.policy_changed()  # (every settled decision read the policy: decided again)
+        self.preemption.ensure_restoring()  # (preemption turned on, or tenants handed over)
         for cb in self.on_policy_change:
             cb(policy)
 
@@ -297,7 +298,7 @@ class Broker:
         if self.quota_watch is not None:
             self.quota_watch.resume()  # processes watched before the run (a live upgrade)
         turns.schedule(self, startup=True)  # weighted turns, when the policy asks (turns.py)
-        start_soon(self.preemption.restoring)  # preempted tenants back as room frees
+        self.preemption.ensure_restoring()  # preempted tenants back as room frees
 
     def _start_soon(self, fn: Callable) -> bool:
         """Start a background task from the trio thread or from a listener thread. False:

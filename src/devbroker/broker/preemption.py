@@ -158,6 +158,7 @@ class Preemption:
         self._lock: trio.Lock | None = None
         self._resumed: dict[str, trio.Event] = {}
         self._wake: trio.Event | None = None
+        self._restoring = False  # the restoring task runs
 
     # ------------------------------------------------------------------ reading
     @property
@@ -549,10 +550,25 @@ class Preemption:
         if self._wake is not None:
             self._wake.set()
 
+    def ensure_restoring(self) -> None:
+        """Start the restoring task in the broker's trio run where preemption is on or a
+        tenant is preempted (a predecessor's, after a live upgrade). Never otherwise: a task
+        that runs for the broker's life would keep whatever nursery holds it from closing."""
+        if self._restoring or not (self.config.enabled or self.entries):
+            return
+        self._restoring = self.broker._start_soon(self.restoring)
+
     async def restoring(self) -> None:
         """(Trio, for the broker's life.) Restores automatically preempted tenants when
         their room is free again, highest priority first, then the longest preempted; never
         while an allocation waits for room on that GPU (it comes first)."""
+        self._restoring = True
+        try:
+            await self._restore_loop()
+        finally:
+            self._restoring = False
+
+    async def _restore_loop(self) -> None:
         while True:
             self._wake = trio.Event()
             if not any(e.auto and e.state == PREEMPTED for e in self.entries.values()):
