@@ -200,7 +200,7 @@ _GPU_ID_LAYOUTS: dict = {}  # StructSpec (hashed by identity) -> bool
 
 def gpu_ids_named(params, prefix: str = "") -> list[tuple[str, int]]:
     """(field path, id) of every GPU id the parameters name, by the rules above.
-    A pure function of the decoded value (tests/test_isolation_13.py checks it over every
+    A pure function of the decoded value (tests/test_tenant_isolation.py checks it over every
     allowed control of every ABI)."""
     out: list[tuple[str, int]] = []
     if not _names_gpu_ids(params.spec):
