@@ -1,4 +1,4 @@
-"""Tenant-side programs for issue 13 items 4-7 (tests/test_isolation_13.py), run inside
+"""Tenant-side programs for the isolation tests (tests/test_tenant_isolation.py), run inside
 `devbroker exec` like tests/tenant_prog.py: real ioctls on /dev/nvidia*, one JSON object per
 line on stdout."""
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _client() -> Client:
 
 
 def gpu_ids(other: str) -> None:
-    """Item 6: controls that name GPU ids, with another tenant's GPU id and with our own."""
+    """Controls that name GPU ids, with another tenant's GPU id and with our own."""
     c = _client()
     mine = c.attached_ids()[0]
     for who, gid in (("other", int(other, 0)), ("own", mine)):
@@ -59,7 +59,7 @@ def gpu_ids(other: str) -> None:
 
 
 def foreign_clients(other: str) -> None:
-    """Item 6: allocation parameters naming another tenant's client (OS event's
+    """Allocation parameters naming another tenant's client (OS event's
     hParentClient, device's hTargetClient)."""
     c = _client()
     bob = int(other, 0)
@@ -74,7 +74,7 @@ def foreign_clients(other: str) -> None:
 
 
 def revoke(size: str) -> None:
-    """Item 4: hold a device and `size` of memory on GPU 0, then (after a line on stdin, when
+    """Hold a device and `size` of memory on GPU 0, then (after a line on stdin, when
     the test has moved us to another GPU) use the old device, then free the memory."""
     c = _client()
     g = c.open_gpu(c.attached_ids()[0])
@@ -94,7 +94,7 @@ def revoke(size: str) -> None:
 
 
 def client_dup(other: str) -> None:
-    """Item 7: a root client asked for with a handle we hold, and with one another tenant
+    """A root client asked for with a handle we hold, and with one another tenant
     holds: both answers, as raw bytes (ioctl result and the whole argument)."""
     c = _client()
     spec = c.abi.escape("NV_ESC_RM_ALLOC")
@@ -117,7 +117,7 @@ def client_dup(other: str) -> None:
 
 
 def id_info() -> None:
-    """Item 7: GET_ID_INFO_V2's flags for our GPU before and after we hold a device on it."""
+    """GET_ID_INFO_V2's flags for our GPU before and after we hold a device on it."""
     c = _client()
     gid = c.attached_ids()[0]
     before = c.control(c.hclient, 0x205, c.params(0x205, gpuId=gid)).gpuFlags
@@ -132,7 +132,7 @@ PAGE = 4096
 
 
 def map_owner(sock: str) -> None:
-    """Item 5, the owner: map the page, read it, write into it (the pages are now in the
+    """The owner: map the page, read it, write into it (the pages are now in the
     kernel's page cache of the node), then hand the mapped file to whoever asks."""
     c = _client()
     fd, m = c.map_shared_data(c.open_gpu(c.attached_ids()[0]))
@@ -178,7 +178,7 @@ def _touch(m: mmap.mmap, *, write: bool) -> str:
 
 
 def map_thief(sock: str) -> None:
-    """Item 5, the other tenant: get the owner's mapped node file over the socket, map it
+    """The other tenant: get the owner's mapped node file over the socket, map it
     and try to read and write the pages the owner faulted in."""
     own = _client()  # bob's own client (the audit record names him by it)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

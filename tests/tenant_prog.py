@@ -129,7 +129,7 @@ def cuda_rules() -> None:
 
 
 def own_mount_ptr() -> None:
-    """Issue 13 item 1: nested pointers into untouched pages mapped from the broker's own
+    """Nested pointers into untouched pages mapped from the broker's own
     FUSE mount (this tenant's /dev/nvidia0; /proc/driver/nvidia/version, now a copy in the
     sandbox's tmpfs, is an ordinary read-only page). Each call runs
     on a thread with a watchdog, so a broker that hangs shows as "hang" instead of hanging
@@ -194,7 +194,7 @@ def own_mount_ptr() -> None:
 
 
 def hold_aligned(size: str, alignment: str) -> None:
-    """Issue 13 item 2: allocate `size` bytes with `alignment` (CUDA's flags and attributes),
+    """Allocate `size` bytes with `alignment` (CUDA's flags and attributes),
     report what the driver granted and what the tenant's memory view shows, and hold it
     until stdin closes."""
     from devbroker.tools.probe import CUDA_MEM_ATTR, CUDA_MEM_FLAGS, parse_size
@@ -215,7 +215,7 @@ def hold_aligned(size: str, alignment: str) -> None:
 
 
 def dup(size: str, foreign: str = "0") -> None:
-    """RM_DUP_OBJECT inside the tenant (issue 16): memory of client 1 duplicated under
+    """RM_DUP_OBJECT inside the tenant: memory of client 1 duplicated under
     client 2's device; each step waits for a line on stdin so that the test can read
     `devbroker status` between them. foreign: another tenant's client handle to dup from."""
     from devbroker.tools.probe import parse_size
@@ -247,7 +247,7 @@ def dup(size: str, foreign: str = "0") -> None:
     status, _ = dup_call(c2, g2["hdevice"], c1.hclient, c1.hclient)
     out(what="client-as-object", status=status)
 def export_import(size: str) -> None:
-    """Object export through an fd between two processes of the tenant (issue 16: NCCL and
+    """Object export through an fd between two processes of the tenant (NCCL and
     CUDA IPC with POSIX fds): process 1 allocates device memory, exports it into a fresh
     nvidiactl file with OS_UNIX_EXPORT_OBJECTS_TO_FD, frees its own handle and passes the
     file to process 2 over a Unix socket (SCM_RIGHTS); process 2 imports it under its own
@@ -321,7 +321,7 @@ def export_import(size: str) -> None:
 
 
 def nvml_loop(held: str = "64MiB", step: str = "2MiB") -> None:
-    """Issue 18: NVML-style queries and allocations in a loop until a line (or EOF) on stdin.
+    """NVML-style queries and allocations in a loop until a line (or EOF) on stdin.
 
     A line "window" on stdin prints the calls so far and the longest call since the last
     window (and starts a new one); any other line (or EOF) ends the loop, and the end report

@@ -1,4 +1,4 @@
-"""Control and class flags from the driver source, and the allowlist that obeys them (issue 19).
+"""Control and class flags from the driver source, and the allowlist that obeys them.
 
 - The tables carry each control's RMCTRL flags (the kernel's exported-method tables), the
   deprecated-control and GSS-legacy rules, and each class's RS flags; OpSpec.driver_refusal

@@ -1,4 +1,4 @@
-"""The ABI tables against the compiler, for every supported driver version (issue 19).
+"""The ABI tables against the compiler, for every supported driver version.
 
 scripts/abigen/abigen.py compiled a C probe against each tag's headers and stored gcc's
 sizeof, _Alignof, offsetof and member sizes of every struct in the tables
@@ -139,9 +139,9 @@ def test_unpublished_controls_are_named_by_their_range():
     assert registry.get("535.309.01").control_op(0x20801830).unpublished
 
 
-def test_issue_19_controls_are_named_with_their_layout():
-    """The published controls `nvidia-smi -q` sent on the H200 that used to be
-    UNKNOWN_CONTROL (issue 19)."""
+def test_published_controls_nvidia_smi_sends_are_named_with_their_layout():
+    """The published controls `nvidia-smi -q` sent on the H200 are named with their layout,
+    not UNKNOWN_CONTROL."""
     abi = registry.get("580.159.04")
     for cmd, name, size in ((0x20800133, "NV2080_CTRL_CMD_GPU_QUERY_ECC_CONFIGURATION", 8),
                             (0x20801830, "NV2080_CTRL_CMD_BUS_GET_PCIE_CPL_ATOMICS_CAPS", 4),

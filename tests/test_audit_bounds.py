@@ -1,4 +1,4 @@
-"""The audit log stays bounded whatever a tenant does (issue 13 item 8): refusal records are
+"""The audit log stays bounded whatever a tenant does: refusal records are
 rate-limited per tenant with a summary of what was left out, and the file is rotated. Real
 files; the clock is injected so the test does not depend on the machine's speed."""
 from __future__ import annotations
@@ -79,7 +79,7 @@ def test_the_file_is_rotated_and_old_files_are_dropped(tmp_path):
 
 
 def test_every_kind_of_a_tenants_records_is_paced_and_summarised(tmp_path):
-    """Issue 51 item 8: `rewrite` records (one per SET_TIMESLICE a tenant sends to a group)
+    """`rewrite` records (one per SET_TIMESLICE a tenant sends to a group)
     were not paced at all. Every kind that names a tenant is now, each kind on its own (a
     flood of one cannot hide the tenant's records of another)."""
     clock = Clock()
@@ -103,7 +103,7 @@ def test_every_kind_of_a_tenants_records_is_paced_and_summarised(tmp_path):
 
 
 def test_one_tenants_noise_never_rotates_out_another_tenants_refusals(tmp_path):
-    """Issue 51 item 8: one tenant at its pace rotated another tenant's refusals out of all
+    """One tenant at its pace rotated another tenant's refusals out of all
     four files in ~9 minutes. A tenant may fill at most half of the current file, so alone
     it never makes the file rotate; what it left out is summarised after the rotation."""
     clock = Clock()
@@ -136,7 +136,7 @@ def test_one_tenants_noise_never_rotates_out_another_tenants_refusals(tmp_path):
 
 
 def test_the_emulators_not_modelled_notices_are_bounded(tmp_path):
-    """Issue 51 item 8: each FB info index a tenant named made one "not modelled" notice
+    """Each FB info index a tenant named made one "not modelled" notice
     (2^32 of them). At most NOTICES_PER_KIND of a kind, then one that says the rest are
     left out."""
     import trio

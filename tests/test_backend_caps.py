@@ -1,5 +1,5 @@
 """What a backend offers is said by its class (backends/base.py Backend), not guessed from
-its name or probed with getattr (issue 11)."""
+its name or probed with getattr."""
 import re
 from pathlib import Path
 

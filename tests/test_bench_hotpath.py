@@ -1,4 +1,4 @@
-"""The hot-path benchmark's short run (issue 14): it completes and reports every path.
+"""The hot-path benchmark's short run: it completes and reports every path.
 
 Runs `scripts/bench_hotpath.py --short` for real (the C libfuse3 floor built with gcc, a
 broker with the real backend and its relay against the stand-in node, `devbroker run` with

@@ -1,5 +1,5 @@
 """The walking skeleton end to end: a real broker process, FUSE nodes, tenant sandboxes,
-real tenant processes doing real ioctls (issue 3's acceptance list)."""
+real tenant processes doing real ioctls."""
 from __future__ import annotations
 
 import errno
@@ -88,7 +88,7 @@ def test_sandbox_shows_only_the_tenants_nodes(broker):
 def test_proc_driver_view_is_a_read_only_copy_of_the_brokers(broker):
     """/proc/driver/nvidia in the sandbox holds the broker's view of the tenant (its GPUs
     only), copied into the sandbox's own tmpfs: NVML reads it ~15 times per nvmlInit, and
-    through the broker's mount each open+read+close cost FUSE round trips (issue 14)."""
+    through the broker's mount each open+read+close cost FUSE round trips."""
     script = (
         "import json, os\n"
         "st = os.statvfs('/proc/driver/nvidia')\n"
@@ -259,7 +259,7 @@ def test_cuda_calls_decided_case_by_case(broker):
 
 
 def test_dup_object_inside_the_tenant_keeps_one_charge_and_never_crosses_tenants(broker):
-    """RM_DUP_OBJECT (issue 16: CUDA IPC and peer mappings between a tenant's processes): a
+    """RM_DUP_OBJECT (CUDA IPC and peer mappings between a tenant's processes): a
     duplicate of device memory in another of the tenant's clients shares its charge, which
     stays while either handle lives; a client of another tenant cannot be a source."""
     bob = broker.exec_popen("bob", *TENANT, "hold", "1GiB", stdin=subprocess.PIPE,
@@ -307,7 +307,7 @@ def test_dup_object_inside_the_tenant_keeps_one_charge_and_never_crosses_tenants
 
 def test_objects_exported_through_an_fd_stay_charged_and_inside_the_tenant(broker):
     """OS_UNIX_EXPORT_OBJECTS_TO_FD / IMPORT_OBJECTS_FROM_FD between two processes of one
-    tenant (issue 16: NCCL, CUDA IPC): the export file passed over SCM_RIGHTS imports the
+    tenant (NCCL, CUDA IPC): the export file passed over SCM_RIGHTS imports the
     memory in the other process; the charge stays while the export slot or any handle
     holds the memory (the driver keeps it alive in the slot), and goes when all are gone; a
     file that is not one of the tenant's nvidiactl files is refused."""

@@ -1,4 +1,4 @@
-"""The client registry (broker/objects.py: ClientRegistry, issue 11): the one place root
+"""The client registry (broker/objects.py: ClientRegistry): the one place root
 clients are added and removed. Which tenant holds a client (what _check_clients and the
 root-client RM_ALLOC ask), the tenant's clients (TenantState.clients: quota, limits, status)
 and the clients of one ctl file (what closing it frees) must agree after every call that

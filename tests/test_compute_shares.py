@@ -1,4 +1,4 @@
-"""Issue 15: compute shares. Policy keys (validated, hot-reloadable), the driver values they
+"""Compute shares. Policy keys (validated, hot-reloadable), the driver values they
 turn into, and the enforcement with real brokers and real `devbroker exec` tenants on the
 emulated driver (which models channel groups and their scheduling controls the way the 580
 driver answers them): the policy's values on every new channel group, a tenant's own
@@ -403,7 +403,7 @@ def _pass(b) -> bool:
 
 
 def test_low_tenants_channels_stop_while_a_high_tenant_holds_a_group_and_run_again_after():
-    """Issue 15 priority: the channels of a `low` tenant are stopped in the driver while a
+    """Priority: the channels of a `low` tenant are stopped in the driver while a
     `high` tenant holds a channel group on its GPU (FIFO_DISABLE_CHANNELS on the low
     tenant's own subdevice: what made a high tenant's latency loop next to a busy low one
     run as alone on the H200), a channel the low tenant makes meanwhile is stopped before it
@@ -680,7 +680,7 @@ def _group_timeslice(b, client: int, handle: int) -> int:
 
 
 def test_a_new_channel_group_costs_the_same_whatever_the_tenant_holds(monkeypatch):
-    """Issue 51 item 4: one more channel group of a tenant holding many walked every group
+    """One more channel group of a tenant holding many walked every group
     of the tenant for every one of them (O(G²) under the state lock: 430 ms per allocation
     at G=1000 for every other tenant's call). Counted, not timed: how many groups the
     broker looks at to allocate one more does not grow with how many the tenant holds."""

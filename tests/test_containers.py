@@ -1,4 +1,4 @@
-"""Real containers (issue 17): Debian's runc 1.1 and crun 1.8 start containers whose
+"""Real containers: Debian's runc 1.1 and crun 1.8 start containers whose
 /dev/nvidia* are devbroker's, from a CDI spec written by `devbroker cdi` and a seccomp section
 written by `devbroker oci-seccomp`, with no `devbroker exec` anywhere.
 

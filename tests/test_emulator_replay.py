@@ -1,4 +1,4 @@
-"""The emulated driver against the real one (issue 19).
+"""The emulated driver against the real one.
 
 1. Differential replay: every call of the recorded real sessions (tests/data: pynvml and
    PyTorch on the H200, the project's shared traces, and the broker's recording of the H200

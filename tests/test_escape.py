@@ -1,4 +1,4 @@
-"""The escape-test harness in CI (issue 5): every attack of devbroker.escape.attacks is run
+"""The escape-test harness in CI: every attack of devbroker.escape.attacks is run
 from inside a tenant against the FUSE front end (devbroker run + devbroker exec sandboxes)
 and the seccomp front end (broker core in-process, tenants under run_tenant), and must come
 back REFUSED with its audit record (or, for kernel/sandbox refusals, with the reason no
@@ -67,7 +67,7 @@ def test_report_covers_every_attack(front_end):
 
 
 def test_real_driver_attacks_are_listed_not_applicable_with_their_reason():
-    """The racing-thread attacks (issue 12) continue calls in the tenant, which only real
+    """The racing-thread attacks continue calls in the tenant, which only real
     driver files do: with the emulated backend the report lists them N/A and says why,
     never as refused."""
     rows = {r.attack.id: r for r in report("seccomp").rows}
@@ -110,7 +110,7 @@ def test_cli_lists_attacks():
     assert "class-83de" in r.stdout and "flood" in r.stdout
 
 
-# Issue 17: the attacks a container changes, from inside runc containers made from
+# The attacks a container changes, from inside runc containers made from
 # `devbroker cdi` and `devbroker oci-seccomp` (victim and attacker in containers of their
 # own, the seccomp listener handed over by runc itself). Seconds per run.
 CONTAINERS = ("runc-fuse", "runc-seccomp")

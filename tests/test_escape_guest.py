@@ -1,4 +1,4 @@
-"""The escape-test harness against the kernel module and CUSE (issue 5), in the QEMU/TCG guest.
+"""The escape-test harness against the kernel module and CUSE, in the QEMU/TCG guest.
 
 One guest boot (~60 s on 2 cores) runs devbroker.escape.guest for the module (insmod
 major=195) and then for CUSE (modprobe cuse): the real broker core + emulated backend behind

@@ -1,4 +1,4 @@
-"""Per-tenant fair queuing of the requests a front end has read (issue 14, broker/limits.py).
+"""Per-tenant fair queuing of the requests a front end has read (broker/limits.py).
 
 The FUSE front end's reader threads read everything the kernel has pending into a FairQueue
 and serve from it; these tests pin down the order it gives: one request per tenant per turn,

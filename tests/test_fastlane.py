@@ -1,4 +1,4 @@
-"""The control lane (broker/fastlane.py; issues 12, 14): the common RM controls decided in a
+"""The control lane (broker/fastlane.py): the common RM controls decided in a
 few lookups on a seccomp listener thread must be decided exactly as the general steps decide
 them.
 

@@ -1,4 +1,4 @@
-"""The FUSE front end's reader threads (issue 14), with real processes on a real mount.
+"""The FUSE front end's reader threads, with real processes on a real mount.
 
 Ioctls on node files are answered on the reader thread that read them, tenant memory touched
 there directly (MemoryGate.direct, or the native loop's own accesses); a watchdog keeps the

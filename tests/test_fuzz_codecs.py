@@ -1,4 +1,4 @@
-"""Property-based fuzzing of the front ends' sans-IO codecs (issue 5): FUSE/CUSE
+"""Property-based fuzzing of the front ends' sans-IO codecs: FUSE/CUSE
 (fusewire), the kernel-module protocol (kmodwire) and seccomp notifications (seccompwire).
 
 Each decoder gets arbitrary and structure-aware mutated bytes; the only exceptions allowed

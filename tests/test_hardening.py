@@ -1,4 +1,4 @@
-"""Issue 13 (hardening), items 1 and 2, through real `devbroker exec` tenants (FUSE front end,
+"""Hardening against hostile pointers and allocations, through real `devbroker exec` tenants (FUSE front end,
 emulated backend), plus the memory gate's deadline on its own.
 
 1. A tenant hands the broker nested pointers into pages it mapped from the broker's own FUSE
@@ -86,7 +86,7 @@ def test_pointer_into_the_brokers_own_mount_is_refused_and_stalls_nobody(broker)
     denials = [a for a in broker.audit() if a["event"] == "deny" and a["tenant"] == "bob"]
     own = [d for d in denials if "broker's own nodes" in d["reason"]]
     # The GPU node's page is the broker's own mount: one record per attempt, each naming
-    # the tenant. /proc/driver/nvidia is a copy in the sandbox's own tmpfs since issue 14
+    # the tenant. /proc/driver/nvidia is a copy in the sandbox's own tmpfs
     # (sandbox.mount_proc_driver_view), so its page is an ordinary read-only one: those two
     # attempts were answered EFAULT above (the results cannot be written into it) without
     # touching the broker's mount.

@@ -1,4 +1,4 @@
-"""The DRA driver gpu.devbroker.io in a real cluster (issue 48; docs/kubernetes.md).
+"""The DRA driver gpu.devbroker.io in a real cluster (docs/kubernetes.md).
 
 Real Kubernetes v1.37.2 components (the session's `k8s_cluster`: etcd, apiserver, scheduler,
 controller manager, two nodes of containerd + kubelet), one emulated-backend broker per node

@@ -1,4 +1,4 @@
-"""The broker's metrics endpoint and threshold alerts (issue 18), read straight from the
+"""The broker's metrics endpoint and threshold alerts, read straight from the
 endpoint (tests/test_prometheus.py has Prometheus itself scraping it).
 
 Real tenant processes in `devbroker exec` sandboxes make real calls through the FUSE nodes;

@@ -1,5 +1,5 @@
 """NVIDIA's own clients (Debian's nvidia-smi / libnvidia-ml1 535.309.01) against the emulated
-backend, inside `devbroker exec --tenant …` sandboxes, checked against the policy (issue 4).
+backend, inside `devbroker exec --tenant …` sandboxes, checked against the policy.
 
 A broker runs as a subprocess on a policy written here (two emulated H200s; alice: GPU 0,
 16 GiB; bob: GPUs 0 and 1, 8 GiB each). Alice holds 1 GiB through the broker (the probe

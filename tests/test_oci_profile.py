@@ -1,4 +1,4 @@
-"""The OCI pieces without a runtime (issue 17): the seccomp sections decide as devbroker
+"""The OCI pieces without a runtime: the seccomp sections decide as devbroker
 exec's own filters do, the runtime's hand-over is decoded and its tenant named or refused,
 and `devbroker cdi`'s spec is a valid CDI spec.
 

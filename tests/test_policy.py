@@ -88,7 +88,7 @@ def test_good_file_values(tmp_path):
     bob = p.tenants["bob"]
     assert bob.memory_quota == GiB
     assert bob.capabilities == tuple(DEFAULT_CAPABILITIES)  # absent: the default set
-    # absent: every tenant is paced at the default rate (issue 13 item 8), and holds at
+    # absent: every tenant is paced at the default rate, and holds at
     # most the default counts
     assert bob.rate_limit == DEFAULT_RATE_LIMIT and bob.uids is None
     assert bob.limits == TenantLimits()
@@ -458,7 +458,7 @@ def test_unreadable_file(tmp_path):
     assert info.value.file.endswith("missing.toml") and info.value.line is None
 
 
-# ------------------------------------------------------------------------------ issue 18
+#-------------------------------------------------------------------- metrics and alerts
 TENANT = '\n[tenant.a]\ngpus = [0]\nmemory_quota = "1GiB"\n'
 
 

@@ -1,4 +1,4 @@
-"""Debian's Prometheus server scraping a running broker (issue 18).
+"""Debian's Prometheus server scraping a running broker.
 
 A real `prometheus` (installed by scripts/install-ops-tools.sh) is started on a free loopback
 port with a config that scrapes the broker's endpoint every second and evaluates the shipped

@@ -252,7 +252,7 @@ def test_relay_exits_when_the_broker_goes(channels):
 
 
 def test_real_backend_refuses_a_driver_without_tables(tmp_path):
-    """Issue 19: an unknown driver may lay its structs out differently; the backend (and so
+    """An unknown driver may lay its structs out differently; the backend (and so
     `devbroker run --backend real`, which prints this OSError) refuses to start, naming the
     supported versions, before it starts a relay or opens a device."""
     from devbroker.backends.real import RealBackend

@@ -1,5 +1,5 @@
 """The control lane on the real backend's relayed files (FUSE/CUSE/kmod front ends with
-`--backend real`, issue 14): `RealBackend.run_control` runs the lane's call, built from the
+`--backend real`): `RealBackend.run_control` runs the lane's call, built from the
 private header and parameter block, on the broker's own duplicate of the relay's file when
 called from a thread that dropped the capabilities the driver checks (a FUSE reader's), and
 through the relay's channel for front-end threads otherwise.

@@ -32,7 +32,7 @@ H200 = Path(__file__).parent / "data" / "h200-580.159.04-relay.nvtrace"
 REFUSED_CONTROLS = {0x20800134, 0x20800136, 0x20803403}
 REFUSED_ESCAPES = {"NV_ESC_RM_ACCESS_REGISTRY", "NV_ESC_SYS_PARAMS", "NV_ESC_RM_I2C_ACCESS"}
 REFUSED_CLASSES = {0x83DE}
-# Since issue 19 the tables hold every published control: what nvidia-smi 580 sent on the
+# The tables hold every published control: what nvidia-smi 580 sent on the
 # H200 that they cannot lay out is only controls NVIDIA publishes no header for (named by
 # their range, stats' `unpublished`).
 KNOWN_ABI_GAPS: set = set()

@@ -561,7 +561,7 @@ def test_extra_listener_threads_coming_back_together_leave_one_to_answer():
 
 
 def test_a_late_release_leaves_a_file_that_reuses_the_identity_known():
-    """Issue 51 item 12: under load a tenant's own file was refused as "an NVIDIA device
+    """Under load a tenant's own file was refused as "an NVIDIA device
     file the broker did not give out". The release of a closed session, read late off the
     inotify queue, took whatever session its identity (st_dev, st_ino) or watch number
     named out of the lookups: a later file of the tenant's registered meanwhile with the

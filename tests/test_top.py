@@ -1,5 +1,5 @@
 """`devbroker top` through a real pseudo-terminal, its screen read back with a VT100
-emulator (pyte), while real tenant processes allocate and make calls (issue 18)."""
+emulator (pyte), while real tenant processes allocate and make calls."""
 from __future__ import annotations
 
 import fcntl

@@ -51,7 +51,7 @@ def test_stats_counts_and_no_unknowns(nvml):
 
 @pytest.mark.parametrize("rec", RECORDINGS, ids=lambda p: p.name)
 def test_stats_lists_only_unpublished_controls_as_unknown(rec):
-    """Issue 19: on every recording of real traffic, what `trace stats` cannot name with a
+    """On every recording of real traffic, what `trace stats` cannot name with a
     layout is a control NVIDIA publishes no header for, named by its range."""
     p = run("stats", str(rec))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr

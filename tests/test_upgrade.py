@@ -1,4 +1,4 @@
-"""Live upgrade (issue 18): a new broker process takes over from the running one while real
+"""Live upgrade: a new broker process takes over from the running one while real
 tenant processes keep making calls, through the FUSE nodes and through seccomp listeners
 (`devbroker exec --frontend seccomp`: the listeners and their sessions pass over too).
 
@@ -658,7 +658,7 @@ print(json.dumps({"what": "done", "answers": answers}), flush=True)
 @pytest.mark.parametrize("decide", ["successor", "called-off"])
 def test_calls_queued_behind_a_rate_limit_do_not_hold_an_upgrade(start_broker, successors,
                                                                   tmp_path, decide):
-    """Issue 51 item 6: with 1,500 of a tenant's calls queued behind its rate limit,
+    """With 1,500 of a tenant's calls queued behind its rate limit,
     `devbroker upgrade` waited for the queue (the drain timeout) while every tenant was
     frozen, and was then called off. Calls still waiting for their pace token have had
     nothing decided: the pause cancels their wait and they go to the successor, which

@@ -1,5 +1,5 @@
 """Live upgrade: a new broker process takes over from the running one while tenants keep
-making calls (issue 18; docs/operations.md has the operator's side).
+making calls (docs/operations.md has the operator's side).
 
 `devbroker upgrade` asks the running broker (control op ``upgrade``). The running broker:
 

@@ -68,7 +68,7 @@ class Field:
         self.size_field = size_field
         self.offset = 0
         self._sst = None
-        # A plain attribute, not a property: read for every field access (issue 14).
+        # A plain attribute, not a property: read for every field access.
         self.scalar = kind in _SCALAR
         if kind in _SCALAR:
             self._sst = struct.Struct("<" + _SCALAR[kind])  # for single-field reads
@@ -240,7 +240,7 @@ class StructValue:
             if v is None:
                 # One unpack of the whole struct (one C call; array fields stay bytes)
                 # costs about what one field's unpack_from does, and the next field is a
-                # list index (issue 14).
+                # list index.
                 v = self._vals = list(self.spec._st.unpack(self._raw))
             return v[f._index]
         return self._get(f)
@@ -291,7 +291,7 @@ class StructValue:
 
     def element(self, name: str, k: int) -> Any:
         """Entry k of an array field, decoded alone (a control that asks for 3 of 128
-        entries need not build 128 values: issue 14)."""
+        entries need not build 128 values)."""
         f = self.spec.by_name[name]
         if f.kind != "array" or not 0 <= k < f.count:
             raise IndexError(f"{self.spec.name}.{name}[{k}]")
@@ -307,7 +307,7 @@ class StructValue:
 
     def raw_field(self, name: str) -> bytes:
         """The bytes of one array, struct or bytes field as they are in the value (for
-        rewrites that patch a few entries of a long table in place: issue 14)."""
+        rewrites that patch a few entries of a long table in place)."""
         f = self.spec.by_name[name]
         if f.scalar:
             raise TypeError(f"{self.spec.name}.{name} is a scalar")

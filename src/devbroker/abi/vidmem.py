@@ -2,8 +2,8 @@
 
 Sans-IO driver facts, shared by the emulated backend (what it charges the card) and the broker
 core (what it checks against a tenant's quota), so that the check and the charge are computed
-the same way (issue 13, item 2: they used to differ, and a 1-byte allocation with a 135 GiB
-alignment was checked as 1 byte and charged 135 GiB).
+the same way (computed apart, a 1-byte allocation with a 135 GiB alignment could be
+checked as 1 byte and charged 135 GiB).
 
 What the driver does (open-gpu-kernel-modules, r535/r580):
 
@@ -17,7 +17,7 @@ What the driver does (open-gpu-kernel-modules, r535/r580):
   places the offset, and only if it is a multiple or a divisor of the page size; otherwise the
   offset is page-aligned, or with `NVOS32_ALLOC_FLAGS_ALIGNMENT_FORCE` the call fails with
   NV_ERR_INVALID_ARGUMENT.
-* Measured on the H200 (issue 13): 2 MiB with a 64 GiB alignment is NV_OK and 2 MiB used.
+* Measured on the H200: 2 MiB with a 64 GiB alignment is NV_OK and 2 MiB used.
 
 What a tenant is charged is what the FB heap loses: :func:`charged_size`.
 """

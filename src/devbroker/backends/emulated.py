@@ -23,7 +23,7 @@ from devbroker.abi import status as nvs
 from devbroker.abi.nodes import NodeKind
 from devbroker.backends.base import DriverCall, DriverResult, NotHere, PciLocation
 from devbroker.backends import emulated_export  # noqa: F401  (registers its control handlers)
-from devbroker.backends import emulated_sched  # channel groups (issue 15): registers controls
+from devbroker.backends import emulated_sched  # channel groups: registers controls
 from devbroker.backends.emulated_ckpt import EmulatedCheckpointer
 from devbroker.backends.emulated_controls import CONTROL_HANDLERS, H200_FACTS
 from devbroker.backends.emulated_objects import EmuClient, EmuFile, EmuObject
@@ -115,8 +115,8 @@ class EmulatedBackend:
         self._object_ids = itertools.count(1)
         self.used = {g.index: 0 for g in self._gpus}
         # Indexes kept as objects come and go, so that no call's work grows with the clients
-        # and objects other tenants hold (issue 13 item 8: with 132k parked clients each
-        # GET_ID_INFO_V2 walked all of them for the in-use flag, ~26 ms a call).
+        # and objects other tenants hold (with 132k parked clients, a walk over all of them
+        # for GET_ID_INFO_V2's in-use flag cost ~26 ms a call).
         self._clients_of_file: dict[int, set[int]] = {}  # file id -> client handles
         self._devices_on: dict[int, int] = {}  # GPU -> device objects (GET_ID_INFO in-use)
         self._held: dict[int, dict[int, int]] = {}  # GPU -> {tgid: device memory bytes}
@@ -469,7 +469,7 @@ class EmulatedBackend:
         gpu = parent.gpu
         # As the driver (abi/vidmem.py): the size is rounded up to the page size it picks,
         # and the requested alignment only places the offset. Rounding the size up to the
-        # alignment charged 1 byte with a 135 GiB alignment as 135 GiB (issue 13).
+        # alignment charged 1 byte with a 135 GiB alignment as 135 GiB.
         page = vidmem.page_size(size, params.attr, params.attr2)
         if page is None:
             return nvs.NV_ERR_INVALID_ARGUMENT, None, 0, params

@@ -61,7 +61,7 @@ def get_probed_ids(backend, client, obj, p):
 def get_active_device_ids(backend, client, obj, p):
     """Every GPU of the host (the parameters are all output). Not from a trace: modelled on
     ctrl0000gpu.h, where a GPU not in MIG mode is listed with gpuInstanceId and
-    computeInstanceId NV0000_CTRL_GPU_INVALID_ID (issue 13 item 6: the broker filters it)."""
+    computeInstanceId NV0000_CTRL_GPU_INVALID_ID (the broker filters it)."""
     devs = list(p.devices)
     for i, g in enumerate(backend.gpus()[: len(devs)]):
         devs[i] = devs[i].replace(gpuId=g.gpu_id, gpuInstanceId=INVALID_GPU_ID,

@@ -1,4 +1,4 @@
-"""The emulated driver's object export through nvidiactl fds (issue 16), modelled on
+"""The emulated driver's object export through nvidiactl fds, modelled on
 cliresCtrlCmdOsUnix{ExportObjectsToFd,ImportObjectsFromFd,GetExportObjectInfo}_IMPL in
 NVIDIA's open kernel modules (src/nvidia/arch/nvalloc/unix/src/osapi.c, tag 580.x):
 

@@ -1,5 +1,5 @@
 """Channel groups in the emulated driver: allocation and the scheduling controls the broker's
-compute shares use (issue 15, broker/compute.py), answered as the 580 driver on a GSP GPU
+compute shares use (broker/compute.py), answered as the 580 driver on a GSP GPU
 (the H200) answers them. Sources, tag 580.142 (docs/compute-shares.md has the lines):
 
 - KEPLER_CHANNEL_GROUP_A (0xa06c) needs a device parent: kchangrpapiConstruct looks the

@@ -114,7 +114,7 @@ class RealGpu(PciLocation):
     gpu_id: int
     memory_bytes: int = 0
     # The driver's device instance (NV0080_ALLOC_PARAMETERS.deviceId): given at attach time,
-    # not the minor number. Seen on the two-H200 host: GPU minor 0 was instance 1 (issue 16).
+    # not the minor number. Seen on the two-H200 host: GPU minor 0 was instance 1.
     device_instance: int | None = None
 
 
@@ -422,7 +422,7 @@ class RelayProcess:
         return pidfd_getfd(pidfd, rfd)
 
     def ioctl_here(self, req: w.IoctlRequest) -> w.IoctlReply:
-        """A blocking ioctl from a front end's own thread (a FUSE reader, issue 14) on the
+        """A blocking ioctl from a front end's own thread (a FUSE reader) on the
         channel kept for them; NotHere when there is none or another thread is using it
         (the call then goes the trio way, aioctl)."""
         chan = self.thread_chan
@@ -768,7 +768,7 @@ class RealBackend:
             raise NotHere
         return _run_control_on(fd, hdr, params, header)
 
-    # -- the broker's own duplicates of relayed files (issue 14) ---------------------------
+    # -- the broker's own duplicates of relayed files --------------------------------------
     LOCAL_RELAYED = os.environ.get("DEVBROKER_RELAYED_LOCAL", "1") != "0"
 
     def _lend(self, file: RealFile) -> int | None:
@@ -873,7 +873,7 @@ class RealBackend:
         return self._relayed(dc, prep, rep)
 
     def _relay_here(self, file: RealFile, dc: DriverCall) -> DriverResult:
-        """A relayed call from a front end's thread (issue 14): the relay's channel for
+        """A relayed call from a front end's thread: the relay's channel for
         threads, blocking; NotHere (the trio way) when it is taken."""
         try:
             prep = prepare_ioctl(file, dc)

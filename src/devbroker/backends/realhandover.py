@@ -1,4 +1,4 @@
-"""Live upgrade of the real backend (issue 18): the relay process, its driver files and the
+"""Live upgrade of the real backend: the relay process, its driver files and the
 broker's own driver files pass to the successor; nothing is reopened.
 
 What the running broker's RealBackend holds, and how each piece passes:
@@ -233,7 +233,7 @@ def import_real(state: dict[str, Any], fds: list[int],
     relay = RelayProcess.__new__(RelayProcess)
     relay.proc = PidfdProcess(int(state["relay"]["pid"]), pidfd)
     relay.sync, relay.pool = chans[0], chans[1:]
-    # the channel kept for front-end threads' blocking calls (issue 14), the last one
+    # the channel kept for front-end threads' blocking calls, the last one
     relay.thread_chan = relay.pool.pop() if state["relay"].get("thread_chan") else None
     relay.idle = list(relay.pool)
     relay._free = None

@@ -222,7 +222,7 @@ class Relay:
     def serve(self, sock: socket.socket) -> None:
         dec = w.FrameDecoder()
         # One receive buffer for the channel's life: a fresh 1 MiB recv per request was
-        # mapped and unmapped each time (issue 14).
+        # mapped and unmapped each time.
         buf = bytearray(1 << 20)
         view = memoryview(buf)
         try:

@@ -202,7 +202,7 @@ def drop_driver_capabilities_for_thread() -> None:
     them (a seccomp listener thread): drop the capabilities the driver checks from this
     thread's effective **and** permitted sets, once, for the thread's life. The thread keeps
     the rest (CAP_SYS_PTRACE for pidfd_getfd and process_vm_readv, CAP_MKNOD for private
-    nodes). Saves two capset calls per executed ioctl (issue 14); checked with capget."""
+    nodes). Saves two capset calls per executed ioctl; checked with capget."""
     hdr = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
     data = (_CapData * 2)()
     if _libc.capget(ctypes.byref(hdr), data) != 0:
@@ -234,7 +234,7 @@ class PrivateNodes:
     The directory is a tmpfs of the broker's (device nodes need a mount without nodev),
     mode 0700. Each node is opened once: `open` takes a node made ahead of time for that
     host path (or makes one), opens it and hands it to `tidy`, which the front end calls
-    after it has answered the tenant (issue 12: mknod, unlink and the host node's stat cost
+    after it has answered the tenant (mknod, unlink and the host node's stat cost
     ~40 µs of a tenant's ~200 µs open on the development machine). `tidy` unlinks the
     opened nodes and makes `SPARE` new ones for each host path opened since, from a fresh
     stat of the host node (a node whose device number no longer matches is dropped unused).

@@ -1,5 +1,5 @@
 """Compute shares: each tenant's GPU time share and priority, enforced with the driver's own
-scheduling controls on the tenant's channel groups (issue 15; the driver facts behind every
+scheduling controls on the tenant's channel groups (the driver facts behind every
 number here, with the source lines they were read in: docs/compute-shares.md).
 
 The host scheduler runs each runlist round robin over its channel groups (TSGs, class

@@ -1,7 +1,7 @@
 """The continue lane: the broker's decision to let the kernel continue a call the driver binds
 to the calling process (UVM commands; the RM escapes RM_MAP_MEMORY, ALLOC/FREE_OS_EVENT,
 UNMAP_MEMORY, UPDATE_DEVICE_MAPPING_INFO), made in a few lookups on the argument's bytes
-instead of the general steps (issues 12 and 14). The sibling of the control lane
+instead of the general steps. The sibling of the control lane
 (fastlane.py), whose module docstring says what a lane may and may not do; `ContinueLane`
 says what this one checks. A decision that reads only client-handle fields
 (`settle_fields`) the seccomp native loop may repeat by itself while the books say nothing
@@ -67,7 +67,7 @@ class _ContinuePlan:
 
 
 class ContinueLane:
-    """The same idea for the calls the driver binds to the caller (issue 12): ~120 of a CUDA
+    """The same idea for the calls the driver binds to the caller: ~120 of a CUDA
     init's ioctls are UVM commands, and ~40 RM escapes (RM_MAP_MEMORY, the OS events,
     UNMAP, UPDATE_DEVICE_MAPPING_INFO), whose row lets the kernel continue them in the
     tenant once the broker has checked what they name. `admit` answers whether the general
@@ -185,7 +185,7 @@ class ContinueLane:
         (each must be an object the books hold on the tenant's GPUs: the loop asks for each
         an object fact on this file) and its one fd (-1, or one of the tenant's files: the
         loop asks for that file's file fact — a ctl or GPU file's mapping fact, an
-        nvidia-uvm file's own since the twentieth session; the OS events' fd and
+        nvidia-uvm file's own; the OS events' fd and
         UVM_MM_INITIALIZE's the same way) — so that the native loop may
         repeat it while the books name neither the file nor one of those clients and the
         policy stands (frontends/nativelane.py settle_continue, native/lane.c struct

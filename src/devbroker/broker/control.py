@@ -7,8 +7,8 @@ running policy stays in force.
 
 Who may ask what is decided per connection from the caller's kernel credentials
 (SO_PEERCRED, and its groups from /proc, pinned with a pidfd so a recycled pid cannot stand
-in for it), never from anything the caller says (issue 13: a root tenant reached another
-broker's socket and applied a policy there):
+in for it), never from anything the caller says (a root tenant that reaches another
+broker's socket must not be able to apply a policy there):
 
 * **admin** (every op): uid 0, or a uid/group the policy's `[control] admin_uids` /
   `admin_groups` names;

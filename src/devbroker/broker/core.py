@@ -164,7 +164,7 @@ class Broker:
         self.audit = audit or AuditLog()
         self.recorder = recorder
         # Every read and write of a tenant's memory goes through the gate: on a worker
-        # thread, with a deadline, so that no tenant's page can stall the broker (issue 13).
+        # thread, with a deadline, so that no tenant's page can stall the broker.
         self.memgate = MemoryGate(self.audit)
         # The common RM controls decided in a few lookups (fastlane.py; seccomp listeners).
         self.control_lane = ControlLane(self)
@@ -179,7 +179,7 @@ class Broker:
         self._squats: dict[str, int] = {}  # tenant -> root clients named in the driver's range
         self.policy: Policy | None = None
         self.on_policy_change: list[Callable[[Policy], None]] = []
-        compute.install(self)  # issue 15: a policy change re-sets running channel groups
+        compute.install(self)  # a policy change re-sets running channel groups
         # Starts a background task (the daemon's nursery.start_soon); None: no background
         # work (quota watch off). Set with set_spawner (it may be called from any thread).
         self.spawn: Callable | None = None
@@ -215,7 +215,7 @@ class Broker:
                 lost = set(old.gpus) - set(tp.gpus)
                 held = {g: n for g, n in old.used().items() if g in lost and n}
                 if lost:
-                    # Issue 13 item 4: from now on every call on the tenant's objects of
+                    # From now on every call on the tenant's objects of
                     # these GPUs is refused (except freeing them); say what is still held.
                     self.audit.write("notice", tenant=name, message=(
                         f"GPU(s) {sorted(lost)} revoked from tenant {name}: calls on its "
@@ -379,7 +379,7 @@ class Broker:
 
     # ------------------------------------------------------------------ open
     async def open(self, req: OpenRequest) -> OpenReply:
-        await limits.take(self.tenants.get(req.tenant))  # opens are paced (issue 13 item 8)
+        await limits.take(self.tenants.get(req.tenant))  # opens are paced like ioctls
         return self.open_now(req)
 
     @_locked
@@ -478,9 +478,9 @@ class Broker:
             return MapReadReply(errno=errno.EBADF)
         if not self._same_sandbox(s, req.caller):
             return MapReadReply(errno=errno.EACCES)
-        await limits.take(s.tenant)  # page reads are paced like ioctls (issue 13 item 8)
+        await limits.take(s.tenant)  # page reads are paced like ioctls
         if s.node is NodeKind.GPU and s.minor not in s.tenant.gpus:
-            # Issue 13 item 4: no more pages of a revoked GPU (its memory can still be freed).
+            # No more pages of a revoked GPU (its memory can still be freed).
             self._deny(s, f"mmap read nvidia{s.minor}", f"GPU {s.minor} was revoked from "
                        f"tenant {s.tenant.name} by a policy change")
             return MapReadReply(errno=errno.EACCES)
@@ -550,7 +550,7 @@ class Broker:
             # Preempted: its calls wait until it runs again (the driver's lock, modelled)
             yield from preemption.hold_steps(self, tenant)
         if s.node is NodeKind.GPU and s.minor not in tenant.gpus:
-            # Issue 13 item 4: a GPU node opened before a policy change took the GPU away.
+            # A GPU node opened before a policy change took the GPU away.
             # New opens are refused by rules.check_open; an open file must not outlive it.
             self._deny(s, f"ioctl {req.cmd:#x}", f"GPU {s.minor} was revoked from tenant "
                        f"{tenant.name} by a policy change")
@@ -831,7 +831,7 @@ class Broker:
         return first
 
     def _refuse_revoked(self, s: Session, gpu: int | None, where: str) -> None:
-        """Issue 13 item 4: a policy change that takes a GPU from a tenant must take it for
+        """A policy change that takes a GPU from a tenant must take it for
         the objects the tenant already holds there too, or a device allocated before the
         change keeps allocating memory and answering controls. Every call that acts on an
         object of a GPU no longer in the tenant's policy is refused (RM_FREE is not: the
@@ -956,7 +956,7 @@ class Broker:
                 "clients": len(t.clients),
                 "objects": sum(len(c.objects) for c in t.clients.values()),
                 "memory": {str(g): {"used": used.get(g, 0), "quota": t.quota(g)} for g in t.gpus},
-                # Issue 13 item 4: memory still held on GPUs a policy change took away (the
+                # Memory still held on GPUs a policy change took away (the
                 # tenant can only free it): shown until it is freed, so the operator sees it.
                 "revoked_memory": {str(g): n for g, n in sorted(used.items())
                                    if g not in t.gpus and n},
@@ -965,7 +965,7 @@ class Broker:
                 # accesses to the tenant's memory stuck in the kernel past their deadline
                 "memory_stalled": self.memgate.stalled.get(t.name, 0),
                 "rate_limited": t.limiter.waited,
-                **compute.tenant_status(self, t),  # issue 15: share, priority, groups
+                **compute.tenant_status(self, t),  # share, priority, groups
                 "preemptible": t.policy.preemptible,
                 "preempted": self.preemption.state_of(t.name),  # None: running
             })

@@ -1,6 +1,6 @@
 """The broker core as steps: decisions in plain code, every wait named as an effect.
 
-Why (issues 12 and 14): the same decision code must run in two places. On the trio thread it
+Why: the same decision code must run in two places. On the trio thread it
 serves the FUSE, CUSE and kernel-module front ends, where tenant memory is read through the
 memory gate and the relay is awaited. On a seccomp listener's own thread it serves a CUDA
 tenant, where a trio round trip per ioctl (~100 µs, measured) would cost more than the call
@@ -212,7 +212,7 @@ class _LockedWith:
 def locked(steps: Steps, around: Callable[[], Any] | None = None) -> Steps:
     """The same steps, their own code run under STATE_LOCK (released at each effect), and
     inside around() too when given (the call counters' marker: one wrapper layer instead of
-    two, as each layer costs every effect a generator hop, issue 14)."""
+    two, as each layer costs every effect a generator hop)."""
     if around is None:
         return around_each_step(steps, lambda: STATE_LOCK)
     return around_each_step(steps, lambda: _LockedWith(around()))

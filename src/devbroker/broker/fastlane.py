@@ -1,6 +1,6 @@
 """The control lane: the broker's decision for the most common CUDA/NVML calls — RM
 controls, and RM allocations of the classes that need no more — made in a few dictionary
-lookups instead of the general steps (issues 12 and 14).
+lookups instead of the general steps.
 
 Most of what CUDA and NVML send is NV_ESC_RM_CONTROL with a control whose row changes
 nothing and whose parameter block holds nothing the broker looks at (`rules.simple_control`:
@@ -22,7 +22,7 @@ parameters, an empty token bucket — is `None`: the front end sends the call do
 general path, which makes every refusal with its audit record. So the lane can only ever
 allow what the general path allows, and never refuses anything itself.
 
-*Checked* controls (issue 14: NVML's GPU-id controls cost 150–330 µs each on the H200 down
+*Checked* controls (NVML's GPU-id controls cost 150–330 µs each on the H200 down
 the general path): a control whose parameters name client handles, GPU ids or pointers, or
 whose row has a pre-hook, is admitted on its header and then `ControlLane.check`ed on the
 front end's private copy of its parameters before the driver call — the same tests, in
@@ -31,7 +31,7 @@ which may rewrite the copy, every GPU id the tenant's), every pointer NULL (so t
 touches no memory but the copy; a buffer behind one goes the general way, which copies
 it), and the rate token last. A failed check is `False`: the general way again.
 
-*Allocations* (the allocation lane, issue 12: a CUDA init's RM_ALLOCs cost ~330–520 µs
+*Allocations* (the allocation lane: a CUDA init's RM_ALLOCs cost ~330–520 µs
 each over the driver down the general path on the H200, ~60 ms of its ~140 ms extra): an
 NV_ESC_RM_ALLOC (NVOS64 or NVOS21 header) is admitted on its header the same way —
 `ControlLane._admit_alloc` checks what handlers.rm_alloc checks before the driver call: the

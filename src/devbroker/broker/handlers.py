@@ -164,7 +164,7 @@ def rm_control(ctx: CallContext) -> Steps:
     params = None
     # Most of what CUDA sends is a control whose row changes nothing and whose layout holds
     # nothing the broker checks: those pass through as the bytes read, decoded by nobody but
-    # the driver (issue 14; rules.reads_params, the same test as rules.simple_control).
+    # the driver (rules.reads_params, the same test as rules.simple_control).
     if nested is not None and ref.spec is not None and ctx.rules.reads_params(ctl_rule, ref.spec):
         params = ref.spec.decode(nested)
         b._check_clients(s, params, where=where)
@@ -174,7 +174,7 @@ def rm_control(ctx: CallContext) -> Steps:
                 params)
             nested = params.encode()
         # Every GPU id the parameters name must be one of the tenant's (by the ABI's
-        # fields, for every control: issue 13 item 6).
+        # fields, for every control).
         rewrite.require_own_gpu_ids(b, s, abi, v.cmd, params)
     if ctl_rule.run is not None:  # the row executes it itself (fds in its parameters)
         return (yield from ctl_rule.run(ctx, ControlCall(client, params, ref, where)))
@@ -208,7 +208,7 @@ def rm_alloc(ctx: CallContext) -> Steps:
                           status=nvstatus.NV_ERR_INVALID_ARGUMENT, what=where)
         owner = b.clients.owner(v.hObjectNew) if v.hObjectNew else None
         if owner is not None and owner != s.tenant.name:
-            # Issue 13 item 7: another tenant's client handle. The driver keeps client
+            # Another tenant's client handle. The driver keeps client
             # handles host-wide, so it cannot be given out; the answer is exactly the
             # driver's answer to a duplicate of the caller's own handle (which goes to
             # the driver: the same NV_ERR_INSERT_DUPLICATE_NAME in the status, the rest
@@ -285,8 +285,8 @@ def rm_alloc(ctx: CallContext) -> Steps:
                           status=nvstatus.NV_ERR_INVALID_ARGUMENT, what=where)
     memory = cls_rule.charge
     # The quota is checked on what the driver will take from the card: the size rounded
-    # up to its page size. The requested alignment only places the allocation (issue 13:
-    # checking the size but charging size-rounded-to-alignment let 1 byte with a 135 GiB
+    # up to its page size. The requested alignment only places the allocation
+    # (checking the size but charging size-rounded-to-alignment would let 1 byte with a 135 GiB
     # alignment pass a 256 MiB quota and then hold 135 GiB).
     charge = _alloc_charge(params) if memory else 0
     if memory and params is not None and int(params.size) > 0 and not charge:
@@ -321,7 +321,7 @@ def rm_alloc(ctx: CallContext) -> Steps:
         client.add(out.hObjectNew, cls, v.hObjectParent, gpu=gpu, charged=charge)
         if out_params:
             yield from b._mem_write(s, req, ref.ptr, result.nested)
-        if cls_rule.after is not None:  # e.g. a channel group's compute share (issue 15)
+        if cls_rule.after is not None:  # e.g. a channel group's compute share
             yield from cls_rule.after(ctx, AllocCall(cls, client, v.hRoot, params, where),
                                       out.hObjectNew, gpu)
     return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
@@ -483,7 +483,7 @@ def rm_dup(ctx: CallContext) -> Steps:
 
 # Controls whose parameters name one of the caller's nvidiactl files by fd (`fd`): objects
 # exported into that file's slots and imported from them by another process of the tenant
-# (cuMemExportToShareableHandle with POSIX fds: NCCL, CUDA IPC; issue 16). The driver looks the
+# (cuMemExportToShareableHandle with POSIX fds: NCCL, CUDA IPC). The driver looks the
 # fd up in the calling process (nv_get_file_private), so the broker passes its own duplicate.
 EXPORT_OBJECTS_TO_FD = 0x3D0B  # NV0000_CTRL_CMD_OS_UNIX_EXPORT_OBJECTS_TO_FD
 IMPORT_OBJECTS_FROM_FD = 0x3D0C  # NV0000_CTRL_CMD_OS_UNIX_IMPORT_OBJECTS_FROM_FD

@@ -327,7 +327,7 @@ def import_broker(broker, state: dict[str, Any], files: dict[int, Any]) -> None:
             broker.clients.add(*made[h])
     for td in state["tenants"]:
         _link_shares(td.get("shares", []), broker.tenants[td["key"]].clients)
-    # The three records of who holds what must agree (they were kept apart before issue 11).
+    # The three records of who holds what must agree.
     owners = {int(h): t for h, t in state["client_owner"]}
     if dict(broker.clients.owners()) != owners or any(
             set(sd["clients"]) != broker.clients.of_session(sd["id"])

@@ -1,4 +1,4 @@
-"""Per-tenant limits on what a tenant can make the broker do (issue 13 item 8).
+"""Per-tenant limits on what a tenant can make the broker do.
 
 Two kinds, both per tenant and both from the policy (`rate_limit`, `limits`; docs/policy.md):
 
@@ -140,7 +140,7 @@ def front_end_open_refusal(broker: Any, tenant: str | None, held: int, *, pid: i
     return True
 
 
-# ------------------------------------------------------------------ fair queuing (issue 14)
+# ------------------------------------------------------------------ fair queuing
 class FairQueue:
     """Requests read but not yet served, served round-robin between tenants.
 

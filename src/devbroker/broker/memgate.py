@@ -1,6 +1,6 @@
 """Tenant memory is touched only from worker threads, and only for a bounded time.
 
-Why (issue 13, item 1): a tenant's pointer can lead into a page whose fault the kernel cannot
+Why: a tenant's pointer can lead into a page whose fault the kernel cannot
 complete on its own — a page the tenant mapped from the broker's own FUSE mount (the fault
 becomes a FUSE READ that only the broker can answer), a userfaultfd range nobody serves, a
 file on a FUSE server the tenant runs. ``process_vm_readv``/``writev`` then sleeps, often
@@ -190,7 +190,7 @@ class MemoryGate:
 
     # -- accesses made on a thread of their own (seccomp listener threads) -------------
     # A listener thread serves one tenant's process tree only, so it may touch that
-    # tenant's memory itself (no hand-off: issue 14). What the worker above gives by its
+    # tenant's memory itself (no hand-off). What the worker above gives by its
     # deadline, such a thread gets from its listener's watchdog: sweep() finds accesses
     # past the deadline, counts them as stalled (the same stall limit), and the watchdog
     # answers the tenant's call with EFAULT and starts another thread for the tenant.

@@ -143,7 +143,7 @@ class RmClient:
 
     Running totals (`charged`: bytes per GPU, `devices`: device objects per GPU) are kept
     as objects come and go, so that the quota check and GET_ID_INFO's in-use flag cost
-    O(1) per client instead of a walk over every object (issue 13 item 8)."""
+    O(1) per client instead of a walk over every object."""
 
     handle: int
     session: int  # the ctl-file session that owns it (the driver frees it with that file)
@@ -261,7 +261,7 @@ def drop_objects(objects) -> None:
 
 class ClientRegistry:
     """Every root client the broker knows of, with its tenant and the ctl-file session it
-    came through: the only place clients are added and removed (issue 11).
+    came through: the only place clients are added and removed.
 
     The tenant's view (TenantState.clients: handle -> RmClient, read on every call) is a
     dict this registry alone writes; the owner of a handle and the clients of a session are

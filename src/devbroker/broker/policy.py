@@ -639,8 +639,8 @@ class _Loader:
         for key in ("gpus", "memory_quota"):
             if key not in t:
                 self.fail(path, f"tenant {name!r} needs {key!r}")
-        # gpus = [] is a tenant that may run NVIDIA clients but sees no GPU (issue 7 checks
-        # that such a tenant gets "no devices" and cannot open a GPU node).
+        # gpus = [] is a tenant that may run NVIDIA clients but sees no GPU:
+        # it gets "no devices" and cannot open a GPU node.
         gpus = self.int_list(t["gpus"], path + ("gpus",), "gpus")
         by_index = {g.index: g for g in broker.gpus}
         if broker.gpus:

@@ -61,7 +61,7 @@ def stat_nosync(path: str = "", fd: int = _AT_FDCWD) -> Stat:
     """stat(2) of a tenant's file (a path such as /proc/<tid>/fd/<n>, or an fd of the
     broker's with no path) that never asks a file system's server: with
     AT_STATX_DONT_SYNC, FUSE (and NFS, 9p) answer from the attributes they have. A plain
-    stat of a file on a FUSE server the tenant runs would wait for that server (issue 13).
+    stat of a file on a FUSE server the tenant runs would wait for that server.
     Device, inode, mode and rdev never change, so cached ones are right."""
     st = _Statx()
     flags = _AT_STATX_DONT_SYNC | (0 if path else _AT_EMPTY_PATH)

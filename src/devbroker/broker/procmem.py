@@ -66,7 +66,7 @@ def _transfer(fn, pid: int, addr: int, buf, n: int) -> None:
 class _ThreadBuffers(threading.local):
     """Each thread's own staging buffer and I/O vectors, built once: the hot path's
     transfers (an ioctl header, a control's parameter block, their write-back) are small,
-    and building ctypes objects per transfer cost more than the system call (issue 14)."""
+    and building ctypes objects per transfer cost more than the system call."""
 
     SIZE = 64 << 10
 

@@ -1,4 +1,4 @@
-"""The quota watch: device memory a tenant got past the broker's books (issue 12).
+"""The quota watch: device memory a tenant got past the broker's books.
 
 A few calls run in the tenant's own kernel context after the broker decided them (an
 OS-descriptor or system-memory allocation, NVOS02: the driver binds it to the calling

@@ -54,7 +54,7 @@ def card_info(ctx, value):
     """NV_ESC_CARD_INFO: entries of GPUs that are not the tenant's read as empty slots.
 
     On the table's bytes (32 entries of 64 bytes; decoding each into values cost ~130 µs per
-    call, NVML sends it twice per init: issue 14)."""
+    call, and NVML sends it twice per init)."""
     gpus = ctx.session.tenant.gpus
     f = value.spec.by_name["entries"]
     e = f.elem.by_name
@@ -79,7 +79,7 @@ def restrict_attach_ids(ctx, params):
     broker, s = ctx.broker, ctx.session
     mine = tenant_gpu_ids(broker, s)
     ids = list(params.gpuIds)
-    # [emulator engineer, issue 4] The driver reads the list only up to the first
+    # The driver reads the list only up to the first
     # INVALID_GPU_ID (client_resource.c, cliresCtrlCmdGpuAttachIds/DetachIds); NVML 535
     # leaves the entries after it uninitialised (zeros), which must not be judged.
     if INVALID_GPU_ID in ids:
@@ -121,7 +121,7 @@ def id_list_check(spec) -> IdListCheck | None:
 def pid_info_to_host(ctx, params):
     """GET_PID_INFO names pids: the tenant's own processes only.
 
-    [emulator engineer, issue 4] The pids come from GET_PIDS, which hands them out in the
+    The pids come from GET_PIDS, which hands them out in the
     caller's pid namespace (gpu_pids below): translate them back to the broker's numbering
     here (and forward again in pid_info_to_tenant), else NVML's process list is refused."""
     s = ctx.session
@@ -138,7 +138,7 @@ def pid_info_to_host(ctx, params):
 
 
 def _tenant_pids_in_callers_ns(s) -> dict[int, int]:
-    """[emulator engineer, issue 4] The tenant's processes that live in the caller's pid
+    """The tenant's processes that live in the caller's pid
     namespace, as {broker pid: pid in that namespace}. Processes of another `devbroker
     exec` (another pid namespace) are not visible to the caller, as with containers."""
     caller_ns = pid_namespace(s.caller.pid)
@@ -158,7 +158,7 @@ def _pids_named(params) -> list[int]:
 
 
 # --------------------------------------------------------------------------- GPU ids
-# Issue 13 item 6: which parameters name a GPU is decided here, once, from the ABI's field
+# Which parameters name a GPU is decided here, once, from the ABI's field
 # names, for every control (not by a hook per control: 0x13a, 0x288 and 0x289 passed other
 # GPUs' ids while GET_PCI_INFO refused them). A field holds a GPU id when its ABI name is
 # one of these (scalar or array, at any depth of nested structs):
@@ -187,7 +187,7 @@ GPU_IDS_ANSWERED = frozenset({
 def _names_gpu_ids(spec) -> bool:
     """Whether a struct layout has a GPU-id field at any depth: a fact of the layout,
     computed once per layout, so that most controls (FB_GET_INFO_V2's 128 entries, say)
-    are not walked at all (issue 14)."""
+    are not walked at all."""
     known = _GPU_ID_LAYOUTS.get(spec)
     if known is None:
         known = _GPU_ID_LAYOUTS[spec] = any(
@@ -200,7 +200,7 @@ _GPU_ID_LAYOUTS: dict = {}  # StructSpec (hashed by identity) -> bool
 
 def gpu_ids_named(params, prefix: str = "") -> list[tuple[str, int]]:
     """(field path, id) of every GPU id the parameters name, by the rules above.
-    A pure function of the decoded value (tests/test_isolation_13.py checks it over every
+    A pure function of the decoded value (tests/test_tenant_isolation.py checks it over every
     allowed control of every ABI)."""
     out: list[tuple[str, int]] = []
     if not _names_gpu_ids(params.spec):
@@ -247,7 +247,7 @@ def require_own_gpu_ids(broker, s, abi, cmd: int, params) -> None:
 
 
 # GET_ID_INFO, GET_ID_INFO_V2, GET_PCI_INFO, QUERY_DRAIN_STATE, P2P_CAPS(_MATRIX), ASYNC_ATTACH
-# and the rest need no pre-hook: require_own_gpu_ids covers every control (issue 13 item 6).
+# and the rest need no pre-hook: require_own_gpu_ids covers every control.
 
 # Pre-hooks that can also be given as data (IdListCheck) whose values are the tenant's GPU
 # ids: hook -> fn(params spec) -> IdListCheck | None.
@@ -421,7 +421,7 @@ _FB_PATCHES: dict[tuple, TablePatch] = {}
 def fb_info(ctx, out):
     # Only the entries the caller asked for (fbInfoListSize, bounded by the array): the
     # driver leaves the rest as sent. Patched in the block's bytes (one control NVML and
-    # CUDA send often: no value per entry, issue 14).
+    # CUDA send often: no value per entry).
     patch = fb_info_patch(ctx.session, ctx.gpu, out.spec)
     if patch is None:
         return out
@@ -448,8 +448,8 @@ def gpu_pids(ctx, out):
                        if any(o.gpu == ctx.gpu for o in c.objects.values())})
     else:
         kept = [p for p in list(out.pidTbl)[:count] if p in mine]
-    # [emulator engineer, issue 4] only processes in the caller's pid namespace, numbered
-    # as the caller sees them (was: every tenant process, by its innermost NSpid).
+    # Only processes in the caller's pid namespace, numbered as the caller sees them:
+    # another pid namespace's processes are not visible to the caller, as with containers.
     view = _tenant_pids_in_callers_ns(s)
     kept = [view[p] for p in kept if p in view]
     table = kept + [0] * (len(out.pidTbl) - len(kept))
@@ -457,7 +457,7 @@ def gpu_pids(ctx, out):
 
 
 def pid_info_to_tenant(ctx, out):
-    """[emulator engineer, issue 4] GET_PID_INFO's answer names the pids the pre-hook
+    """GET_PID_INFO's answer names the pids the pre-hook
     translated: give them back in the caller's numbering."""
     s = ctx.session
     view = _tenant_pids_in_callers_ns(s)
@@ -469,7 +469,7 @@ def pid_info_to_tenant(ctx, out):
 
 
 def active_device_ids(ctx, out):
-    """GET_ACTIVE_DEVICE_IDS (issue 13 item 6): only the tenant's GPUs are listed."""
+    """GET_ACTIVE_DEVICE_IDS: only the tenant's GPUs are listed."""
     broker, s = ctx.broker, ctx.session
     mine = tenant_gpu_ids(broker, s)
     n = out.numDevices
@@ -481,7 +481,7 @@ def active_device_ids(ctx, out):
 
 # NV0000_CTRL_GPU_ID_INFO_IN_USE (bit 0 of gpuFlags): the driver sets it when any client on
 # the host holds a device object of the GPU. On a shared GPU that tells a tenant whether
-# another tenant is using it (issue 13 item 7): it is rewritten to what the tenant alone
+# another tenant is using it: it is rewritten to what the tenant alone
 # would see, i.e. whether the tenant itself holds a device object of that GPU.
 GPU_ID_INFO_IN_USE = 0x1
 
@@ -538,7 +538,7 @@ AS_ID_FLAG = {id_info_in_use: id_info_flag}
 
 def nvlink_caps(ctx, out):
     """NVLINK_GET_NVLINK_CAPS for a tenant that does not have every GPU of the host: no
-    NVLink at all. Seen on the two-H200 host (issue 16): with the links shown, NVML and CUDA
+    NVLink at all. Seen on the two-H200 host: with the links shown, NVML and CUDA
     in a one-GPU tenant went on to open the peer across them (a device object on a GPU that
     is not the tenant's: refused) and failed to start. A tenant with all the GPUs sees the
     driver's answer."""

@@ -187,7 +187,7 @@ ESCAPES: dict[str, EscapeRule] = {
                                                  race=_OWN_OBJECTS),
     "NV_ESC_RM_DUP_OBJECT": Rule("compute", "duplicates an object of one of the tenant's "
                                  "clients into another of its clients (CUDA IPC and peer "
-                                 "mappings between the tenant's own processes, issue 16): both "
+                                 "mappings between the tenant's own processes): both "
                                  "clients, the source object and the new parent must be the "
                                  "tenant's; device memory keeps its charge until its last handle "
                                  "is freed", handler=handlers.rm_dup),
@@ -201,7 +201,7 @@ ESCAPES: dict[str, EscapeRule] = {
                                      handler=handlers.attach_gpus,
                                      nodes=frozenset({NodeKind.CTL})),
     # CUDA's legacy IPC (cudaIpcGetMemHandle, torch.multiprocessing) shares the memory
-    # before another process duplicates it (two-H200 run, issue 16).
+    # before another process duplicates it (seen on the two-H200 host).
     "NV_ESC_RM_SHARE": Rule("compute", "sets the share policy of one of the tenant's own "
                             "objects (client and object checked to be its own), kept inside "
                             "the tenant (broker/shares.py): a grant to every client or every "
@@ -421,13 +421,13 @@ CLASSES: dict[int, ClassRule] = {
     0xC661: ClassRule("compute", "usermode doorbell page (write-only)"),
     0x2081: ClassRule("compute", "NV2081 BINAPI object CUDA uses for its own context"),
     0x503C: ClassRule("compute", "third-party P2P object on the tenant's own subdevice"),
-    # NCCL's peer mappings between the two GPUs of one tenant (two-H200 host, issue 16).
+    # NCCL's peer mappings between the two GPUs of one tenant (seen on the two-H200 host).
     0x503B: ClassRule("compute", "NV50_P2P: a peer link between two subdevices; the driver "
                       "looks hSubDevice and hPeerSubDevice up in the allocating client, "
                       "which holds subdevices of the tenant's own GPUs only (device objects "
                       "are checked against its GPUs), so both ends are the tenant's"),
     # Seen on the two-H200 host (NVLink): CUDA maps each large allocation into the fabric
-    # address space (issue 16); refused, every cudaMalloc above ~2 GiB failed there.
+    # address space; refused, every cudaMalloc above ~2 GiB failed there.
     0xF8: ClassRule("compute", "NV_MEMORY_FABRIC: a fabric (FLA) address range over the "
                     "tenant's own physical memory: the driver takes map.hVidMem from the same "
                     "client and device (or none, for a flexible range); it holds no video "
@@ -458,7 +458,7 @@ REFUSED_CLASSES: dict[int, str] = {
     0x3F: "physical system memory",
     0x42: "privileged local memory",
     0xFD: "fabric memory (cross-node; not accounted)",
-    # issue 4: objects nvidia-smi allocates that a tenant must not get.
+    # Objects nvidia-smi allocates that a tenant must not get.
     0x208F: "NV20_SUBDEVICE_DIAG: diagnostics object whose controls access registers",
     0x73: "NV04_DISPLAY_COMMON: display object; no display is shared with tenants",
     0x90E7: "GF100_SUBDEVICE_INFOROM: inforom object (its controls include inforom writes)",
@@ -582,7 +582,7 @@ CONTROLS: dict[int, ControlRule] = {
     0xDE0001: _nvml("diagnostics object read-only query"),
     # Read-only queries nvidia-smi 535 sends (nvidia-smi, -q, --query-gpu); the emulator
     # answers what it models and NV_ERR_NOT_SUPPORTED (shown as N/A) for the rest. Refusing
-    # them instead would make nvidia-smi print ERR! (issue 4, docs/emulator.md).
+    # them instead would make nvidia-smi print ERR! (docs/emulator.md).
     0x800288: _nvml("software state persistence query (read-only)"),
     0x2080013F: _nvml("OEM board info: part/serial numbers of the tenant's own GPU "
                       "(read-only)"),
@@ -598,7 +598,7 @@ CONTROLS: dict[int, ControlRule] = {
     0x20802609: _nvml("power-management module info of the tenant's own GPU (read-only)"),
     0x20803401: _nvml("volatile ECC counts of the tenant's own GPU (read-only; ECC config stays "
                       "refused)"),
-    # issue 4: the rest of nvidia-smi's read-only queries (535 here, 580 on the H200); each
+    # The rest of nvidia-smi's read-only queries (535 here, 580 on the H200); each
     # reads a fact of the tenant's own GPU object and carries no handle, pointer or GPU id.
     0x2080014B: _nvml("inforom object version of the tenant's own GPU (read-only)"),
     0x20800156: _nvml("inforom image version of the tenant's own GPU (read-only)"),
@@ -613,7 +613,7 @@ CONTROLS: dict[int, ControlRule] = {
                       "relays to)"),
     # Unpublished (GSP) queries nvidia-smi sends for clocks/thermal/power/perf; their layout is
     # in no open header, so they carry no handle the broker could check: with the real
-    # backend they need a look before they are relayed (lead: see the issue-4 report).
+    # backend each needs its layout checked before it is relayed.
     0x20808161: _nvml(_GSP_QUERY),
     0x2080852A: _nvml(_GSP_QUERY),
     0x2080852E: _nvml(_GSP_QUERY),
@@ -624,8 +624,8 @@ CONTROLS: dict[int, ControlRule] = {
     0x2080A06E: _nvml(_GSP_QUERY),
     0x2080A0A7: _nvml(_GSP_QUERY),
     # NVML's nvmlDeviceGetUtilizationRates sent it on the H200 when the polled user-shared
-    # page (0xde, REQUEST_DATA_POLL) did not answer in time, i.e. under load (issue 51 item
-    # 12: refused, the tenant's NVML died with NoPermission). No header names it; the kernel
+    # page (0xde, REQUEST_DATA_POLL) did not answer in time, i.e. under load (when
+    # refused, the tenant's NVML died with NoPermission). No header names it; the kernel
     # forwards every number of a LEGACY_NON_PRIVILEGED category to GSP as one flat block
     # (rmapi_gss_legacy_control.c RmGssLegacyRpcCmd, tag 580.142, lines 38-127: paramsSize
     # bytes copied in, the object looked up in the caller's own client, the block handed to
@@ -667,11 +667,11 @@ CONTROLS[0xD04] = _compute("NV0000_CTRL_CMD_CLIENT_SET_INHERITED_SHARE_POLICY: t
                            "policy the tenant's client gives its later objects; only policies "
                            "that grant nothing beyond the calling process (PID, REQUIRE, "
                            "REVOKE, the tenant's own clients)", pre=shares.inherited_policy)
-# GET_ACTIVE_DEVICE_IDS (issue 13 item 6): only the tenant's GPUs are listed.
+# GET_ACTIVE_DEVICE_IDS: only the tenant's GPUs are listed.
 CONTROLS[0x288] = _compute(_CUDA_TRACE, post=rewrite.active_device_ids)
 CONTROLS[0x83DE0309] = ControlRule("compute", "which SM exceptions the tenant's own context "
                                    "reports (its own debugger object)")
-# Seen from NCCL/torch.distributed across two GPUs on the two-H200 host (issue 16).
+# Seen from NCCL/torch.distributed across two GPUs on the two-H200 host.
 CONTROLS[0x12B] = ControlRule("compute", "NV0000_CTRL_CMD_SYSTEM_GET_P2P_CAPS_V2: peer "
                               "capabilities between GPU ids the caller names; every id in "
                               "gpuIds[gpuCount] must be one of the tenant's GPUs (checked by "
@@ -690,7 +690,7 @@ CONTROLS[0xA06F0103] = ControlRule("compute", "NVA06F_CTRL_CMD_GPFIFO_SCHEDULE: 
 CONTROLS[0xA06C0105] = ControlRule("compute", "NVA06C_CTRL_CMD_PREEMPT: preempts the tenant's "
                                    "own channel group (the object is checked to be the "
                                    "tenant's)")
-# Compute shares (issue 15, broker/compute.py): a channel group's scheduling values are the
+# Compute shares (broker/compute.py): a channel group's scheduling values are the
 # policy's; the broker sets them on every new group (CLASSES[0xA06C].after) and rewrites the
 # tenant's own attempts, on its private copy of the parameters.
 CONTROLS[0xA06C0103] = _compute("NVA06C_CTRL_CMD_SET_TIMESLICE on the tenant's own channel "
@@ -713,7 +713,7 @@ CONTROLS[0x410110] = ControlRule("compute", "NV0041_CTRL_CMD_GET_SURFACE_INFO: a
                                  "object (CUDA asks it of memory NCCL imported); the list is "
                                  "copied in and out by the broker like the driver does")
 # Object export through an fd (cuMemExportToShareableHandle with POSIX fds: NCCL and CUDA
-# IPC between the tenant's processes, issue 16): handlers.object_fd_control.
+# IPC between the tenant's processes): handlers.object_fd_control.
 _FD_EXPORT = ("; the fd must be one of the tenant's own nvidiactl files (the broker passes "
               "the driver its duplicate), so exported slots hold only the tenant's objects and "
               "only its processes import them; a filled slot keeps the object's charge until "
@@ -740,7 +740,7 @@ REFUSED_CONTROLS: dict[int, str] = {
     0x20800604: "I2C access", 0x208F0703: "register access",
     0x20800174: "MIG partitioning", 0xC6370101: "MIG partitioning",
     0xC6370102: "MIG partitioning",
-    # issue 4: queries nvidia-smi/NVML send that a tenant must not get (nvidia-smi then shows
+    # Queries nvidia-smi/NVML send that a tenant must not get (nvidia-smi then shows
     # "Insufficient Permissions" for that field: correct, see docs/emulator.md).
     0x127: "P2P caps between GPU ids the caller names (not restricted to the tenant's) with "
            "an embedded busPeerIds pointer whose size (gpuCount squared) the ABI cannot express",
@@ -758,7 +758,7 @@ REFUSED_CONTROLS: dict[int, str] = {
     0x2080A087: "unpublished (no header names it): layout unknown, may hide handles/pointers",
     0x2080A618: "unpublished (no header names it): layout unknown, may hide handles/pointers",
     0x2080852F: "unpublished (no header names it): layout unknown, may hide handles/pointers",
-    # Issue 15: scheduling controls a tenant could use to take more than its compute share
+    # Scheduling controls a tenant could use to take more than its compute share
     # (docs/compute-shares.md).
     0xA06C0110: "MAKE_REALTIME puts a channel group ahead of every other tenant's (realtime "
                 "TSGs precede all others and make them preemptible)",
@@ -956,5 +956,5 @@ _EMBEDDED: dict = {}
 def reads_params(rule: ControlRule, spec) -> bool:
     """Whether the full path (handlers.rm_control) must decode a control's parameters: its
     row changes something (hooks, answer, run, charge) or its layout holds something the
-    broker checks. The others pass through as the bytes read (issue 14)."""
+    broker checks. The others pass through as the bytes read: decoding them would only cost time."""
     return not rule.simple or not plain_layout(spec)

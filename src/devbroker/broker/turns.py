@@ -1,4 +1,4 @@
-"""Compute turns: weighted GPU shares by taking turns (issue 15), `[broker] compute_turns_ms`.
+"""Compute turns: weighted GPU shares by taking turns, `[broker] compute_turns_ms`.
 
 Why: time-slicing (compute.py) shares an engine through the driver's timeslices, and a
 channel group that runs out of work before its slice ends gives the engine up early: two

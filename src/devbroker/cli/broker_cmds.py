@@ -253,8 +253,8 @@ def cmd_exec(args) -> int:
 def _tenant_ids(args, binds=()) -> tuple[int, int | None]:
     """Who the command runs as: --uid, else the user who ran `sudo devbroker exec`, else the
     owner of the directories bound writable (`--bind DIR:DIR:rw` as root: the command is
-    there to write into DIR), else nobody — never root unless asked (issue 13: a root tenant
-    owned the host). A writable bind that only root may write refuses to start, naming
+    there to write into DIR), else nobody — never root unless asked (a root tenant
+    can take over the host). A writable bind that only root may write refuses to start, naming
     --uid, rather than run a command that fails at its first write."""
     if args.uid is not None:
         return args.uid, args.gid
@@ -321,7 +321,7 @@ def cmd_status(args) -> int:
     for t in snap["tenants"]:
         mem = ", ".join(f"gpu{g}: {_human(m['used'])} / {_human(m['quota'])}"
                         for g, m in t["memory"].items()) or "-"
-        # Memory still held on a GPU a policy change took away (issue 13 item 4).
+        # Memory still held on a GPU a policy change took away.
         revoked = ", ".join(f"gpu{g}: {_human(n)} REVOKED"
                             for g, n in t.get("revoked_memory", {}).items())
         mem = f"{mem}, {revoked}" if revoked else mem
@@ -349,7 +349,7 @@ def cmd_status(args) -> int:
 
 
 def _share(t: dict) -> str:
-    """Issue 15: each GPU's share of time when every tenant there is busy (the weight), and
+    """Each GPU's share of time when every tenant there is busy (the weight), and
     the priority."""
     c = t.get("compute")
     if not c:

@@ -940,7 +940,7 @@ def a_attach_foreign(ctx):
 
 
 def a_gpu_id_fields(ctx):
-    """Issue 13 item 6: controls whose parameters name GPU ids in fields other than the one
+    """Controls whose parameters name GPU ids in fields other than the one
     GET_PCI_INFO has (P2P_CAPS_MATRIX's groups, ASYNC_ATTACH_ID) with the victim's GPU."""
     c = ctx.client()
     gid = ctx.victim["gpu_ids"][str(ctx.victim_gpu)]
@@ -997,7 +997,7 @@ def a_no_layout_controls(ctx):
 
 
 def a_client_fields(ctx):
-    """Issue 13 item 6: allocation parameters naming the victim's client (an OS event's
+    """Allocation parameters naming the victim's client (an OS event's
     hParentClient, a device's hTargetClient)."""
     c = ctx.client()
     victim = ctx.victim["client"]
@@ -1431,7 +1431,7 @@ def a_rm_alloc_memory(ctx):
 def a_quota_alignment(ctx):
     """1 byte with a 135 GiB alignment (NV_OK on the driver, which charges the size rounded
     to its page, not the alignment), then the rest of the quota: the check and the charge
-    must agree, and the tenant must still get its whole quota (issue 13, item 2)."""
+    must agree, and the tenant must still get its whole quota."""
     c = ctx.client()
     hdev = c.gpu["hdevice"]
     before = _used(c)
@@ -1466,8 +1466,8 @@ def a_quota_alignment(ctx):
 def a_quota_unwritable_params(ctx):
     """Allocations whose parameter block the broker can read but not write back (a read-only
     page): the driver has allocated by then, so the memory must be in the books although
-    the call fails (issue 13: found while moving tenant-memory writes behind the memory
-    gate; the object used to be booked only after a successful write-back)."""
+    the call fails (were it booked only after a successful write-back, the memory the driver
+    holds would be off the books)."""
     c = ctx.client()
     hdev = c.gpu["hdevice"]
     chunk = ctx.quota // 2 // (2 * MiB) * (2 * MiB)
@@ -1559,8 +1559,8 @@ def a_own_mount_ptr(ctx):
     """Nested pointers into pages mapped from the broker's own FUSE mount (the tenant's
     GPU node; and /proc/driver/nvidia/version, which was the broker's too until the sandbox
     began to copy that view into its own tmpfs: now an ordinary page, kept as a case),
-    never touched: a fault on them is a FUSE READ to the broker itself (issue 13, item 1:
-    it hung the whole broker)."""
+    never touched: a fault on them is a FUSE READ to the broker itself (one the
+    broker waited on itself would hang the whole broker)."""
     c = ctx.client()
     outs = []
     maps = []
@@ -1758,7 +1758,7 @@ ATTACKS: list[Attack] = [
            "held by another tenant", a_client_collision, True),
     Attack("guess-handles", "sweep ~250 candidate client handles", "cross-tenant", E,
            ("NV_ERR_INVALID_CLIENT",), "broker", "not this tenant's", a_guess_handles, True),
-    # RM_DUP_OBJECT is allowed inside a tenant (issue 16): from another tenant's client the
+    # RM_DUP_OBJECT is allowed inside a tenant: from another tenant's client the
     # broker answers as the driver answers an unknown client.
     Attack("dup-object", "RM_DUP_OBJECT from the victim's client", "cross-tenant", E,
            ("NV_ERR_INVALID_CLIENT",), "broker", "RM_DUP_OBJECT", a_dup_object, True),
@@ -1820,7 +1820,7 @@ _CLASS_WHY = {0x83DE: "debugger", 0x90CC: "profiler", 0xB0CC: "profiler", 0xB1CC
               0xF1: "IMEX capability", 0xC2: "LOCAL_PHYSICAL video memory",
               0x3F: "privileged local memory", 0x42: "extended user memory (unaccounted)",
               0xFD: "multicast fabric memory"}
-# (0xF8, NV_MEMORY_FABRIC, is allowed since issue 16: an address range over the tenant's own
+# (0xF8, NV_MEMORY_FABRIC, is allowed: an address range over the tenant's own
 # memory, which the driver takes only from the caller's own client.)
 for _cls, _why in _CLASS_WHY.items():
     ATTACKS.append(Attack(f"class-{_cls:04x}", f"RM_ALLOC class {_cls:#x} ({_why})",
@@ -1911,7 +1911,7 @@ ATTACKS += [
                                  "refuses the call (EFAULT, audited) as on seccomp")}),
 ]
 
-# Racing-thread attacks on calls continued in the tenant (issue 12; escape/races.py).
+# Racing-thread attacks on calls continued in the tenant (escape/races.py).
 from devbroker.escape import races as _races  # noqa: E402
 
 _RACE_NA = {"fuse": "continued calls exist only with driver files in the tenant (seccomp "

@@ -56,7 +56,7 @@ def _tenants(victim_gpus: tuple[int, ...] = (0, 1), **keys) -> list[str]:
 POLICY = ("# written by devbroker escape-test\n"
           + two_h200(*_tenants(), uuids=ESCAPE_UUIDS))
 
-# The same tenants against the real driver (issues 12 and 16): the host's GPUs 0 and 1 are
+# The same tenants against the real driver: the host's GPUs 0 and 1 are
 # the policy's (the attacks need a GPU only the victim has: a host with two GPUs), and the
 # tenants get CUDA's capabilities, as a CUDA tenant would.
 REAL_CAPABILITIES = ["nvml", "compute", "uvm"]
@@ -88,7 +88,7 @@ def policy_text(backend: str) -> str:
 
 SRC = str(Path(__file__).resolve().parents[2])
 GUEST_FRONT_ENDS = ("kmod", "cuse")
-# Containers started by runc from devbroker's CDI spec and seccomp section (issue 17), by the
+# Containers started by runc from devbroker's CDI spec and seccomp section, by the
 # front end their /dev/nvidia* use. The attacks are the ones a container changes: how the
 # tenant reaches devices, nodes, mounts, other processes' fds and the broker's files. The
 # broker-level attacks (handles, classes, controls, quota) run the same broker code as the
@@ -323,8 +323,8 @@ def _driver_held(broker, pid) -> dict | None:
 def _driver_evidence(rows, report: Report, before: dict | None, after: dict | None) -> None:
     """Against the real driver an NV_OK for RM_FREE of the victim's handle under the
     attacker's own client is no evidence: resserv answers NV_OK for a handle the caller's
-    client does not have (rs_server.c compatibility mode; the emulator does the same since
-    issue 19), and with real driver files the broker lets the driver validate frees on the
+    client does not have (rs_server.c compatibility mode; the emulator does the
+    same), and with real driver files the broker lets the driver validate frees on the
     tenant's own client. What decides is whether the victim's memory is still there, by the
     driver's own per-process accounting."""
     if before is None or after is None:

@@ -1,4 +1,4 @@
-"""Racing-thread attacks (issue 12): calls the broker lets the kernel continue in the tenant.
+"""Racing-thread attacks: calls the broker lets the kernel continue in the tenant.
 
 With driver files in the tenant (seccomp front end, real backend) a few decided calls run in
 the tenant's own kernel context (allow.Rule.in_caller), and the kernel reads their argument

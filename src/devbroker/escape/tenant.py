@@ -78,7 +78,7 @@ def victim(sock_name: str, alloc: int) -> int:
                                        "type": 1, "action": 0})
             shared = c.escape(c.ctl, "NV_ESC_RM_SHARE", share).status
     # The page NVML maps (RM shared data), faulted in and written: the page cache now holds
-    # it. Handed out too (issue 13 item 5: another tenant mapping this file must not see
+    # it. Handed out too (another tenant mapping this file must not see
     # it). Best effort: a front end without node mappings (CUSE) has no such file.
     extra: dict = {}
     try:

@@ -1,4 +1,4 @@
-"""What every front end does the same way (issue 11): the broker's private "which session is
+"""What every front end does the same way: the broker's private "which session is
 this file?" ioctl, the errnos a kernel reply may carry, and handing work from a front end's
 own threads to the trio loop. Front ends are thin adapters over their wire codecs
 (fusewire, kmodwire, seccompwire) and the one broker interface; what they share lives here.

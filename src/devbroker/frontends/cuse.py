@@ -344,7 +344,7 @@ class CuseFrontend:
             if req.out_size:
                 out = bytes(rep.arg_out[:req.out_size])
             elif rep.arg_out and req.arg and arg is not None:
-                # Through the memory gate (a worker thread, a deadline: issue 13), as every
+                # Through the memory gate (a worker thread, a deadline), as every
                 # access to a tenant's memory.
                 s = getattr(self.broker, "sessions", {}).get(session)
                 tenant = s.tenant.name if s is not None else f"uid {caller.uid}"

@@ -107,7 +107,7 @@ class _Handle:
     served_pages: bool = False
     poll_kh: int | None = None
     # Who opened a node file: a request on it from another sandbox means the file was
-    # passed out (issue 13 item 5), and from then on it serves no page to anyone.
+    # passed out, and from then on it serves no page to anyone.
     opener: Caller | None = None
     opener_ns: str | None = None
     passed: bool = False
@@ -631,7 +631,7 @@ class FuseFrontend:
                               attr_valid=self._attr_ttl(ino), minor=self.proto_minor)
 
     # ---- serving -------------------------------------------------------------------------
-    # Requests are read by reader threads (issue 14), blocking on their own duplicate of
+    # Requests are read by reader threads, blocking on their own duplicate of
     # /dev/fuse: no trio wake-up, no task and no 132 KiB buffer per request. An IOCTL on a
     # node file is decided on the thread that read it (the broker's steps, run_blocking:
     # broker/effects.py), tenant memory through MemoryGate.direct with the watchdog below
@@ -994,7 +994,7 @@ class FuseFrontend:
         kind = type(req)
         if kind is w.Read and memgate.accessing(req.header.pid) is not None:
             # A broker thread reading or writing a tenant's memory faulted on a page the
-            # tenant mapped from this very mount (issue 13). Serving it would read a node
+            # tenant mapped from this very mount. Serving it would read a node
             # for the broker through the tenant's mapping; waiting would be worse (nobody
             # may be left to answer it). Fail the fault now: the access sees EFAULT and
             # the broker refuses the tenant's call.
@@ -1166,7 +1166,7 @@ class FuseFrontend:
         if handler is not None:
             if type(req) in self._PACED:
                 # A tenant's lookups, stats, readdirs... are requests like its ioctls: they
-                # take its tokens (issue 13 item 8). With a token at hand (the usual case)
+                # take its tokens. With a token at hand (the usual case)
                 # they are answered at once; without, they wait in a task of their own.
                 tenant = self._tenant_of(req)
                 if not limits.pace_nowait(self.broker, tenant):
@@ -1555,8 +1555,8 @@ class FuseFrontend:
         # a fresh context never sees pages another context mapped. FOPEN_DIRECT_IO (where
         # the kernel still allows shared mappings of such files): every mmap() of the file
         # drops the inode's cached pages before it maps anything, so a tenant that got this
-        # file passed over a socket never finds the pages its owner faulted in before
-        # (issue 13 item 5); its own faults reach us (READ) and are refused. Mappings still
+        # file passed over a socket never finds the pages its owner faulted in
+        # before; its own faults reach us (READ) and are refused. Mappings still
         # fill through the page cache (READ -> broker.map_read).
         flags = w.FOPEN_NOFLUSH | (w.FOPEN_DIRECT_IO if self.node_direct_io else 0)
         self._send(w.encode_open(req.unique, fh, flags))
@@ -1813,7 +1813,7 @@ class FuseFrontend:
         duplicate — the kernel hands that ioctl to us with the file's own fh.
 
         On a worker thread with the memory gate's deadline: the fstat and the close of a file
-        of the tenant's choosing may wait on a file system the tenant serves (issue 13).
+        of the tenant's choosing may wait on a file system the tenant serves.
         """
         try:
             return await memgate.gate_of(self.broker).run(

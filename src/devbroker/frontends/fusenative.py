@@ -1,8 +1,8 @@
 """The FUSE reader threads' native loop (native/fuselane.c), as frontends/fuse.py drives it.
 
 Why: on the 2-CPU development machine a FUSE reader thread spent ~150 µs of Python on one
-RM control of the emulated backend (segment timings, docs/benchmarks.md "The hot path",
-twenty-first session): ~30 µs reading and routing the request, ~35 µs reading and writing
+RM control of the emulated backend (segment timings, docs/benchmarks.md "The hot path"):
+~30 µs reading and routing the request, ~35 µs reading and writing
 the parameter block through the memory gate's effects, ~20 µs sending the reply, ~10 µs
 in the effect machinery — around a decision (the control lane's admission, the backend's
 run, the books) of ~50 µs. The C loop makes those system calls itself and hands Python

@@ -771,9 +771,9 @@ class NativeLane:
         is the control's alone (native/lane.c find_control), and the objects CUDA makes
         have their facts from their booking (`SeccompSupervisor._booked`), so from then on
         a channel's GET_WORK_SUBMIT_TOKEN or a copy engine on a new channel is admitted by
-        the loop even though each object gets that call once. (Until the nineteenth
-        session the second admission had to be on the same object, and those never
-        settled; a control made once in the broker's life is still never written.)
+        the loop even though each object gets that call once. (Were the second admission
+        required on the same object, those would never settle; a control made once in the
+        broker's life is never written.)
         DEVBROKER_SETTLE_FIRST=0: the second admission everywhere, hubs included. A free
         ("free"), always at its first admission: each object is freed once, and what is
         written is the free's control fact (the object's goes with the object)."""

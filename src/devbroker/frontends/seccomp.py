@@ -16,7 +16,7 @@ whose listener fd belongs to a :class:`SeccompSupervisor` running in the broker'
 
 See docs/seccomp.md for the design, the residual TOCTOU risks and the limits.
 
-Entry points for the lead: :func:`run_tenant` (spawn + supervise + wait),
+Entry points: :func:`run_tenant` (spawn + supervise + wait),
 :func:`default_nodes`, :class:`SeccompSupervisor` (``serve(listener_fd)``,
 ``session_for_fd(pid, fd)``), :func:`tenant_command` (the trampoline argv).
 """
@@ -325,7 +325,7 @@ class _NotifMemory:
     """TenantMemory of the notifying thread. Reads are confirmed together by the broker
     (IoctlRequest.confirm, before it acts on them). Writes are collected and made at the
     end of the call, together with the argument's (one NOTIF_ID_VALID, so that no write
-    reaches a thread that reused the caller's tid, and one process_vm_writev: issue 14);
+    reaches a thread that reused the caller's tid, and one process_vm_writev);
     nothing the broker decides depends on them having happened earlier."""
 
     deferred = True  # writes only queue (effects.perform_blocking: no gate for them)
@@ -546,7 +546,7 @@ class SeccompSupervisor:
         the native loop answered with prepared files are booked first, and the fd is looked
         at afresh (not through an identity read earlier for this call). A file the broker
         gave out is then found whatever the listener threads were doing: load may delay a
-        call, never refuse it (issue 51 item 12)."""
+        call, never refuse it."""
         if self._prepared:
             self._drain_opens()
         return self._lookup_stat(tid, fd)
@@ -660,7 +660,7 @@ class SeccompSupervisor:
 
         Notifications are received and answered on this listener's own threads
         (:meth:`_thread_main`): a CUDA tenant's ioctl is decided and executed there without
-        a trio round trip (issues 12, 14). What a thread cannot do itself (a rate limit that
+        a trio round trip. What a thread cannot do itself (a rate limit that
         must wait, a broker with async methods only, a relayed page) is handed to the trio
         thread half-done (broker/effects.py HandOver) and answered from there."""
         self._listener = listener_fd
@@ -1784,7 +1784,7 @@ class SeccompSupervisor:
         """CONTINUE for a notification the broker's core never sees (an open of another
         file, an mmap of one), after a token of the tenant's pace: each one costs the
         broker a receive, a read and an answer, so a tenant looping on them is paced like
-        one looping on ioctls (issue 51 item 7: 41k opens/s from a tenant paced at 100/s).
+        one looping on ioctls (unpaced, a tenant paced at 100/s made 41k opens/s).
         The native loop takes these tokens from its credit and hands a call back here when
         it has none; the credit is topped up again after the wait."""
         limiter = self._limiter()
@@ -1824,7 +1824,7 @@ class SeccompSupervisor:
                 return (yield from self._paced_cont(n))  # the kernel will report the bad pointer
         try:
             # An effect like every tenant-memory access: the path may lie in a page that
-            # only faults in with someone's help (issue 13).
+            # only faults in with someone's help.
             raw = path_read if path_read is not None else (
                 yield ReadMemory(_CString(tid), path_ptr, _PATH_MAX, self.tenant,
                                  "read of an open path"))
@@ -1857,7 +1857,7 @@ class SeccompSupervisor:
         open_now = getattr(self.broker, "open_now", None)
         limiter = getattr(getattr(self.broker, "tenants", {}).get(self.tenant), "limiter", None)
         if open_now and limiter is not None and not limiter.try_acquire():
-            yield RateLimit(limiter)  # opens are paced like ioctls (issue 13 item 8)
+            yield RateLimit(limiter)  # opens are paced like ioctls
         nl = self._native
         epochs = BOOKS.now() if nl is not None and nl.settled_on else None  # (before deciding)
         t0 = time.perf_counter_ns()
@@ -2054,7 +2054,7 @@ class SeccompSupervisor:
         """Take `sess` out of the lookups — only if they still name it: a file that reuses its
         identity or watch number (a later session, registered before this one's release
         was read off the inotify queue under load) must stay known, or its calls would be
-        refused as another NVIDIA file's (issue 51 item 12). Whether the watch was its."""
+        refused as another NVIDIA file's. Whether the watch was its."""
         if self.sessions.get(sess.key) is sess:
             del self.sessions[sess.key]
         if self._by_wd.get(sess.wd) is sess:
@@ -2416,7 +2416,7 @@ class SeccompSupervisor:
         if reply.errno:
             return w.NotifResp.fail(n.id, reply.errno)
         # Blocking work with the memory gate's deadline: the fd may have been swapped for a
-        # file whose fstat and close wait on a file system the tenant serves (issue 13).
+        # file whose fstat and close wait on a file system the tenant serves.
         try:
             return (yield Blocking(self._fill_placeholder,
                                    (n, tid, fd, sess, offset, length, reply.data),
@@ -2451,7 +2451,7 @@ class SeccompSupervisor:
             os.close(f)  # if the tenant closed its fd meanwhile, this evicts: released
         return w.NotifResp.cont(n.id)
 
-    # -- live upgrade (issue 18; src/devbroker/upgrade.py drives these) -------------------
+    # -- live upgrade (src/devbroker/upgrade.py drives these) -----------------------------
     #
     # The running broker pauses every supervisor (no notification is received any more; the
     # ones received are answered), exports each one's state with its listener and inotify

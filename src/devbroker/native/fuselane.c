@@ -1,5 +1,5 @@
 /*
- * devbroker's native reader loop for the FUSE front end (issue 14).
+ * devbroker's native reader loop for the FUSE front end.
  *
  * What it is: the mechanical part of a FUSE reader thread (frontends/fuse.py) done in C —
  * read what /dev/fuse has pending, queue the tenants' node ioctls fairly between tenants,

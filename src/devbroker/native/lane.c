@@ -1,5 +1,5 @@
 /*
- * devbroker's native listener loop for the seccomp front end (issues 12 and 14).
+ * devbroker's native listener loop for the seccomp front end.
  *
  * What it is: the mechanical part of answering a tenant's notifications — wait, receive,
  * read the few bytes a decision needs into private buffers, make the driver call on the
@@ -471,7 +471,7 @@ struct dvb_shared {
      * tenant is waiting for the broker, so it is no quiet moment even when no notification
      * came for 1 ms — a free or an allocation the driver takes ~0.4–0.9 ms over (NVML's
      * subdevice and device) had the quiet work's driver opens run beside it and took
-     * ~60–110 µs longer on the H200 (docs/benchmarks.md, twentieth session). */
+     * ~60–110 µs longer on the H200 (docs/benchmarks.md). */
     int64_t answering;
     /* CLOCK_MONOTONIC ns of the last notification received or answered: a quiet moment is
      * 1 ms after it with none held (a poll that began before a long call times out the

@@ -716,8 +716,8 @@ def build_view(spec: SandboxSpec, *, proc_devices: str | None = None) -> None:
     ``proc_devices``: the text the tenant's /proc/devices shows (None: the host's)."""
     os.umask(0o022)
     tenant = spec.tenant_dir
-    # Every mount the tenant inherits from the host, at once (issue 13: a root tenant wrote
-    # a broker source file and had the broker import it). Mounts made below are new and
+    # Every mount the tenant inherits from the host, at once (else a root tenant could
+    # write a broker source file and have the broker import it). Mounts made below are new and
     # writable where they must be (/dev/shm, /dev/pts, /tmp, the node binds).
     # And nodev: no device node anywhere in the host's tree opens as a device for the tenant
     # (a broker's spare driver nodes, a node left in some directory); its own /dev is a new
@@ -927,7 +927,7 @@ def mount_proc_driver_view(proc: str, tenant: Path, proc_devices: str | None = N
     A copy, not a bind of the broker's view: NVML opens and reads these files ~15 times per
     nvmlInit (`params` ten times), and each open+read+close of a file the broker serves
     costs FUSE round trips (~1 ms on the development machine, against ~20 µs for a file
-    here; issue 14). The files say what the driver is and which GPUs the tenant has; a
+    here). The files say what the driver is and which GPUs the tenant has; a
     policy change that takes a GPU away takes effect for every call at once (the broker
     refuses them) and in this view for processes started after it."""
     # procfs refuses mkdir, and /proc/driver is global (it shows the host's driver whatever

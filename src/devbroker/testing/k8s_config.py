@@ -15,7 +15,7 @@ from pathlib import Path
 PAUSE_IMAGE = "localhost/devbroker/pause:1"
 HOST_IMAGE = "localhost/devbroker/host:1"
 
-# Up to this many clusters may run side by side on one machine (each engineer's tests); an
+# Up to this many clusters may run side by side on one machine (concurrent test runs); an
 # instance index picks disjoint names, subnets and cgroups.
 MAX_INSTANCES = 16
 APISERVER_PORT = 6443

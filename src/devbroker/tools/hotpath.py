@@ -1,4 +1,4 @@
-"""Tenant-side programs of the hot-path benchmark (scripts/bench_hotpath.py, issue 14).
+"""Tenant-side programs of the hot-path benchmark (scripts/bench_hotpath.py).
 
 Every program times one call: RM_CONTROL NV2080_CTRL_CMD_FB_GET_INFO_V2 (NVML's memory query)
 asking for three entries, as a raw ioctl on nvidiactl with the argument built once. Setup is

@@ -1,4 +1,4 @@
-"""Tenant-side programs for the noisy-neighbour test and benchmark (issue 13 item 8).
+"""Tenant-side programs for the noisy-neighbour test and benchmark.
 
     python -m devbroker.tools.noisy flood --seconds S [--threads-per-kind T] [--kinds K,...]
     python -m devbroker.tools.noisy hoard --groups G --seconds S

@@ -1,4 +1,4 @@
-"""Channel-group scheduling controls through raw ioctls (issue 15): what the driver (or the
+"""Channel-group scheduling controls through raw ioctls: what the driver (or the
 broker in front of it) answers to SET/GET_TIMESLICE, SET/GET_INTERLEAVE_LEVEL and the other
 scheduling controls on a channel group of the caller's own.
 

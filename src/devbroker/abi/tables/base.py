@@ -115,7 +115,7 @@ ANNOTATIONS = {
     ("NV0080_CTRL_FIFO_GET_CHANNELLIST_PARAMS", "pChannelHandleList"): "ptr->NvU32@numChannels",
     ("NV0080_CTRL_FIFO_GET_CHANNELLIST_PARAMS", "pChannelList"): "ptr->NvU32@numChannels",
     # NV0041_CTRL_SURFACE_INFO is {index, data}, two NvU32 (ctrl0041.h), copied in and out by
-    # embedded_param_copy.c. NCCL's CUDA asks it of imported memory (two-H200 run, issue 16).
+    # embedded_param_copy.c. NCCL's CUDA asks it of imported memory (seen on the two-H200 host).
     ("NV0041_CTRL_GET_SURFACE_INFO_PARAMS", "surfaceInfoListSize"): "size",
     ("NV0041_CTRL_GET_SURFACE_INFO_PARAMS", "surfaceInfoList"): "ptr->NVXXXX_CTRL_XXX_INFO@surfaceInfoListSize",
 }
@@ -131,7 +131,7 @@ UNPUBLISHED_CONTROLS = {
     0x2080A026: 532,
     0x2080A084: 4,
     0x20810108: 992,
-    # issue 4: nvidia-smi's queries (535.309.01 run here and the 580.159.04 relay run on the
+    # nvidia-smi's queries (535.309.01 run here and the 580.159.04 relay run on the
     # H200, tests/data/h200-580.159.04-relay.nvtrace: the same size in both).
     0x2080852E: 528,
 }

@@ -1,16 +1,16 @@
-"""Issue 13 items 4 to 7 through real `devbroker exec` tenants and a real broker
+"""Isolation between tenants through real `devbroker exec` tenants and a real broker
 (emulated backend), plus the GPU-id finder (a pure function) over every allowed control.
 
-4. A policy change that takes GPU 0 from alice refuses every further call on her GPU-0
+1. A policy change that takes GPU 0 from alice refuses every further call on her GPU-0
    objects (with an audit record saying the GPU was revoked), still lets her free them, and
    `status` shows her GPU-0 memory until she does.
-6. GPU ids are checked wherever the ABI's parameters hold one (0x13a, 0x289 and the rest
+2. GPU ids are checked wherever the ABI's parameters hold one (0x13a, 0x289 and the rest
    refuse another GPU's id as GET_PCI_INFO does; 0x288's answer lists only hers), and client
    handles in allocation parameters (hParentClient, hTargetClient) must be the tenant's.
-5. A node file mapped and written by its owner, passed over a Unix socket (SCM_RIGHTS) to
+3. A node file mapped and written by its owner, passed over a Unix socket (SCM_RIGHTS) to
    another tenant and mapped there: the pages the owner faulted in are neither read nor
    written by the other tenant (FUSE front end: the page cache is the kernel's).
-7. A root client asked for with another tenant's handle is answered byte for byte as a
+4. A root client asked for with another tenant's handle is answered byte for byte as a
    duplicate of the tenant's own; GET_ID_INFO(_V2)'s in-use flag says only whether the
    tenant itself holds the GPU.
 """
@@ -59,7 +59,7 @@ def broker(start_broker, request):
     return b
 
 
-# ------------------------------------------------------------------ item 4
+# ------------------------------------------------------------------ revoked GPUs
 @pytest.mark.root
 def test_revoked_gpu_refuses_calls_on_old_objects_and_status_shows_held_memory(
         broker, tmp_path):
@@ -107,7 +107,7 @@ def test_revoked_gpu_refuses_calls_on_old_objects_and_status_shows_held_memory(
         alice.wait(timeout=30)
 
 
-# ------------------------------------------------------------------ item 6
+# ------------------------------------------------------------------ GPU ids and clients in parameters
 @pytest.mark.root
 def test_controls_naming_another_gpus_id_are_refused(broker):
     got = run(broker, "alice", "gpu-ids", hex(GPU1_ID))
@@ -197,7 +197,7 @@ def test_gpu_id_fields_of_every_allowed_control_are_found():
     assert rewrite.gpu_ids_named(g.decode(bytes(g.size)).replace(gpuId=7)) == [("gpuId", 7)]
 
 
-# ------------------------------------------------------------------ item 7
+# ------------------------------------------------------------------ other tenants' handles and use
 @pytest.mark.root
 def test_another_tenants_client_handle_is_answered_as_a_duplicate_of_ones_own(broker):
     bob = broker.exec_popen("bob", *HOLD, "1GiB", stdin=subprocess.PIPE,
@@ -235,7 +235,7 @@ def test_in_use_flag_shows_only_the_tenants_own_use(start_broker):
         bob.wait(timeout=30)
 
 
-# ------------------------------------------------------------------ item 5
+# ------------------------------------------------------------------ passed node files
 @pytest.mark.root
 def test_passed_node_file_shows_the_other_tenant_none_of_the_owners_pages(start_broker):
     b = start_broker(SHARED)

@@ -1,4 +1,4 @@
-"""Issue 13 item 8: per-tenant limits on every kind of request, with real brokers and real
+"""Per-tenant limits on every kind of request, with real brokers and real
 `devbroker exec` tenants (FUSE front end), and the indexes that keep other tenants' objects
 out of every call's work.
 
@@ -85,7 +85,7 @@ def test_counts_are_refused_past_the_limits_and_audited(start_broker):
     got = {x["what"]: x for x in lines(r.stdout)}
     # 16 open node files: nvidiactl and nvidia0 of the client, then 14 more.
     assert got["open-files"] == {"what": "open-files", "opened": 14, "errno": "EMFILE"}
-    # The sandbox's /proc/driver/nvidia is a copy in its own tmpfs (issue 14): opening it
+    # The sandbox's /proc/driver/nvidia is a copy in its own tmpfs: opening it
     # costs the broker nothing, so nothing counts it.
     assert got["proc-view-files"] == {"what": "proc-view-files", "opened": 100,
                                       "errno": None}
@@ -304,7 +304,7 @@ print(json.dumps({"done": 2 * n}), flush=True)
 @pytest.mark.parametrize("loop", ["native", "python"])
 def test_opens_and_mmaps_of_other_files_are_paced_through_seccomp(start_broker, monkeypatch,
                                                                   loop):
-    """Issue 51 item 7: a tenant paced at 100 requests/s drove 41k opens/s of other files,
+    """A tenant paced at 100 requests/s drove 41k opens/s of other files,
     or 20k mmaps/s, through the seccomp listener (each a notification: a receive, a read of
     the path or a statx, an answer), none of them counted. Each now takes a token of the
     tenant's pace — in the native loop from the credit Python takes ahead, handed back to

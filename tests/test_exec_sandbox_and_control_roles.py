@@ -1,7 +1,7 @@
-"""Issue 13 item 3 and the control socket, with real brokers, real `devbroker exec` tenants
+"""What `devbroker exec` confines and the control socket's roles, with real brokers, real `devbroker exec` tenants
 and real processes of other uids and pid namespaces.
 
-The attacks of the issue, each shown to fail now:
+Attacks by root tenants, each shown to fail:
 - a root tenant writes a host file (it patched a broker source file the broker later
   imported): the host file system is read-only to every tenant, root or not;
 - a root tenant reaches another broker's control socket and applies a policy: the socket is
