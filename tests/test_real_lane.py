@@ -957,8 +957,10 @@ def test_settled_escapes_answer_as_the_broker_on_freshly_opened_files(tmp_path):
     # (written at an escape's second admission: the version check asking the unknown
     # version is the ioctl's second admission in round 1, so its fact is there from round
     # 2 on — 19; the other five from round 3 — 18 each; a REGISTER_FD refused by its check
-    # writes nothing)
-    assert lane_on["settled"] == 5 * 18 + 19, lane_on
+    # writes nothing). A fact is written after its call is answered, so the tenant's next
+    # call of the same kind can come first on a busy machine and go the general way: that
+    # costs a few settles (106 of 109 seen in full suite runs), never a check.
+    assert 5 * 18 + 19 - 6 <= lane_on["settled"] <= 5 * 18 + 19, lane_on
     assert lane_off["settled"] == 0, lane_off
     assert lane_on["admitted"] == lane_off["admitted"], (lane_on, lane_off)
 

@@ -43,19 +43,10 @@ missing_debs() {
     echo "$out"
 }
 if [ "${DEVBROKER_SKIP_INSTALL:-0}" != 1 ]; then
+    # (only what is missing, nothing upgraded: the project's one install helper)
+    sh "$ROOT/scripts/apt-install.sh" k8s-build $DEBS || fail "installing Debian packages failed"
     miss=$(missing_debs)
-    if [ -n "$miss" ]; then
-        [ "$(id -u)" = 0 ] || fail "needs root to install:$miss"
-        say "installing Debian packages:$miss"
-        export DEBIAN_FRONTEND=noninteractive
-        apt-get install -y -qq --no-upgrade --no-install-recommends $miss >/dev/null 2>&1 || {
-            apt-get update -qq || fail "apt-get update failed"
-            apt-get install -y -qq --no-upgrade --no-install-recommends $miss >/dev/null \
-                || fail "apt-get install$miss failed"
-        }
-        miss=$(missing_debs)
-        [ -z "$miss" ] || fail "still missing after apt-get:$miss"
-    fi
+    [ -z "$miss" ] || fail "still missing after apt-get:$miss"
 fi
 
 command -v go >/dev/null || fail "no go on PATH (Go >= 1.26.6 is needed)"
