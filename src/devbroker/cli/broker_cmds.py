@@ -101,6 +101,21 @@ def _paths(args):
     return RunPaths(Path(args.run_dir))
 
 
+def ask_broker(args, who: str, request: dict, timeout: float = 30.0) -> dict:
+    """One control-socket request for a command: the broker's `ok` reply, or one line
+    `devbroker WHO: why` on stderr and exit 1 (no broker, or the broker refused)."""
+    from devbroker.broker.control import ControlError, call
+
+    try:
+        reply = call(_paths(args).control, request, timeout=timeout)
+    except (ControlError, OSError) as e:
+        reply = {"ok": False, "error": str(e) or type(e).__name__}
+    if not reply.get("ok"):
+        print(f"devbroker {who}: {reply.get('error', 'refused')}", file=sys.stderr)
+        sys.exit(1)
+    return reply
+
+
 def _load_policy(path: str | None):
     from devbroker.broker.policy import default_policy, load_policy
 

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import sys
 
 
 def add_parsers(sub) -> None:
@@ -29,21 +28,13 @@ def add_parsers(sub) -> None:
 
 
 def cmd_order(args) -> int:
-    from devbroker.broker.control import ControlError, call
-    from devbroker.cli.broker_cmds import _human, _paths
+    from devbroker.cli.broker_cmds import _human, ask_broker
 
     verb = args.op.split(".")[1]
     req = {"op": args.op, "tenant": args.tenant}
     if verb == "migrate":
         req["gpu"] = args.gpu
-    try:
-        reply = call(_paths(args).control, req, timeout=args.timeout)
-    except ControlError as e:
-        print(f"devbroker {verb}: {e}", file=sys.stderr)
-        return 1
-    if not reply.get("ok"):
-        print(f"devbroker {verb}: {reply.get('error')}", file=sys.stderr)
-        return 1
+    reply = ask_broker(args, verb, req, timeout=args.timeout)
     if args.json:
         print(json.dumps(reply, indent=2))
     elif verb == "preempt":

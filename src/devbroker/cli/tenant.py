@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 
 def add_parser(sub) -> None:
@@ -91,16 +90,9 @@ def _fail(what: str, message: str):
 
 
 def _ask(args, what: str, request: dict, timeout: float = 30.0) -> dict:
-    from devbroker.broker.control import ControlError, call
-    from devbroker.daemon import RunPaths
+    from devbroker.cli.broker_cmds import ask_broker
 
-    try:
-        reply = call(RunPaths(Path(args.run_dir)).control, request, timeout=timeout)
-    except (ControlError, OSError) as e:
-        _fail(what, str(e) or type(e).__name__)
-    if not reply.get("ok"):
-        _fail(what, reply.get("error", "refused"))
-    return reply
+    return ask_broker(args, f"tenant {what}", request, timeout)
 
 
 def cmd_add(args) -> int:
