@@ -30,7 +30,7 @@ import trio
 
 from devbroker.abi import status as nvstatus
 from devbroker.backends.checkpoint import CheckpointError, GpuPair
-from devbroker.broker import compute
+from devbroker.broker import compute, turns
 from devbroker.broker.effects import STATE_LOCK, Await, run_async
 from devbroker.broker.effects import locked as effects_locked
 from devbroker.broker.objects import BOOKS
@@ -329,10 +329,11 @@ class Preemption:
         locked: list[int] = []
         taken: list[int] = []
         try:
-            # Channels compute priority stopped would keep the lock from ever completing:
-            # they run again first (the entry above exempts the tenant from those stops).
+            # Channels compute priority or turns stopped would keep the lock from ever
+            # completing: they run again first (the entry above exempts the tenant from
+            # both).
             try:
-                await run_async(effects_locked(compute.preempt_all(b)), b.perform)
+                await run_async(effects_locked(_let_channels_run(b, t)), b.perform)
             except Exception:  # a failed pass costs the lock its chance, never the broker
                 log.exception("preemption of %s: letting its channels run", name)
             for pid in pids:
@@ -664,6 +665,11 @@ async def _run(fn, *args) -> Any:
         log.exception("checkpoint executor: %s failed", getattr(fn, "__name__", fn))
         raise CheckpointError(f"{getattr(fn, '__name__', 'the executor')} failed: "
                               f"{type(e).__name__}: {e}") from e
+
+
+def _let_channels_run(b: Any, t: Any):
+    yield from compute.preempt_all(b)
+    yield from turns.release_tenant(b, t)
 
 
 def _started(t: Any) -> float:
