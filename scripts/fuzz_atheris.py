@@ -25,7 +25,7 @@ with atheris.instrument_imports():
     from devbroker.abi import DecodeError, NodeKind, iowr, registry
     from devbroker.frontends import fusewire as fw
     from devbroker.frontends import kmodwire as kw
-    from devbroker.frontends import seccompwire as sw
+    from devbroker.sandbox import seccompwire as sw
 
 ABI = registry.get("580.159.04")
 RM_SIZES = [(0x2A, 32), (0x2B, 48), (0x2B, 32), (0x29, 16), (0x4E, 56), (0x27, 56),

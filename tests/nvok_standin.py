@@ -18,7 +18,7 @@ import ctypes
 import os
 import sys
 
-from devbroker.frontends import seccompwire as w
+from devbroker.sandbox import seccompwire as w
 
 SECCOMP_RET_ALLOW = 0x7FFF0000
 SECCOMP_RET_ERRNO = 0x00050000

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from devbroker.frontends import fusewire as fw
 from devbroker.frontends import kmodwire as kw
-from devbroker.frontends import seccompwire as sw
+from devbroker.sandbox import seccompwire as sw
 
 SETTINGS = settings(max_examples=400, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

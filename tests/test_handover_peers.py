@@ -24,7 +24,7 @@ POLICY = one_h200(tenant("alice", memory_quota="1GiB"), driver_version=None)
 # "junk", sends bytes that are not a state at all.
 HAND_OVER = r'''
 import json, os, socket, struct, sys
-from devbroker.frontends import seccompwire, statshim
+from devbroker.sandbox import seccompwire, statshim
 from devbroker.oci.profile import encode_metadata
 path, tenant, what = sys.argv[1], sys.argv[2], sys.argv[3]
 a, b = socket.socketpair()

@@ -19,7 +19,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from devbroker.frontends import seccompwire as w  # noqa: E402
+from devbroker.sandbox import seccompwire as w  # noqa: E402
 from devbroker.oci import cdi, profile, state  # noqa: E402
 from libseccomp import compile_section  # noqa: E402
 from devbroker.testing.oci import CDIError, apply_cdi, validate_cdi  # noqa: E402

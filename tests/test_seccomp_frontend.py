@@ -24,7 +24,7 @@ from devbroker.broker.interface import (
     ReleaseRequest,
 )
 from devbroker.frontends import seccomp as sc
-from devbroker.frontends import seccompwire as w
+from devbroker.sandbox import seccompwire as w
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64",
                                 reason="x86_64 Linux only")

@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from devbroker.frontends import seccompwire as w
+from devbroker.sandbox import seccompwire as w
 
 
 def _F(nr: int, size: int) -> int:

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from devbroker.frontends import seccompwire as w
-from devbroker.frontends import statshim as ss
+from devbroker.sandbox import seccompwire as w
+from devbroker.sandbox import statshim as ss
 
 X86_64 = sys.platform == "linux" and os.uname().machine == "x86_64"
 is_root = os.geteuid() == 0
@@ -189,7 +189,7 @@ def test_proc_devices_view():
 # A process that puts itself under the stat shim filter and sends the listener back.
 FILTERED = textwrap.dedent(r'''
     import ctypes, json, os, stat, sys, threading
-    from devbroker.frontends import statshim
+    from devbroker.sandbox import statshim
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(38, 1, 0, 0, 0)  # no_new_privs
     statshim.install_and_send(int(sys.argv[1]))

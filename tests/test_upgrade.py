@@ -104,14 +104,15 @@ def test_handover_knows_all_seccomp_supervisor_state():
     from devbroker.broker.handover import HandoverError, check_supported
     from devbroker.broker.policy import load_policy_text
     from devbroker.frontends.seccomp import SeccompSupervisor
+    from devbroker.upgrade import front_end_state
 
     broker = Broker(load_policy_text(policy()), EmulatedBackend(version="535.309.01"))
     sup = SeccompSupervisor(broker, "t0")
-    check_supported(broker, supervisors=[sup])
+    check_supported(broker, front_state=front_end_state([sup]))
     sup.new_table = {}
     with pytest.raises(HandoverError, match="a seccomp supervisor has state the hand-over "
                                             "does not carry: new_table"):
-        check_supported(broker, supervisors=[sup])
+        check_supported(broker, front_state=front_end_state([sup]))
 
 
 async def test_state_round_trips(tmp_path):
@@ -401,7 +402,7 @@ async def main(fd):
     chan = upgrade.Channel(trio.socket.from_stdlib_socket(socket.socket(fileno=fd)))
     await chan.send({"format": upgrade.handover.FORMAT, "pid": 0})
     state, fds = await chan.recv()
-    upgrade._close(fds)
+    upgrade.close_fds(fds)
     await chan.send({"ready": False, "error": "HandoverError: no thanks"})
 
 trio.run(main, int(sys.argv[sys.argv.index("--takeover-fd") + 1]))

@@ -58,7 +58,7 @@ NB=$n  # slots 1..NB are brokers; after them come the FLOORS
 # the real backend's in-kernel rows) at once: the host's floor for the seccomp path.
 if [ -n "${FLOORS:-}" ]; then
   cc -O2 -o /tmp/site/notify_floor scripts/gpu/notify_floor.c || FLOORS=""
-  FILTER=$("$PY" -c 'from devbroker.abi import registry; from devbroker.broker import rules; from devbroker.frontends.seccompwire import FilterOptions, build_filter; v = open("/sys/module/nvidia/version").read().strip(); print(build_filter(FilterOptions(kernel_ioctls=rules.kernel_commands(registry.get(v), frozenset(rules.DEFAULT_CAPABILITIES)))).hex())')
+  FILTER=$("$PY" -c 'from devbroker.abi import registry; from devbroker.broker import rules; from devbroker.sandbox.seccompwire import FilterOptions, build_filter; v = open("/sys/module/nvidia/version").read().strip(); print(build_filter(FilterOptions(kernel_ioctls=rules.kernel_commands(registry.get(v), frozenset(rules.DEFAULT_CAPABILITIES)))).hex())')
   for f in ${FLOORS:-}; do
     n=$((n + 1)); NAMES[$n]=$(mode_name "$f"); FARGS[$n]=$(echo "${f#*:}" | tr + ' ')
     [ "$f" = "${NAMES[$n]}" ] && FARGS[$n]=""

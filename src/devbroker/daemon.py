@@ -16,6 +16,7 @@ from typing import Any
 
 import trio
 
+from devbroker import upgrade
 from devbroker.assemble import FRONTENDS, assemble, node_frontend
 from devbroker.assemble import make_backend  # noqa: F401  (its earlier home)
 from devbroker.broker import preemption, procview
@@ -28,6 +29,7 @@ from devbroker.broker.control import (
 from devbroker.broker.core import Broker
 from devbroker.broker.record import Recorder
 from devbroker.broker.tenancy import STATE_FILE, Tenancy
+from devbroker.upgrade import sd_notify
 
 log = logging.getLogger("devbroker")
 
@@ -145,7 +147,7 @@ class BrokerService:
         self.started = 0.0
         self.frontend = None
         self.control: ControlServer | None = None
-        # Live upgrade (src/devbroker/upgrade.py): what a predecessor handed over (set before
+        # Live upgrade (upgrade.py, takeover.py): what a predecessor handed over (set before
         # serve()), whether an upgrade is under way, and whether this process handed over.
         self.adopted = None
         self.upgrading = False
@@ -450,8 +452,6 @@ class BrokerService:
 
     # -- live upgrade (src/devbroker/upgrade.py does the protocol)
     async def _upgrade(self, req: dict):
-        from devbroker import upgrade
-
         if self.upgrading:
             raise ControlError("a live upgrade is already under way")
         if self.tenancy.removing:
@@ -602,8 +602,6 @@ async def run_forever(service: BrokerService, *, quiet: bool = False,
                       started=None) -> None:
     """Serve until SIGINT/SIGTERM, the FUSE connection ending, or a hand-over to a
     successor. `started`: an async callable run once serving (the successor's ack)."""
-    from devbroker.upgrade import sd_notify
-
     async def on_signal(signals, cancel_scope):
         async for _ in signals:
             cancel_scope.cancel()

@@ -22,6 +22,8 @@ is the service's main process now (sd_notify READY=1, MAINPID=), and acknowledge
 ``go``, any failure (the successor dies, refuses the state, takes too long) calls the upgrade
 off: the running broker resumes reading where it stopped and nobody noticed anything but
 the pause. What is not carried yet is refused up front (handover.check_supported).
+The successor's side is takeover.py: it builds a BrokerService (daemon.py), which starts
+upgrades through this module.
 """
 from __future__ import annotations
 
@@ -34,13 +36,13 @@ import struct
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import trio
 
 from devbroker.broker import handover
+from devbroker.frontends.fuse import _Handle, _Inode
+from devbroker.frontends.seccomp import Session as SeccompSession
 
 HELLO_TIMEOUT = 60.0  # the successor's start (Python, imports) on a busy machine
 DRAIN_TIMEOUT = 10.0  # requests in flight to finish (a rate-limited tenant may be waiting)
@@ -81,7 +83,7 @@ class Channel:
             try:
                 obj, fds = await self._recv()
             except BaseException:
-                _close(self._fds)
+                close_fds(self._fds)
                 self._fds = []
                 raise
             self._fds.extend(fds)
@@ -108,10 +110,10 @@ class Channel:
                 if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
                     fds.extend(array.array("i", d[:len(d) - len(d) % 4]))
             if flags & socket.MSG_CTRUNC:
-                _close(fds)
+                close_fds(fds)
                 raise UpgradeError("more file descriptors than expected")
             if not data:
-                _close(fds)
+                close_fds(fds)
                 raise EOFError("the other broker process closed the connection")
             self._buf += data
         n = self._need()
@@ -125,7 +127,7 @@ class Channel:
         return self._HEADER.size + length
 
 
-def _close(fds) -> None:
+def close_fds(fds) -> None:
     for fd in fds:
         try:
             os.close(fd)
@@ -139,6 +141,19 @@ def _attached(service) -> dict[str, int]:
     connection accepted, not yet served) does not."""
     return {"seccomp (being attached)": service._attaching + service.oci_agent.busy,
             "container stat shim": len(service.stat_shims)}
+
+
+def front_end_state(supervisors=()) -> list[tuple[str, frozenset[str] | set[str], frozenset[str]]]:
+    """The front ends' state the hand-over carries, for handover.check_supported: the FUSE
+    tables' records, and the seccomp supervisors given with their sessions."""
+    checks = [("a FUSE inode", handover.field_names(_Inode), handover.FUSE_INODE_FIELDS),
+              ("a FUSE open file", handover.field_names(_Handle), handover.FUSE_HANDLE_FIELDS)]
+    if supervisors:
+        checks.append(("a seccomp session", handover.field_names(SeccompSession),
+                       handover.SECCOMP_SESSION_FIELDS))
+        checks += [("a seccomp supervisor", set(vars(sup)), handover.SUPERVISOR_ATTRS)
+                   for sup in supervisors]
+    return checks
 
 
 def sd_notify(state: str) -> bool:
@@ -204,7 +219,7 @@ async def hand_over(service, *, python: str | None = None):
     fe = service.frontend
     try:
         handover.check_supported(service.broker, frontends=_attached(service),
-                                 supervisors=service.supervisors)
+                                 front_state=front_end_state(service.supervisors))
     except handover.HandoverError as e:
         raise UpgradeError(f"live upgrade refused: {e}") from None
     t_start = time.monotonic()
@@ -213,7 +228,7 @@ async def hand_over(service, *, python: str | None = None):
             "--run-dir", str(service.paths.run_dir), "run", "--takeover-fd", str(theirs.fileno())]
     # The successor starts (interpreter, imports, tables: about a second of CPU) at a low
     # priority, so that on a busy host this broker and its tenants keep the CPU; it takes
-    # this process's priority back before the hand-over (takeover_main).
+    # this process's priority back before the hand-over (takeover.takeover_main).
     env = dict(os.environ, DEVBROKER_PRIORITY=str(os.getpriority(os.PRIO_PROCESS, 0)))
     nice = shutil.which("nice")
     if nice is not None:
@@ -245,7 +260,7 @@ async def hand_over(service, *, python: str | None = None):
         service.oci_agent.stop_accepting()
         await trio.sleep(0)
         handover.check_supported(service.broker, frontends=_attached(service),
-                                 supervisors=service.supervisors)
+                                 front_state=front_end_state(service.supervisors))
         t_freeze, wall_freeze = time.monotonic(), time.time()
         frozen = True
         sups = list(service.supervisors)
@@ -294,7 +309,7 @@ async def hand_over(service, *, python: str | None = None):
         await trio.to_thread.run_sync(proc.wait)
         for d in dups:
             d.close()
-        _close(owned)
+        close_fds(owned)
         for sup in sups:
             sup.resume_after_handover()
         if frozen:
@@ -310,7 +325,7 @@ async def hand_over(service, *, python: str | None = None):
     service.handed_over = True
     for sup in sups:
         sup.detach_after_handover()
-    _close(owned)
+    close_fds(owned)
     service.control.keep_path()
     for d in dups:
         d.close()
@@ -341,164 +356,3 @@ async def hand_over(service, *, python: str | None = None):
 
 def _ms(seconds: float) -> float:
     return round(seconds * 1000, 3)
-
-
-# ------------------------------------------------------------------------------ the successor
-@dataclass
-class Adopted:
-    """What a successor serves on, handed over by its predecessor."""
-
-    fuse: tuple[int, dict]  # the /dev/fuse fd and the front end's exported tables
-    control: socket.socket
-    seccomp: socket.socket
-    oci: socket.socket  # RUN_DIR/oci-seccomp.sock (container runtimes' hand-overs)
-    metrics: socket.socket | None
-    # seccomp supervisors with their listener fds, served once the successor serves
-    supervisors: list
-    from_pid: int
-    books: dict  # handover.books() right after the import, before serving
-    sessions: int
-
-
-def build_service(run_dir: str | Path, state: dict[str, Any], fds: list[int]):
-    """A BrokerService with the predecessor's books, not yet serving."""
-    from devbroker.broker.policy import load_policy_text
-    from devbroker.daemon import BrokerService
-
-    if state.get("format") != handover.FORMAT:
-        raise handover.HandoverError(f"hand-over format {state.get('format')} (this broker "
-                                     f"reads {handover.FORMAT})")
-    want = state.get("fd_count", 5 if state.get("metrics") else 4)
-    if len(fds) != want:
-        raise handover.HandoverError(f"{len(fds)} file descriptors handed over, {want} expected")
-    source = state["policy"]["source"]
-    policy = load_policy_text(state["policy"]["text"], source or "<handed over>")
-    name = state["backend"]["name"]
-    if name == "real":
-        # The predecessor's relay and files (backends/realhandover.py), not a new relay.
-        from devbroker.backends import realhandover
-
-        backend, files = realhandover.import_real(
-            state["backend"]["state"], [fds[i] for i in state["backend"]["fds"]])
-        service = BrokerService(policy, run_dir, backend=backend,
-                                audit_path=state["audit_path"], policy_source=source,
-                                runtime_tenants=state.get("runtime_tenants"))
-        backend.notice = lambda m: service.audit.write("notice", message=m)
-        backend.notice(f"real backend: relay pid {backend.relay.pid} adopted with "
-                       f"{len(files)} session files")
-    elif name == "emulated":
-        service = BrokerService(policy, run_dir, backend=name,
-                                audit_path=state["audit_path"], policy_source=source,
-                                runtime_tenants=state.get("runtime_tenants"))
-        files = handover.import_emulated(service.backend, state["backend"]["state"])
-    else:
-        raise handover.HandoverError(f"backend {name} cannot be taken over")
-    handover.import_broker(service.broker, state["broker"], files)
-    service.callstats.import_state(state["callstats"])
-    service.alerts.import_state(state["alerts"])
-    metrics = None
-    if state.get("metrics"):
-        metrics = socket.socket(fileno=fds[4])
-    supervisors = []
-    if state.get("seccomp"):
-        from devbroker.frontends.seccomp import SeccompSupervisor, get_notif_sizes
-
-        sizes = get_notif_sizes()
-        for sup_state in state["seccomp"]:
-            service.check_tenant(sup_state["tenant"])
-            listener, inotify = (fds[i] for i in sup_state["fds"])
-            sup = SeccompSupervisor.adopt(service.front, sup_state, inotify, sizes=sizes)
-            supervisors.append((sup, listener))
-    service.adopted = Adopted(fuse=(fds[0], state["fuse"]),
-                              control=socket.socket(fileno=fds[1]),
-                              seccomp=socket.socket(fileno=fds[2]),
-                              oci=socket.socket(fileno=fds[3]), metrics=metrics,
-                              supervisors=supervisors,
-                              from_pid=int(state["from_pid"]),
-                              books=handover.books(service.broker),
-                              sessions=len(service.broker.sessions))
-    return service
-
-
-def takeover_main(run_dir: str, fd: int) -> int:
-    """`devbroker run --takeover-fd FD`: the successor's side."""
-    # Everything slow happens before the hello, while the predecessor still serves: imports,
-    # the ABI tables of every driver version, the metric name tables; at the low priority the
-    # predecessor started us with (hand_over), which is given back before the hello.
-    _warm_up(run_dir)
-    try:
-        prio = int(os.environ.pop("DEVBROKER_PRIORITY", ""))
-        os.setpriority(os.PRIO_PROCESS, 0, prio)  # lowering niceness: root may
-    except (ValueError, PermissionError):
-        pass
-    sock = socket.socket(fileno=fd)
-    return trio.run(_takeover, run_dir, sock)
-
-
-def _warm_up(run_dir: str) -> None:
-    from devbroker import daemon  # noqa: F401
-    from devbroker.abi import registry
-    from devbroker.broker import metrics  # noqa: F401
-    from devbroker.broker.callstats import CallStats
-    from devbroker.frontends import fuse  # noqa: F401
-    from devbroker.frontends import seccomp  # noqa: F401 - adopted listeners' supervisors
-    from devbroker.backends import realhandover  # noqa: F401
-
-    for version in registry.versions():
-        registry.get(version)
-    CallStats()
-    # A throwaway service on the built-in policy: the first construction imports and builds
-    # what later ones reuse (about 20 ms here), which must not fall into the pause. It
-    # touches no file (the audit log opens on its first record, which it never gets).
-    from devbroker.broker.policy import default_policy
-
-    daemon.BrokerService(default_policy(), run_dir, backend="emulated")
-
-
-async def _takeover(run_dir: str, sock: socket.socket) -> int:
-    from devbroker.daemon import run_forever
-
-    chan = Channel(trio.socket.from_stdlib_socket(sock))
-    await chan.send({"format": handover.FORMAT, "pid": os.getpid()})
-    fds: list[int] = []
-    try:
-        with trio.fail_after(HELLO_TIMEOUT + DRAIN_TIMEOUT):
-            state, fds = await chan.recv()
-    except (EOFError, OSError, ValueError, UpgradeError, trio.TooSlowError) as e:
-        _close(fds)
-        print(f"devbroker: live upgrade: no state from the running broker: {e}",
-              file=sys.stderr, flush=True)
-        return 1
-    try:
-        service = build_service(run_dir, state, fds)
-    except Exception as e:  # noqa: BLE001 - any refusal is reported and calls the upgrade off
-        _close(fds)
-        await chan.send({"ready": False, "error": f"{type(e).__name__}: {e}"})
-        print(f"devbroker: live upgrade: cannot take over: {e}", file=sys.stderr, flush=True)
-        return 1
-    await chan.send({"ready": True})
-    try:
-        with trio.fail_after(GO_TIMEOUT):
-            go, _ = await chan.recv()
-    except (EOFError, OSError, ValueError, trio.TooSlowError) as e:
-        go = {"error": str(e)}
-    if not go.get("go"):
-        # The running broker still serves: close our copies, unmount nothing.
-        _close([service.adopted.fuse[0]])
-        print(f"devbroker: live upgrade called off: {go.get('error', go)}", file=sys.stderr,
-              flush=True)
-        return 1
-
-    async def started():
-        await chan.send({"serving_at": time.monotonic(), "serving_wall": time.time(),
-                         "pid": os.getpid()})
-        print(f"devbroker: took over from pid {service.adopted.from_pid} "
-              f"({len(service.broker.sessions)} open files)", file=sys.stderr, flush=True)
-
-    try:
-        await run_forever(service, quiet=True, started=started)
-    finally:
-        if not service.handed_over:
-            service.backend.stop()
-        service.audit.close()
-    return 0

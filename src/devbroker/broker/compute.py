@@ -38,7 +38,7 @@ import threading
 import weakref
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 from devbroker.abi import status as nvstatus
 from devbroker.broker.effects import Blocking, Steps, locked, run_async
@@ -176,6 +176,10 @@ class _Books:
     turn_stopped: dict[tuple[str, int], set[tuple[int, int]]] = field(default_factory=dict)
     turn_seen: set[tuple[str, int]] = field(default_factory=set)
     turning: bool = False
+    # How to keep turns going (turns.schedule): set by turns.py when the broker starts.
+    # Turns build on these books, so this module reaches them through this and never
+    # imports turns.py; before the start there is no task to run them in anyway.
+    keep_turns: Callable[[Any], None] | None = None
 
 
 _BOOKS: "weakref.WeakKeyDictionary[Any, _Books]" = weakref.WeakKeyDictionary()
@@ -186,6 +190,19 @@ def books(broker: Any) -> _Books:
     if b is None:
         b = _BOOKS[broker] = _Books()
     return b
+
+
+def turns_ms(broker: Any) -> int:
+    """The policy's `[broker] compute_turns_ms`: 0 when turns are off."""
+    policy = getattr(broker, "policy", None)
+    return int(getattr(getattr(policy, "broker", None), "compute_turns_ms", 0) or 0)
+
+
+def _keep_turns(broker: Any) -> None:
+    """Turns may start or stop (turns.py): a channel group came, or the policy changed."""
+    keep = books(broker).keep_turns
+    if keep is not None:
+        keep(broker)
 
 
 def stops_new_channels(broker: Any, tenant: str, gpu: int) -> bool:
@@ -214,9 +231,7 @@ def never_stops_channels(broker: Any, tenant: Any) -> bool:
     holds anything of it stopped now. A settled allocation of a channel
     (ControlLane._settleable_alloc) rests on this, and a policy change moves the epoch that
     makes it stale."""
-    from devbroker.broker import turns
-
-    if getattr(tenant.policy, "priority", "normal") == "low" or turns.turns_ms(broker):
+    if getattr(tenant.policy, "priority", "normal") == "low" or turns_ms(broker):
         return False
     b = books(broker)
     return (not any(k[0] == tenant.name for k in b.preempted)
@@ -479,9 +494,7 @@ def after_alloc(ctx: Any, alloc: Any, handle: int, gpu: int | None) -> Steps:
         schedule_apply(broker, _set_key(g))
     if s.tenant.policy.priority == "high":
         schedule_preempt(broker)  # low tenants on this GPU: stopped by the watching task
-    from devbroker.broker import turns
-
-    turns.schedule(broker)  # a second tenant on this GPU: turns start (when on)
+    _keep_turns(broker)  # a second tenant on this GPU: turns start (when on)
 
 
 def _group_for(broker: Any, s: Any, client: Any, handle: int) -> ChannelGroup | None:
@@ -539,9 +552,7 @@ def install(broker: Any) -> None:
         b.installed = True
         broker.on_policy_change.append(lambda policy: schedule_apply(broker))
         broker.on_policy_change.append(lambda policy: schedule_preempt(broker))
-        from devbroker.broker import turns
-
-        broker.on_policy_change.append(lambda policy: turns.schedule(broker))
+        broker.on_policy_change.append(lambda policy: _keep_turns(broker))
 
 
 def schedule_apply(broker: Any, only: tuple | None = None) -> None:

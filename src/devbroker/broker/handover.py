@@ -113,18 +113,19 @@ class HandoverError(Exception):
     """This broker's state cannot be handed over (the reason says why); nothing changed."""
 
 
-def _fields(cls) -> frozenset[str]:
+def field_names(cls) -> frozenset[str]:
+    """The fields of a dataclass: what a check of check_supported compares."""
     return frozenset(f.name for f in dataclasses.fields(cls))
 
 
 def check_supported(broker, *, frontends: dict[str, int] | None = None,
-                    supervisors=()) -> None:
-    """Raise HandoverError unless every piece of state can be carried (the broker's, and
-    that of the seccomp supervisors given)."""
+                    front_state=()) -> None:
+    """Raise HandoverError unless every piece of state can be carried: the broker's and the
+    backend's, and the front ends' (`front_state`: (what, names it has, names carried) for
+    each, from upgrade.front_end_state: the front ends sit above this module)."""
     from devbroker.backends.emulated import EmuClient, EmuFile, EmuObject
     from devbroker.broker.core import Session, TenantState
     from devbroker.broker.objects import RmClient, RmObject
-    from devbroker.frontends.fuse import _Handle, _Inode
 
     if broker.backend.handover_format is None:
         raise HandoverError(f"the {broker.backend.name} backend cannot be handed over")
@@ -139,15 +140,14 @@ def check_supported(broker, *, frontends: dict[str, int] | None = None,
                                 "be handed over yet (FUSE and attached seccomp listeners can)")
     checks = [
         ("the broker", set(vars(broker)), BROKER_ATTRS),
-        ("a session", _fields(Session), SESSION_FIELDS),
-        ("a tenant", _fields(TenantState), TENANT_FIELDS),
-        ("an RM client", _fields(RmClient), CLIENT_FIELDS),
-        ("an RM object", _fields(RmObject), OBJECT_FIELDS),
-        ("an emulated file", _fields(EmuFile), EMU_FILE_FIELDS),
-        ("an emulated client", _fields(EmuClient), EMU_CLIENT_FIELDS),
-        ("an emulated object", _fields(EmuObject), EMU_OBJECT_FIELDS),
-        ("a FUSE inode", _fields(_Inode), FUSE_INODE_FIELDS),
-        ("a FUSE open file", _fields(_Handle), FUSE_HANDLE_FIELDS),
+        ("a session", field_names(Session), SESSION_FIELDS),
+        ("a tenant", field_names(TenantState), TENANT_FIELDS),
+        ("an RM client", field_names(RmClient), CLIENT_FIELDS),
+        ("an RM object", field_names(RmObject), OBJECT_FIELDS),
+        ("an emulated file", field_names(EmuFile), EMU_FILE_FIELDS),
+        ("an emulated client", field_names(EmuClient), EMU_CLIENT_FIELDS),
+        ("an emulated object", field_names(EmuObject), EMU_OBJECT_FIELDS),
+        *front_state,
     ]
     if broker.backend.handover_format == "emulated":
         checks.append(("the emulated backend", set(vars(broker.backend)), EMULATED_ATTRS))
@@ -156,12 +156,6 @@ def check_supported(broker, *, frontends: dict[str, int] | None = None,
 
         checks += [(what, set(names), frozenset()) for what, names in
                    unknown_state(broker.backend)]
-    if supervisors:
-        from devbroker.frontends.seccomp import Session as SeccompSession
-
-        checks.append(("a seccomp session", _fields(SeccompSession), SECCOMP_SESSION_FIELDS))
-        checks += [("a seccomp supervisor", set(vars(sup)), SUPERVISOR_ATTRS)
-                   for sup in supervisors]
     for what, have, known in checks:
         unknown = sorted(have - known)
         if unknown:

@@ -38,11 +38,6 @@ from devbroker.broker.effects import Steps, locked, run_async
 log = logging.getLogger("devbroker.turns")
 
 
-def turns_ms(broker: Any) -> int:
-    policy = getattr(broker, "policy", None)
-    return int(getattr(getattr(policy, "broker", None), "compute_turns_ms", 0) or 0)
-
-
 def members(broker: Any, gpu: int) -> list[Any]:
     """The tenants taking turns on `gpu`: those holding live channel groups there, in the
     policy, not revoked from it, not stopped for a high-priority tenant, not under
@@ -96,7 +91,7 @@ def step(broker: Any, gpu: int) -> Steps:
     when there are no turns on this GPU (turns off, fewer than two members), after letting
     run everything turns stopped there. Runs under the state lock (locked())."""
     b = compute.books(broker)
-    ms = turns_ms(broker)
+    ms = compute.turns_ms(broker)
     mem = members(broker, gpu) if ms else []
     names = [t.name for t in mem]
     # tenants that no longer take turns here (exited, preempted, revoked, turns off)
@@ -178,9 +173,10 @@ def schedule(broker: Any, startup: bool = False) -> None:
     look, turns on or off), by channel groups and by policy changes; it ends when no GPU
     has turns and turns stopped nothing."""
     b = compute.books(broker)
+    b.keep_turns = schedule  # compute.py calls it for new channel groups, policy changes
     if b.turning or broker.spawn is None:
         return
-    if not startup and not turns_ms(broker) and not b.turn_stopped and not b.turn:
+    if not startup and not compute.turns_ms(broker) and not b.turn_stopped and not b.turn:
         return
     b.turning = True
 

@@ -150,7 +150,7 @@ def cmd_run(args) -> int:
 
     _require_root("run")
     if args.takeover_fd is not None:
-        from devbroker.upgrade import takeover_main
+        from devbroker.takeover import takeover_main
 
         return takeover_main(args.run_dir, args.takeover_fd)
     try:

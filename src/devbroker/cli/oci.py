@@ -82,7 +82,7 @@ def hook_argv(run_dir: str) -> list[str]:
 def cmd_cdi(args) -> int:
     from devbroker.broker.control import ControlError
     from devbroker.daemon import RunPaths
-    from devbroker.frontends.statshim import proc_devices_view
+    from devbroker.sandbox.statshim import proc_devices_view
     from devbroker.oci.cdi import TenantNodes, cdi_spec
 
     frontend = _frontend(args, "cdi")

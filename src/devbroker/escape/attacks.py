@@ -3,11 +3,7 @@ refusal is expected (errno or NV_STATUS), which layer should refuse it, and whic
 record proves the refusal; its function performs the attack with real syscalls from inside
 the tenant's sandbox and reports what happened.
 
-An attack function returns an :class:`Outcome`:
-
-- ``refused``: every attempt was refused; ``got`` is the errno / NV_STATUS name seen;
-- ``escaped``: at least one attempt succeeded where it must not have (``detail`` says which);
-- ``error``: the attack could not be carried out (a harness bug, never counted as refused).
+An attack function returns an Outcome (escape/outcome.py: refused, escaped or error).
 
 Functions run in the attacker's process (``python -m devbroker.escape.tenant``); the victim's
 facts (its client and object handles, GPU ids, pids, the socket it hands its fds out on)
@@ -32,6 +28,8 @@ from typing import Callable
 
 from devbroker.abi import iowr
 from devbroker.abi import status as nvs
+from devbroker.escape import races as _races
+from devbroker.escape.outcome import Outcome, escaped, refused
 
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype = ctypes.c_void_p
@@ -55,30 +53,6 @@ UVM_MAJOR_DEFAULT = 238  # BRIEF §1: /dev/nvidia-uvm is 238:0 on the H200 host
 # §5.3.1 items (our reading, docs/security.md): e = isolation of tenants' device access,
 # f = refusal and audit of privileged operations.
 E, F = "5.3.1 e", "5.3.1 f"
-
-
-@dataclass
-class Outcome:
-    result: str  # "refused" | "escaped" | "error"
-    got: str = ""  # errno / NV_STATUS name(s) seen
-    detail: str = ""
-    # Refused by the kernel before anything reached the broker (so no audit record is due):
-    # e.g. userfaultfd for a tenant without CAP_SYS_PTRACE.
-    by_kernel: bool = False
-
-    def to_dict(self) -> dict:
-        out = {"result": self.result, "got": self.got, "detail": self.detail}
-        if self.by_kernel:
-            out["by_kernel"] = True
-        return out
-
-
-def refused(got: str, detail: str = "") -> Outcome:
-    return Outcome("refused", got, detail)
-
-
-def escaped(detail: str, got: str = "success") -> Outcome:
-    return Outcome("escaped", got, detail)
 
 
 def ename(e: int) -> str:
@@ -1912,8 +1886,6 @@ ATTACKS += [
 ]
 
 # Racing-thread attacks on calls continued in the tenant (escape/races.py).
-from devbroker.escape import races as _races  # noqa: E402
-
 _RACE_NA = {"fuse": "continued calls exist only with driver files in the tenant (seccomp "
                     "front end, real backend)"}
 _RACE_NO_AUDIT = ("a lost race leaves the decided call, which needs no record; a won "

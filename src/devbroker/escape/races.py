@@ -46,6 +46,7 @@ import time
 
 from devbroker.abi import iowr
 from devbroker.abi import status as nvs
+from devbroker.escape.outcome import Outcome, escaped, refused
 
 GiB = 1 << 30
 
@@ -150,8 +151,6 @@ def nvos02_class(client, tries: int = 300) -> dict:
 
 
 def a_race_nvos02_class(ctx):
-    from devbroker.escape.attacks import Outcome, escaped, refused
-
     try:
         _flip_lib()
     except (OSError, subprocess.SubprocessError) as e:
@@ -202,8 +201,6 @@ def a_race_nvos02_class(ctx):
 
 
 def a_race_root_class(ctx, tries: int = 200):
-    from devbroker.escape.attacks import Outcome, escaped, refused
-
     c0 = ctx.client()
     abi = c0.abi
     try:
@@ -239,8 +236,6 @@ def a_race_root_class(ctx, tries: int = 200):
 
 
 def a_race_direct_open(ctx):
-    from devbroker.escape.attacks import Outcome, escaped, refused
-
     c0 = ctx.client()
     try:
         fd = os.open("/proc/self/root/dev/nvidiactl", os.O_RDWR | os.O_CLOEXEC)
@@ -273,8 +268,6 @@ def a_race_checked_gpu_id(ctx, tries: int = 1000):
     """GET_ID_INFO_V2 with its gpuId flipped between the attacker's GPU and the victim's by a
     racing thread: every answer must be the attacker's GPU's (its device instance) or a
     refusal."""
-    from devbroker.escape.attacks import Outcome, escaped, refused
-
     c = ctx.client()
     try:
         _flip_lib()

@@ -1,7 +1,7 @@
 """devbroker for OCI container runtimes (runc, crun) and CDI: see docs/containers.md.
 
 * :mod:`devbroker.oci.profile` - the OCI ``linux.seccomp`` sections (sans-IO), derived from
-  the filters ``devbroker exec`` installs (``frontends.seccompwire``).
+  the filters ``devbroker exec`` installs (``sandbox.seccompwire``).
 * :mod:`devbroker.oci.state` - the runtime's seccomp hand-over (the OCI "container process
   state"): decoding it and naming the tenant (sans-IO).
 * :mod:`devbroker.oci.cdi` - the CDI spec ``devbroker cdi`` writes (sans-IO).

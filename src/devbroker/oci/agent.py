@@ -19,7 +19,7 @@ state with the seccomp listener attached and closes (devbroker.oci.state). The a
 3. serves the listener with the supervisor the section was written for:
    ``frontend=seccomp`` -> the seccomp front end's :class:`SeccompSupervisor` (the code
    ``devbroker exec --frontend seccomp`` hands over to, ``BrokerService.attach_listener``);
-   ``frontend=fuse`` -> a :class:`~devbroker.frontends.statshim.StatShim` for the tenant's
+   ``frontend=fuse`` -> a :class:`~devbroker.sandbox.statshim.StatShim` for the tenant's
    FUSE node files (bound at ``/dev/nvidia*`` by the CDI spec), in a thread of its own.
 
 Any failure: an audit record ``container-refused`` with the reason, and the listener is
@@ -230,7 +230,7 @@ class OciSeccompAgent:
 def stat_shim_for(tenant_dir: Path):
     """A StatShim for the tenant's FUSE node files (blocking file system access: call it in
     a worker thread, never on the broker's trio thread, which serves those very files)."""
-    from devbroker.frontends import statshim
+    from devbroker.sandbox import statshim
     from devbroker.sandbox.sandbox import tenant_nodes
 
     names = tenant_nodes(tenant_dir)

@@ -89,7 +89,7 @@ def container_root(state: dict) -> Path:
 
 def install_views(root: Path, tenant_dir: Path, *, host_proc_devices: str | None = None) -> dict:
     """Mount the tenant's views into the container root (in this mount namespace)."""
-    from devbroker.frontends.statshim import proc_devices_view
+    from devbroker.sandbox.statshim import proc_devices_view
     from devbroker.sandbox.sandbox import (_driver_version_from, mount_proc_driver_view,
                                            mount_sys_module_view)
 

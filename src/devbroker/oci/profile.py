@@ -3,7 +3,7 @@
 A container runtime (runc, crun) compiles an OCI seccomp section with libseccomp, installs it
 in the container's init just before ``execve`` and, when a rule says ``SCMP_ACT_NOTIFY``,
 sends the listener to ``listenerPath`` (devbroker's agent, :mod:`devbroker.oci.agent`). The
-rules here are derived from the same :class:`~devbroker.frontends.seccompwire.FilterOptions`
+rules here are derived from the same :class:`~devbroker.sandbox.seccompwire.FilterOptions`
 and constants as the BPF programs ``devbroker exec`` installs itself, so that the broker's
 supervisors see exactly the system calls they expect:
 
@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import errno as _errno
 
-from devbroker.frontends import seccompwire as w
+from devbroker.sandbox import seccompwire as w
 
 FRONTENDS = ("seccomp", "fuse")
 # What the broker's agent reads from listenerMetadata ("key=value;key=value").

@@ -10,7 +10,7 @@ Process tree (host pids on the left)::
                              installs the stat shim's seccomp filter, execs
 
 With the stat shim (on by default), the caller also runs a thread that answers the tenant's
-stat-family system calls (devbroker.frontends.statshim): the broker's node files are regular
+stat-family system calls (devbroker.sandbox.statshim): the broker's node files are regular
 FUSE files, and NVML refuses a /dev/nvidiactl that does not stat as char 195:255.
 
 The helper exists because unshare(CLONE_NEWPID) only moves the caller's *children*, and the
@@ -29,6 +29,7 @@ import re
 import signal
 import socket
 import stat
+import struct
 import subprocess
 import sys
 import threading
@@ -36,7 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from devbroker.sandbox import brokers, linux
+from devbroker.sandbox import brokers, linux, statshim
+from devbroker.sandbox.seccompwire import FilterOptions, build_filter, build_stat_shim_filter
 from devbroker.sandbox.linux import (
     MNT_DETACH, MS_BIND, MS_NODEV, MS_NOEXEC, MS_NOSUID, MS_PRIVATE, MS_RDONLY, MS_REC,
     MS_STRICTATIME,
@@ -302,11 +304,9 @@ class _Plan:
 
 
 def _plan(spec: SandboxSpec) -> _Plan:
-    from devbroker.frontends.statshim import proc_devices_view
-
     try:
         with open("/proc/devices") as f:
-            text, uvm = proc_devices_view(f.read())
+            text, uvm = statshim.proc_devices_view(f.read())
     except (OSError, ValueError) as e:
         _fail("/proc/devices (the tenant sees the host's)", e)
         return _Plan(None, 238)
@@ -345,8 +345,6 @@ class _ListenerThread:
         self._thread.start()
 
     def _run(self) -> None:
-        from devbroker.frontends import statshim
-
         try:
             got = statshim.recv_listener(self._sock, self._stop_r)
             if got is None:
@@ -388,8 +386,6 @@ class _ShimThread(_ListenerThread):
     FAILURE = "stat shim failed; the tenant's stat calls now fail with ENOSYS"
 
     def __init__(self, spec: SandboxSpec, plan: _Plan):
-        from devbroker.frontends import statshim
-
         names = tenant_nodes(spec.tenant_dir)
         # Identities of the files that will be bound at /dev/<name>, taken now (a bind holds
         # the same inode). Fails early (SandboxError) when the kernel lacks user notification.
@@ -441,17 +437,15 @@ class _SeccompHandover(_ListenerThread):
         super().__init__()
 
     def _serve(self, listener: int) -> None:
-        import json
-        import struct
-
-        from devbroker.broker.control import read_reply
-
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(10)
             s.connect(str(self._spec.seccomp_socket))
             s.sendmsg([json.dumps({"tenant": self._spec.tenant}).encode()],
                       [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("=i", listener))])
-            answer = read_reply(s)
+            line = s.makefile("rb").readline()  # one JSON line, as the control socket's
+        if not line:
+            raise SandboxError("the broker closed the seccomp hand-over without answering")
+        answer = json.loads(line)
         if not answer.get("ok"):
             raise SandboxError(f"the broker refused the tenant: "
                                f"{answer.get('error', 'no answer')}")
@@ -597,20 +591,14 @@ def _command_main(spec: SandboxSpec, shim_fd: int | None = None) -> None:
             # Last, after no_new_privs: from here every stat of this process and of all its
             # descendants goes to the caller's shim thread. Nothing between the install and
             # the send stats a file (the send hands the listener to that thread).
-            from devbroker.frontends.statshim import install_and_send
-
             if spec.frontend == "seccomp":
-                from devbroker.frontends.seccompwire import FilterOptions, build_filter
-
                 step = "installing the seccomp front end's filter"
-                install_and_send(shim_fd, build_filter(FilterOptions(
+                statshim.install_and_send(shim_fd, build_filter(FilterOptions(
                     kernel_ioctls=spec.kernel_ioctls)))
             else:
-                from devbroker.frontends.seccompwire import build_stat_shim_filter
-
                 # File mappings too: a seccomp tenant's placeholder that reached this
                 # tenant is refused there (statshim.StatShim._mmap).
-                install_and_send(shim_fd, build_stat_shim_filter(notify_mmap=True))
+                statshim.install_and_send(shim_fd, build_stat_shim_filter(notify_mmap=True))
             step = "exec"
         _exec_command(list(spec.argv), env)
     except CommandNotRun as e:

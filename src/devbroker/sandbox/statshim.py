@@ -6,7 +6,7 @@ gives up ("GPU access blocked by the operating system") unless it is a character
 that claims to be S_IFCHR is opened as the real character device by the kernel.
 
 So the sandbox puts the tenant under a seccomp filter
-(:func:`devbroker.frontends.seccompwire.build_stat_shim_filter`) that sends the stat family
+(:func:`devbroker.sandbox.seccompwire.build_stat_shim_filter`) that sends the stat family
 (``stat``, ``lstat``, ``fstat``, ``newfstatat``, ``statx``) to a :class:`StatShim` running in
 the ``devbroker exec`` process, outside the tenant's namespaces. For each call the shim
 
@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, NamedTuple
 
-from devbroker.frontends import seccompwire as w
+from devbroker.sandbox import seccompwire as w
 
 NVIDIA_MAJOR = 195
 NVIDIACTL_MINOR = 255
