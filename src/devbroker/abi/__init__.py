@@ -6,8 +6,9 @@
     ref = abi.nested(call)          # NestedRef(ptr, size, spec, field) or None
 """
 from . import registry, status
-from .driver import DriverABI, IoctlCall, NestedRef, OpSpec, iowr, ioc_nr, ioc_size, ioc_type
+from .driver import DriverABI, IoctlCall, NestedRef, OpSpec, iowr
 from .errors import DecodeError, UnknownVersion
+from .ioc import ioc_nr, ioc_size, ioc_type
 from .nodes import NodeKind
 from .spec import Field, StructSpec, StructValue
 

@@ -7,7 +7,8 @@ and decode_nested() decodes it.  Nothing here dereferences a pointer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Callable, ClassVar
 
 from . import status as _status
 from .errors import DecodeError
@@ -43,11 +44,11 @@ class OpSpec:
     number: int
     name: str
     params: StructSpec | None = None
-    flags: frozenset = frozenset()
-    variants: dict = field(default_factory=dict, compare=False, hash=False)
+    flags: frozenset[str] = frozenset()
+    variants: dict[int, StructSpec] = field(default_factory=dict, compare=False, hash=False)
     array_of: StructSpec | None = None  # argument is N of these (CARD_INFO)
     source: str = ""
-    driver_flags: frozenset | None = None
+    driver_flags: frozenset[str] | None = None
 
     @property
     def size(self) -> int:
@@ -127,7 +128,8 @@ class IoctlCall:
 
     __slots__ = ("node", "cmd", "kind", "name", "spec", "value", "raw", "nr")
 
-    def __init__(self, node, cmd, kind, name, spec, value, raw, nr):
+    def __init__(self, node: NodeKind | int, cmd: int, kind: str, name: str,
+                 spec: OpSpec | None, value: StructValue | None, raw: bytes, nr: int):
         self.node = node
         self.cmd = cmd
         self.kind = kind  # "frontend" | "rm" | "uvm"
@@ -145,6 +147,8 @@ class IoctlCall:
         return self.value.encode() if self.value is not None else self.raw
 
     def replace(self, **kw: Any) -> "IoctlCall":
+        if self.value is None:
+            raise ValueError(f"{self.name}: no decoded argument to replace fields of")
         return IoctlCall(self.node, self.cmd, self.kind, self.name, self.spec,
                          self.value.replace(**kw), self.raw, self.nr)
 
@@ -163,8 +167,8 @@ class IoctlCall:
         if name is not None:
             return value.replace(**{name: status}).encode()
         inner = getattr(value, "params", None)
-        name = _status_field(inner) if inner is not None else None
-        if name is not None:
+        name = _status_field(inner) if isinstance(inner, StructValue) else None
+        if name is not None and inner is not None:
             return value.replace(params=inner.replace(**{name: status})).encode()
         return None
 
@@ -173,10 +177,9 @@ class IoctlCall:
         return f"<IoctlCall {self.name}{v}>"
 
 
-def _status_field(value) -> str | None:
+def _status_field(value: StructValue) -> str | None:
     """The name of the field of a decoded struct whose role is the driver's NV status."""
-    spec = getattr(value, "spec", None)
-    for f in getattr(spec, "fields", ()):
+    for f in value.spec.fields:
         if f.kind == "status":
             return f.name
     return None
@@ -186,7 +189,9 @@ class DriverABI:
     """The tables of one driver version (built by registry; treat as read-only)."""
 
     def __init__(self, version: str, *, tag: str, escapes: dict[int, OpSpec],
-                 controls, classes, uvm: dict[int, OpSpec], structs, unpublished=None):
+                 controls: Mapping[int, OpSpec], classes: Mapping[int, OpSpec],
+                 uvm: dict[int, OpSpec], structs: Mapping[str, StructSpec],
+                 unpublished: Callable[[int], OpSpec] | None = None):
         self.version = version
         self.tag = tag  # the open-gpu-kernel-modules tag the layouts were read from
         self.escapes = escapes
@@ -309,7 +314,7 @@ class DriverABI:
                 raise DecodeError(0, "<arg>", f"{spec.name}: size {size} is not one of {want}")
         return IoctlCall(node, cmd, kind, spec.name, spec, ps.decode(arg), arg, nr)
 
-    _arrays: dict = {}
+    _arrays: ClassVar[dict[tuple[str, int, int], StructSpec]] = {}
 
     def _array_spec(self, elem: StructSpec, n: int) -> StructSpec:
         key = (elem.name, elem.size, n)
@@ -329,6 +334,7 @@ class DriverABI:
         if v is None or call.spec is None:
             return None
         name = call.name
+        op: OpSpec | None
         if name == "NV_ESC_RM_CONTROL":
             op = self.control_op(v.cmd)
             ref = NestedRef(v.params, v.paramsSize, op.params, "params", "paramsSize", op)
@@ -361,9 +367,9 @@ class DriverABI:
         if ref is None or ref.spec is None:
             return None
         if call.name == "NV_ESC_RM_CONTROL" and ref.size != ref.spec.size:
-            off = call.value.spec.by_name["paramsSize"].offset
+            off = call.value.spec.by_name["paramsSize"].offset if call.value else 0
             raise DecodeError(off, "paramsSize",
-                              f"{ref.op.name}: paramsSize {ref.size} != sizeof({ref.spec.name}) "
+                              f"{ref.op.name if ref.op else call.name}: paramsSize {ref.size} != sizeof({ref.spec.name}) "
                               f"{ref.spec.size}")
         if len(data) < ref.size:
             raise DecodeError(len(data), ref.field,

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import importlib
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from types import ModuleType
+from typing import Any, Generic, TypedDict, TypeVar
 
 from .driver import DriverABI, OpSpec
 from .errors import UnknownVersion
@@ -22,7 +24,7 @@ BASE_TAG = "580.142"
 # driver version -> the open-gpu-kernel-modules tag its layouts are read from, and why.
 # A driver that NVIDIA tagged uses its own tag; the two untagged releases seen on real
 # machines use the newest tag of their branch (their ABI was checked against traces).
-VERSIONS: dict[str, dict] = {
+VERSIONS: dict[str, dict[str, str]] = {
     "595.45.04": {"tag": "595.45.04", "note": "tagged, newest of the 595 branch"},
     "590.48.01": {"tag": "590.48.01", "note": "tagged, newest of the 590 branch"},
     "580.159.04": {"tag": "580.142",
@@ -40,6 +42,23 @@ VERSIONS: dict[str, dict] = {
 
 TABLE_NAMES = ("STRUCTS", "CONTROLS", "CLASSES", "UVM", "ESCAPES", "CATEGORIES", "DEPRECATED",
                "LEGACY")
+# A control's or class's row: (name, parameters' struct, header, the driver's flags)
+Row = tuple[str, "str | None", str, "tuple[str, ...] | None"]
+
+
+class RawTables(TypedDict):
+    """The data tables of one tag, merged (tables/hdr_*.py say what each holds)."""
+
+    TAG: str
+    STRUCTS: dict[str, tuple[str, str]]
+    CONTROLS: dict[int, Row]
+    CLASSES: dict[int, Row]
+    UVM: dict[int, tuple[str, str | None]]
+    ESCAPES: dict[int, str]
+    CATEGORIES: dict[int, dict[int, str]]
+    DEPRECATED: dict[int, int]
+    LEGACY: dict[str, int]
+
 
 _cache: dict[str, DriverABI] = {}
 _lock = threading.Lock()
@@ -85,11 +104,15 @@ def table_module(tag: str) -> str:
     return "hdr_" + tag.replace(".", "_")
 
 
-def _load(mod: str):
+def _load(mod: str) -> ModuleType:
     return importlib.import_module(f"{__package__}.tables.{mod}")
 
 
-def _merge(base: dict, changed: dict, removed: list) -> dict:
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def _merge(base: dict[K, V], changed: dict[K, V], removed: list[K]) -> dict[K, V]:
     out = dict(base)
     out.update(changed)
     for k in removed:
@@ -97,26 +120,32 @@ def _merge(base: dict, changed: dict, removed: list) -> dict:
     return out
 
 
-_raw: dict[str, dict] = {}
+_raw: dict[str, RawTables] = {}
 
 
-def raw_tag_tables(tag: str) -> dict:
+def raw_tag_tables(tag: str) -> RawTables:
     """The merged data tables of one tag (before building specs)."""
     tabs = _raw.get(tag)
     if tabs is not None:
         return tabs
     b = _load(table_module(BASE_TAG))
-    tabs = {k: getattr(b, k) for k in TABLE_NAMES}
-    if tag != BASE_TAG:
-        d = _load(table_module(tag))
-        tabs = {k: _merge(tabs[k], getattr(d, k + "_CHANGED"), getattr(d, k + "_REMOVED"))
-                for k in TABLE_NAMES}
-    tabs["TAG"] = tag
+    d = _load(table_module(tag)) if tag != BASE_TAG else None
+
+    def table(k: str) -> Any:  # the generated modules' own annotations give the types
+        base = getattr(b, k)
+        if d is None:
+            return base
+        return _merge(base, getattr(d, k + "_CHANGED"), getattr(d, k + "_REMOVED"))
+
+    tabs = RawTables(TAG=tag, STRUCTS=table("STRUCTS"), CONTROLS=table("CONTROLS"),
+                     CLASSES=table("CLASSES"), UVM=table("UVM"), ESCAPES=table("ESCAPES"),
+                     CATEGORIES=table("CATEGORIES"), DEPRECATED=table("DEPRECATED"),
+                     LEGACY=table("LEGACY"))
     _raw[tag] = tabs
     return tabs
 
 
-def raw_tables(version: str) -> dict:
+def raw_tables(version: str) -> RawTables:
     """The merged data tables of a driver version (used by tests and tools)."""
     return raw_tag_tables(VERSIONS[version]["tag"])
 
@@ -133,16 +162,16 @@ def _annotate(name: str, dsl: str) -> str:
     return " ".join(items)
 
 
-class _Lazy(Mapping):
+class _Lazy(Mapping[K, V], Generic[K, V]):
     """A read-only mapping whose values are built on first access (thread-safe enough: two
     threads may both build one value; either result is the same)."""
 
-    def __init__(self, keys, build):
+    def __init__(self, keys: Mapping[K, object] | set[K], build: Callable[[K], V]):
         self._keys = keys
         self._build = build
-        self._done: dict = {}
+        self._done: dict[K, V] = {}
 
-    def __getitem__(self, key):
+    def __getitem__(self, key: K) -> V:
         v = self._done.get(key)
         if v is None:
             if key not in self._keys:
@@ -150,7 +179,7 @@ class _Lazy(Mapping):
             v = self._done[key] = self._build(key)
         return v
 
-    def get(self, key, default=None):
+    def get(self, key: K, default: Any = None) -> Any:  # Mapping.get without a raise
         v = self._done.get(key)
         if v is not None:
             return v
@@ -158,17 +187,17 @@ class _Lazy(Mapping):
             return default
         return self[key]
 
-    def __contains__(self, key):
+    def __contains__(self, key: object) -> bool:
         return key in self._keys
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[K]:
         return iter(self._keys)
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self._keys)
 
 
-def _build(version: str, v: dict) -> DriverABI:
+def _build(version: str, v: dict[str, str]) -> DriverABI:
     tabs = raw_tables(version)
     raw = dict(tabs["STRUCTS"])
 
@@ -183,16 +212,16 @@ def _build(version: str, v: dict) -> DriverABI:
         return StructSpec(name, parse_fields(_annotate(name, dsl), structs.__getitem__),
                           source=src)
 
-    structs = _Lazy(raw, make)
+    structs: _Lazy[str, StructSpec] = _Lazy(raw, make)
 
-    def spec_or_none(name):
+    def spec_or_none(name: str | None) -> StructSpec | None:
         return structs[name] if name and name in raw else None
 
     escapes = {}
     for nr, ename in tabs["ESCAPES"].items():
-        sname, extra = _base.ESCAPE_STRUCTS.get(ename, (None, {}))
+        sname, extra = _base.ESCAPE_STRUCTS.get(ename, (None, _base.EscapeExtra()))
         kind = "frontend" if nr >= 200 else "rm"
-        variants = {}
+        variants: dict[int, StructSpec] = {}
         for vn in extra.get("variants", ()):
             vs = spec_or_none(vn)
             if vs is not None:
@@ -204,14 +233,14 @@ def _build(version: str, v: dict) -> DriverABI:
     deprecated = tabs["DEPRECATED"]
     legacy = tabs["LEGACY"]
 
-    def control_flags(cmd: int):
+    def control_flags(cmd: int) -> frozenset[str] | None:
         """The driver's flags for a control, as the kernel applies them: a deprecated control
         runs as its V2 control (its flags, plus DEPRECATED_V2); a number with the GSS legacy
         bits (on a GPU object) is forwarded to GSP (GSS_LEGACY, or GSS_LEGACY_PRIVILEGED when
         only root may send it); NO_EXPORT_ENTRY: the kernel's export tables do not list it."""
         entry = ctl_tab.get(deprecated.get(cmd, cmd)) or ctl_tab.get(cmd)
         flags = entry[3] if entry is not None else None
-        extra = set()
+        extra: set[str] = set()
         if cmd in deprecated:
             extra.add("DEPRECATED_V2")
         mask, priv = legacy.get("gss_mask", 0), legacy.get("gss_privileged_mask", 0)
@@ -276,7 +305,7 @@ def op_names(version: str) -> dict[str, dict[int, str]]:
             "uvm": {cmd: entry[0] for cmd, entry in tabs["UVM"].items()}}
 
 
-def unpublished_control_name(cmd: int, categories: dict) -> str:
+def unpublished_control_name(cmd: int, categories: dict[int, dict[int, str]]) -> str:
     """A stable name for a control in no header: its class, the name of its category (the
     range NVIDIA's headers name, e.g. CLK_LEGACY_NON_PRIVILEGED for 0x2080_90xx) and its
     index: 0x20809001 -> NV2080_CTRL_CMD_CLK_LEGACY_NON_PRIVILEGED_UNPUBLISHED_01."""

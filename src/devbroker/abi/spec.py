@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 import struct
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from .errors import DecodeError
 
@@ -54,6 +54,12 @@ class Field:
 
     __slots__ = ("name", "kind", "base", "offset", "size", "align", "count", "elem", "spec",
                  "points_to", "size_field", "_index", "_conv", "_sst", "scalar")
+    size: int
+    align: int
+    # set by the StructSpec that lays the field out: its slot in the struct's one unpack,
+    # and for arrays of scalars the Struct that converts the slot's bytes
+    _index: int
+    _conv: struct.Struct | None
 
     def __init__(self, name: str, kind: str, *, count: int | None = None, elem: Any = None,
                  spec: "StructSpec | None" = None, size: int | None = None, align: int = 1,
@@ -67,23 +73,29 @@ class Field:
         self.points_to = points_to
         self.size_field = size_field
         self.offset = 0
-        self._sst = None
+        self._sst: struct.Struct | None = None
         # A plain attribute, not a property: read for every field access.
         self.scalar = kind in _SCALAR
         if kind in _SCALAR:
             self._sst = struct.Struct("<" + _SCALAR[kind])  # for single-field reads
             self.size = self.align = self._sst.size
-        elif kind == "bytes":
-            self.size, self.align = count, 1
-        elif kind == "array":
-            if isinstance(elem, StructSpec):
+        elif kind in ("bytes", "array"):
+            if count is None:
+                raise ValueError(f"field {name}: {kind} needs a count")
+            if kind == "bytes":
+                self.size, self.align = count, 1
+            elif isinstance(elem, StructSpec):
                 self.size, self.align = elem.size * count, elem.align
             else:
                 esz = struct.calcsize("<" + _SCALAR[elem])
                 self.size, self.align = esz * count, esz
         elif kind == "struct":
+            if spec is None:
+                raise ValueError(f"field {name}: struct needs its spec")
             self.size, self.align = spec.size, spec.align
         elif kind == "union":
+            if size is None:
+                raise ValueError(f"field {name}: union needs its size")
             self.size, self.align = size, align
         else:
             raise ValueError(f"unknown field kind {kind!r}")
@@ -162,7 +174,7 @@ class StructSpec:
             return StructValue(self, raw, b"")
         return StructValue(self, raw[: self.size], raw[self.size:])
 
-    def encode(self, value: "StructValue | dict") -> bytes:
+    def encode(self, value: "StructValue | dict[str, Any]") -> bytes:
         if isinstance(value, StructValue):
             return value.encode()
         return self.zero().replace(**value).encode()
@@ -174,7 +186,7 @@ class StructSpec:
         """Dotted name of the field covering byte `offset` (for error messages)."""
         for f in self.fields:
             if f.offset <= offset < f.offset + f.size:
-                if f.kind == "struct":
+                if f.spec is not None:  # kind "struct"
                     return f.name + "." + f.spec.field_at(offset - f.offset)
                 return f.name
         return "<padding>"
@@ -185,7 +197,7 @@ class StructSpec:
         for f in self.fields:
             p = _join(prefix, f.name)
             yield p, f, f.offset
-            if f.kind == "struct":
+            if f.spec is not None:  # kind "struct"
                 for q, g, o in f.spec.walk(p):
                     yield q, g, f.offset + o
             elif f.kind == "array" and isinstance(f.elem, StructSpec):
@@ -215,7 +227,7 @@ class StructValue:
         self.spec = spec
         self._raw = raw
         self.trailing = trailing
-        self._vals: list | None = None
+        self._vals: list[Any] | None = None
         self._cache: dict[int, Any] = {}
         self._dirty = False
         self._limit: int | None = None  # set for partial (windowed) decodes
@@ -224,7 +236,7 @@ class StructValue:
     def partial(self) -> bool:
         return self._limit is not None
 
-    def _values(self) -> list:
+    def _values(self) -> list[Any]:
         v = self._vals
         if v is None:
             v = self._vals = list(self.spec._st.unpack(self._raw))
@@ -260,8 +272,9 @@ class StructValue:
                 c = list(f._conv.unpack(raw))
             else:
                 es = f.elem.size
-                c = [StructValue(f.elem, raw[k * es:(k + 1) * es]) for k in range(f.count)]
-        elif f.kind == "struct":
+                c = [StructValue(f.elem, raw[k * es:(k + 1) * es])
+                     for k in range(f.count or 0)]
+        elif f.spec is not None:  # kind "struct"
             c = StructValue(f.spec, raw)
         else:  # bytes, union
             c = raw
@@ -278,8 +291,8 @@ class StructValue:
     def keys(self) -> list[str]:
         return [f.name for f in self.spec.fields]
 
-    def to_dict(self) -> dict:
-        out = {}
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
         for f in self.spec.fields:
             v = self._get(f)
             if isinstance(v, StructValue):
@@ -293,7 +306,7 @@ class StructValue:
         """Entry k of an array field, decoded alone (a control that asks for 3 of 128
         entries need not build 128 values)."""
         f = self.spec.by_name[name]
-        if f.kind != "array" or not 0 <= k < f.count:
+        if f.kind != "array" or f.count is None or not 0 <= k < f.count:
             raise IndexError(f"{self.spec.name}.{name}[{k}]")
         c = self._cache.get(f._index)
         if c is not None:
@@ -314,13 +327,14 @@ class StructValue:
         c = self._cache.get(f._index)
         if c is not None:  # changed since decode: encode what it is now
             return self.encode()[f.offset:f.offset + f.size]
-        return self._values()[f._index]
+        raw: bytes = self._values()[f._index]
+        return raw
 
     def replace_elements(self, name: str, changes: dict[int, Any]) -> "StructValue":
         """A new value with entries of one array field replaced (by index), the others'
         bytes untouched."""
         f = self.spec.by_name[name]
-        if f.kind != "array":
+        if f.kind != "array" or f.count is None:
             raise TypeError(f"{self.spec.name}.{name} is not an array")
         if not changes:
             return self
@@ -362,7 +376,7 @@ class StructValue:
                 b = v.encode()[: v.spec.size]
             elif isinstance(v, (bytes, bytearray, memoryview)):
                 b = bytes(v)
-            elif f.kind == "array":
+            elif f.kind == "array" and f.count is not None:
                 v = list(v)
                 if len(v) > f.count:
                     raise ValueError(f"{self.spec.name}.{name}: {len(v)} > {f.count} elements")
@@ -373,7 +387,7 @@ class StructValue:
                     b = b"".join(e.encode()[: f.elem.size] if isinstance(e, StructValue)
                                  else f.elem.encode(e) for e in v)
                     b += bytes(f.size - len(b))
-            elif f.kind == "struct" and isinstance(v, dict):
+            elif f.spec is not None and isinstance(v, dict):  # kind "struct"
                 b = f.spec.encode(v)
             else:
                 raise TypeError(f"{self.spec.name}.{name}: cannot set from {type(v).__name__}")
@@ -393,7 +407,7 @@ class StructValue:
         if not self._dirty:
             out = self._raw + self.trailing if self.trailing else self._raw
         else:
-            out = self.spec._st.pack(*self._vals) + self.trailing
+            out = self.spec._st.pack(*self._values()) + self.trailing
         return out if self._limit is None else out[: self._limit]
 
     def __eq__(self, other: object) -> bool:
@@ -408,7 +422,8 @@ class StructValue:
 
 
 # ---------------------------------------------------------------------- formatting
-def format_value(v: StructValue, *, max_items: int = 8, status_name=None) -> str:
+def format_value(v: StructValue, *, max_items: int = 8,
+                 status_name: Callable[[int], str] | None = None) -> str:
     """Compact one-line rendering; handles/ptrs/classes/cmds in hex, zero-filled arrays
     summarised, bytes that look like C strings shown as strings."""
     parts = []
@@ -418,7 +433,7 @@ def format_value(v: StructValue, *, max_items: int = 8, status_name=None) -> str
     return " ".join(parts)
 
 
-def _fmt(f: Field, x: Any, max_items: int, status_name) -> str:
+def _fmt(f: Field, x: Any, max_items: int, status_name: Callable[[int], str] | None) -> str:
     if isinstance(x, StructValue):
         return "{" + format_value(x, max_items=max_items, status_name=status_name) + "}"
     if isinstance(x, bytes):
@@ -454,7 +469,7 @@ def _fmt(f: Field, x: Any, max_items: int, status_name) -> str:
 _ITEM = re.compile(r"^([A-Za-z_][\w]*):([\w<>,\-@.]+?)(?:\[(\d+)\])?$")
 
 
-def parse_fields(text: str, lookup) -> list[Field]:
+def parse_fields(text: str, lookup: Callable[[str], "StructSpec"]) -> list[Field]:
     out = []
     for item in text.split():
         m = _ITEM.match(item)

@@ -5,7 +5,9 @@ Used by `devbroker trace show/stats` and by the tests that prove every record de
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 from . import status as _status
 from .driver import NV_IOCTL_MAGIC, DriverABI, IoctlCall, NestedRef
@@ -26,7 +28,7 @@ class Event:
     nested_out: StructValue | None = None
     error: DecodeError | None = None
     op_name: str = ""  # control / class / xfer name of the nested buffer
-    notes: list = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
 
 class TraceDecoder:
@@ -60,23 +62,24 @@ class TraceDecoder:
         ev.node = self.node_for(rec)
         abi = self.abi
         try:
-            ev.call_in = abi.decode_ioctl(ev.node, rec.cmd, rec.in_, window=True)
+            call = ev.call_in = abi.decode_ioctl(ev.node, rec.cmd, rec.in_, window=True)
             ev.call_out = (abi.decode_ioctl(ev.node, rec.cmd, rec.out, window=True)
                            if rec.out else None)
-            ev.ref = abi.nested(ev.call_in)
-            if ev.call_in.name == "NV_ESC_RM_CONTROL":
-                ev.op_name = abi.control_name(ev.call_in.value.cmd)
-            if ev.ref is not None:
-                ev.op_name = ev.ref.op.name if ev.ref.op else _unknown_op(ev.call_in)
+            ref = ev.ref = abi.nested(call)
+            v = call.value
+            if call.name == "NV_ESC_RM_CONTROL" and v is not None:
+                ev.op_name = abi.control_name(v.cmd)
+            if ref is not None:
+                ev.op_name = ref.op.name if ref.op else _unknown_op(call)
                 # the recorder captured min(size, readable) bytes; class-sized windows are longer
-                if ev.ref.spec is not None:
+                if ref.spec is not None:
                     if rec.xin:
-                        ev.nested_in = abi.decode_nested(ev.call_in, rec.xin, ev.ref)
+                        ev.nested_in = abi.decode_nested(call, rec.xin, ref)
                     if rec.xout:
-                        ev.nested_out = abi.decode_nested(ev.call_in, rec.xout, ev.ref)
-            elif ev.call_in.name == "NV_ESC_RM_ALLOC":
-                op = abi.rm_class(ev.call_in.value.hClass)
-                ev.op_name = op.name if op else _unknown_op(ev.call_in)
+                        ev.nested_out = abi.decode_nested(call, rec.xout, ref)
+            elif call.name == "NV_ESC_RM_ALLOC" and v is not None:
+                op = abi.rm_class(v.hClass)
+                ev.op_name = op.name if op else _unknown_op(call)
         except DecodeError as e:
             ev.error = e
         return ev
@@ -84,6 +87,8 @@ class TraceDecoder:
 
 def _unknown_op(call: IoctlCall) -> str:
     v = call.value
+    if v is None:
+        return f"UNKNOWN({call.name})"
     if call.name == "NV_ESC_RM_CONTROL":
         return f"UNKNOWN_CONTROL(0x{v.cmd:x})"
     if call.name == "NV_ESC_RM_ALLOC":
@@ -133,6 +138,8 @@ def format_event(abi: DriverABI, i: int, ev: Event) -> str:
     if ev.error is not None:
         return f"{head} ioctl fd={r.fd} node={node} cmd=0x{r.cmd:x} DECODE-ERROR {ev.error} {res}"
     call = ev.call_out or ev.call_in
+    if call is None:  # the decoder made no call of it and said no error: never expected
+        return f"{head} ioctl fd={r.fd} node={node} cmd=0x{r.cmd:x} (not decoded) {res}"
     s = f"{head} ioctl fd={r.fd} node={node} {call.kind} {call.name}"
     if ev.op_name:
         s += f" [{ev.op_name}]"
@@ -144,16 +151,29 @@ def format_event(abi: DriverABI, i: int, ev: Event) -> str:
     return s + " " + res
 
 
-def stats(abi: DriverABI, records) -> dict:
+class TraceStats(TypedDict):
+    records: Counter[str]
+    nodes: Counter[str]
+    escapes: Counter[str]
+    uvm: Counter[str]
+    classes: Counter[str]
+    controls: Counter[str]
+    statuses: Counter[str]
+    unknown: Counter[str]
+    unpublished: set[str]
+    errors: list[str]
+
+
+def stats(abi: DriverABI, records: Iterable[Record]) -> TraceStats:
     """Counts by node, escape, UVM command, class, control and status, and what the tables
     do not know: `unknown` counts every escape, UVM command, class or control without a
     table entry, and every control NVIDIA publishes no header for (named by its range,
     "… (unpublished: no published layout)"); `unpublished` holds the keys of `unknown` that
     are such controls. Anything else in `unknown` is a gap in the tables."""
     dec = TraceDecoder(abi)
-    out = {"records": Counter(), "nodes": Counter(), "escapes": Counter(), "uvm": Counter(),
-           "classes": Counter(), "controls": Counter(), "statuses": Counter(),
-           "unknown": Counter(), "unpublished": set(), "errors": []}
+    out = TraceStats(records=Counter(), nodes=Counter(), escapes=Counter(), uvm=Counter(),
+                     classes=Counter(), controls=Counter(), statuses=Counter(),
+                     unknown=Counter(), unpublished=set(), errors=[])
     for i, rec in enumerate(records):
         ev = dec.decode(rec)
         try:
@@ -164,16 +184,18 @@ def stats(abi: DriverABI, records) -> dict:
             out["nodes"][f"open {ev.node.name.lower()}"] += 1
         if rec.type != RecordType.IOCTL:
             continue
-        out["nodes"][ev.node.name.lower()] += 1
+        out["nodes"][ev.node.name.lower() if ev.node is not None else "?"] += 1
         if ev.error is not None:
             out["errors"].append(f"#{i} @{rec.offset}: {ev.error}")
             continue
         c = ev.call_in
+        if c is None:
+            continue
         if c.spec is None:
             out["unknown"][c.name] += 1
         (out["uvm"] if c.kind == "uvm" else out["escapes"])[c.name] += 1
         v = (ev.call_out or c).value
-        if c.name == "NV_ESC_RM_CONTROL":
+        if c.name == "NV_ESC_RM_CONTROL" and v is not None and c.value is not None:
             out["controls"][ev.op_name] += 1
             out["statuses"][_status.name(v.status)] += 1
             op = abi.control_op(c.value.cmd)
@@ -182,7 +204,7 @@ def stats(abi: DriverABI, records) -> dict:
                 out["unknown"][key] += 1
                 out["unpublished"].add(key)
                 continue
-        elif c.name == "NV_ESC_RM_ALLOC":
+        elif c.name == "NV_ESC_RM_ALLOC" and v is not None:
             out["classes"][ev.op_name] += 1
             out["statuses"][_status.name(v.status)] += 1
         if ev.op_name.startswith("UNKNOWN"):

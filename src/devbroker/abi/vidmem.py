@@ -74,7 +74,7 @@ def alignment_usable(alignment: int, page: int) -> bool:
     return (a > page and a % page == 0) or (a <= page and page % a == 0)
 
 
-def charged(params) -> int:
+def charged(params: object) -> int:
     """charged_size() of a decoded NV_MEMORY_ALLOCATION_PARAMS (0 when there are none)."""
     if params is None:
         return 0

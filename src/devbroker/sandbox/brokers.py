@@ -41,7 +41,7 @@ SHARED_DIRS = frozenset({
 })
 
 
-def register(run_dir: str | os.PathLike, audit: str | os.PathLike | None,
+def register(run_dir: str | os.PathLike[str], audit: str | os.PathLike[str] | None,
              registry: Path = REGISTRY) -> Path:
     """Write down this broker process's run dir and audit log; returns the entry (for
     `unregister`). Entries of processes that are gone are removed on the way."""
@@ -70,13 +70,13 @@ def unregister(entry: Path) -> None:
         pass
 
 
-def audit_outside(run_dir: str | os.PathLike, audit: str | os.PathLike) -> bool:
+def audit_outside(run_dir: str | os.PathLike[str], audit: str | os.PathLike[str]) -> bool:
     """Whether the audit log lives outside the run dir (which is covered whole anyway)."""
     run = os.path.abspath(run_dir).rstrip("/") + "/"
     return not os.path.abspath(audit).startswith(run)
 
 
-def audit_dir_is_shared(audit: str | os.PathLike) -> bool:
+def audit_dir_is_shared(audit: str | os.PathLike[str]) -> bool:
     """Whether the audit log's directory is one a sandbox cannot cover whole: a directory
     every program needs, or one that holds anything but the log and its rotated files (a
     cover would take those from the tenant too: a home, a project it binds in)."""
@@ -92,7 +92,7 @@ def audit_dir_is_shared(audit: str | os.PathLike) -> bool:
                for e in entries)
 
 
-def audit_paths(audit: str | os.PathLike) -> list[str]:
+def audit_paths(audit: str | os.PathLike[str]) -> list[str]:
     """What hides an audit log with its rotated files: its directory, or (in a directory
     shared with other files) the live file and the rotated ones that exist now."""
     path = os.path.abspath(audit)

@@ -68,7 +68,7 @@ def _check(ret: int, what: str, path: str | None = None) -> int:
     return ret
 
 
-def _b(s: str | os.PathLike | None) -> bytes | None:
+def _b(s: str | os.PathLike[str] | None) -> bytes | None:
     return None if s is None else os.fsencode(s)
 
 
@@ -76,7 +76,7 @@ def unshare(flags: int) -> None:
     _check(_libc.unshare(ctypes.c_int(flags)), "unshare")
 
 
-def mount(source: str | None, target: str | os.PathLike, fstype: str | None,
+def mount(source: str | None, target: str | os.PathLike[str], fstype: str | None,
           flags: int = 0, data: str | None = None) -> None:
     _check(_libc.mount(_b(source), _b(target), _b(fstype), ctypes.c_ulong(flags), _b(data)),
            "mount", os.fspath(target))
@@ -102,7 +102,7 @@ class _MountAttr(ctypes.Structure):
                 ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
 
 
-def mount_setattr(path: str | os.PathLike, *, set_: int = 0, clear: int = 0,
+def mount_setattr(path: str | os.PathLike[str], *, set_: int = 0, clear: int = 0,
                   recursive: bool = False, dirfd: int = AT_FDCWD) -> None:
     """Change per-mount flags of the mount at path (of its whole subtree with recursive),
     atomically: `mount -o remount,bind,ro` cannot do a subtree at once. dirfd with path ""
@@ -115,7 +115,7 @@ def mount_setattr(path: str | os.PathLike, *, set_: int = 0, clear: int = 0,
            os.fspath(path) or f"fd {dirfd}")
 
 
-def open_tree_clone(path: str | os.PathLike, *, recursive: bool = True) -> int:
+def open_tree_clone(path: str | os.PathLike[str], *, recursive: bool = True) -> int:
     """A detached copy of the mount tree at path (what `mount --rbind` would attach), as an
     fd to attach later with move_mount: taken now, before the view changes under path."""
     flags = OPEN_TREE_CLONE | os.O_CLOEXEC | (AT_RECURSIVE if recursive else 0)
@@ -123,7 +123,7 @@ def open_tree_clone(path: str | os.PathLike, *, recursive: bool = True) -> int:
                                 _b(path), ctypes.c_uint(flags)), "open_tree", os.fspath(path))
 
 
-def move_mount(tree_fd: int, target: str | os.PathLike) -> None:
+def move_mount(tree_fd: int, target: str | os.PathLike[str]) -> None:
     """Attach a detached tree (from open_tree_clone) at target."""
     _check(_libc.syscall(ctypes.c_long(_SYS_MOVE_MOUNT), ctypes.c_int(tree_fd), b"",
                          ctypes.c_int(AT_FDCWD), _b(target),
@@ -144,18 +144,18 @@ def pidfd_getfd(pidfd: int, fd: int) -> int:
                                 ctypes.c_long(fd), ctypes.c_long(0)), "pidfd_getfd")
 
 
-def umount2(target: str | os.PathLike, flags: int = 0) -> None:
+def umount2(target: str | os.PathLike[str], flags: int = 0) -> None:
     _check(_libc.umount2(_b(target), ctypes.c_int(flags)), "umount", os.fspath(target))
 
 
-def mount_flags_of(path: str | os.PathLike) -> int:
+def mount_flags_of(path: str | os.PathLike[str]) -> int:
     """The per-mount flags of the mount at ``path`` as MS_* bits (for a bind remount, which
     replaces them all: forgetting nosuid/nodev there would silently loosen the mount)."""
     st = os.statvfs(path)
     return sum(ms for st_bit, ms in _ST_TO_MS.items() if st.f_flag & st_bit)
 
 
-def remount_bind(path: str | os.PathLike, add: int) -> None:
+def remount_bind(path: str | os.PathLike[str], add: int) -> None:
     """Remount one mount point with extra flags (e.g. MS_RDONLY), keeping its others."""
     mount(None, path, None, MS_REMOUNT | MS_BIND | mount_flags_of(path) | add)
 

@@ -35,7 +35,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import IO, Any, Mapping, Sequence
 
 from devbroker.sandbox import brokers, linux, statshim
 from devbroker.sandbox.seccompwire import FilterOptions, build_filter, build_stat_shim_filter
@@ -162,7 +162,7 @@ class SandboxSpec:
     # otherwise read-only to the command, and /tmp is a tmpfs of its own.
     binds: tuple[Bind, ...] = ()
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         object.__setattr__(self, "tenant_dir", Path(self.tenant_dir))
         object.__setattr__(self, "argv", tuple(self.argv))
         object.__setattr__(self, "hide", tuple(Path(p) for p in self.hide))
@@ -184,6 +184,9 @@ class SandboxSpec:
 
 
 # ------------------------------------------------------------------------------ public API
+# What subprocess takes for a child's stdin/stdout/stderr: a file, a descriptor, PIPE, ...
+_File = IO[Any] | int | None
+
 def exec_main(tenant_dir: Path, argv: Sequence[str], *, uid: int | None = None,
               gid: int | None = None, groups: Sequence[int] = (), cwd: str | None = None,
               env: Mapping[str, str] | None = None, hide: Sequence[Path] = (),
@@ -202,13 +205,14 @@ def exec_main(tenant_dir: Path, argv: Sequence[str], *, uid: int | None = None,
                        groups=tuple(groups), cwd=cwd, env=env, hide=tuple(hide),
                        readonly=tuple(readonly), driver_version=driver_version,
                        stat_shim=stat_shim, frontend=frontend, seccomp_socket=seccomp_socket,
-                       tenant=tenant, binds=tuple(binds), kernel_ioctls=tuple(kernel_ioctls),
+                       tenant=tenant, kernel_ioctls=tuple(kernel_ioctls),
+                       binds=tuple(b if isinstance(b, Bind) else Bind.parse(b) for b in binds),
                        report_socket=report_socket)
     return run_here(spec)
 
 
-def run_in_sandbox(spec: SandboxSpec, *, stdin=None, stdout=None, stderr=None,
-                   timeout: float | None = None) -> int:
+def run_in_sandbox(spec: SandboxSpec, *, stdin: _File = None, stdout: _File = None,
+                   stderr: _File = None, timeout: float | None = None) -> int:
     """Run spec in a child interpreter (`python -m devbroker.sandbox`) and return the
     command's exit status. Safe from any thread and from async code; the calling process's
     namespaces and signal handling are untouched. stdin/stdout/stderr as for subprocess."""
@@ -265,6 +269,7 @@ def run_here(spec: SandboxSpec) -> int:
                            "use run_in_sandbox from other threads")
     spec = SandboxSpec(**{**spec.__dict__, "tenant_dir": spec.tenant_dir.resolve()})
     plan = _plan(spec)
+    shim: _ListenerThread | None
     if spec.frontend == "seccomp":
         shim = _SeccompHandover(spec)
     else:
@@ -625,7 +630,7 @@ class CommandNotRun(Exception):
         self.code = code
 
 
-def _exec_command(argv: list[str], env: dict) -> None:
+def _exec_command(argv: list[str], env: dict[str, str]) -> None:
     """execvpe as a shell searches PATH: a PATH directory the command's uid may not search
     (root's /root/.cargo/bin, seen by nobody) does not hold the program for it, so a name
     found nowhere is "not found" (127) — os.execvpe would report that directory's EACCES as
@@ -728,7 +733,9 @@ def build_view(spec: SandboxSpec, *, proc_devices: str | None = None) -> None:
     # The nodes are already bound (a bind holds the file, not its path), so the directory
     # they came from can now be covered: the tenant cannot walk to its siblings.
     covered: set[str] = set()
-    for path in (*spec.hide, *run_dirs, *([fuse_root] if fuse_root else []), *broker_mounts):
+    hidden: list[str | Path] = [*spec.hide, *run_dirs, *([fuse_root] if fuse_root else []),
+                                *broker_mounts]
+    for path in hidden:
         if str(path) in covered:
             continue
         covered.add(str(path))

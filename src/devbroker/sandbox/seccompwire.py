@@ -198,7 +198,7 @@ class SeccompData:
         if len(buf) - offset < _DATA.size:
             raise WireError("short seccomp_data")
         nr, arch, ip, *args = _DATA.unpack_from(buf, offset)
-        return cls(nr, arch, ip, tuple(args))  # type: ignore[arg-type]
+        return cls(nr, arch, ip, tuple(args))
 
     def arg_int(self, i: int) -> int:
         """args[i] as a C int (fd, dirfd): low 32 bits, sign-extended."""
@@ -338,44 +338,45 @@ class _Asm:
     """A tiny assembler with symbolic labels for forward jumps."""
 
     def __init__(self) -> None:
-        self.items: list[tuple] = []  # ("insn", code, jt, jf, k) or ("label", name)
+        # a label's name, or an instruction: (code, jt, jf, k), jumps by label or offset
+        self.items: list[str | tuple[int, str | int, str | int, int]] = []
 
     def label(self, name: str) -> None:
-        self.items.append(("label", name))
+        self.items.append(name)
 
     def ld(self, off: int) -> None:
-        self.items.append(("insn", BPF_LD | BPF_W | BPF_ABS, 0, 0, off))
+        self.items.append((BPF_LD | BPF_W | BPF_ABS, 0, 0, off))
 
     def and_(self, k: int) -> None:
-        self.items.append(("insn", BPF_ALU | BPF_AND | BPF_K, 0, 0, k))
+        self.items.append((BPF_ALU | BPF_AND | BPF_K, 0, 0, k))
 
     def tax(self) -> None:
-        self.items.append(("insn", BPF_MISC | BPF_TAX, 0, 0, 0))
+        self.items.append((BPF_MISC | BPF_TAX, 0, 0, 0))
 
     def txa(self) -> None:
-        self.items.append(("insn", BPF_MISC | BPF_TXA, 0, 0, 0))
+        self.items.append((BPF_MISC | BPF_TXA, 0, 0, 0))
 
     def jmp(self, op: int, k: int, jt: str | int, jf: str | int) -> None:
         """Jump to label jt if (A op k) else to label jf; 0 means 'the next instruction'."""
-        self.items.append(("insn", BPF_JMP | op | BPF_K, jt, jf, k))
+        self.items.append((BPF_JMP | op | BPF_K, jt, jf, k))
 
     def ret(self, k: int) -> None:
-        self.items.append(("insn", BPF_RET | BPF_K, 0, 0, k))
+        self.items.append((BPF_RET | BPF_K, 0, 0, k))
 
     def assemble(self) -> bytes:
         pos: dict[str, int] = {}
         n = 0
         for it in self.items:
-            if it[0] == "label":
-                pos[it[1]] = n
+            if isinstance(it, str):
+                pos[it] = n
             else:
                 n += 1
         out = []
         i = 0
         for it in self.items:
-            if it[0] == "label":
+            if isinstance(it, str):
                 continue
-            _, code, jt, jf, k = it
+            code, jt, jf, k = it
 
             def rel(t: str | int) -> int:
                 if isinstance(t, int):
@@ -406,7 +407,7 @@ class FilterOptions:
     # in-kernel rows (rules.kernel_commands). Each must be a raw UVM number (1..uvm_raw_max).
     kernel_ioctls: tuple[int, ...] = ()
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         bad = [c for c in self.kernel_ioctls
                if not isinstance(c, int) or not 1 <= c <= self.uvm_raw_max]
         if bad:

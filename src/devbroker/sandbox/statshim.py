@@ -50,7 +50,7 @@ import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, NamedTuple
+from typing import Callable, Mapping, NamedTuple, Sequence, TypeGuard
 
 from devbroker.sandbox import seccompwire as w
 
@@ -109,7 +109,7 @@ def _c_int(v: int) -> int:
     return v - (1 << 32) if v & 0x80000000 else v
 
 
-def parse_raw(nr: int, args) -> StatCall | None:
+def parse_raw(nr: int, args: Sequence[int]) -> StatCall | None:
     """Decode stat/lstat/fstat/newfstatat/statx from an x86_64 nr and args."""
     if nr == _NR_NEWFSTATAT:
         return StatCall(False, _c_int(args[0]), args[1], args[3] & 0xFFFFFFFF, args[2])
@@ -176,13 +176,21 @@ def plan(call: StatCall, path: bytes | None, names: frozenset[str] | frozenset[b
 
 
 _NOT_A_NODE = Continue("not a node name")
-_CONTINUE = object()  # StatShim's "let the kernel do it"
+class _Continue:
+    """StatShim's "let the kernel do it" (_CONTINUE, the one instance)."""
 
 
-def _as_bytes(names) -> frozenset[bytes]:
-    if names and isinstance(next(iter(names)), bytes):
+_CONTINUE = _Continue()
+
+
+def _all_bytes(names: frozenset[str] | frozenset[bytes]) -> TypeGuard[frozenset[bytes]]:
+    return not names or isinstance(next(iter(names)), bytes)
+
+
+def _as_bytes(names: frozenset[str] | frozenset[bytes]) -> frozenset[bytes]:
+    if _all_bytes(names):
         return names
-    return frozenset(n.encode() for n in names)
+    return frozenset(n.encode() for n in names if isinstance(n, str))
 
 
 def tenant_path(path: bytes, base: bytes | None, root: bytes) -> bytes | None:
@@ -465,8 +473,10 @@ class StatShim:
     _NOTIF = struct.Struct("=QIIiIQ6Q")
     _RESP = struct.Struct("=QqiI")
 
-    def __init__(self, nodes: Mapping[tuple[int, int], tuple[int, int]], names, *,
-                 sizes: w.NotifSizes | None = None, log=None, on_refused_map=None):
+    def __init__(self, nodes: Mapping[tuple[int, int], tuple[int, int]],
+                 names: Sequence[str] | frozenset[str], *,
+                 sizes: w.NotifSizes | None = None, log: Callable[[str], None] | None = None,
+                 on_refused_map: Callable[[int, int], None] | None = None):
         # on_refused_map(tid, fd): told of each refused mapping (the audit record), from the
         # shim's thread; must not raise
         self.on_refused_map = on_refused_map
@@ -540,7 +550,7 @@ class StatShim:
                 answer = self._answer(nid, tid, nr, arch, args)
                 if answer is None:
                     continue
-                if answer is _CONTINUE:
+                if isinstance(answer, _Continue):
                     self._send_raw(nid, 0, 0, cont)
                 else:
                     self._send_raw(nid, 0, -answer if answer else 0, 0)
@@ -553,14 +563,16 @@ class StatShim:
         answer = self._answer(n.id, n.pid, d.nr, d.arch, d.args)
         if answer is None:
             return None
-        if answer is _CONTINUE:
+        if isinstance(answer, _Continue):
             return w.NotifResp.cont(n.id)
         return w.NotifResp.fail(n.id, answer) if answer else w.NotifResp.ok(n.id, 0)
 
-    def _answer(self, nid: int, tid: int, nr: int, arch: int, args) -> object:
+    def _answer(self, nid: int, tid: int, nr: int, arch: int,
+                args: Sequence[int]) -> _Continue | int | None:
         """_CONTINUE, 0 (faked: answer 0), a positive errno, or None (do not answer)."""
         st = self.stats
         st.notifications += 1
+        answer: _Continue | int | None
         try:
             call = parse_raw(nr, args) if arch == w.AUDIT_ARCH_X86_64 else None
             if nr == _NR_MMAP and arch == w.AUDIT_ARCH_X86_64:
@@ -576,11 +588,11 @@ class StatShim:
                 self._log(f"{w.NR_NAME.get(nr, nr)} from {tid} failed ({e!r}); "
                           "letting the kernel answer")
             answer = _CONTINUE
-        if answer is _CONTINUE:
+        if isinstance(answer, _Continue):
             st.continued += 1
         return answer
 
-    def _mmap(self, tid: int, fd: int) -> object:
+    def _mmap(self, tid: int, fd: int) -> _Continue | int:
         """A file mapping (filter with notify_mmap): refused EACCES when the file is a broker
         placeholder (a seccomp tenant's node file that reached this tenant over a socket:
         its pages are that tenant's), else CONTINUE. The kernel looks the fd up again after
@@ -599,7 +611,7 @@ class StatShim:
             self.on_refused_map(tid, fd)
         return errno.EACCES
 
-    def _stat(self, nid: int, tid: int, call: StatCall) -> object:
+    def _stat(self, nid: int, tid: int, call: StatCall) -> _Continue | int | None:
         # the cheap tests first: most stats are of files that are not nodes
         path = None
         if call.path_ptr:

@@ -13,12 +13,21 @@
   round-trip.  Every unpublished number is named by its range (registry.
   unpublished_control_name), with or without an entry here.
 """
+from __future__ import annotations
+
+from typing import TypedDict
+
 
 # escape name -> (argument struct, extra)   extra: {"variants": [struct, ...]} (other sizes the
 # driver accepts) or {"array_of": struct} (an array of entries).  The numbers come from each
 # tag's headers (the generated ESCAPES table); which struct each escape takes is what the
 # `sizeof` checks of kernel-open/nvidia/nv.c and src/nvidia/arch/nvalloc/unix/src/escape.c say.
-ESCAPE_STRUCTS = {
+class EscapeExtra(TypedDict, total=False):
+    variants: list[str]
+    array_of: str
+
+
+ESCAPE_STRUCTS: dict[str, tuple[str | None, EscapeExtra]] = {
     # ---- frontend escapes, NV_IOCTL_BASE (200) + n
     "NV_ESC_CARD_INFO": (None, {"array_of": "nv_ioctl_card_info_t"}),
     "NV_ESC_REGISTER_FD": ("nv_ioctl_register_fd_t", {}),

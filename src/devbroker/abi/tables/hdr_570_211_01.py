@@ -19,9 +19,9 @@ LEGACY      RM_GSS_LEGACY_MASK values (rmapi_deprecated.h): controls with these 
 # fmt: off
 TAG = '570.211.01'
 BASE = '580.142'
-BASE_SHA256 = 'd470f4561b08a7769886a202f5bc107ebd5e42e9c1125a5ae83920cf81be4da3'  # of hdr_580_142.py
+BASE_SHA256 = '558d9c19fa69b7518c0aa2aae7c30cd3530b787d3e188cc12ae87d42b2f082dd'  # of hdr_580_142.py
 
-STRUCTS_CHANGED = {
+STRUCTS_CHANGED: dict[str, tuple[str, str]] = {
     'NV0000_CTRL_CMD_SYSTEM_NVPCF_GET_POWER_MODE_INFO_PARAMS': ('gpuId:u32 tpp:u32 ratedTgp:u32 subFunc:u32 ctgpOffsetmW:i32 targetTppOffsetmW:i32 maxOutputOffsetmW:i32 minOutputOffsetmW:i32 ctgpBattOffsetmW:i32 targetTppBattOffsetmW:i32 dcRosReserveOverridemW:u32 dcTspLongTimescaleLimitmA:u32 dcTspShortTimescaleLimitmA:u32 bRequireDcSysPowerLimitsTable:bool bAllowDcRestOfSystemReserveOverride:bool bSupportDcTsp:bool bEnableForAC:bool bEnableForDC:bool version:u8 samplingPeriodmS:u16 samplingMulti:u16 filterType:u8 filterParam:NV0000_CTRL_CMD_SYSTEM_NVPCF_GET_POWER_MODE_INFO_PARAMS__filterParam filterReserved:u16 bIsBoostController:bool incRatio:u16 decRatio:u16 bSupportBatt:bool cpuType:u8 gpuType:u8 sysPwrIndex:u32 sysPwrGetInfo:NV0000_CTRL_CMD_SYSTEM_GET_SYSTEM_POWER_LIMIT[32] bIsTspSupported:bool sysPwrLimitsTableVersion:u8 type:u32 cpuTdpmw:u32 cpuTdpControlType:u32', 'ctrl/ctrl0000/ctrl0000system.h'),
     'NV0000_CTRL_CMD_SYSTEM_NVPCF_GET_POWER_MODE_INFO_PARAMS__filterParam': ('union<1,1>', 'ctrl/ctrl0000/ctrl0000system.h'),
     'NV0000_CTRL_GET_SYSTEM_EVENT_STATUS_PARAMS': ('event:u32 status:status', 'ctrl/ctrl0000/ctrl0000event.h'),
@@ -131,7 +131,7 @@ STRUCTS_CHANGED = {
     'nv_ioctl_export_to_dma_buf_fd_t': ('fd:i32 hClient:handle totalObjects:u32 numObjects:u32 index:u32 totalSize:u64 mappingType:u8 handles:handle[128] offsets:u64[128] sizes:u64[128] status:status', 'kernel-open/common/inc/nv-ioctl.h'),
 }
 
-STRUCTS_REMOVED = [
+STRUCTS_REMOVED: list[str] = [
     'NV0000_CTRL_GET_SYSTEM_EVENT_DATA_PARAMS',
     'NV0000_CTRL_GET_SYSTEM_EVENT_DATA_PARAMS__data',
     'NV0000_CTRL_SYSTEM_EVENT_DATA_DISPLAY_CHANGE',
@@ -232,7 +232,7 @@ STRUCTS_REMOVED = [
     'eccLocation',
 ]
 
-CONTROLS_CHANGED = {
+CONTROLS_CHANGED: dict[int, tuple[str, str | None, str, tuple[str, ...] | None]] = {
     295: ('NV0000_CTRL_CMD_SYSTEM_GET_P2P_CAPS', 'NV0000_CTRL_SYSTEM_GET_P2P_CAPS_PARAMS', 'ctrl/ctrl0000/ctrl0000system.h', ('NON_PRIVILEGED', 'API_LOCK_READONLY')),
     297: ('NV0000_CTRL_CMD_SYSTEM_SET_SECURITY_SETTINGS', 'NV0000_CTRL_SYSTEM_GPS_GET_PERF_SENSOR_COUNTERS_PARAMS', 'ctrl/ctrl0000/ctrl0000system.h', None),
     299: ('NV0000_CTRL_CMD_SYSTEM_GET_P2P_CAPS_V2', 'NV0000_CTRL_SYSTEM_GET_P2P_CAPS_V2_PARAMS', 'ctrl/ctrl0000/ctrl0000system.h', ('NON_PRIVILEGED', 'API_LOCK_READONLY')),
@@ -503,9 +503,9 @@ CONTROLS_CHANGED = {
     3345154307: ('NVC763_CTRL_CMD_VIDMEM_ACCESS_BIT_DUMP', 'NVC763_CTRL_VIDMEM_ACCESS_BIT_BUFFER_DUMP_PARAMS', 'ctrl/ctrlc763.h', ('NON_PRIVILEGED', 'ROUTE_TO_PHYSICAL')),
 }
 
-CONTROLS_REMOVED = [0x410122, 0x410153, 0x73015a, 0x73029b, 0x7302b1, 0x731177, 0x731178, 0x731180, 0x731371, 0x73138e, 0x80200a, 0x802046, 0x2080019f, 0x208001e8, 0x208001eb, 0x20800513, 0x20800a45, 0x20800a89, 0x20800b03, 0x20800b05, 0x20800b08, 0x20801110, 0x2080123c, 0x2080123d, 0x20801360, 0x20801361, 0x20801362, 0x2080170f, 0x2080182d, 0x20801831, 0x20801832, 0x20802069, 0x2080308b, 0x2080308c, 0x2080308d, 0x20803092, 0x20803095, 0x20803096, 0x2080309a, 0x2080309b, 0x20803402, 0x20803403, 0x20803404, 0x2080400f, 0x20804010, 0x208081ea, 0x20808513, 0x208f1a01, 0x208f1a02, 0xa0810124, 0xa0810125, 0xc3700105]
+CONTROLS_REMOVED: list[int] = [0x410122, 0x410153, 0x73015a, 0x73029b, 0x7302b1, 0x731177, 0x731178, 0x731180, 0x731371, 0x73138e, 0x80200a, 0x802046, 0x2080019f, 0x208001e8, 0x208001eb, 0x20800513, 0x20800a45, 0x20800a89, 0x20800b03, 0x20800b05, 0x20800b08, 0x20801110, 0x2080123c, 0x2080123d, 0x20801360, 0x20801361, 0x20801362, 0x2080170f, 0x2080182d, 0x20801831, 0x20801832, 0x20802069, 0x2080308b, 0x2080308c, 0x2080308d, 0x20803092, 0x20803095, 0x20803096, 0x2080309a, 0x2080309b, 0x20803402, 0x20803403, 0x20803404, 0x2080400f, 0x20804010, 0x208081ea, 0x20808513, 0x208f1a01, 0x208f1a02, 0xa0810124, 0xa0810125, 0xc3700105]
 
-CLASSES_CHANGED = {
+CLASSES_CHANGED: dict[int, tuple[str, str | None, str, tuple[str, ...] | None]] = {
     0: ('NV01_ROOT', 'NvHandle', 'class/cl0000.h', ('ACQUIRE_GPUS_LOCK_ON_ALLOC', 'ACQUIRE_GPUS_LOCK_ON_DUP', 'ROOT_OBJECT')),
     5: ('NV01_EVENT', 'NV0005_ALLOC_PARAMETERS', 'class/cl0005.h', ('ACQUIRE_GPUS_LOCK_ON_ALLOC', 'ACQUIRE_GPUS_LOCK_ON_FREE', 'ACQUIRE_RO_API_LOCK_ON_ALLOC', 'ALLOC_NON_PRIVILEGED', 'DUAL_CLIENT_LOCK', 'ACQUIRE_GPUS_LOCK_ON_DUP')),
     64: ('NV01_MEMORY_LOCAL_USER', 'NV_MEMORY_ALLOCATION_PARAMS', 'class/cl0040.h', ('ACQUIRE_GPUS_LOCK_ON_FREE', 'ACQUIRE_RO_API_LOCK_ON_ALLOC', 'ALLOC_NON_PRIVILEGED')),
@@ -598,20 +598,20 @@ CLASSES_CHANGED = {
     53242: ('NVCFFA_VIDEO_OFA', 'NV_OFA_ALLOCATION_PARAMETERS', 'class/clcffa.h', ('ACQUIRE_GPUS_LOCK_ON_ALLOC', 'ACQUIRE_GPUS_LOCK_ON_FREE', 'ALLOC_RPC_TO_VGPU_HOST', 'ALLOC_RPC_TO_PHYS_RM', 'ALLOC_NON_PRIVILEGED', 'ACQUIRE_GPUS_LOCK_ON_DUP')),
 }
 
-CLASSES_REMOVED = [0x101, 0xc863, 0xcb70, 0xcb71, 0xcb73, 0xcb7a, 0xcb7b, 0xcb7d, 0xcb7e, 0xcc70, 0xcc71, 0xcc73, 0xcc7a, 0xcc7b, 0xcc7d, 0xcc7e, 0xceb0, 0xceb7, 0xced0, 0xcefa, 0xd1b0, 0xd1b7, 0xd1fa]
+CLASSES_REMOVED: list[int] = [0x101, 0xc863, 0xcb70, 0xcb71, 0xcb73, 0xcb7a, 0xcb7b, 0xcb7d, 0xcb7e, 0xcc70, 0xcc71, 0xcc73, 0xcc7a, 0xcc7b, 0xcc7d, 0xcc7e, 0xceb0, 0xceb7, 0xced0, 0xcefa, 0xd1b0, 0xd1b7, 0xd1fa]
 
-UVM_CHANGED = {
+UVM_CHANGED: dict[int, tuple[str, str | None]] = {
     36: ('UVM_DEBUG_ACCESS_MEMORY', 'UVM_DEBUG_ACCESS_MEMORY_PARAMS'),
 }
 
-UVM_REMOVED = [0x50]
+UVM_REMOVED: list[int] = [0x50]
 
-ESCAPES_CHANGED = {
+ESCAPES_CHANGED: dict[int, str] = {
 }
 
-ESCAPES_REMOVED = []
+ESCAPES_REMOVED: list[int] = []
 
-CATEGORIES_CHANGED = {
+CATEGORIES_CHANGED: dict[int, dict[int, str]] = {
     20591: {0: 'RESERVED', 1: 'GPFIFO', 2: 'EVENT'},
     36975: {0: 'RESERVED', 1: 'GPFIFO', 2: 'EVENT'},
     41071: {0: 'RESERVED', 1: 'GPFIFO', 2: 'EVENT', 3: 'INTERNAL'},
@@ -627,15 +627,15 @@ CATEGORIES_CHANGED = {
     51823: {0: 'RESERVED', 1: 'GPFIFO', 2: 'EVENT'},
 }
 
-CATEGORIES_REMOVED = []
+CATEGORIES_REMOVED: list[int] = []
 
-DEPRECATED_CHANGED = {
+DEPRECATED_CHANGED: dict[int, int] = {
 }
 
-DEPRECATED_REMOVED = []
+DEPRECATED_REMOVED: list[int] = []
 
-LEGACY_CHANGED = {
+LEGACY_CHANGED: dict[str, int] = {
 }
 
-LEGACY_REMOVED = [
+LEGACY_REMOVED: list[str] = [
 ]

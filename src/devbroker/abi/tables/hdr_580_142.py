@@ -18,7 +18,7 @@ LEGACY      RM_GSS_LEGACY_MASK values (rmapi_deprecated.h): controls with these 
 """
 # fmt: off
 TAG = '580.142'
-STRUCTS = {
+STRUCTS: dict[str, tuple[str, str]] = {
     'ACR_FALCON_LS_STATUS': ('falconId:u16 bIsInLs:bool', 'ctrl/ctrl2080/ctrl2080fb.h'),
     'ACR_REGION_HANDLE': ('hClient:handle hParent:handle hMemory:handle hClass:class hDevice:handle', 'ctrl/ctrl2080/ctrl2080fb.h'),
     'ACR_REGION_ID_PROP': ('regionId:u32 readMask:u32 writeMask:u32 regionSize:u32 clientMask:u32 physicalAddress:u64', 'ctrl/ctrl2080/ctrl2080fb.h'),
@@ -2177,7 +2177,7 @@ STRUCTS = {
     'nv_pci_info_t': ('domain:u32 bus:u8 slot:u8 function:u8 vendor_id:u16 device_id:u16', 'kernel-open/common/inc/nv-ioctl.h'),
 }
 
-CONTROLS = {
+CONTROLS: dict[int, tuple[str, str | None, str, tuple[str, ...] | None]] = {
     0x0: ('NV0000_CTRL_CMD_NULL', None, 'ctrl/ctrl0000/ctrl0000base.h', None),
     0x101: ('NV0000_CTRL_CMD_SYSTEM_GET_BUILD_VERSION', 'NV0000_CTRL_SYSTEM_GET_BUILD_VERSION_PARAMS', 'ctrl/ctrl0000/ctrl0000system.h', None),
     0x102: ('NV0000_CTRL_CMD_SYSTEM_GET_CPU_INFO', 'NV0000_CTRL_SYSTEM_GET_CPU_INFO_PARAMS', 'ctrl/ctrl0000/ctrl0000system.h', ('NO_GPUS_LOCK', 'NO_GPUS_ACCESS', 'NON_PRIVILEGED', 'API_LOCK_READONLY')),
@@ -3820,7 +3820,7 @@ CONTROLS = {
     0xcbca0104: ('NV_COUNTER_COLLECTION_UNIT_CTRL_CMD_GET_STREAM_STATE', 'NV_COUNTER_COLLECTION_UNIT_STREAM_STATE_PARAMS', 'ctrl/ctrlcbca.h', ('NON_PRIVILEGED',)),
 }
 
-CLASSES = {
+CLASSES: dict[int, tuple[str, str | None, str, tuple[str, ...] | None]] = {
     0x0: ('NV01_ROOT', 'NvHandle', 'class/cl0000.h', ('ACQUIRE_GPUS_LOCK_ON_ALLOC', 'ALLOC_GSP_PLUGIN_FOR_VGPU_GSP', 'ACQUIRE_GPUS_LOCK_ON_DUP', 'ROOT_OBJECT')),
     0x1: ('NV01_ROOT_NON_PRIV', 'NvHandle', 'class/cl0001.h', ('ACQUIRE_GPUS_LOCK_ON_ALLOC', 'ACQUIRE_GPUS_LOCK_ON_DUP', 'ROOT_OBJECT')),
     0x2: ('NV01_CONTEXT_DMA', 'NV_CONTEXT_DMA_ALLOCATION_PARAMS', 'class/cl0002.h', ('ACQUIRE_GPUS_LOCK_ON_ALLOC', 'ACQUIRE_GPUS_LOCK_ON_FREE', 'ALLOC_NON_PRIVILEGED', 'ACQUIRE_GPUS_LOCK_ON_DUP')),
@@ -4103,7 +4103,7 @@ CLASSES = {
     0xd1fa: ('NVD1FA_VIDEO_OFA', 'NV_OFA_ALLOCATION_PARAMETERS', 'class/cld1fa.h', ('ACQUIRE_GPUS_LOCK_ON_ALLOC', 'ACQUIRE_GPUS_LOCK_ON_FREE', 'ALLOC_RPC_TO_VGPU_HOST', 'ALLOC_RPC_TO_PHYS_RM', 'ALLOC_NON_PRIVILEGED', 'ALLOC_GSP_PLUGIN_FOR_VGPU_GSP', 'ACQUIRE_GPUS_LOCK_ON_DUP')),
 }
 
-UVM = {
+UVM: dict[int, tuple[str, str | None]] = {
     0x1: ('UVM_RESERVE_VA', 'UVM_RESERVE_VA_PARAMS'),
     0x2: ('UVM_RELEASE_VA', 'UVM_RELEASE_VA_PARAMS'),
     0x3: ('UVM_REGION_COMMIT', 'UVM_REGION_COMMIT_PARAMS'),
@@ -4180,7 +4180,7 @@ UVM = {
     0x30000002: ('UVM_DEINITIALIZE', None),
 }
 
-ESCAPES = {
+ESCAPES: dict[int, str] = {
     0x27: 'NV_ESC_RM_ALLOC_MEMORY',
     0x28: 'NV_ESC_RM_ALLOC_OBJECT',
     0x29: 'NV_ESC_RM_FREE',
@@ -4224,7 +4224,7 @@ ESCAPES = {
     0xda: 'NV_ESC_WAIT_OPEN_COMPLETE',
 }
 
-CATEGORIES = {
+CATEGORIES: dict[int, dict[int, str]] = {
     0x0: {0x0: 'RESERVED', 0x1: 'SYSTEM', 0x2: 'GPU', 0x3: 'GSYNC', 0x4: 'DIAG', 0x5: 'EVENT', 0x6: 'NVD', 0x7: 'SWINSTR', 0x9: 'PROC', 0xa: 'SYNC_GPU_BOOST', 0xb: 'GPUACCT', 0xc: 'VGPU', 0xd: 'CLIENT'},
     0x2: {0x0: 'RESERVED', 0x1: 'DMA'},
     0x4: {0x0: 'RESERVED', 0x1: 'TMR'},
@@ -4275,7 +4275,7 @@ CATEGORIES = {
     0xcbca: {0x0: 'RESERVED', 0x1: 'COUNTER_COLLECTION_UNIT'},
 }
 
-DEPRECATED = {
+DEPRECATED: dict[int, int] = {
     0x101: 0x13e,
     0x73136a: 0x731381,
     0x801b01: 0x801b02,
@@ -4286,7 +4286,7 @@ DEPRECATED = {
     0x20801802: 0x20801823,
 }
 
-LEGACY = {
+LEGACY: dict[str, int] = {
     'gss_mask': 0x8000,
     'gss_privileged_mask': 0xc000,
 }
