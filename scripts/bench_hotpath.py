@@ -19,9 +19,7 @@ tenant process, timed call by call (devbroker.tools.hotpath), through:
    stand-in that answers in the kernel, as the driver does: nodes of /dev/null's device and
    a seccomp filter on the broker's processes that returns 0 for every 'F' ioctl without
    running it (tests/nvok_standin.py, the stand-in of the real-backend tests) — the same
-   answers without the C server's own FUSE round trip — and that once more with the lane's
-   calls sent through the relay process instead of run on the broker's own duplicates of
-   its files (DEVBROKER_RELAYED_LOCAL=0: what those duplicates buy); and against the C
+   answers without the C server's own FUSE round trip; and against the C
    server over io_uring (one FUSE round trip of the two without the cross-CPU wake-up);
 4. the seccomp front end with the emulated backend (`devbroker exec --frontend seccomp`),
    the same with the Python listener instead of the native loop (frontends/nativelane.py;
@@ -395,16 +393,15 @@ def summarize(path: Path, top: int = 25) -> str:
 
 # ------------------------------------------------------------------ the run
 def standin_row(a, work: Path, echo_bin: Path, rows: dict, key: str, kind: str,
-                wrap: list[str], **env_extra: str) -> None:
+                wrap: list[str]) -> None:
     """FUSE + real backend against a stand-in driver (serve_standin's `kind`), in a child
-    process started through `wrap` with `env_extra` in its environment; its latency row
-    under rows[key]."""
-    log(f"FUSE + real backend against the stand-in node ({kind}) {env_extra or ''}")
+    process started through `wrap`; its latency row under rows[key]."""
+    log(f"FUSE + real backend against the stand-in node ({kind})")
     sw = work / key
     sw.mkdir()
     os.chmod(sw, 0o755)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(REPO / "src")] + [p for p in [os.environ.get("PYTHONPATH")] if p]), **env_extra)
+        [str(REPO / "src")] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     host = subprocess.Popen(wrap + [sys.executable, __file__, "_standin", str(sw),
                                     str(echo_bin), kind],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
@@ -464,8 +461,6 @@ def measure(a) -> dict:
 
     standin_row(a, work, echo_bin, rows, "fuse-real", "fuse", [])
     standin_row(a, work, echo_bin, rows, "fuse-real-kernel", "kernel", KERNEL_STANDIN)
-    standin_row(a, work, echo_bin, rows, "fuse-real-kernel-relay", "kernel", KERNEL_STANDIN,
-                DEVBROKER_RELAYED_LOCAL="0")
 
     log("devbroker run (emulated backend)")
     daemon = Daemon(work / "daemon")
@@ -555,8 +550,6 @@ LATENCY_ROWS = [
     ("fuse-emulated", "devbroker FUSE + emulated backend", 100),
     ("fuse-real-kernel", "devbroker FUSE + real backend against a stand-in node answering in "
      "the kernel (nvok_standin.py)", 150),
-    ("fuse-real-kernel-relay", "the same, lane calls through the relay process "
-     "(DEVBROKER_RELAYED_LOCAL=0)", None),
     ("fuse-real", "the same (lane calls local) against a stand-in node that is a C FUSE server "
      "(libfuse3): two FUSE round trips", None),
     ("fuse-real-uring", "the same, that C FUSE server over io_uring", None),

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (FUSE mounts)")
 
-ROWS = ["floor", "fuse-emulated", "fuse-real", "fuse-real-kernel", "fuse-real-kernel-relay",
+ROWS = ["floor", "fuse-emulated", "fuse-real", "fuse-real-kernel",
         "seccomp-emulated", "seccomp-emulated-python", "seccomp-emulated-nolane"]
 # The rows over FUSE's io_uring transport, where the kernel has it (Linux 6.14+): measured
 # (the script turns fuse.enable_uring on for them and back), else said why not.
@@ -59,6 +59,6 @@ def test_short_run_reports_every_path(tmp_path):
     assert text.startswith("# before\n") and text.rstrip().endswith("after")
     assert "old" not in text and text.count("<!-- bench_hotpath:begin -->") == 1
     for label in ("the floor", "FUSE + emulated", "stand-in node", "answering in the kernel",
-                  "through the relay process", "seccomp front end",
+                  "seccomp front end",
                   "16 tenant processes", "floods"):
         assert label in text, label

@@ -73,11 +73,12 @@ def test_a_lane_call_on_a_relayed_file_answers_as_the_general_path(backend, kind
     # duplicate of the relay's file (RealBackend._lend) — the same file the relay holds,
     # kept for the file's next calls — answered alike, also while the relay's channel for
     # threads is taken (another reader thread's call) ...
-    def on_safe_thread(fn):
+    def on_thread(fn, *, safe=True):
         got = []
 
         def main():
-            drop_driver_capabilities_for_thread()
+            if safe:
+                drop_driver_capabilities_for_thread()
             try:
                 got.append(fn())
             except Exception as e:  # noqa: BLE001 - handed to the test's thread
@@ -90,25 +91,22 @@ def test_a_lane_call_on_a_relayed_file_answers_as_the_general_path(backend, kind
         return got[0]
 
     run = lambda: backend.run_control(f, -1, bytes(hdr), params, header, abi)  # noqa: E731
-    assert on_safe_thread(run) == (ret, err, hdr_out)
+    assert on_thread(run) == (ret, err, hdr_out)
     local = f.local_fd
     assert local >= 0 and f.users == 0
     relay_file = os.stat(f"/proc/{backend.relay.pid}/fd/{f.rfd}")
     assert (os.fstat(local).st_rdev, os.fstat(local).st_ino) == (relay_file.st_rdev,
                                                                  relay_file.st_ino)
     with backend.relay.thread_chan.lock:
-        assert on_safe_thread(run) == (ret, err, hdr_out)
+        assert on_thread(run) == (ret, err, hdr_out)
     assert f.local_fd == local
-    # ... and through the relay with DEVBROKER_RELAYED_LOCAL=0: NotHere (the general way)
-    # while that channel is taken.
-    backend.LOCAL_RELAYED = False
-    try:
-        assert on_safe_thread(run)[:2] == (ret, err)
-        with backend.relay.thread_chan.lock:
-            with pytest.raises(NotHere):
-                on_safe_thread(run)
-    finally:
-        del backend.LOCAL_RELAYED
+    # ... while another thread's call goes through the relay, and is NotHere (the general
+    # way) while that channel is taken.
+    assert on_thread(run, safe=False)[:2] == (ret, err)
+    with backend.relay.thread_chan.lock:
+        with pytest.raises(NotHere):
+            on_thread(run, safe=False)
+    assert f.local_fd == local
     # Closed with the file; a closed file's calls go the general way (which refuses them).
     backend.close(f)
     assert f.local_fd == -1
@@ -118,7 +116,7 @@ def test_a_lane_call_on_a_relayed_file_answers_as_the_general_path(backend, kind
         now = None
     assert now is None or (now.st_rdev, now.st_ino) != (relay_file.st_rdev, relay_file.st_ino)
     with pytest.raises(NotHere):
-        on_safe_thread(run)
+        on_thread(run)
 
 
 def test_a_relayed_files_duplicate_outlives_a_close_only_while_a_call_is_on_it(backend):

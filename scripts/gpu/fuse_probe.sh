@@ -1,15 +1,14 @@
 #!/bin/bash
 # A short H200 run of the FUSE front end with the real backend (issue 14): natively, then a
 # broker per mode of MODES ("name" or "name:VAR=value,...", the broker's environment; by
-# default the relayed files' lane calls on the broker's own duplicates, then through the
-# relay: DEVBROKER_RELAYED_LOCAL), each with a FUSE tenant running pynvml's checks,
+# default one broker as it ships), each with a FUSE tenant running pynvml's checks,
 # nvidia-smi, RM_CONTROL FB_GET_INFO_V2 x2000 and NVML's init sequence x30.
 #   run(command="bash scripts/gpu/fuse_probe.sh", carry=[".whl"], timeout_s=300)
 set -u
 REPO=$(cd "$(dirname "$0")/../.." && pwd); cd "$REPO"
 . scripts/gpu/lib.sh
 probe_start fuse-probe
-MODES=${MODES:-"local:DEVBROKER_RELAYED_LOCAL=1 relay:DEVBROKER_RELAYED_LOCAL=0"}
+MODES=${MODES:-"fuse"}
 TC="$PY scripts/gpu/tenant_checks.py"
 step "native"
 put native_control "$($TC bench-control 2000 2>&1 | last)"

@@ -128,20 +128,6 @@ def _require_root(what: str) -> None:
 
 
 # --------------------------------------------------------------------------- run
-def _switch_interval() -> None:
-    """DEVBROKER_SWITCH_INTERVAL_US: the interpreter's thread switch interval (Python's
-    default 5000 µs). A listener thread that calls back into Python while another of the
-    broker's threads runs Python waits for the interpreter lock up to this long before it
-    asks for it; an experiment's knob (docs/benchmarks.md). A bad value is ignored."""
-    raw = os.environ.get("DEVBROKER_SWITCH_INTERVAL_US", "").strip()
-    if raw:
-        try:
-            sys.setswitchinterval(max(10, int(raw)) / 1e6)
-        except ValueError:
-            print(f"devbroker run: DEVBROKER_SWITCH_INTERVAL_US={raw!r} ignored",
-                  file=sys.stderr)
-
-
 def cmd_run(args) -> int:
     import trio
 
@@ -170,7 +156,6 @@ def cmd_run(args) -> int:
         # driver; a saved runtime tenant (RUN_DIR/tenants.json) the policy no longer fits
         print(f"devbroker run: {e}", file=sys.stderr)
         return 1
-    _switch_interval()
     try:
         trio.run(run_forever, service)
     except (OSError, BaseExceptionGroup) as e:
