@@ -31,48 +31,11 @@ import threading
 import time
 
 from devbroker.backends import relaywire as w
+from devbroker.sandbox import linux
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
 _libc.ioctl.restype = ctypes.c_int
-_libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
-                        ctypes.c_ulong]
-_libc.prctl.restype = ctypes.c_int
-
-PR_SET_PDEATHSIG = 1
-PR_SET_DUMPABLE = 4
-PR_CAPBSET_DROP = 24
-PR_SET_NO_NEW_PRIVS = 38
-PR_GET_NO_NEW_PRIVS = 39
-PR_CAP_AMBIENT = 47
-PR_CAP_AMBIENT_CLEAR_ALL = 4
-_LINUX_CAPABILITY_VERSION_3 = 0x20080522
-
-
-class _CapHeader(ctypes.Structure):
-    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-
-
-class _CapData(ctypes.Structure):
-    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
-                ("inheritable", ctypes.c_uint32)]
-
-
-def _prctl(opt: int, a: int = 0, b: int = 0) -> int:
-    r = _libc.prctl(opt, a, b, 0, 0)
-    if r < 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"prctl({opt}): {os.strerror(e)}")
-    return r
-
-
-def _last_cap() -> int:
-    try:
-        with open("/proc/sys/kernel/cap_last_cap") as fh:
-            return int(fh.read())
-    except (OSError, ValueError):
-        return 40
-
 
 def status_caps() -> dict[str, int]:
     out = {}
@@ -86,19 +49,19 @@ def status_caps() -> dict[str, int]:
 
 def drop_privileges(uid: int | None, gid: int | None) -> None:
     """Drop every capability for good; switch uid/gid when given. Raises on any failure."""
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() == 1:  # the broker died before we got here
         os._exit(0)
     caps = status_caps()
     if caps.get("CapEff"):
-        for cap in range(_last_cap() + 1):
+        for cap in range(linux.last_cap() + 1):
             try:
-                _prctl(PR_CAPBSET_DROP, cap)
+                linux.prctl(linux.PR_CAPBSET_DROP, cap)
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
         try:
-            _prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL)
+            linux.prctl(linux.PR_CAP_AMBIENT, linux.PR_CAP_AMBIENT_CLEAR_ALL)
         except OSError:
             pass
         if gid is not None:
@@ -106,13 +69,9 @@ def drop_privileges(uid: int | None, gid: int | None) -> None:
             os.setresgid(gid, gid, gid)
         if uid is not None:
             os.setresuid(uid, uid, uid)
-        hdr = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
-        data = (_CapData * 2)()
-        if _libc.capset(ctypes.byref(hdr), data) != 0:
-            e = ctypes.get_errno()
-            raise OSError(e, f"capset: {os.strerror(e)}")
-    _prctl(PR_SET_NO_NEW_PRIVS, 1)
-    _prctl(PR_SET_DUMPABLE, 0)
+        linux.capset(0, 0, 0)
+    linux.prctl(linux.PR_SET_NO_NEW_PRIVS, 1)
+    linux.prctl(linux.PR_SET_DUMPABLE, 0)
     caps = status_caps()
     if caps.get("CapEff") or caps.get("CapPrm"):
         raise OSError(errno.EPERM, f"capabilities remain after the drop: {caps}")
@@ -184,7 +143,7 @@ class Relay:
         if threading.current_thread() is not threading.main_thread():
             return errno.EINVAL
         try:
-            _prctl(PR_SET_PDEATHSIG, 0)
+            linux.prctl(linux.PR_SET_PDEATHSIG, 0)
         except OSError as e:
             return e.errno or errno.EIO
         return 0
@@ -197,7 +156,7 @@ class Relay:
             nfds = 0
         return w.Info(os.getpid(), os.getuid(), os.getgid(), nfds, caps.get("CapEff", 0),
                       caps.get("CapPrm", 0), caps.get("CapBnd", 0),
-                      _prctl(PR_GET_NO_NEW_PRIVS))
+                      linux.prctl(linux.PR_GET_NO_NEW_PRIVS))
 
     def handle(self, f: w.Frame) -> bytes:
         try:

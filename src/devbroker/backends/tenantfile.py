@@ -24,7 +24,6 @@ design; this module has the two mechanisms it needs from the host:
 """
 from __future__ import annotations
 
-import ctypes
 import errno
 import itertools
 import logging
@@ -40,35 +39,21 @@ from typing import Any, Callable
 import trio
 
 from devbroker.abi.nodes import NodeKind
-# The capget/capset structures are the relay's (it drops its capabilities the same way,
-# for the whole process; here it is per thread).
-from devbroker.backends.relay import _LINUX_CAPABILITY_VERSION_3, _CapData, _CapHeader
+from devbroker.sandbox import linux
 
 log = logging.getLogger("devbroker.tenantfile")
-
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def thread_caps() -> tuple[int, int]:
     """(effective, permitted) capability sets of the calling thread."""
-    hdr = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
-    data = (_CapData * 2)()
-    if _libc.capget(ctypes.byref(hdr), data) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"capget: {os.strerror(e)}")
-    eff = data[0].effective | (data[1].effective << 32)
-    prm = data[0].permitted | (data[1].permitted << 32)
+    eff, prm, _inh = linux.capget()
     return eff, prm
 
 
 def drop_thread_capabilities() -> None:
     """Drop every capability of the calling thread only (capset acts per thread; glibc's
     setuid broadcast is not involved). Raises if anything is left."""
-    hdr = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
-    data = (_CapData * 2)()
-    if _libc.capset(ctypes.byref(hdr), data) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"capset: {os.strerror(e)}")
+    linux.capset(0, 0, 0)
     eff, prm = thread_caps()
     if eff or prm:
         raise OSError(errno.EPERM, f"capabilities left after the drop: eff={eff:#x} prm={prm:#x}")
@@ -81,28 +66,19 @@ class effective_caps_lowered:
     caller at the ioctl, which then holds none (checked before the call)."""
 
     def __enter__(self):
-        hdr = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
-        self._saved = (_CapData * 2)()
-        if _libc.capget(ctypes.byref(hdr), self._saved) != 0:
-            e = ctypes.get_errno()
-            raise OSError(e, f"capget: {os.strerror(e)}")
-        low = (_CapData * 2)()
-        for i in range(2):
-            low[i].permitted = self._saved[i].permitted
-            low[i].inheritable = self._saved[i].inheritable
-        hdr = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
-        if _libc.capset(ctypes.byref(hdr), low) != 0:
-            e = ctypes.get_errno()
-            raise OSError(e, f"capset: {os.strerror(e)}")
+        self._saved = linux.capget()
+        _eff, prm, inh = self._saved
+        linux.capset(0, prm, inh)
         if thread_caps()[0]:
             raise OSError(errno.EPERM, "effective capabilities left after lowering them")
         return self
 
     def __exit__(self, *exc):
-        hdr = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
-        if _libc.capset(ctypes.byref(hdr), self._saved) != 0:
+        try:
+            linux.capset(*self._saved)
+        except OSError as e:
             log.error("could not restore the broker thread's effective capabilities: %s",
-                      os.strerror(ctypes.get_errno()))
+                      e.strerror)
         return False
 
 
@@ -203,20 +179,8 @@ def drop_driver_capabilities_for_thread() -> None:
     thread's effective **and** permitted sets, once, for the thread's life. The thread keeps
     the rest (CAP_SYS_PTRACE for pidfd_getfd and process_vm_readv, CAP_MKNOD for private
     nodes). Saves two capset calls per executed ioctl; checked with capget."""
-    hdr = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
-    data = (_CapData * 2)()
-    if _libc.capget(ctypes.byref(hdr), data) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"capget: {os.strerror(e)}")
-    for i in range(2):
-        keep = ~(DRIVER_CAPS >> (32 * i)) & 0xFFFFFFFF
-        data[i].effective &= keep
-        data[i].permitted &= keep
-        data[i].inheritable &= keep
-    hdr = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
-    if _libc.capset(ctypes.byref(hdr), data) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"capset: {os.strerror(e)}")
+    eff, prm, inh = linux.capget()
+    linux.capset(eff & ~DRIVER_CAPS, prm & ~DRIVER_CAPS, inh & ~DRIVER_CAPS)
     eff, prm = thread_caps()
     if (eff | prm) & DRIVER_CAPS:
         raise OSError(errno.EPERM, f"driver-checked capabilities left: {eff:#x}/{prm:#x}")
@@ -264,8 +228,6 @@ class PrivateNodes:
         self.dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.dir, 0o700)
         try:
-            from devbroker.sandbox import linux
-
             linux.mount("devbroker-nodes", str(self.dir), "tmpfs",
                         linux.MS_NOSUID | linux.MS_NOEXEC, "mode=0700,size=64k")
             self.mounted = True
@@ -359,8 +321,6 @@ class PrivateNodes:
     def close(self) -> None:
         self.drop_nodes()
         if self.mounted:
-            from devbroker.sandbox import linux
-
             try:
                 linux.umount2(str(self.dir), linux.MNT_DETACH)
             except OSError as e:

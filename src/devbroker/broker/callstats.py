@@ -231,8 +231,6 @@ class _Marking:
         _current.reset(self.token)
 
 
-_marking = _Marking
-
 
 class InstrumentedBroker:
     """The broker as the front ends see it, with every call counted and timed.
@@ -249,56 +247,48 @@ class InstrumentedBroker:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._broker, name)
 
+    def _key(self, s: Any, op: str) -> tuple[str, str, str, str]:
+        """The row of a call on session `s` (None: a session the broker does not know)."""
+        if s is None:
+            return ("", op, "UNKNOWN", "")
+        return (s.tenant.name, op, _NODE_NAMES.get(s.node, "other"), "")
+
+    def _ioctl_key(self, s: Any, req: Any) -> tuple[str, ...]:
+        if s is None:
+            return ("", "ioctl", "UNKNOWN", "")
+        return (s.tenant.name, "ioctl", *self._stats.names.ioctl(s.node, req.cmd, req.arg))
+
     async def open(self, req):
-        stats = self._stats
-        cell = [False]
-        token = _current.set(cell)
+        stats, cell = self._stats, [False]
         t0 = stats.clock()
-        try:
+        with _Marking(cell):
             rep = await self._broker.open(req)
-        finally:
-            _current.reset(token)
         stats._record((req.tenant, "open", _NODE_NAMES.get(req.node, "other"), ""),
                       _verdict(cell, rep.errno), stats.clock() - t0)
         return rep
 
     async def ioctl(self, req):
-        stats = self._stats
+        stats, cell = self._stats, [False]
         s = self._broker.sessions.get(req.session)
-        cell = [False]
-        token = _current.set(cell)
         t0 = stats.clock()
-        try:
+        with _Marking(cell):
             rep = await self._broker.ioctl(req)
-        finally:
-            _current.reset(token)
         ns = stats.clock() - t0
-        if s is None:
-            key = ("", "ioctl", "UNKNOWN", "")
-        else:
-            key = (s.tenant.name, "ioctl", *stats.names.ioctl(s.node, req.cmd, req.arg))
-        stats._record(key, _verdict(cell, rep.errno, rep.run_in_caller), ns)
+        stats._record(self._ioctl_key(s, req), _verdict(cell, rep.errno, rep.run_in_caller), ns)
         return rep
 
     def open_now(self, req):
-        stats = self._stats
-        cell = [False]
-        token = _current.set(cell)
+        stats, cell = self._stats, [False]
         t0 = stats.clock()
-        try:
+        with _Marking(cell):
             rep = self._broker.open_now(req)
-        finally:
-            _current.reset(token)
         stats._record((req.tenant, "open", _NODE_NAMES.get(req.node, "other"), ""),
                       _verdict(cell, rep.errno), stats.clock() - t0)
         return rep
 
     def ioctl_steps(self, req):
-        stats = self._stats
-        s = self._broker.sessions.get(req.session)
-        key = (("", "ioctl", "UNKNOWN", "") if s is None else
-               (s.tenant.name, "ioctl", *stats.names.ioctl(s.node, req.cmd, req.arg)))
-        cell = [False]
+        stats, cell = self._stats, [False]
+        key = self._ioctl_key(self._broker.sessions.get(req.session), req)
         t0 = stats.clock()
 
         def done(rep):
@@ -323,36 +313,24 @@ class InstrumentedBroker:
         return None if lane is None else _CountedLane(lane, self._stats)
 
     def map_check_now(self, req):
-        stats = self._stats
+        stats, cell = self._stats, [False]
         s = self._broker.sessions.get(req.session)
-        cell = [False]
-        token = _current.set(cell)
         t0 = stats.clock()
-        try:
+        with _Marking(cell):
             rep = self._broker.map_check_now(req)
-        finally:
-            _current.reset(token)
-        key = (("", "mmap", "UNKNOWN", "") if s is None else
-               (s.tenant.name, "mmap", _NODE_NAMES.get(s.node, "other"), ""))
-        stats._record(key, _verdict(cell, rep.errno), stats.clock() - t0)
+        stats._record(self._key(s, "mmap"), _verdict(cell, rep.errno), stats.clock() - t0)
         return rep
 
     async def map_check(self, req):
         return self.map_check_now(req)
 
     async def map_read(self, req):
-        stats = self._stats
+        stats, cell = self._stats, [False]
         s = self._broker.sessions.get(req.session)
-        cell = [False]
-        token = _current.set(cell)
         t0 = stats.clock()
-        try:
+        with _Marking(cell):
             rep = await self._broker.map_read(req)
-        finally:
-            _current.reset(token)
-        key = (("", "map_read", "UNKNOWN", "") if s is None else
-               (s.tenant.name, "map_read", _NODE_NAMES.get(s.node, "other"), ""))
-        stats._record(key, _verdict(cell, rep.errno), stats.clock() - t0)
+        stats._record(self._key(s, "map_read"), _verdict(cell, rep.errno), stats.clock() - t0)
         return rep
 
     async def release(self, req):
@@ -360,9 +338,7 @@ class InstrumentedBroker:
         s = self._broker.sessions.get(req.session)
         t0 = stats.clock()
         await self._broker.release(req)
-        key = (("", "release", "UNKNOWN", "") if s is None else
-               (s.tenant.name, "release", _NODE_NAMES.get(s.node, "other"), ""))
-        stats._record(key, _OK, stats.clock() - t0)
+        stats._record(self._key(s, "release"), _OK, stats.clock() - t0)
 
 
 class _CountedLane:

@@ -304,13 +304,7 @@ def _writable_binds_owner(binds) -> tuple[int, int] | None:
 
 # --------------------------------------------------------------------------- status
 def cmd_status(args) -> int:
-    from devbroker.broker.control import ControlError, call
-
-    try:
-        snap = call(_paths(args).control, {"op": "status"})
-    except ControlError as e:
-        print(f"devbroker status: {e}", file=sys.stderr)
-        return 1
+    snap = ask_broker(args, "status", {"op": "status"})
     if args.json:
         print(json.dumps(snap, indent=2))
         return 0
@@ -376,19 +370,10 @@ def _human(n: int) -> str:
 
 # --------------------------------------------------------------------------- upgrade
 def cmd_upgrade(args) -> int:
-    from devbroker.broker.control import ControlError, call
-
     req = {"op": "upgrade"}
     if args.python:
         req["python"] = args.python
-    try:
-        reply = call(_paths(args).control, req, timeout=args.timeout)
-    except (ControlError, OSError) as e:
-        print(f"devbroker upgrade: {e}", file=sys.stderr)
-        return 1
-    if not reply.get("ok"):
-        print(f"devbroker upgrade: {reply.get('error')}", file=sys.stderr)
-        return 1
+    reply = ask_broker(args, "upgrade", req, timeout=args.timeout)
     if args.json:
         print(json.dumps(reply))
     else:
@@ -413,7 +398,6 @@ def cmd_policy_check(args) -> int:
 
 
 def cmd_policy_show(args) -> int:
-    from devbroker.broker.control import ControlError, call
     from devbroker.broker.policy import PolicyError, load_policy
 
     if args.file:
@@ -423,11 +407,7 @@ def cmd_policy_show(args) -> int:
             print(f"devbroker policy show: {e}", file=sys.stderr)
             return 1
         return 0
-    try:
-        reply = call(_paths(args).control, {"op": "policy.show"})
-    except ControlError as e:
-        print(f"devbroker policy show: {e}", file=sys.stderr)
-        return 1
+    reply = ask_broker(args, "policy show", {"op": "policy.show"})
     print(f"# running policy, from {reply['source']}")
     if reply.get("runtime_tenants"):  # not the file's: `devbroker tenant list` shows them
         print(f"# and runtime tenants: {', '.join(reply['runtime_tenants'])}")
@@ -436,22 +416,13 @@ def cmd_policy_show(args) -> int:
 
 
 def cmd_policy_apply(args) -> int:
-    from devbroker.broker.control import ControlError, call
-
     try:
         text = Path(args.file).read_text()
     except OSError as e:
         print(f"devbroker policy apply: {args.file}: {e.strerror}", file=sys.stderr)
         return 1
-    try:
-        reply = call(_paths(args).control,
-                     {"op": "policy.apply", "text": text, "name": args.file})
-    except ControlError as e:
-        print(f"devbroker policy apply: {e}", file=sys.stderr)
-        return 1
-    if not reply.get("ok"):
-        print(f"devbroker policy apply: {reply.get('error')}", file=sys.stderr)
-        return 1
+    reply = ask_broker(args, "policy apply",
+                       {"op": "policy.apply", "text": text, "name": args.file})
     print(f"applied {args.file}: tenants {', '.join(reply['tenants'])}")
     return 0
 

@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from devbroker.cli.broker_cmds import ask_broker
+
 FRONTEND_HELP = ("fuse: /dev/nvidia* are the broker's FUSE node files (bind mounts) and only "
                  "stat() goes through seccomp; seccomp: /dev/nvidia* are character nodes and "
                  "every open/ioctl/mmap of them goes to the broker through seccomp user "
@@ -53,22 +55,10 @@ def add_parsers(sub) -> None:
     p.set_defaults(func=cmd_oci_hook)
 
 
-def _status(run_dir: str) -> dict:
-    from devbroker.broker.control import call
-    from devbroker.daemon import RunPaths
-
-    return call(RunPaths(Path(run_dir)).control, {"op": "status"})
-
-
 def _frontend(args, what: str) -> str:
     if args.frontend != "auto":
         return args.frontend
-    from devbroker.broker.control import ControlError
-
-    try:
-        snap = _status(args.run_dir)
-    except ControlError as e:
-        sys.exit(f"devbroker {what}: --frontend auto asks the broker: {e}")
+    snap = ask_broker(args, f"{what}: --frontend auto asks the broker", {"op": "status"})
     return "seccomp" if snap.get("backend") == "real" else "fuse"
 
 
@@ -80,17 +70,12 @@ def hook_argv(run_dir: str) -> list[str]:
 
 
 def cmd_cdi(args) -> int:
-    from devbroker.broker.control import ControlError
     from devbroker.daemon import RunPaths
     from devbroker.sandbox.statshim import proc_devices_view
     from devbroker.oci.cdi import TenantNodes, cdi_spec
 
     frontend = _frontend(args, "cdi")
-    try:
-        snap = _status(args.run_dir)
-    except ControlError as e:
-        print(f"devbroker cdi: {e}", file=sys.stderr)
-        return 1
+    snap = ask_broker(args, "cdi", {"op": "status"})
     paths = RunPaths(Path(args.run_dir).resolve())
     tenants = []
     known = {t["name"] for t in snap["tenants"]}

@@ -367,9 +367,31 @@ def a_umount_node(ctx: Ctx) -> Outcome:
     return combine(outs)
 
 
-def _userns_child(w: int) -> None:
+def in_child(work: Callable[[], bytes]) -> tuple[bytes, int]:
+    """Run `work` in a forked child (a user namespace, another driver's ABI, a page whose
+    touch may end the process: none of it reaches this process) and return the bytes it
+    returned — none when it raised or a signal ended it first — and the child's wait
+    status. The child ends with _exit(0) whatever `work` does."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            os.write(w, work())
+        finally:
+            os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 4096):
+        data += chunk
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    return data, status
+
+
+def _userns_child() -> bytes:
     """In a forked child: new user+mount namespace, then try to get at a real node."""
-    res = {}
+    res: dict[str, str] = {}
     uid, gid = os.getuid(), os.getgid()  # 0 in the FUSE sandbox, the tenant's uid in the guest
 
     def step(name, fn):
@@ -397,25 +419,15 @@ def _userns_child(w: int) -> None:
                 if step("mknod", lambda: os.mknod("/tmp/nvidiactl", stat.S_IFCHR | 0o666,
                                                   os.makedev(195, 255))):
                     step("open", lambda: os.close(os.open("/tmp/nvidiactl", os.O_RDWR)))
-    finally:
-        os.write(w, json.dumps(res).encode())
-        os._exit(0)
+    except Exception as e:  # noqa: BLE001 - what it got so far, and why it stopped
+        res["error"] = f"{type(e).__name__}: {e}"
+    return json.dumps(res).encode()
 
 
 def a_userns_umount(ctx: Ctx) -> Outcome:
     """A new user namespace (root there): umount the node; mount a tmpfs and mknod 195:255
     in it; open that node. Only the open would matter (user-ns mounts are nodev)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        _userns_child(w)
-    os.close(w)
-    data = b""
-    while chunk := os.read(r, 4096):
-        data += chunk
-    os.close(r)
-    os.waitpid(pid, 0)
+    data, _ = in_child(_userns_child)
     res = json.loads(data or b"{}")
     detail = ", ".join(f"{k}: {v}" for k, v in res.items())
     if res.get("umount") == "ok":
@@ -540,13 +552,13 @@ def a_control_socket_guest(ctx: Ctx) -> Outcome:
     return combine(outs)
 
 
-def _userns_uid_child(w: int, as_uid: int, victim_gpu: int) -> None:
-    res: dict = {}
+def _userns_uid_child(as_uid: int, victim_gpu: int) -> bytes:
+    res: dict[str, object] = {}
     uid, gid = os.getuid(), os.getgid()
     try:
         if libc.unshare(CLONE_NEWUSER) != 0:
             res["unshare"] = ename(ctypes.get_errno())
-            return
+            return json.dumps(res).encode()
         with open("/proc/self/setgroups", "w") as f:
             f.write("deny")
         with open("/proc/self/uid_map", "w") as f:
@@ -568,11 +580,9 @@ def _userns_uid_child(w: int, as_uid: int, victim_gpu: int) -> None:
             res["ctl_gpus"] = len(c.attached_ids())
         except OSError as e:
             res["ctl"] = ename(e.errno)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - what it got so far, and why it stopped
         res["error"] = f"{type(e).__name__}: {e}"
-    finally:
-        os.write(w, json.dumps(res).encode())
-        os._exit(0)
+    return json.dumps(res).encode()
 
 
 def a_userns_uid(ctx: Ctx) -> Outcome:
@@ -581,17 +591,7 @@ def a_userns_uid(ctx: Ctx) -> Outcome:
     caller by its real uid. Open the victim's GPU node; count the GPUs a new client sees."""
     if not ctx.victim_uid:
         return Outcome("error", "", "no victim uid given")
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        _userns_uid_child(w, ctx.victim_uid, ctx.victim_gpu)
-    os.close(w)
-    data = b""
-    while chunk := os.read(r, 4096):
-        data += chunk
-    os.close(r)
-    os.waitpid(pid, 0)
+    data, _ = in_child(lambda: _userns_uid_child(ctx.victim_uid, ctx.victim_gpu))
     res = json.loads(data or b"{}")
     detail = ", ".join(f"{k}: {v}" for k, v in res.items())
     if "error" in res or "unshare" in res or res.get("uid_in_ns") != ctx.victim_uid:
@@ -649,24 +649,13 @@ def a_fd_pass_register(ctx: Ctx) -> Outcome:
 def _touch_page(addr: int, *, write: bool) -> str:
     """Read (or write) a mapped page in a forked child: a refused page ends the child with
     SIGBUS, which is the refusal; otherwise what was read ("wrote" for a write)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        try:
-            if write:
-                ctypes.memmove(addr, b"bob!", 4)
-                os.write(w, b"wrote")
-            else:
-                os.write(w, ctypes.string_at(addr, 64))
-        finally:
-            os._exit(0)
-    os.close(w)
-    data = b""
-    while chunk := os.read(r, 4096):
-        data += chunk
-    os.close(r)
-    _, status = os.waitpid(pid, 0)
+    def touch() -> bytes:
+        if not write:
+            return ctypes.string_at(addr, 64)
+        ctypes.memmove(addr, b"bob!", 4)
+        return b"wrote"
+
+    data, status = in_child(touch)
     if os.WIFSIGNALED(status):
         return signal.Signals(os.WTERMSIG(status)).name
     return data.split(b"\0", 1)[0].decode(errors="replace")
@@ -738,8 +727,6 @@ def a_foreign_object(ctx: Ctx) -> Outcome:
 
 def a_client_collision(ctx: Ctx) -> Outcome:
     """Allocate a root client with the victim's client handle (take over its name)."""
-    from devbroker.tools.probe import Client
-
     c = ctx.client()
     kind, code, h = rm_alloc(c, 0, 0x41, None, root=0, handle=ctx.victim["client"])
     return judge(kind, code, "root client with the victim's handle")
@@ -942,27 +929,16 @@ def a_no_layout_controls(ctx):
     # In a child: the broker decodes every later call of a process that checked in as
     # another driver with that driver's ABI, and the attacks after this one are the
     # parent's.
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        try:
-            from devbroker.tools.probe import Client
+    def as_old_driver() -> bytes:
+        from devbroker.tools.probe import Client
 
-            c = Client(version=old)
-            c.check_version()
-            c.open_root()
-            got = [rm_control(c, c.hclient, 0x289, struct.pack("<I", gid)),
-                   rm_control(c, c.hclient, 0x288, bytes(4 + 4 * 32))]
-            os.write(w, json.dumps(got).encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    data = b""
-    while chunk := os.read(r, 4096):
-        data += chunk
-    os.close(r)
-    os.waitpid(pid, 0)
+        c = Client(version=old)
+        c.check_version()
+        c.open_root()
+        return json.dumps([rm_control(c, c.hclient, 0x289, struct.pack("<I", gid)),
+                           rm_control(c, c.hclient, 0x288, bytes(4 + 4 * 32))]).encode()
+
+    data, _ = in_child(as_old_driver)
     if not data:
         return Outcome("error", "", "the child checked in as driver 535 reported nothing")
     (k1, c1), (k2, c2) = json.loads(data)

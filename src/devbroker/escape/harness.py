@@ -403,6 +403,27 @@ class _FuseBroker:
         self.log.close()
 
 
+def _victim_info(victim: subprocess.Popen, b, what: str) -> dict:
+    """What the victim printed of itself (its handles, GPU ids, socket), with its host pid
+    as the broker sees it."""
+    line = victim.stdout.readline()
+    if not line:
+        raise RuntimeError(f"{what} failed: {victim.stderr.read()}")
+    vinfo = json.loads(line)
+    procs = next(t for t in b.control({"op": "status"})["tenants"]
+                 if t["name"] == VICTIM)["processes"]
+    vinfo["host_pid"] = procs[0] if procs else None
+    vinfo["tenant"] = VICTIM
+    return vinfo
+
+
+def _attack_ctx(frontend: str, run_dir: str, broker_pid: int, vinfo: dict) -> dict:
+    """The attacker's context (escape/attacks.py Ctx): its broker, its GPU and quota, and
+    its victim."""
+    return {"frontend": frontend, "run_dir": run_dir, "broker_pid": broker_pid,
+            "own_gpu": 0, "victim_gpu": 1, "quota": ATTACKER_QUOTA, "victim": vinfo}
+
+
 def _run_fuse(attacks: list[Attack], work: Path, flood: bool, report: Report,
               backend: str = "emulated") -> None:
     b = _FuseBroker(work, policy_text(backend))
@@ -412,16 +433,7 @@ def _run_fuse(attacks: list[Attack], work: Path, flood: bool, report: Report,
         victim = subprocess.Popen(b.exec_argv(VICTIM, _victim_argv(sock)), stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   env=_env())
-        line = victim.stdout.readline()
-        if not line:
-            raise RuntimeError(f"victim failed: {victim.stderr.read()}")
-        vinfo = json.loads(line)
-        procs = next(t for t in b.control({"op": "status"})["tenants"]
-                     if t["name"] == VICTIM)["processes"]
-        vinfo["host_pid"] = procs[0] if procs else None
-        vinfo["tenant"] = VICTIM
-        ctx = {"frontend": "fuse", "run_dir": str(b.run_dir), "broker_pid": b.proc.pid,
-               "own_gpu": 0, "victim_gpu": 1, "quota": ATTACKER_QUOTA, "victim": vinfo}
+        ctx = _attack_ctx("fuse", str(b.run_dir), b.proc.pid, _victim_info(victim, b, "victim"))
         env = _env()
         env["DEVBROKER_ESCAPE_CTX"] = json.dumps(ctx)
         r = subprocess.run(b.exec_argv(ATTACKER, _tenant_argv(*[a.id for a in attacks])),
@@ -509,8 +521,7 @@ def _run_seccomp(attacks: list[Attack], work: Path, flood: bool, report: Report,
                 raise RuntimeError("victim under seccomp printed nothing")
             vinfo["host_pid"] = vinfo["pid"]
             vinfo["tenant"] = VICTIM
-            ctx = {"frontend": "seccomp", "run_dir": "", "broker_pid": os.getpid(),
-                   "own_gpu": 0, "victim_gpu": 1, "quota": ATTACKER_QUOTA, "victim": vinfo}
+            ctx = _attack_ctx("seccomp", "", os.getpid(), vinfo)
             aenv = dict(env, DEVBROKER_ESCAPE_CTX=json.dumps(ctx))
             held_before = _driver_held(broker, vinfo["host_pid"])
             with open(work / "attacker.out", "w") as aout, open(work / "attacker.err", "w") as aerr:
@@ -601,16 +612,8 @@ def _run_container(front_end: str, attacks: list[Attack], work: Path, report: Re
                                 "--victim", sock], [])
         victim = rt.popen(vb, vid, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
-        line = victim.stdout.readline()
-        if not line:
-            raise RuntimeError(f"victim container failed: {victim.stderr.read()}")
-        vinfo = json.loads(line)
-        procs = next(t for t in b.control({"op": "status"})["tenants"]
-                     if t["name"] == VICTIM)["processes"]
-        vinfo["host_pid"] = procs[0] if procs else None
-        vinfo["tenant"] = VICTIM
-        ctx = {"frontend": base, "run_dir": str(b.run_dir), "broker_pid": b.proc.pid,
-               "own_gpu": 0, "victim_gpu": 1, "quota": ATTACKER_QUOTA, "victim": vinfo}
+        ctx = _attack_ctx(base, str(b.run_dir), b.proc.pid,
+                          _victim_info(victim, b, "victim container"))
         ab = _container_bundle(b, work, spec, ATTACKER, base, [*py, *[a.id for a in attacks]],
                                [f"DEVBROKER_ESCAPE_CTX={json.dumps(ctx)}"])
         aid = f"escape-attacker-{uuid.uuid4().hex[:8]}"

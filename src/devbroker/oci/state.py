@@ -81,16 +81,22 @@ def complete(payload: bytes) -> bool:
     return True
 
 
+def _json_object(raw: bytes, what: str) -> dict:
+    """`raw` as a JSON object (UTF-8), else StateError naming `what`."""
+    try:
+        d = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise StateError(f"{what} is not JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise StateError(f"{what} is not a JSON object")
+    return d
+
+
 def decode_state(payload: bytes) -> ProcessState:
     """The container process state from the bytes the runtime sent."""
     if len(payload) > MAX_STATE_BYTES:
         raise StateError(f"container process state larger than {MAX_STATE_BYTES} bytes")
-    try:
-        d = json.loads(payload.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise StateError(f"container process state is not JSON: {e}") from None
-    if not isinstance(d, dict):
-        raise StateError("container process state is not a JSON object")
+    d = _json_object(payload, "container process state")
     st = d.get("state")
     if not isinstance(st, dict):
         raise StateError("container process state without 'state'")
@@ -170,13 +176,7 @@ def read_config(bundle: str) -> dict:
         raise StateError(f"the bundle's config.json: {e.strerror or e}") from None
     if len(raw) > MAX_CONFIG_BYTES:
         raise StateError(f"the bundle's config.json is larger than {MAX_CONFIG_BYTES} bytes")
-    try:
-        config = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise StateError(f"the bundle's config.json is not JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise StateError("the bundle's config.json is not a JSON object")
-    return config
+    return _json_object(raw, "the bundle's config.json")
 
 
 def tenant_from_cdi(state: ProcessState) -> bool:

@@ -39,6 +39,7 @@ _ST_TO_MS = {1: MS_RDONLY, 2: MS_NOSUID, 4: MS_NODEV, 8: MS_NOEXEC, 16: MS_SYNCH
 
 # <linux/prctl.h>
 PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
 PR_CAPBSET_DROP = 24
 PR_SET_NO_NEW_PRIVS = 38
 PR_GET_NO_NEW_PRIVS = 39
@@ -174,7 +175,18 @@ class _CapData(ctypes.Structure):
                 ("inheritable", ctypes.c_uint32)]
 
 
+def capget() -> tuple[int, int, int]:
+    """The calling thread's (effective, permitted, inheritable) capability sets."""
+    hdr = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
+    data = (_CapData * 2)()
+    _check(_libc.capget(ctypes.byref(hdr), data), "capget")
+    return (data[0].effective | (data[1].effective << 32),
+            data[0].permitted | (data[1].permitted << 32),
+            data[0].inheritable | (data[1].inheritable << 32))
+
+
 def capset(effective: int, permitted: int, inheritable: int = 0) -> None:
+    """Set the calling thread's capability sets (capset acts on one thread)."""
     hdr = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
     data = (_CapData * 2)()
     for i in range(2):
@@ -188,7 +200,7 @@ def last_cap() -> int:
     try:
         with open("/proc/sys/kernel/cap_last_cap") as f:
             return int(f.read())
-    except OSError:
+    except (OSError, ValueError):
         return max(CAPABILITY_NUMBERS.values())
 
 
