@@ -121,8 +121,8 @@ async def test_check_version_str_answers_as_the_driver(cmd, text, want):
 
 
 async def test_version_query_through_the_broker():
-    """The issue's NVML-style client: cmd '2' through the broker core gets the version and
-    RECOGNIZED, not EINVAL."""
+    """An NVML-style client's version check: cmd '2' through the broker core gets the
+    version and RECOGNIZED, not EINVAL."""
     from test_record import POLICY, Tenant
 
     from devbroker.broker.core import Broker

@@ -103,7 +103,8 @@ def test_root_tenant_cannot_write_the_host_file_system(start_broker, host_dir):
                    f"create={REPO / 'src' / 'devbroker' / 'planted.py'}",
                    f"create={host_dir / 'planted'}", "create=/etc/devbroker-planted",
                    f"create={mine}")
-    # The attack: a broker source file patched from inside a root tenant.
+    # The attack this guards against: a broker source file patched from inside a root
+    # tenant.
     assert got[f"append={source}"]["result"] == "EROFS"
     assert got[f"create={REPO / 'src' / 'devbroker' / 'planted.py'}"]["result"] == "EROFS"
     assert got[f"create={host_dir / 'planted'}"]["result"] == "EROFS"
