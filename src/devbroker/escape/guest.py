@@ -29,7 +29,8 @@ import uuid
 from pathlib import Path
 
 from devbroker.escape.harness import (ATTACKER, ATTACKER_QUOTA, ESCAPE_UUIDS, FLOODER,
-                                      GUEST_CALLS_N, GUEST_FLOOD_N, GUEST_FLOOD_RATE, VICTIM)
+                                      GUEST_CALLS_N, GUEST_FLOOD_N, GUEST_FLOOD_RATE, VICTIM,
+                                      end_victim)
 from devbroker.testing.policies import tenant, two_h200
 from devbroker.testing.guest_broker import (REPO, TENANT_PY, TREE, BrokerProc, control_path,
                                             emit, tenant_env)
@@ -189,12 +190,7 @@ def run(frontend: str, run_dir: Path, ids: list[str], flood: bool) -> int:
                  flood_start=fstart, status=b.status(), stderr=(ferr[-1000:] + cerr[-1000:]),
                  seconds=round(time.monotonic() - tf, 1))
     finally:
-        if victim is not None:
-            try:
-                victim.stdin.close()
-                victim.wait(timeout=20)
-            except Exception:
-                victim.kill()
+        end_victim(victim)
         rc_b = b.stop() if b.p.poll() is None else b.p.returncode
         emit("escape_broker_stop", frontend=frontend, rc=rc_b, log=b.tail()[-1500:],
              seconds=round(time.monotonic() - t0, 1))

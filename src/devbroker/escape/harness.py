@@ -403,6 +403,17 @@ class _FuseBroker:
         self.log.close()
 
 
+def end_victim(victim: subprocess.Popen | None) -> None:
+    """Let the victim go (it waits on stdin), or kill it when it does not within 20 s."""
+    if victim is None:
+        return
+    try:
+        victim.stdin.close()
+        victim.wait(timeout=20)
+    except Exception:
+        victim.kill()
+
+
 def _victim_info(victim: subprocess.Popen, b, what: str) -> dict:
     """What the victim printed of itself (its handles, GPU ids, socket), with its host pid
     as the broker sees it."""
@@ -461,12 +472,7 @@ def _run_fuse(attacks: list[Attack], work: Path, flood: bool, report: Report,
                 report.notes.append(f"flood stderr: {err[-500:]} calls: {calls.stderr[-500:]}")
             report.rows.append(judge_flood("fuse", fdone, cdone, b.control({"op": "status"})))
     finally:
-        if victim is not None:
-            try:
-                victim.stdin.close()
-                victim.wait(timeout=20)
-            except Exception:
-                victim.kill()
+        end_victim(victim)
         b.stop()
 
 
@@ -636,12 +642,7 @@ def _run_container(front_end: str, attacks: list[Attack], work: Path, report: Re
                            f"`devbroker oci-seccomp --frontend {base}`; tenants {VICTIM} "
                            f"(victim) and {ATTACKER} (attacker) as root in their containers")
     finally:
-        if victim is not None:
-            try:
-                victim.stdin.close()
-                victim.wait(timeout=20)
-            except Exception:
-                victim.kill()
+        end_victim(victim)
         rt.delete(vid)
         b.stop()
 
