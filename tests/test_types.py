@@ -1,5 +1,5 @@
-"""The strictly typed packages type-check: mypy --strict on what pyproject.toml's
-[tool.mypy] names (the driver ABI and the sandbox), with the version the test extra pins."""
+"""The strictly typed code type-checks: mypy --strict on what pyproject.toml's [tool.mypy]
+names (the bottom layers and the wire codecs), with the version the test extra pins."""
 from __future__ import annotations
 
 import subprocess

@@ -78,7 +78,7 @@ class FrameDecoder:
 
     def feed(self, data: bytes) -> list[Frame]:
         self._buf += data
-        out = []
+        out: list[Frame] = []
         while True:
             if len(self._buf) < 4:
                 return out
@@ -135,7 +135,7 @@ def encode_close(rid: int, fd: int) -> bytes:
 
 def parse_close(p: bytes) -> int:
     _need(p, 0, 4, "CLOSE")
-    return struct.unpack_from("<i", p)[0]
+    return int(struct.unpack_from("<i", p)[0])
 
 
 def encode_ioctl(rid: int, req: IoctlRequest) -> bytes:
@@ -203,7 +203,7 @@ def reply_keep(rid: int, err: int) -> bytes:
 
 def parse_keep_reply(p: bytes) -> int:
     _need(p, 0, 4, "keep reply")
-    return struct.unpack_from("<I", p)[0]
+    return int(struct.unpack_from("<I", p)[0])
 
 
 # --------------------------------------------------------------------------- replies
@@ -242,7 +242,7 @@ def reply_close(rid: int, err: int) -> bytes:
 
 def parse_close_reply(p: bytes) -> int:
     _need(p, 0, 4, "CLOSE reply")
-    return struct.unpack_from("<i", p)[0]
+    return int(struct.unpack_from("<i", p)[0])
 
 
 def reply_ioctl(rid: int, rep: IoctlReply) -> bytes:
@@ -276,7 +276,7 @@ def reply_mapread(rid: int, err: int, data: bytes = b"") -> bytes:
 
 def parse_mapread_reply(p: bytes) -> tuple[int, bytes]:
     _need(p, 0, 4, "MAPREAD reply")
-    return struct.unpack_from("<i", p)[0], p[4:]
+    return int(struct.unpack_from("<i", p)[0]), p[4:]
 
 
 _INFO = struct.Struct("<IIIIQQQI")

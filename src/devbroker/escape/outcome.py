@@ -18,8 +18,8 @@ class Outcome:
     # e.g. userfaultfd for a tenant without CAP_SYS_PTRACE.
     by_kernel: bool = False
 
-    def to_dict(self) -> dict:
-        out = {"result": self.result, "got": self.got, "detail": self.detail}
+    def to_dict(self) -> dict[str, str | bool]:
+        out: dict[str, str | bool] = {"result": self.result, "got": self.got, "detail": self.detail}
         if self.by_kernel:
             out["by_kernel"] = True
         return out

@@ -11,9 +11,10 @@ exception escapes the parser.
 """
 from __future__ import annotations
 
+import builtins
 import struct
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 KERNEL_VERSION = 7
 # The newest minor whose message layouts this codec knows. Every later addition up to
@@ -387,7 +388,7 @@ class _Body:
     def remaining(self) -> int:
         return self.end - self.pos
 
-    def take(self, st: struct.Struct, name: str) -> tuple:
+    def take(self, st: struct.Struct, name: str) -> tuple[Any, ...]:
         if self.remaining() < st.size:
             raise WireError(
                 self.pos, name, f"needs {st.size} bytes, {self.remaining()} left", self.unique
@@ -403,12 +404,12 @@ class _Body:
         self.pos += n
         return out
 
-    def rest(self) -> bytes:
+    def rest(self) -> builtins.bytes:
         out = bytes(self.buf[self.pos:self.end])
         self.pos = self.end
         return out
 
-    def cstring(self, name: str) -> bytes:
+    def cstring(self, name: str) -> builtins.bytes:
         raw = self.buf[self.pos:self.end].tobytes()
         nul = raw.find(b"\0")
         if nul < 0:
@@ -451,7 +452,11 @@ def parse_request(buf: bytes | bytearray | memoryview, *, minor: int = MAX_MINOR
     return decoder(h, b, minor)
 
 
-def _d_init(h, b, minor):
+# A request's decoder: its header, its body, the negotiated protocol minor.
+Decoder = Callable[[InHeader, "_Body", int], Request]
+
+
+def _d_init(h: InHeader, b: _Body, minor: int) -> Request:
     if b.remaining() < 8:
         b.take(_INIT_IN, "fuse_init_in")  # raises with the right offset
     if b.remaining() < _INIT_IN.size:
@@ -465,21 +470,21 @@ def _d_init(h, b, minor):
     return Init(h, major, mnr, ra, flags)
 
 
-def _d_cuse_init(h, b, minor):
+def _d_cuse_init(h: InHeader, b: _Body, minor: int) -> Request:
     major, mnr, _unused, flags = b.take(_CUSE_INIT_IN, "cuse_init_in")
     return CuseInit(h, major, mnr, flags)
 
 
-def _d_lookup(h, b, minor):
+def _d_lookup(h: InHeader, b: _Body, minor: int) -> Request:
     return Lookup(h, b.cstring("name"))
 
 
-def _d_forget(h, b, minor):
+def _d_forget(h: InHeader, b: _Body, minor: int) -> Request:
     (n,) = b.take(_U64, "nlookup")
     return Forget(h, n)
 
 
-def _d_batch_forget(h, b, minor):
+def _d_batch_forget(h: InHeader, b: _Body, minor: int) -> Request:
     count, _ = b.take(_BATCH_FORGET_IN, "fuse_batch_forget_in")
     if count * _FORGET_ONE.size > b.remaining():
         raise WireError(b.pos - _BATCH_FORGET_IN.size, "count",
@@ -488,28 +493,28 @@ def _d_batch_forget(h, b, minor):
     return BatchForget(h, items)
 
 
-def _d_getattr(h, b, minor):
+def _d_getattr(h: InHeader, b: _Body, minor: int) -> Request:
     if b.remaining() == 0 and minor < 9:
         return GetAttr(h)
     flags, _dummy, fh = b.take(_GETATTR_IN, "fuse_getattr_in")
     return GetAttr(h, flags, fh)
 
 
-def _d_setattr(h, b, minor):
+def _d_setattr(h: InHeader, b: _Body, minor: int) -> Request:
     (valid, _pad, fh, size, lock_owner, atime, mtime, ctime,
      atimensec, mtimensec, ctimensec, mode, _u4, uid, gid, _u5) = b.take(_SETATTR_IN, "fuse_setattr_in")
     return SetAttr(h, valid, fh, size, lock_owner, atime, mtime, ctime,
                    atimensec, mtimensec, ctimensec, mode, uid, gid)
 
 
-def _d_open(cls):
-    def dec(h, b, minor):
+def _d_open(cls: type[Open] | type[OpenDir]) -> Decoder:
+    def dec(h: InHeader, b: _Body, minor: int) -> Request:
         flags, open_flags = b.take(_OPEN_IN, "fuse_open_in")
         return cls(h, flags, open_flags)
     return dec
 
 
-def _read_in(b, minor):
+def _read_in(b: _Body, minor: int) -> tuple[int, int, int, int, int, int]:
     if minor < 9:
         fh, off, size, rflags = b.take(_READ_IN_COMPAT, "fuse_read_in")
         return fh, off, size, rflags, 0, 0
@@ -517,13 +522,13 @@ def _read_in(b, minor):
     return fh, off, size, rflags, owner, flags
 
 
-def _d_read(cls):
-    def dec(h, b, minor):
+def _d_read(cls: type[Read] | type[ReadDir]) -> Decoder:
+    def dec(h: InHeader, b: _Body, minor: int) -> Request:
         return cls(h, *_read_in(b, minor))
     return dec
 
 
-def _d_write(h, b, minor):
+def _d_write(h: InHeader, b: _Body, minor: int) -> Request:
     start = b.pos
     fh, off, size, wflags, owner, flags = _read_in(b, minor)
     if b.remaining() != size:
@@ -532,13 +537,13 @@ def _d_write(h, b, minor):
     return Write(h, fh, off, size, wflags, owner, flags, b.rest())
 
 
-def _d_flush(h, b, minor):
+def _d_flush(h: InHeader, b: _Body, minor: int) -> Request:
     fh, _unused, _pad, owner = b.take(_FLUSH_IN, "fuse_flush_in")
     return Flush(h, fh, owner)
 
 
-def _d_release(cls):
-    def dec(h, b, minor):
+def _d_release(cls: type[Release] | type[ReleaseDir]) -> Decoder:
+    def dec(h: InHeader, b: _Body, minor: int) -> Request:
         if b.remaining() < _RELEASE_IN.size:  # before 7.8: fh and flags only
             fh, flags = b.take(struct.Struct("<QI4x"), "fuse_release_in")
             return cls(h, fh, flags)
@@ -547,27 +552,27 @@ def _d_release(cls):
     return dec
 
 
-def _d_fsync(h, b, minor):
+def _d_fsync(h: InHeader, b: _Body, minor: int) -> Request:
     fh, fflags, _pad = b.take(_FSYNC_IN, "fuse_fsync_in")
     return Fsync(h, fh, fflags)
 
 
-def _d_access(h, b, minor):
+def _d_access(h: InHeader, b: _Body, minor: int) -> Request:
     mask, _pad = b.take(_ACCESS_IN, "fuse_access_in")
     return Access(h, mask)
 
 
-def _d_getxattr(h, b, minor):
+def _d_getxattr(h: InHeader, b: _Body, minor: int) -> Request:
     size, _pad = b.take(_GETXATTR_IN, "fuse_getxattr_in")
     return GetXattr(h, size, b.cstring("name"))
 
 
-def _d_listxattr(h, b, minor):
+def _d_listxattr(h: InHeader, b: _Body, minor: int) -> Request:
     size, _pad = b.take(_GETXATTR_IN, "fuse_getxattr_in")
     return ListXattr(h, size)
 
 
-def _d_ioctl(h, b, minor):
+def _d_ioctl(h: InHeader, b: _Body, minor: int) -> Request:
     start = b.pos
     fh, flags, cmd, arg, in_size, out_size = b.take(_IOCTL_IN, "fuse_ioctl_in")
     if b.remaining() != in_size:
@@ -576,23 +581,23 @@ def _d_ioctl(h, b, minor):
     return Ioctl(h, fh, flags, cmd, arg, in_size, out_size, b.rest())
 
 
-def _d_poll(h, b, minor):
+def _d_poll(h: InHeader, b: _Body, minor: int) -> Request:
     fh, kh, flags, events = b.take(_POLL_IN, "fuse_poll_in")
     return Poll(h, fh, kh, flags, events)
 
 
-def _d_interrupt(h, b, minor):
+def _d_interrupt(h: InHeader, b: _Body, minor: int) -> Request:
     (target,) = b.take(_U64, "fuse_interrupt_in")
     return Interrupt(h, target)
 
 
-def _d_empty(cls):
-    def dec(h, b, minor):
+def _d_empty(cls: type[StatFs] | type[Destroy]) -> Decoder:
+    def dec(h: InHeader, b: _Body, minor: int) -> Request:
         return cls(h)
     return dec
 
 
-_DECODERS = {
+_DECODERS: dict[int, Decoder] = {
     INIT: _d_init,
     CUSE_INIT: _d_cuse_init,
     LOOKUP: _d_lookup,

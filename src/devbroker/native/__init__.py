@@ -159,12 +159,16 @@ def load(name: str) -> ctypes.CDLL | None:
         return lib
 
 
+# name -> the library whose ABI version and call size load_checked accepted
+_abi_ok: dict[str, ctypes.CDLL] = {}
+
+
 def load_checked(name: str, abi_fn: str, abi: int, size_fn: str, size: int) -> ctypes.CDLL | None:
     """`load(name)`, its ABI version (`abi_fn()`) and call-structure size (`size_fn()`)
     checked against what the Python side was written for: a library that disagrees is
     never used (None, the reason logged and in `why_not`)."""
     lib = load(name)
-    if lib is None or getattr(lib, "_devbroker_abi_ok", False):
+    if lib is None or _abi_ok.get(name) is lib:
         return lib
     got_abi, got_size = getattr(lib, abi_fn), getattr(lib, size_fn)
     got_abi.restype, got_size.restype = ctypes.c_int, ctypes.c_size_t
@@ -173,7 +177,7 @@ def load_checked(name: str, abi_fn: str, abi: int, size_fn: str, size: int) -> c
         log.warning("native %s not used: %s", name, why)
         _why_not[name] = why
         return None
-    lib._devbroker_abi_ok = True
+    _abi_ok[name] = lib
     return lib
 
 
