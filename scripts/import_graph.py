@@ -6,17 +6,18 @@ Reads every module with `ast` (nothing is imported or run) and takes each
 importing module to the imported one (a `from PKG import name` names the submodule when
 there is one). Fails (exit 1) and says which when
 
-- module-level imports form a cycle;
-- imports of any kind form a cycle: those inside functions (they run later) and those under
-  `if TYPE_CHECKING:` (they never run) are arrows too, since a module that reaches up to
-  another at call time or for its annotations depends on it all the same. Only the groups
-  of CYCLE_EXEMPT are left out of this check, each with its reason (--lazy lists the
-  imports inside functions);
-- the packages (devbroker's subpackages, and each module directly under devbroker) form a
-  cycle, counting every import: `broker` may use `sandbox`, or the other way, never both;
+- module-level imports form a cycle (imports inside functions are left out of this check:
+  they run later, but are listed with --lazy; imports under `if TYPE_CHECKING:` never run
+  and are left out too);
 - a module imports (anywhere) one of a higher layer than its own (LAYERS below);
 - a module of TOP_ONLY imports devbroker modules inside a function (its imports belong at
-  the top, where a reader and this check see them).
+  the top, where a reader and this check see them);
+- imports of any kind form a cycle: those inside functions (they run later) and those under
+  `if TYPE_CHECKING:` (they never run) are arrows too, since a module that reaches another
+  at call time or for its annotations depends on it all the same. Only the groups of
+  CYCLE_EXEMPT are left out of this check, each with its reason;
+- the packages (devbroker's subpackages, and each module directly under devbroker) form a
+  cycle, counting every import: `broker` may use `sandbox`, or the other way, never both.
 
 Usage: python3 scripts/import_graph.py [--lazy] [--dot] [--src DIR]
 (tests/test_import_graph.py runs it; --src: another tree holding a devbroker package)
@@ -44,6 +45,13 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 # Arrows a lower layer may take upward, each with the reason (kept to a minimum).
 ALLOWED_UP: dict[tuple[str, str], str] = {}
+# Modules whose devbroker imports are all at module level.
+TOP_ONLY = frozenset({
+    "devbroker.assemble", "devbroker.broker.core", "devbroker.broker.handlers",
+    "devbroker.broker.interface", "devbroker.broker.refusal", "devbroker.broker.rewrite",
+    "devbroker.broker.rules", "devbroker.backends.emulated",
+    "devbroker.backends.emulated_controls",
+})
 # Groups of modules whose arrows among themselves are left out of the check on every
 # import (not of the module-level one), each with its reason. Arrows into or out of a group
 # count as usual. Remove a group once its modules import each other one way only.
@@ -56,13 +64,6 @@ CYCLE_EXEMPT: dict[frozenset[str], str] = {
         "the seccomp listener and its native loop's driver name each other's types; the "
         "same folding leaves the loop an executor that needs no listener",
 }
-# Modules whose devbroker imports are all at module level.
-TOP_ONLY = frozenset({
-    "devbroker.assemble", "devbroker.broker.core", "devbroker.broker.handlers",
-    "devbroker.broker.interface", "devbroker.broker.refusal", "devbroker.broker.rewrite",
-    "devbroker.broker.rules", "devbroker.backends.emulated",
-    "devbroker.backends.emulated_controls",
-})
 
 
 def layer_of(module: str) -> int:
@@ -207,19 +208,37 @@ def package_of(module: str, mods: dict[str, Path]) -> str:
     return module
 
 
+def every_import_problems(mods: dict[str, Path], edges: set[tuple[str, str]],
+                          module_level: list[list[str]]) -> list[str]:
+    """The cycles between packages and the cycles of every import (outside CYCLE_EXEMPT)
+    other than the module-level ones, which are reported already."""
+    every: dict[str, set[str]] = {m: set() for m in mods}
+    packages: dict[str, set[str]] = {}
+    for a, b in edges:
+        if exempt(a, b):
+            continue
+        every[a].add(b)
+        pa, pb = package_of(a, mods), package_of(b, mods)
+        if pa != pb:
+            packages.setdefault(pa, set()).add(pb)
+            packages.setdefault(pb, set())
+    out = ["package cycle (counting every import): " + " <-> ".join(comp)
+           for comp in cycles(packages)]
+    out += ["import cycle (counting imports inside functions and for annotations): "
+            + " <-> ".join(comp) for comp in cycles(every) if comp not in module_level]
+    return out
+
+
 def check(src: Path = SRC, show_lazy: bool = False, dot: bool = False) -> int:
     mods = modules(src)
     known = set(mods)
     top: dict[str, set[str]] = {m: set() for m in mods}
-    every: dict[str, set[str]] = {m: set() for m in mods}
     problems: list[str] = []
     lazy: list[str] = []
     edges = set()
     for name, path in mods.items():
         for target, line, at_top in imports(name, path, known):
             edges.add((name, target))
-            if not exempt(name, target):
-                every[name].add(target)
             if at_top:
                 top[name].add(target)
             elif at_top is None:
@@ -234,22 +253,8 @@ def check(src: Path = SRC, show_lazy: bool = False, dot: bool = False) -> int:
                 problems.append(f"{path.relative_to(src.parent)}:{line}: upward import "
                                 f"{name} (layer {layer_of(name)}) -> {target} "
                                 f"(layer {layer_of(target)})")
-    packages: dict[str, set[str]] = {}
-    for name, targets in every.items():
-        for target in targets:
-            a, b = package_of(name, mods), package_of(target, mods)
-            if a != b:
-                packages.setdefault(a, set()).add(b)
-                packages.setdefault(b, set())
-    for comp in cycles(packages):
-        problems.append("package cycle (counting every import): " + " <-> ".join(comp))
-    module_level = cycles(top)
-    for comp in module_level:
+    for comp in cycles(top):
         problems.append("import cycle (module level): " + " <-> ".join(comp))
-    for comp in cycles(every):
-        if comp not in module_level:
-            problems.append("import cycle (counting imports inside functions and for "
-                            "annotations): " + " <-> ".join(comp))
     if dot:
         print("digraph devbroker {")
         for a, b in sorted(edges):
@@ -258,6 +263,7 @@ def check(src: Path = SRC, show_lazy: bool = False, dot: bool = False) -> int:
     if show_lazy:
         print(f"{len(lazy)} imports inside functions:")
         print("\n".join(lazy))
+    problems += every_import_problems(mods, edges, cycles(top))
     for p in problems:
         print(p, file=sys.stderr)
     print(f"import graph: {len(mods)} modules, {len(edges)} arrows, {len(problems)} problems",

@@ -38,7 +38,7 @@ import threading
 import weakref
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 from devbroker.abi import status as nvstatus
 from devbroker.broker.effects import Blocking, Steps, locked, run_async
@@ -176,10 +176,9 @@ class _Books:
     turn_stopped: dict[tuple[str, int], set[tuple[int, int]]] = field(default_factory=dict)
     turn_seen: set[tuple[str, int]] = field(default_factory=set)
     turning: bool = False
-    # How to keep turns going (turns.schedule): set by turns.py when the broker starts.
-    # Turns build on these books, so this module reaches them through this and never
-    # imports turns.py; before the start there is no task to run them in anyway.
-    keep_turns: Callable[[Any], None] | None = None
+    # Called after each channel group's allocation (turns.install: a second tenant on a GPU
+    # starts turns). Hooks, not an import: turns.py stands on this module.
+    on_new_group: list = field(default_factory=list)
 
 
 _BOOKS: "weakref.WeakKeyDictionary[Any, _Books]" = weakref.WeakKeyDictionary()
@@ -190,19 +189,6 @@ def books(broker: Any) -> _Books:
     if b is None:
         b = _BOOKS[broker] = _Books()
     return b
-
-
-def turns_ms(broker: Any) -> int:
-    """The policy's `[broker] compute_turns_ms`: 0 when turns are off."""
-    policy = getattr(broker, "policy", None)
-    return int(getattr(getattr(policy, "broker", None), "compute_turns_ms", 0) or 0)
-
-
-def _keep_turns(broker: Any) -> None:
-    """Turns may start or stop (turns.py): a channel group came, or the policy changed."""
-    keep = books(broker).keep_turns
-    if keep is not None:
-        keep(broker)
 
 
 def stops_new_channels(broker: Any, tenant: str, gpu: int) -> bool:
@@ -494,7 +480,8 @@ def after_alloc(ctx: Any, alloc: Any, handle: int, gpu: int | None) -> Steps:
         schedule_apply(broker, _set_key(g))
     if s.tenant.policy.priority == "high":
         schedule_preempt(broker)  # low tenants on this GPU: stopped by the watching task
-    _keep_turns(broker)  # a second tenant on this GPU: turns start (when on)
+    for hook in b.on_new_group:
+        hook()  # a second tenant on this GPU: turns start (when on)
 
 
 def _group_for(broker: Any, s: Any, client: Any, handle: int) -> ChannelGroup | None:
@@ -552,7 +539,12 @@ def install(broker: Any) -> None:
         b.installed = True
         broker.on_policy_change.append(lambda policy: schedule_apply(broker))
         broker.on_policy_change.append(lambda policy: schedule_preempt(broker))
-        broker.on_policy_change.append(lambda policy: _keep_turns(broker))
+
+
+def turns_ms(broker: Any) -> int:
+    """The policy's turn length (`[broker] compute_turns_ms`, turns.py); 0: no turns."""
+    policy = getattr(broker, "policy", None)
+    return int(getattr(getattr(policy, "broker", None), "compute_turns_ms", 0) or 0)
 
 
 def schedule_apply(broker: Any, only: tuple | None = None) -> None:

@@ -38,6 +38,18 @@ from devbroker.broker.effects import Steps, locked, run_async
 log = logging.getLogger("devbroker.turns")
 
 
+turns_ms = compute.turns_ms
+
+
+def install(broker: Any) -> None:
+    """Called by Broker.__init__ after compute.install: turns are looked at again after
+    every policy change and every channel group's allocation."""
+    b = compute.books(broker)
+    if not b.on_new_group:
+        b.on_new_group.append(lambda: schedule(broker))
+        broker.on_policy_change.append(lambda policy: schedule(broker))
+
+
 def members(broker: Any, gpu: int) -> list[Any]:
     """The tenants taking turns on `gpu`: those holding live channel groups there, in the
     policy, not revoked from it, not stopped for a high-priority tenant, not under
@@ -91,7 +103,7 @@ def step(broker: Any, gpu: int) -> Steps:
     when there are no turns on this GPU (turns off, fewer than two members), after letting
     run everything turns stopped there. Runs under the state lock (locked())."""
     b = compute.books(broker)
-    ms = compute.turns_ms(broker)
+    ms = turns_ms(broker)
     mem = members(broker, gpu) if ms else []
     names = [t.name for t in mem]
     # tenants that no longer take turns here (exited, preempted, revoked, turns off)
@@ -172,11 +184,11 @@ def schedule(broker: Any, startup: bool = False) -> None:
     background task (one for all GPUs): started at broker start (`startup`: with the first
     look, turns on or off), by channel groups and by policy changes; it ends when no GPU
     has turns and turns stopped nothing."""
+    install(broker)  # idempotent: also where the broker's start has not called it
     b = compute.books(broker)
-    b.keep_turns = schedule  # compute.py calls it for new channel groups, policy changes
     if b.turning or broker.spawn is None:
         return
-    if not startup and not compute.turns_ms(broker) and not b.turn_stopped and not b.turn:
+    if not startup and not turns_ms(broker) and not b.turn_stopped and not b.turn:
         return
     b.turning = True
 
