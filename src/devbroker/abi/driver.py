@@ -368,9 +368,9 @@ class DriverABI:
             return None
         if call.name == "NV_ESC_RM_CONTROL" and ref.size != ref.spec.size:
             off = call.value.spec.by_name["paramsSize"].offset if call.value else 0
-            raise DecodeError(off, "paramsSize",
-                              f"{ref.op.name if ref.op else call.name}: paramsSize {ref.size} != sizeof({ref.spec.name}) "
-                              f"{ref.spec.size}")
+            what = ref.op.name if ref.op else call.name
+            raise DecodeError(off, "paramsSize", f"{what}: paramsSize {ref.size} != "
+                              f"sizeof({ref.spec.name}) {ref.spec.size}")
         if len(data) < ref.size:
             raise DecodeError(len(data), ref.field,
                               f"nested buffer is {len(data)} bytes, {ref.size_field or 'class size'}"

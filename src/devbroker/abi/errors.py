@@ -14,7 +14,8 @@ class DecodeError(ValueError):
         self.reason = reason
         super().__init__(f"at offset {offset} ({field}): {reason}")
 
-    def __reduce__(self) -> tuple[type[DecodeError], tuple[int, str, str]]:  # keep pickling (multiprocessing, hypothesis) working
+    # keep pickling (multiprocessing, hypothesis) working
+    def __reduce__(self) -> tuple[type[DecodeError], tuple[int, str, str]]:
         return (type(self), (self.offset, self.field, self.reason))
 
 
