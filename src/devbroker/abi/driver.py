@@ -13,7 +13,7 @@ from typing import Any, Callable, ClassVar
 from . import status as _status
 from .errors import DecodeError
 from .nodes import NodeKind
-from .ioc import IOC_READ, IOC_WRITE, ioc, ioc_dir, ioc_nr, ioc_size, ioc_type  # noqa: F401
+from .ioc import IOC_READ, IOC_WRITE, ioc
 from .spec import StructSpec, StructValue, format_value
 
 NV_IOCTL_MAGIC = 0x46  # 'F'

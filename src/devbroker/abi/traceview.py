@@ -14,7 +14,7 @@ from .driver import NV_IOCTL_MAGIC, DriverABI, IoctlCall, NestedRef
 from .errors import DecodeError
 from .nodes import NodeKind
 from .nvtrace import Record, RecordType
-from .spec import Field, StructValue, _fmt
+from .spec import StructValue, _fmt
 
 
 @dataclass
