@@ -1184,7 +1184,7 @@ class SeccompSupervisor:
         bs = self.broker.sessions.get(sess.id)
         if w.IOC_TYPE(cmd) != w.NV_IOCTL_MAGIC or bs is None:
             return False
-        abi = self.broker._abi(bs)
+        abi = self.broker.abi_of(bs)
         key = (abi.version, bs.node, cmd)  # (the rows are fixed for the broker's life)
         kept = self._kept_rows.get(key)
         if kept is None:
@@ -1471,7 +1471,7 @@ class SeccompSupervisor:
             obj = cl.objects.get(handle) if cl is not None else None
             usable = (obj is not None and (obj.gpu is None or obj.gpu in tenant.gpus)
                       and not (s.node is NodeKind.GPU and s.minor not in tenant.gpus))
-            abi = self.broker._abi(s) if usable else None
+            abi = self.broker.abi_of(s) if usable else None
             if usable and obj.rm_class == SUBDEVICE_CLASS and self.broker.recorder is None:
                 # NVML asks a new subdevice for its memory first (FB_GET_INFO_V2): the
                 # quota view's values now, as of the charge epoch read with them
