@@ -176,6 +176,9 @@ class _Books:
     turn_stopped: dict[tuple[str, int], set[tuple[int, int]]] = field(default_factory=dict)
     turn_seen: set[tuple[str, int]] = field(default_factory=set)
     turning: bool = False
+    # Called after each channel group's allocation (turns.install: a second tenant on a GPU
+    # starts turns). Hooks, not an import: turns.py stands on this module.
+    on_new_group: list = field(default_factory=list)
 
 
 _BOOKS: "weakref.WeakKeyDictionary[Any, _Books]" = weakref.WeakKeyDictionary()
@@ -214,9 +217,7 @@ def never_stops_channels(broker: Any, tenant: Any) -> bool:
     holds anything of it stopped now. A settled allocation of a channel
     (ControlLane._settleable_alloc) rests on this, and a policy change moves the epoch that
     makes it stale."""
-    from devbroker.broker import turns
-
-    if getattr(tenant.policy, "priority", "normal") == "low" or turns.turns_ms(broker):
+    if getattr(tenant.policy, "priority", "normal") == "low" or turns_ms(broker):
         return False
     b = books(broker)
     return (not any(k[0] == tenant.name for k in b.preempted)
@@ -479,9 +480,8 @@ def after_alloc(ctx: Any, alloc: Any, handle: int, gpu: int | None) -> Steps:
         schedule_apply(broker, _set_key(g))
     if s.tenant.policy.priority == "high":
         schedule_preempt(broker)  # low tenants on this GPU: stopped by the watching task
-    from devbroker.broker import turns
-
-    turns.schedule(broker)  # a second tenant on this GPU: turns start (when on)
+    for hook in b.on_new_group:
+        hook()  # a second tenant on this GPU: turns start (when on)
 
 
 def _group_for(broker: Any, s: Any, client: Any, handle: int) -> ChannelGroup | None:
@@ -539,9 +539,12 @@ def install(broker: Any) -> None:
         b.installed = True
         broker.on_policy_change.append(lambda policy: schedule_apply(broker))
         broker.on_policy_change.append(lambda policy: schedule_preempt(broker))
-        from devbroker.broker import turns
 
-        broker.on_policy_change.append(lambda policy: turns.schedule(broker))
+
+def turns_ms(broker: Any) -> int:
+    """The policy's turn length (`[broker] compute_turns_ms`, turns.py); 0: no turns."""
+    policy = getattr(broker, "policy", None)
+    return int(getattr(getattr(policy, "broker", None), "compute_turns_ms", 0) or 0)
 
 
 def schedule_apply(broker: Any, only: tuple | None = None) -> None:

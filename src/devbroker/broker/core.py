@@ -180,6 +180,7 @@ class Broker:
         self.policy: Policy | None = None
         self.on_policy_change: list[Callable[[Policy], None]] = []
         compute.install(self)  # a policy change re-sets running channel groups
+        turns.install(self)  # and looks at the turns again (turns.py)
         # Starts a background task (the daemon's nursery.start_soon); None: no background
         # work (quota watch off). Set with set_spawner (it may be called from any thread).
         self.spawn: Callable | None = None

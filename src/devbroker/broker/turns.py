@@ -38,9 +38,16 @@ from devbroker.broker.effects import Steps, locked, run_async
 log = logging.getLogger("devbroker.turns")
 
 
-def turns_ms(broker: Any) -> int:
-    policy = getattr(broker, "policy", None)
-    return int(getattr(getattr(policy, "broker", None), "compute_turns_ms", 0) or 0)
+turns_ms = compute.turns_ms
+
+
+def install(broker: Any) -> None:
+    """Called by Broker.__init__ after compute.install: turns are looked at again after
+    every policy change and every channel group's allocation."""
+    b = compute.books(broker)
+    if not b.on_new_group:
+        b.on_new_group.append(lambda: schedule(broker))
+        broker.on_policy_change.append(lambda policy: schedule(broker))
 
 
 def members(broker: Any, gpu: int) -> list[Any]:
