@@ -166,7 +166,7 @@ class QuotaWatch:
                     await self._look()
                 except Exception as e:  # a bug must cost a look, never the broker
                     log.exception("quota watch: look failed")
-                    self.once(("error", type(e).__name__),
+                    self._once(("error", type(e).__name__),
                                f"quota watch: a look failed ({type(e).__name__}: {e}); "
                                "looking again at the next period")
         finally:
@@ -231,7 +231,7 @@ class QuotaWatch:
                         self._judge(t, {p: used.get(p, {}) for p in read},
                                     {p: pidfds[p] for p in tgids})
         except OSError as e:
-            self.once(("unavailable", str(e)), f"quota watch unavailable: {e}")
+            self._once(("unavailable", str(e)), f"quota watch unavailable: {e}")
         finally:
             for tgid in extra:
                 os.close(pidfds[tgid])
@@ -262,7 +262,7 @@ class QuotaWatch:
         for per_gpu in used.values():
             for g, n in per_gpu.items():
                 total[g] = total.get(g, 0) + n
-        self.once(("seen", t.name),
+        self._once(("seen", t.name),
                    f"quota watch: the driver accounts {total} bytes per GPU to the processes "
                    f"{sorted(used)} of tenant {t.name} (books: {t.used()})")
         # The bound is the quota, or the books where they hold more (a policy change lowered
@@ -289,7 +289,7 @@ class QuotaWatch:
             except ProcessLookupError:
                 pass
 
-    def once(self, key: tuple, msg: str) -> None:
+    def _once(self, key: tuple, msg: str) -> None:
         if key not in self._seen:
             self._seen.add(key)
             self.audit.write("notice", message=msg)
