@@ -65,6 +65,8 @@ def test_c_and_python_see_one_call_structure_generated_from_one_source(tmp_path)
     prog += [f'    printf("{f} %zu\\n", offsetof(struct dvb_call, {f}));' for f in fields]
     prog += [f'    printf("{c} %d\\n", (int){c});' for c in codes]
     prog += [f'    printf("DVB_{n} %d\\n", (int)DVB_{n});' for n, _v, _w in callabi.SIZES]
+    prog += [f'    printf("C_{c} %d\\n", (int)C_{c});' for c in callabi.COUNTERS]
+    prog += ['    printf("C_COUNT %d\\n", (int)C_COUNT);']
     prog += ["    return 0;", "}"]
     (tmp_path / "probe.c").write_text("\n".join(prog) + "\n")
     cc = native._compiler()
@@ -81,7 +83,11 @@ def test_c_and_python_see_one_call_structure_generated_from_one_source(tmp_path)
         assert int(got[c]) == getattr(callabi, c), c
     for n, v, _w in callabi.SIZES:
         assert int(got[f"DVB_{n}"]) == v == getattr(callabi, n), n
+    for i, c in enumerate(callabi.COUNTERS):  # (dvb_fold copies them out in this order)
+        assert int(got[f"C_{c}"]) == i, c
+    assert int(got["C_COUNT"]) == len(callabi.COUNTERS)
     # and lane.c holds none of it by hand
     src = (native.HERE / "lane.c").read_text()
     assert "struct dvb_call {" not in src and "#define DVB_ABI" not in src
+    assert "enum { C_NOTIFICATIONS" not in src
     assert not [n for n, _v, _w in callabi.SIZES if f"#define DVB_{n} " in src]

@@ -58,6 +58,7 @@ from devbroker.broker import callstats, rewrite
 from devbroker.broker.objects import BOOKS
 # What the loop and Python share (sizes, codes, struct dvb_call): native/callabi.py, the
 # one source lane.c's header is generated from.
+from devbroker.native import callabi
 from devbroker.native.callabi import (
     ABI, ACT_CONTINUE, ACT_CONTROL, ACT_DECLINE, ACT_FAIL, ANSWER_MAX, CONT_ARG, CONT_FDS,
     CONT_OBJECTS, DVB_ERROR, DVB_FOLD, DVB_HUP, DVB_IDLE, DVB_LATE, DVB_NOTIF, DVB_QUIET,
@@ -73,14 +74,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("devbroker.seccomp.native")
 
-# native/lane.c's counters, in its order: the SupervisorStats field(s) each is added to
-COUNTERS = ("notifications", "opens_continued", "ioctls", "controls_fast", "stale",
-            "lane_ns_read", "lane_ns_admit", "lane_ns_dup", "lane_ns_driver", "lane_ns_finish",
-            "lane_ns_write", "ns_recv", "ns_send", "ns_ioctl", "ns_open", "native_answered",
-            "settled", ("continued_settled", "continued_decided", "uvm_fast"),
-            "mmaps_continued", ("mmaps_settled", "mmaps"), "ns_mmap",
-            ("opens_prepared", "opens"), ("ns_open_prepared", "ns_open_node", "ns_open"),
-            "finished_after", "answers_settled")
+# The SupervisorStats field(s) each of the loop's counters is added to, in callabi.COUNTERS'
+# order: the field of the counter's name in lower case unless named here
+_STATS_OF = {
+    "ANSWERED": "native_answered",
+    "CONT_SETTLED": ("continued_settled", "continued_decided", "uvm_fast"),
+    "MMAPS_SETTLED": ("mmaps_settled", "mmaps"),
+    "OPENS_PREPARED": ("opens_prepared", "opens"),
+    "NS_OPEN_PREPARED": ("ns_open_prepared", "ns_open_node", "ns_open"),
+}
+COUNTERS = tuple(_STATS_OF.get(c, c.lower()) for c in callabi.COUNTERS)
 NODE_WIDE = -1  # native/lane.c DVB_NODE_WIDE: a continuation fact of every file of a node
 _LAYOUT_KINDS = {"control": LAYOUT_CONTROL, "alloc": LAYOUT_ALLOC, "free": LAYOUT_FREE}
 _SETTLED_ROW = 4 + SETTLED_BUCKETS + 1  # (slot, ok, err, sum_ns, buckets...)

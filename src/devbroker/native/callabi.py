@@ -71,6 +71,15 @@ ENUMS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("struct dvb_cont_fact.kind", ("DVB_FACT_IOCTL", "DVB_FACT_MMAP", "DVB_FACT_FILE")),
 )
 
+# The loop's counters, C enum C_<name> (one int64 each, dvb_fold copies them out in this
+# order; nativelane.COUNTERS says which statistics each is added to)
+COUNTERS: tuple[str, ...] = (
+    "NOTIFICATIONS", "OPENS_CONTINUED", "IOCTLS", "CONTROLS_FAST", "STALE", "LANE_NS_READ",
+    "LANE_NS_ADMIT", "LANE_NS_DUP", "LANE_NS_DRIVER", "LANE_NS_FINISH", "LANE_NS_WRITE",
+    "NS_RECV", "NS_SEND", "NS_IOCTL", "NS_OPEN", "ANSWERED", "SETTLED", "CONT_SETTLED",
+    "MMAPS_CONTINUED", "MMAPS_SETTLED", "NS_MMAP", "OPENS_PREPARED", "NS_OPEN_PREPARED",
+    "FINISHED_AFTER", "ANSWERS_SETTLED")
+
 _I64, _U32, _U8 = "int64_t", "uint32_t", "uint8_t"
 # (C type, name, array length: a SIZES name or None, why); in order
 CALL: tuple[tuple[str, str, str | None, str], ...] = (
@@ -186,6 +195,8 @@ def c_header() -> str:
     for what, names in ENUMS:
         out += _comment(what, "")
         out.append("enum { " + ", ".join(f"{n} = {globals()[n]}" for n in names) + " };")
+    out += _comment("the loop's counters (dvb_fold copies them out in this order)", "")
+    out.append("enum { " + ", ".join(f"C_{c}" for c in COUNTERS) + ", C_COUNT };")
     out += ["", "/* One call being decided: what the Python callbacks read and fill. */",
             "struct dvb_call {"]
     for ctype, name, count, why in CALL:
