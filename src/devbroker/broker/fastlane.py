@@ -424,11 +424,11 @@ class ControlLane:
                 and self.broker.recorder is None)
 
     def settleable_escape(self, adm: Admitted) -> bool:
-        """Whether a plain escape this lane admitted (`decision._decide_escape`) may be settled: its
-        decision reads the session, its row (allowed, granted, on this node) and, for the
-        version check and SYS_PARAMS, the argument — so a front end may repeat it for the
-        same argument byte for byte on another of the tenant's files of the same node
-        (native/lane.c struct dvb_escape_fact) — for an fd escape with one fd field
+        """Whether a plain escape this lane admitted (`decision._decide_escape`) may be
+        settled: its decision reads the session, its row (allowed, granted, on this node)
+        and, for the version check and SYS_PARAMS, the argument — so a front end may repeat
+        it for the same argument byte for byte on another of the tenant's files of the same
+        node (native/lane.c struct dvb_escape_fact) — for an fd escape with one fd field
         (REGISTER_FD), but for that field, whose file the front end checks each time (a
         file of the tenant's, `fd_target`'s test). Not while recording. The loop does not know which driver version a
         file's process asked for (its version check: `Tenant.abi_by_tgid`), so either every
@@ -684,9 +684,10 @@ class ControlLane:
                     granted = handlers._alloc_charge(
                         adm.abi.rm_class(adm.cmd).params.decode(out))
                     if granted > charge:
-                        self.broker.once(("charge", adm.cmd), f"RM_ALLOC {adm.abi.class_name(adm.cmd)}: "
-                                          f"the driver granted {granted} bytes where {charge} "
-                                          "were checked against the quota")
+                        self.broker.once(("charge", adm.cmd),
+                                         f"RM_ALLOC {adm.abi.class_name(adm.cmd)}: "
+                                         f"the driver granted {granted} bytes where {charge} "
+                                         "were checked against the quota")
                         charge = granted
                 # (a racing free of the parent took the new object with it in the driver:
                 # nothing to book then)
