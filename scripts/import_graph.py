@@ -9,6 +9,9 @@ there is one). Fails (exit 1) and says which when
 - module-level imports form a cycle (imports inside functions are left out of this check:
   they run later, but are listed with --lazy; imports under `if TYPE_CHECKING:` never run
   and are left out too);
+- the modules of one package of WHOLE_CYCLES form a cycle counting their imports inside
+  functions as well (an import moved into a function hides a cycle from Python, not from a
+  reader: the per-call modules of the broker must read bottom-up);
 - a module imports (anywhere) one of a higher layer than its own (LAYERS below);
 - a module of TOP_ONLY imports devbroker modules inside a function (its imports belong at
   the top, where a reader and this check see them);
@@ -45,6 +48,8 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 # Arrows a lower layer may take upward, each with the reason (kept to a minimum).
 ALLOWED_UP: dict[tuple[str, str], str] = {}
+# Packages whose modules may not form a cycle even through imports inside functions.
+WHOLE_CYCLES: tuple[str, ...] = ("devbroker.broker",)
 # Modules whose devbroker imports are all at module level.
 TOP_ONLY = frozenset({
     "devbroker.assemble", "devbroker.broker.core", "devbroker.broker.handlers",
@@ -74,6 +79,10 @@ def layer_of(module: str) -> int:
             if p and (rel == p or rel.startswith(p + ".")) and len(p) > best_len:
                 best, best_len = i, len(p)
     return best
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
 
 
 def modules(src: Path) -> dict[str, Path]:
@@ -233,12 +242,16 @@ def check(src: Path = SRC, show_lazy: bool = False, dot: bool = False) -> int:
     mods = modules(src)
     known = set(mods)
     top: dict[str, set[str]] = {m: set() for m in mods}
+    whole: dict[str, set[str]] = {m: set() for m in mods}  # WHOLE_CYCLES', lazy ones too
     problems: list[str] = []
     lazy: list[str] = []
     edges = set()
     for name, path in mods.items():
         for target, line, at_top in imports(name, path, known):
             edges.add((name, target))
+            if at_top is not None and any(_within(name, p) and _within(target, p)
+                                          for p in WHOLE_CYCLES):
+                whole[name].add(target)
             if at_top:
                 top[name].add(target)
             elif at_top is None:
@@ -253,8 +266,13 @@ def check(src: Path = SRC, show_lazy: bool = False, dot: bool = False) -> int:
                 problems.append(f"{path.relative_to(src.parent)}:{line}: upward import "
                                 f"{name} (layer {layer_of(name)}) -> {target} "
                                 f"(layer {layer_of(target)})")
-    for comp in cycles(top):
+    found = cycles(top)
+    for comp in found:
         problems.append("import cycle (module level): " + " <-> ".join(comp))
+    for comp in cycles(whole):
+        if comp not in found:
+            problems.append("import cycle (counting imports inside functions): "
+                            + " <-> ".join(comp))
     if dot:
         print("digraph devbroker {")
         for a, b in sorted(edges):

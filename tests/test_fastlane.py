@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from devbroker.abi import registry
-from devbroker.broker import continuelane, fastlane, rewrite, rules
+from devbroker.broker import continuelane, decision, fastlane, rewrite, rules
 from devbroker.testing.policies import one_h200, tenant
 
 HERE = Path(__file__).resolve().parent
@@ -54,12 +54,12 @@ def test_rows_with_answers_runs_or_charges_are_never_laned_and_pre_hooks_only_ch
     first; pointers must be NULL there); a layout with an fd, or a pointer in an array,
     never."""
     abi = registry.get("580.159.04")
-    lane = fastlane.ControlLane(object.__new__(type("B", (), {})))
+    plan_of = decision.LaneTables().control_plan
     checked = plain = 0
     for cmd, row in rules.CONTROLS.items():
         if row.pre or row.relay_if or row.run or row.charge:
             assert not rules.simple_control(abi, cmd), hex(cmd)
-        plan = lane._plan(abi, cmd)
+        plan = plan_of(abi, cmd)
         op = abi.control(cmd)
         if row.relay_if or row.run or row.charge or row.driver_flag or op is None or \
                 op.params is None or rules.lane_pointers(op.params) is None:
@@ -67,7 +67,9 @@ def test_rows_with_answers_runs_or_charges_are_never_laned_and_pre_hooks_only_ch
             continue
         if plan is None:
             continue
-        _cap, post, size, pre, is_checked, ptrs, embedded, gpu_id_off, embedded_only = plan
+        is_checked, ptrs, embedded = plan.checked, plan.null_ptrs, plan.embedded_fields
+        pre, post, size = plan.pre, plan.post, plan.size
+        gpu_id_off, embedded_only = plan.gpu_id_off, plan.embedded_only
         if embedded_only:  # a check of its embedded buffers' sizes (and NULL pointers) only
             assert is_checked and pre is None and gpu_id_off < 0, hex(cmd)
             assert [p for p, _c, _e in embedded_only] == [o for o, _n in embedded], hex(cmd)
@@ -99,18 +101,18 @@ def test_rows_with_answers_runs_or_charges_are_never_laned_and_pre_hooks_only_ch
         plain += not is_checked
     # the NVML id controls are among the checked ones
     for cmd in (0x201, 0x202, 0x205, 0x214, 0x215, 0x216):
-        assert lane._plan(abi, cmd)[4] is True, hex(cmd)
-    assert lane._plan(abi, 0x202)[5]  # GET_ID_INFO's szName: laned only when NULL
-    assert not lane._plan(abi, 0x202)[6]  # (a string with no count field: not embedded)
-    assert [n for _o, n in lane._plan(abi, 0x80170D)[6]] == ["pChannelHandleList",
+        assert plan_of(abi, cmd).checked is True, hex(cmd)
+    assert plan_of(abi, 0x202).null_ptrs  # GET_ID_INFO's szName: laned only when NULL
+    assert not plan_of(abi, 0x202).embedded_fields  # (a string with no count field: not embedded)
+    assert [n for _o, n in plan_of(abi, 0x80170D).embedded_fields] == ["pChannelHandleList",
                                                             "pChannelList"]
     # NVML's per-GPU queries whose check is their GPU id (a front end may repeat it); the id
     # lists (answered, or with a pre-hook) and a control naming a client are not such
     # CUDA's channel list: both lists of 4-byte handles, their count numChannels (offset 0)
-    assert lane._plan(abi, 0x80170D)[8] == ((8, 0, 4), (16, 0, 4))
+    assert plan_of(abi, 0x80170D).embedded_only == ((8, 0, 4), (16, 0, 4))
     # three embedded strings are more than a settled control carries
-    assert lane._plan(abi, 0x101)[6] and not lane._plan(abi, 0x101)[8]
-    assert {hex(c) for c in rules.CONTROLS if (lane._plan(abi, c) or (-1,) * 9)[7] >= 0} == {
+    assert plan_of(abi, 0x101).embedded_fields and not plan_of(abi, 0x101).embedded_only
+    assert {hex(c) for c in rules.CONTROLS if getattr(plan_of(abi, c), "gpu_id_off", -1) >= 0} == {
         "0x202", "0x205", "0x21b", "0x279", "0x289"}
     assert checked > 10 and plain > 50, (checked, plain)
 

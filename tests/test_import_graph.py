@@ -130,3 +130,24 @@ def test_imports_for_annotations_make_no_cycle_but_still_count_for_layers(tmp_pa
     assert "inside a function" not in r.stderr
     assert ("upward import devbroker.broker.handlers (layer 2) -> devbroker.frontends.fuse "
             "(layer 3)") in r.stderr
+
+
+def test_a_cycle_through_an_import_inside_a_function_is_caught_in_the_broker(tmp_path):
+    """In broker/, an import moved into a function does not hide a cycle: two modules that
+    import each other, one of them only when a function runs, are reported; the same pair
+    outside broker/ is not (its import runs later, and the layers keep it apart)."""
+    pkg = tmp_path / "devbroker"
+    for d in ("", "broker", "frontends"):
+        (pkg / d).mkdir(parents=True, exist_ok=True)
+        (pkg / d / "__init__.py").write_text("")
+    (pkg / "broker" / "compute.py").write_text(
+        "def f():\n    from devbroker.broker import turns\n")
+    (pkg / "broker" / "turns.py").write_text("from devbroker.broker import compute\n")
+    (pkg / "frontends" / "a.py").write_text("def f():\n    from devbroker.frontends import b\n")
+    (pkg / "frontends" / "b.py").write_text("from devbroker.frontends import a\n")
+    r = run("--src", str(tmp_path))
+    assert r.returncode == 1
+    assert ("import cycle (counting imports inside functions): devbroker.broker.compute <-> "
+            "devbroker.broker.turns") in r.stderr
+    assert "devbroker.frontends.a <-> devbroker.frontends.b" not in r.stderr
+    assert "1 problems" in r.stderr

@@ -399,7 +399,7 @@ def _control_on(broker: Any, s: Any, req: Any, client: int, handle: int, cmd: in
                 **values: Any) -> Steps:
     from devbroker.abi.nodes import NodeKind
 
-    abi = broker._abi(s)
+    abi = broker.abi_of(s)
     spec = abi.control(cmd)
     nested = spec.params.decode(bytes(spec.size)).replace(**values).encode()
     node = s.node if s.node in (NodeKind.CTL, NodeKind.GPU) else NodeKind.CTL
@@ -523,7 +523,7 @@ def schedule_control(ctx: Any, params: Any) -> Any:
     if (cmd, asked) not in g.asked and len(g.asked) < 16:
         g.asked.add((cmd, asked))
         broker.audit.write("rewrite", tenant=g.tenant, pid=s.caller.pid, node=s.node_name,
-                           what=f"RM_CONTROL {broker._abi(s).control_name(cmd)}",
+                           what=f"RM_CONTROL {broker.abi_of(s).control_name(cmd)}",
                            reason=f"channel group {handle:#x}: {name} {asked} asked, the "
                                   f"policy's {value} set (compute_weight "
                                   f"{s.tenant.policy.compute_weight}, priority "

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 def _client_offsets(spec, base: int = 0) -> tuple[tuple[int, bool], ...] | None:
     """(offset, 0 allowed) of a layout's top-level client-handle fields (the ones
-    Broker._check_clients reads; 0 allowed for the names in rules.CLIENT_FIELDS_ZERO_OK), or
+    Broker.check_clients reads; 0 allowed for the names in rules.CLIENT_FIELDS_ZERO_OK), or
     None when one of them is not a 4-byte handle (then the lane decodes)."""
     out = []
     for name in rules.CLIENT_HANDLE_FIELDS:
@@ -174,7 +174,7 @@ class ContinueLane:
             s = self.broker.sessions.get(session_id)
             if s is None or s.closed or not getattr(s.file, "runs_in_caller", False):
                 return None
-            plan = self._plan(self.broker._abi(s), s.node, cmd)
+            plan = self._plan(self.broker.abi_of(s), s.node, cmd)
             return plan.spec.size if plan is not None else None
 
     def settle_fields(self, session_id: int, cmd: int) -> tuple | None:
@@ -194,7 +194,7 @@ class ContinueLane:
             s = self.broker.sessions.get(session_id)
             if s is None or s.closed:
                 return None
-            plan = self._plan(self.broker._abi(s), s.node, cmd)
+            plan = self._plan(self.broker.abi_of(s), s.node, cmd)
         if plan is None or plan.clients is None or len(plan.clients) > 4 or plan.alloc:
             return None  # (NVOS02's decision reads its class and handles: asked each time)
         if plan.objects and (len(plan.objects) > 3 or len(plan.fds) > 1):
@@ -237,7 +237,7 @@ class ContinueLane:
         behind it, or None (the front end's `session_for_fd`); needed for calls with fds."""
         with STATE_LOCK:
             s = self.broker.sessions.get(session_id)
-            plan = (self._plan(self.broker._abi(s), s.node, cmd)
+            plan = (self._plan(self.broker.abi_of(s), s.node, cmd)
                     if s is not None and not s.closed else None)
         sids: list = []
         if plan is not None and plan.fds:
@@ -270,7 +270,7 @@ class ContinueLane:
             return False
         owner = b.clients.owner
         if plan.clients is not None:
-            # Broker._check_clients on the handles' bytes (no decode of the whole argument)
+            # Broker.check_clients on the handles' bytes (no decode of the whole argument)
             for off, zero_ok in plan.clients:
                 h = int.from_bytes(arg[off:off + 4], "little")
                 if h == 0 and (plan.zero_ok or zero_ok):
@@ -279,7 +279,7 @@ class ContinueLane:
                     return False
         else:
             try:
-                b._check_clients(s, spec.params.decode(arg), where=spec.name,
+                b.check_clients(s, spec.params.decode(arg), where=spec.name,
                                  zero_ok=plan.zero_ok)
             except Refusal:
                 return False
@@ -303,7 +303,7 @@ class ContinueLane:
         tenant.requests += 1
         tenant.continued += 1
         if plan.alloc:  # (its class could be rewritten meanwhile: rules._RACE_ALLOC_MEMORY)
-            b._watch_quota(s)
+            b.watch_quota(s)
         return True
 
     def root_alloc(self, session_id: int, caller: Caller, ioctl_cmd: int, hdr: bytes) -> bool:
@@ -324,7 +324,7 @@ class ContinueLane:
             if s is None or s.node is not NodeKind.CTL \
                     or not getattr(s.file, "runs_in_caller", False):
                 return False
-            header = headers_of(b._abi(s)).get(ioctl_cmd)
+            header = headers_of(b.abi_of(s)).get(ioctl_cmd)
             if header is None or header.kind != "alloc" or len(hdr) != header.size:
                 return False
             tenant = s.tenant

@@ -180,6 +180,7 @@ class Broker:
         self.policy: Policy | None = None
         self.on_policy_change: list[Callable[[Policy], None]] = []
         compute.install(self)  # a policy change re-sets running channel groups
+        turns.install(self)  # and looks at the turns again (turns.py)
         # Starts a background task (the daemon's nursery.start_soon); None: no background
         # work (quota watch off). Set with set_spawner (it may be called from any thread).
         self.spawn: Callable | None = None
@@ -339,7 +340,7 @@ class Broker:
         return rules.kernel_commands(abi, t.capabilities())
 
     # ------------------------------------------------------------------ helpers
-    def _abi(self, session: Session):
+    def abi_of(self, session: Session):
         t = session.tenant
         return t.abi_by_tgid.get(session.caller.pid) or registry.get(self.backend.version)
 
@@ -372,7 +373,7 @@ class Broker:
         self._deny(s, f"{s.node_name} used by pid {caller.pid}", reason)
         return False
 
-    def _once(self, key: tuple, msg: str) -> None:
+    def once(self, key: tuple, msg: str) -> None:
         if key not in self._logged_once:
             self._logged_once.add(key)
             self.audit.write("notice", message=msg)
@@ -562,11 +563,11 @@ class Broker:
                        f"{tenant.name} by a policy change")
             return IoctlReply(errno=errno.EACCES)
         if not tenant.limiter.try_acquire():
-            self._once(("rate", tenant.name), f"tenant {tenant.name} reached its rate limit: "
+            self.once(("rate", tenant.name), f"tenant {tenant.name} reached its rate limit: "
                        "its requests are being delayed")
             yield RateLimit(tenant.limiter)
         tenant.requests += 1
-        abi = self._abi(s)
+        abi = self.abi_of(s)
         try:
             arg = yield from self._top_level_arg(s, abi, req)
             call = abi.decode_ioctl(s.node, req.cmd, arg)
@@ -601,7 +602,7 @@ class Broker:
             # Decided; the driver binds it to the caller: the kernel runs it in the tenant.
             tenant.continued += 1
             if rc.args and rc.args[0] == "watch":
-                self._watch_quota(s)
+                self.watch_quota(s)
             return IoctlReply(run_in_caller=True)
         except Refusal as r:
             self._deny(s, r.what or call.name, r.reason)
@@ -674,7 +675,7 @@ class Broker:
                             embedded: dict | None = None, *, req: IoctlRequest | None = None,
                             rm_class: int | None = None,
                             nested_fds: dict | None = None) -> DriverResult:
-        dc = DriverCall(call, nested, fd_files or {}, abi=self._abi(s), tgid=s.caller.pid,
+        dc = DriverCall(call, nested, fd_files or {}, abi=self.abi_of(s), tgid=s.caller.pid,
                         embedded=embedded if embedded is not None else {},
                         nested_fds=nested_fds or {})
         if getattr(s.file, "runs_in_caller", False):
@@ -750,7 +751,7 @@ class Broker:
         driver confirms it is a client of this very file (a harmless control on it; client
         handles are validated per file and unique host-wide, so it cannot be another
         tenant's)."""
-        if not self._may_adopt(s, h):
+        if not self.may_adopt(s, h):
             return False
         abi, probe, dc = self._adoption_probe(s, h)
         result = yield from self._execute_on_tenant_file(s, dc, req)
@@ -759,11 +760,11 @@ class Broker:
     def _adoption_probe(self, s: Session, h: int) -> tuple:
         """(abi, the probe control, its DriverCall): a harmless control on client h of this
         file, which the driver answers NV_OK only for a client of this very file."""
-        abi = self._abi(s)
+        abi = self.abi_of(s)
         probe = abi.own_control(NodeKind.CTL, h, h, PROBE_CONTROL, 4)
         return abi, probe, DriverCall(probe, bytes(4), {}, abi=abi, tgid=s.caller.pid)
 
-    def _may_adopt(self, s: Session, h: int) -> bool:
+    def may_adopt(self, s: Session, h: int) -> bool:
         f = s.file
         return (getattr(f, "runs_in_caller", False) and s.node is NodeKind.CTL and not s.closed
                 and f.continued_root_allocs > len(f.adopted) and h not in self.clients)
@@ -773,7 +774,7 @@ class Broker:
         out = abi.decode_ioctl(NodeKind.CTL, probe.cmd, result.arg).value
         if result.errno or out.status != nvstatus.NV_OK:
             return False
-        if not self._may_adopt(s, h):  # (adopted meanwhile by another thread: fine)
+        if not self.may_adopt(s, h):  # (adopted meanwhile by another thread: fine)
             return h in s.tenant.clients
         self.clients.new(s, h)
         s.file.adopted.add(h)
@@ -790,7 +791,7 @@ class Broker:
         (the general path records the probe)."""
         with STATE_LOCK:
             s = self.sessions.get(session_id)
-            if s is None or self.recorder is not None or not self._may_adopt(s, h):
+            if s is None or self.recorder is not None or not self.may_adopt(s, h):
                 return False
             abi, probe, dc = self._adoption_probe(s, h)
         dc.file_fd = file_fd
@@ -806,7 +807,7 @@ class Broker:
         return self._client(s, h, where)
 
     # ------------------------------------------------------------------ race detection
-    def _watch_quota(self, s: Session) -> None:
+    def watch_quota(self, s: Session) -> None:
         """After a continued call a racing thread could have turned into device memory the
         books never saw: the quota watch (quotawatch.py) reads the driver's own accounting
         of the process from now on, for its life, and ends the tenant's processes when the
@@ -814,7 +815,7 @@ class Broker:
         if self.quota_watch is not None and self.spawn is not None:
             self.quota_watch.watch(s.caller.pid, s.tenant.name)
 
-    def _check_clients(self, s: Session, value: Any, *, where: str,
+    def check_clients(self, s: Session, value: Any, *, where: str,
                        zero_ok: bool = False) -> int | None:
         """Every client handle named in value must be the tenant's. Returns hClient.
         zero_ok: 0 means "no client" for this call (UVM_REGISTER_GPU without an RM client)."""
@@ -913,6 +914,11 @@ class Broker:
         return out
 
 
+    def placeholder_handle(self) -> int:
+        """A handle for an object that holds quota in the books while the driver runs (an
+        allocation in flight): negative, so no driver handle can equal it."""
+        return -next(self._ids)
+
     @contextlib.contextmanager
     def _reserved(self, s: Session, client: RmClient, cls: int, parent: int,
                   gpu: int | None, charge: int, where: str):
@@ -931,7 +937,8 @@ class Broker:
             raise Refusal(f"{where}: {charge} bytes on GPU {gpu} would exceed the quota "
                           f"({used} of {s.tenant.quota(gpu)} used)",
                           status=nvstatus.NV_ERR_NO_MEMORY, what=where)
-        placeholder = client.add(-next(self._ids), cls, parent, gpu=gpu, charged=charge)
+        placeholder = client.add(self.placeholder_handle(), cls, parent, gpu=gpu,
+                                 charged=charge)
         try:
             yield
         finally:
@@ -1003,6 +1010,14 @@ class Broker:
                                     "looks": self.quota_watch.looks,
                                     "killed": self.quota_watch.killed}}
                    if self.quota_watch is not None else {})}
+
+    # The names these methods had while only the core's own modules called them (code on
+    # other branches may still use them; new code uses the public ones).
+    _abi = abi_of
+    _once = once
+    _may_adopt = may_adopt
+    _watch_quota = watch_quota
+    _check_clients = check_clients
 
 
 class _RevokedTenant:

@@ -86,7 +86,7 @@ class CallContext:
 def relay(ctx: CallContext) -> Steps:
     """Escapes with no handles or fds: pass through, rewrite the view if a hook says so."""
     b, s, abi, req, call, rule = ctx.broker, ctx.session, ctx.abi, ctx.req, ctx.call, ctx.rule
-    b._check_clients(s, call.value, where=call.name)
+    b.check_clients(s, call.value, where=call.name)
     result = yield from b._call_backend(s, call, req=req)
     out = result.arg
     if rule.rewrite is not None and not result.errno:
@@ -124,7 +124,7 @@ def sys_params(ctx: CallContext) -> Steps:
 def fd(ctx: CallContext) -> Steps:
     """Escapes carrying an fd of the tenant's (REGISTER_FD, ALLOC_OS_EVENT…)."""
     b, s, req, call = ctx.broker, ctx.session, ctx.req, ctx.call
-    b._check_clients(s, call.value, where=call.name)
+    b.check_clients(s, call.value, where=call.name)
     fd_files = yield from b._translate_fds(s, req, call.value, ctx.fd_fields, call.name)
     result = yield from b._call_backend(s, call, fd_files=fd_files, req=req)
     return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
@@ -147,7 +147,7 @@ def rm_control(ctx: CallContext) -> Steps:
         p0 = ref0.spec.decode(nested0) if nested0 is not None and ref0.spec else None
         if not row.relay_if(p0):
             # Host-global effect: NV_OK without the driver (parameters left as sent).
-            b._once(("answered", s.tenant.name, v.cmd),
+            b.once(("answered", s.tenant.name, v.cmd),
                        f"tenant {s.tenant.name}: {where} answered by the broker: "
                        f"{row.reason}")
             return b._status_reply(abi, call, nvstatus.NV_OK)
@@ -167,7 +167,7 @@ def rm_control(ctx: CallContext) -> Steps:
     # the driver (rules.reads_params, the same test as rules.simple_control).
     if nested is not None and ref.spec is not None and ctx.rules.reads_params(ctl_rule, ref.spec):
         params = ref.spec.decode(nested)
-        b._check_clients(s, params, where=where)
+        b.check_clients(s, params, where=where)
         if ctl_rule.pre is not None:
             params = ctl_rule.pre(rewrite.ControlContext(
                 b, s, abi, v.cmd, params, client.objects[v.hObject].gpu, client, v.hObject),
@@ -270,7 +270,7 @@ def rm_alloc(ctx: CallContext) -> Steps:
     nested = yield from b._read_nested(s, req, ref)
     params = ref.spec.decode(nested) if (nested is not None and ref.spec is not None) else None
     if params is not None:
-        b._check_clients(s, params, where=where)
+        b.check_clients(s, params, where=where)
     if cls_rule.check is not None:  # what this class's parameters may name
         cls_rule.check(ctx, AllocCall(cls, client, v.hRoot, params, where))
     gpu = client.objects[v.hObjectParent].gpu
@@ -313,7 +313,7 @@ def rm_alloc(ctx: CallContext) -> Steps:
             # once: the prediction in abi/vidmem.py would be wrong for that driver).
             granted = _alloc_charge(ref.spec.decode(result.nested))
             if granted > charge:
-                b._once(("charge", cls), f"{where}: the driver granted {granted} "
+                b.once(("charge", cls), f"{where}: the driver granted {granted} "
                            f"bytes where {charge} were checked against the quota")
                 charge = granted
         # Into the books before the parameters go back: that write may fail (EFAULT, a
@@ -439,7 +439,7 @@ def rm_dup(ctx: CallContext) -> Steps:
     b, s, abi, req, call = ctx.broker, ctx.session, ctx.abi, ctx.req, ctx.call
     v = call.value
     where = "RM_DUP_OBJECT"
-    b._check_clients(s, v, where=where)
+    b.check_clients(s, v, where=where)
     dst = yield from b._client_of(s, v.hClient, where, req)
     src = b._client(s, v.hClientSrc, where)
     if v.hParent not in dst.objects:
@@ -635,10 +635,10 @@ def attach_gpus(ctx: CallContext) -> Steps:
 def rm_objects(ctx: CallContext) -> Steps:
     """Escapes naming a client and objects in it (UNMAP, DUP within the tenant, …)."""
     b, s, req, call = ctx.broker, ctx.session, ctx.req, ctx.call
-    b._check_clients(s, call.value, where=call.name)
+    b.check_clients(s, call.value, where=call.name)
     inner = getattr(call.value, "params", None)
     if inner is not None:
-        b._check_clients(s, inner, where=call.name)
+        b.check_clients(s, inner, where=call.name)
     fd_files = yield from b._translate_fds(s, req, call.value, ctx.fd_fields, call.name)
     result = yield from b._call_backend(s, call, fd_files=fd_files, req=req)
     return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
@@ -647,7 +647,7 @@ def rm_objects(ctx: CallContext) -> Steps:
 def uvm(ctx: CallContext) -> Steps:
     b, s, req, call = ctx.broker, ctx.session, ctx.req, ctx.call
     # hClient 0: UVM registers the GPU without an RM client of the caller's (CUDA 13).
-    b._check_clients(s, call.value, where=call.name, zero_ok=True)
+    b.check_clients(s, call.value, where=call.name, zero_ok=True)
     fd_files = yield from b._translate_fds(s, req, call.value, ctx.fd_fields, call.name)
     result = yield from b._call_backend(s, call, fd_files=fd_files, req=req)
     return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)

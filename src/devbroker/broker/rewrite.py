@@ -150,13 +150,6 @@ def _tenant_pids_in_callers_ns(s) -> dict[int, int]:
     return out
 
 
-def _pids_named(params) -> list[int]:
-    out = []
-    for e in getattr(params, "pidInfoList", [])[: getattr(params, "pidInfoListCount", 0)]:
-        out.append(e.pid)
-    return out
-
-
 # --------------------------------------------------------------------------- GPU ids
 # Which parameters name a GPU is decided here, once, from the ABI's field
 # names, for every control (not by a hook per control: 0x13a, 0x288 and 0x289 passed other

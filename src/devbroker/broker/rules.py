@@ -11,8 +11,9 @@ broker does with that call:
 - ``CLASSES`` (RM classes, by number): `ClassRule` -- capability, reason, whether it is
   charged against the memory quota, and why it runs in the caller.
 - ``CONTROLS`` (RM controls, by number): `ControlRule` -- capability, reason, the pre/post
-  rewrite hooks (functions in rewrite.py), a broker answer, the emulator's handler (taken
-  from the emulator's own table, backends/emulated_controls.py) and the driver's own refusal.
+  rewrite hooks (functions in rewrite.py), a broker answer and the driver's own refusal.
+  (What the emulated driver answers is the emulator's own table,
+  backends/emulated_controls.py: it models the driver without a broker too.)
 
 The core (core.py) looks a call up here and runs the row's handler; the security
 documentation's tables are generated from the same rows (allowdoc.py, `devbroker policy
@@ -38,7 +39,6 @@ from typing import Callable
 from devbroker.abi import registry
 from devbroker.abi import status as nvstatus
 from devbroker.abi.nodes import NodeKind
-from devbroker.backends.emulated import CONTROL_HANDLERS as EMULATED_CONTROLS  # (all registered)
 from devbroker.broker import compute, handlers, preemption, rewrite, shares
 
 NV01_DEVICE_0 = 0x80  # the device class: a parent the driver wraps channels under
@@ -504,10 +504,6 @@ class ControlRule:
     # returning an IoctlReply (handlers.py). For controls whose parameters hold the tenant's
     # fds (the object export through an nvidiactl fd).
     run: Callable | None = None
-    # The emulated driver's handler (backends/emulated_controls.py, its own table: the
-    # emulator models the driver without a broker too); filled in below, None: the
-    # emulator answers NV_ERR_NOT_SUPPORTED.
-    emulate: Callable | None = None
     # Set when the driver's own flags refuse this control to a caller that is neither root
     # nor the kernel (abi OpSpec.driver_refusal): the flag, why, and the status the driver
     # answers. Such a control is refused whatever the policy grants: the broker must not
@@ -803,11 +799,6 @@ CONTROLS[0x2080200A] = ControlRule(
     "compute", "PERF_BOOST changes the GPU's clocks for every tenant: CUDA's own context boost "
     "(flags 0x12, infinite) reaches the driver, any other boost or clear is answered NV_OK by "
     "the broker and not relayed", relay_if=_cuda_boost)
-
-# The emulator's handlers, on the rows of the controls it models.
-for _cmd, _emulate in EMULATED_CONTROLS.items():
-    if _cmd in CONTROLS:
-        CONTROLS[_cmd] = dataclasses.replace(CONTROLS[_cmd], emulate=_emulate)
 
 # (capability, reason, relay_if) of the rows the broker answers (the documentation's table).
 ANSWERED_CONTROLS: dict[int, tuple[str, str, Callable]] = {

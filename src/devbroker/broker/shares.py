@@ -105,7 +105,7 @@ def grant_for_dup(b: Any, s: Any, req: Any, src: Any, handle: int, to_client: in
     src_session = b.sessions.get(src.session)
     if src_session is None or src_session.closed:
         return None
-    abi = b._abi(src_session)
+    abi = b.abi_of(src_session)
     spec = abi.struct("NVOS57_PARAMETERS")
     value = spec.decode(bytes(spec.size)).replace(
         hClient=src.handle, hObject=handle,

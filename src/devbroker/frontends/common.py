@@ -12,6 +12,8 @@ from typing import Any, Callable
 
 import trio
 
+from devbroker.broker import laneexec
+
 log = logging.getLogger("devbroker.frontends")
 
 # The private "which session is this file?" ioctl the broker issues on a tenant's file it
@@ -59,8 +61,9 @@ def _guarded(fn: Callable[..., Any], args: tuple) -> None:
         log.exception("front end: work handed to the trio thread failed")
 
 
-# A front end's "not for the control lane: decide it the general way" (broker/fastlane.py).
-GENERAL = object()
+# A front end's "not for the control lane: decide it the general way" (the lane's
+# executor's own answer, broker/laneexec.py).
+GENERAL = laneexec.GENERAL
 
 
 def control_lane_of(broker: Any) -> tuple[Any, frozenset[int]]:

@@ -34,7 +34,7 @@ from typing import Mapping
 import trio
 
 from devbroker.abi.nodes import NodeKind
-from devbroker.broker import limits, memgate
+from devbroker.broker import laneexec, limits, memgate
 from devbroker.backends.base import NotHere
 from devbroker.backends.tenantfile import drop_driver_capabilities_for_thread
 from devbroker.broker.effects import (
@@ -869,12 +869,13 @@ class FuseFrontend:
             self._serve_req(me, req, lane=False)
 
     def _native_lane_call(self, me: int, nt: fusenative.FuseNativeThread) -> bool:
-        """A control the control lane admits, answered on the native loop's private copies:
-        `_control_lane_steps` step for step (the header is the kernel's copy in the
-        request, the parameter block read once into the thread's buffer at the address and
-        size the admission names), without the effects around each step. True: answered
-        (or answered by the watchdog meanwhile); False: the general steps decide it, from
-        the start (refusals and audit records included)."""
+        """A control the control lane admits, run by the lane's executor
+        (broker/laneexec.py) as `_control_lane_steps` runs it, on the native loop's private
+        copies (the header is the kernel's copy in the request, the parameter block read
+        once into the thread's buffer at the address and size the admission names), without
+        the effects around each step. True: answered (or answered by the watchdog
+        meanwhile); False: the general steps decide it, from the start (refusals and audit
+        records included)."""
         c = nt.call
         cmd = c.cmd
         if (cmd not in self._lane_cmds or c.in_size != c.out_size or c.flags & w.IOCTL_DIR
@@ -889,43 +890,41 @@ class FuseFrontend:
         tenant = h.inode.tenant or ""
         if memgate.gate_of(self.broker).stalled.get(tenant):
             return False  # its accesses go through the gate, which keeps the stall limit
-        hdr = nt.arg()
-        lane = self._lane
-        adm = lane.admit(h.session, caller, cmd, hdr)
-        if adm is None:
-            return False
         entry = [c.unique, time.monotonic(), False]
         self._serving[me] = entry
+        late = False
+
+        def read(ptr: int, size: int) -> bytes:
+            nonlocal late
+            nt.tenant, nt.what = tenant, ("read", size, ptr)
+            got = nt.read(ptr, size)
+            if got == fusenative.DVBF_LATE:
+                late = True  # (answered by the watchdog meanwhile: nothing more to do)
+            if got is None or late:
+                raise OSError(errno.EFAULT, "the parameter block could not be read")
+            return got
+
         try:
-            params_in = b""
-            if adm.params_size:
-                nt.tenant, nt.what = tenant, ("read", adm.params_size, adm.params_ptr)
-                got = nt.read(adm.params_ptr, adm.params_size)
-                if got == fusenative.DVBF_LATE:
-                    self._native_late(nt)
-                    return True
-                if got is None:
-                    return False  # the general way reads again, and answers with its record
-                params_in = got
-            params = bytearray(params_in)
-            if adm.checked and not lane.check(adm, params):
-                return False
-            ran = self._lane_run(adm, hdr, params_in, params)
-            if ran is None:
-                return False
-            ret, err, hdr_out, out = ran
-            if err:  # the driver's failure: the tenant's buffers stay as they were
-                nt.error(sanitize_errno(err))
+            got = laneexec.run_here(
+                laneexec.lane_steps(self._lane, h.session, caller, cmd, nt.arg()),
+                read, self._lane_driver)
+            if late:
+                self._native_late(nt)
                 return True
+            if got is GENERAL or got is laneexec.GONE:
+                return False  # the general way reads again, and answers with its record
+            if got.err:  # the driver's failure: the tenant's buffers stay as they were
+                nt.error(sanitize_errno(got.err))
+                return True
+            adm = got.adm
             nt.what = ("write", adm.params_size, adm.params_ptr)
-            if nt.answer(ret, hdr_out[:c.out_size], adm.params_ptr,
-                         out if adm.params_size else b"") == fusenative.DVBF_LATE:
+            if nt.answer(got.ret, got.hdr_out[:c.out_size], adm.params_ptr,
+                         got.out if adm.params_size else b"") == fusenative.DVBF_LATE:
                 self._native_late(nt)
             self.native_lane_calls += 1  # (one reader at a time in the common case; a count)
             return True
         finally:
             self._serving.pop(me, None)
-            lane.release(adm)  # (a no-op once finish ran: the quota hold of an allocation)
 
     def _native_late(self, nt: fusenative.FuseNativeThread) -> None:
         """An access the watchdog claimed came back: its stall is over."""
@@ -1661,72 +1660,37 @@ class FuseFrontend:
 
     def _control_lane_steps(self, req: w.Ioctl, h: "_Handle", caller: Caller,
                             memory: ProcessMemory, tenant: str) -> Steps:
-        """An RM control the broker's control lane admits (broker/fastlane.py), run on
-        private copies: the header is the kernel's copy in the request, the parameter block
-        is read once through the memory gate; GENERAL for everything else (the general
-        steps then decide it, refusals and audit records included). The backend may
-        decline (NotHere: a relayed file), and the general steps take it then."""
-        hdr = bytes(req.data)
-        lane = self._lane
-        adm = lane.admit(h.session, caller, req.cmd, hdr)
-        if adm is None:
+        """An RM control the broker's control lane admits, run by the lane's executor
+        (broker/laneexec.py) on private copies: the header is the kernel's copy in the
+        request, the parameter block is read once through the memory gate; GENERAL for
+        everything else (the general steps then decide it, refusals and audit records
+        included). The backend may decline (NotHere: a relayed file), and the general
+        steps take it then."""
+        got = yield from laneexec.run_in_steps(
+            laneexec.lane_steps(self._lane, h.session, caller, req.cmd, bytes(req.data)),
+            lambda eff: ReadMemory(memory, eff.ptr, eff.size, tenant,
+                                   f"read of {eff.size} bytes at {eff.ptr:#x}"),
+            self._lane_driver)
+        if got is GENERAL or got is laneexec.GONE:
             return GENERAL
-        try:
-            params_in = (yield ReadMemory(memory, adm.params_ptr, adm.params_size, tenant,
-                                          f"read of {adm.params_size} bytes at "
-                                          f"{adm.params_ptr:#x}")) if adm.params_size else b""
-        except OSError:
-            return GENERAL
-        params = bytearray(params_in)
-        if adm.checked and not lane.check(adm, params):
-            return GENERAL
-        try:
-            return (yield from self._control_lane_run(req, adm, hdr, params_in, params, memory,
-                                                      tenant))
-        finally:
-            lane.release(adm)  # (a no-op once finish ran: the quota hold of an allocation)
-
-    def _control_lane_run(self, req: w.Ioctl, adm, hdr: bytes, params_in: bytes,
-                          params: bytearray, memory: ProcessMemory, tenant: str) -> Steps:
-        """`_control_lane_steps`'s driver call, books and write-back, for an admitted call."""
-        ran = self._lane_run(adm, hdr, params_in, params)
-        if ran is None:
-            return GENERAL
-        ret, err, hdr_out, out = ran
-        if err:  # the driver's failure: the tenant's buffers stay as they were
-            return w.encode_error(req.unique, sanitize_errno(err))
-        if adm.params_size:  # (none for a call whose header is the whole argument)
+        if got.err:  # the driver's failure: the tenant's buffers stay as they were
+            return w.encode_error(req.unique, sanitize_errno(got.err))
+        if got.adm.params_size:  # (none for a call whose header is the whole argument)
             try:
-                yield WriteMemory(memory, adm.params_ptr, out, tenant,
+                yield WriteMemory(memory, got.adm.params_ptr, got.out, tenant,
                                   f"write of ioctl {req.cmd:#x}'s results")
             except OSError:
                 return w.encode_error(req.unique, errno.EFAULT)
-        return w.encode_ioctl(req.unique, ret, hdr_out[:req.out_size])
+        return w.encode_ioctl(req.unique, got.ret, got.hdr_out[:req.out_size])
 
-    def _lane_run(self, adm, hdr: bytes, params_in: bytes, params: bytearray):
-        """An admitted call's driver call (the backend's), books and post-hook, on the
-        private parameter block `params` (params_in: as read): (result, errno, the header
-        after, the block to write back), or None when the backend cannot run it here (the
-        general steps then take it). Both reader loops' lane paths end here."""
-        lane = self._lane
-        # The row's post-hook as data when it has that form (FB info: the quota), applied to
-        # the block's bytes as the native loop does: no decode, no second lock for it.
-        patch = lane.table_patch(adm) if adm.post is not None else None
+    def _lane_driver(self, eff: laneexec.RunDriver):
+        """The lane executor's driver call on the reader's thread (the backend's, on the
+        session's file); GENERAL when the backend cannot run it here."""
         try:
-            ret, err, hdr_out = self.broker.backend.run_control(
-                adm.session.file, -1, hdr, params, adm.header, adm.abi)
+            return self.broker.backend.run_control(eff.adm.session.file, -1, eff.hdr,
+                                                   eff.params, eff.adm.header, eff.adm.abi)
         except NotHere:
-            return None
-        if lane.needs_finish(adm, patch is not None):
-            out = lane.finish(adm, hdr, params_in, ret, err, hdr_out, params)
-        else:
-            lane.book(adm)
-            st = adm.header.status_offset
-            if patch is not None and not err and not any(hdr_out[st:st + 4]):  # NV_OK
-                patch.apply_block(params)
-            lane.answered(adm, err, time.perf_counter_ns())
-            out = bytes(params)
-        return ret, err, hdr_out, out
+            return GENERAL
 
     @staticmethod
     def _same_sandbox_quick(h: _Handle, caller: Caller) -> bool:

@@ -56,46 +56,36 @@ from typing import TYPE_CHECKING
 from devbroker import native
 from devbroker.broker import callstats, rewrite
 from devbroker.broker.objects import BOOKS
+# What the loop and Python share (sizes, codes, struct dvb_call): native/callabi.py, the
+# one source lane.c's header is generated from.
+from devbroker.native import callabi
+from devbroker.native.callabi import (
+    ABI, ACT_CONTINUE, ACT_CONTROL, ACT_DECLINE, ACT_FAIL, ANSWER_MAX, CONT_ARG, CONT_FDS,
+    CONT_OBJECTS, DVB_ERROR, DVB_FOLD, DVB_HUP, DVB_IDLE, DVB_LATE, DVB_NOTIF, DVB_QUIET,
+    DVB_WAKE, DVB_WRITE_FAILED, EMBED_MAX, FD_MAX, FINISH_AFTER, FINISH_BEFORE, FINISH_NONE,
+    GPU_IDS, HDR_MAX, LAYOUT_ALLOC, LAYOUT_CONTROL, LAYOUT_FREE, OPEN_PATH, OPEN_SLOTS,
+    PARAMS_MAX, PATCH_MAX, SETTLED_BUCKETS, SETTLED_EMBED, SETTLED_PTRS, call_struct)
+from devbroker.native.callabi import DVB_FACT_FILE as FACT_FILE
+from devbroker.native.callabi import DVB_FACT_IOCTL as FACT_IOCTL
+from devbroker.native.callabi import DVB_FACT_MMAP as FACT_MMAP
 
 if TYPE_CHECKING:
     from .seccomp import SeccompSupervisor
 
 log = logging.getLogger("devbroker.seccomp.native")
 
-ABI = 19  # native/lane.c DVB_ABI
-(DVB_NOTIF, DVB_IDLE, DVB_WAKE, DVB_HUP, DVB_FOLD, DVB_LATE, DVB_WRITE_FAILED, DVB_ERROR,
- DVB_QUIET) = range(1, 10)
-ACT_DECLINE, ACT_CONTINUE, ACT_CONTROL, ACT_FAIL = 0, 1, 2, 3
-# Call.finish: when on_finish runs (native/lane.c): never, before the answer (the post-hook's
-# rewrite, a call the backend runs itself), after it (the books alone: allocations, frees)
-FINISH_NONE, FINISH_BEFORE, FINISH_AFTER = 0, 1, 2
-# native/lane.c's counters, in its order: the SupervisorStats field(s) each is added to
-COUNTERS = ("notifications", "opens_continued", "ioctls", "controls_fast", "stale",
-            "lane_ns_read", "lane_ns_admit", "lane_ns_dup", "lane_ns_driver", "lane_ns_finish",
-            "lane_ns_write", "ns_recv", "ns_send", "ns_ioctl", "ns_open", "native_answered",
-            "settled", ("continued_settled", "continued_decided", "uvm_fast"),
-            "mmaps_continued", ("mmaps_settled", "mmaps"), "ns_mmap",
-            ("opens_prepared", "opens"), ("ns_open_prepared", "ns_open_node", "ns_open"),
-            "finished_after", "answers_settled")
-FACT_IOCTL, FACT_MMAP, FACT_FILE = 0, 1, 2  # native/lane.c struct dvb_cont_fact's kinds
+# The SupervisorStats field(s) each of the loop's counters is added to, in callabi.COUNTERS'
+# order: the field of the counter's name in lower case unless named here
+_STATS_OF = {
+    "ANSWERED": "native_answered",
+    "CONT_SETTLED": ("continued_settled", "continued_decided", "uvm_fast"),
+    "MMAPS_SETTLED": ("mmaps_settled", "mmaps"),
+    "OPENS_PREPARED": ("opens_prepared", "opens"),
+    "NS_OPEN_PREPARED": ("ns_open_prepared", "ns_open_node", "ns_open"),
+}
+COUNTERS = tuple(_STATS_OF.get(c, c.lower()) for c in callabi.COUNTERS)
 NODE_WIDE = -1  # native/lane.c DVB_NODE_WIDE: a continuation fact of every file of a node
-# native/lane.c LAYOUT_CONTROL, LAYOUT_ALLOC, LAYOUT_FREE (struct dvb_settled_layout.kind)
-_LAYOUT_KINDS = {"control": 0, "alloc": 1, "free": 2}
-ANSWER_MAX = 4096  # native/lane.c DVB_ANSWER_MAX: the largest answer an answer fact holds
-HDR_MAX = 1024
-PARAMS_MAX = 16384
-PATCH_MAX = 16
-EMBED_MAX = 4
-FD_MAX = 2
-CONT_OBJECTS = 2  # native/lane.c DVB_CONT_OBJECTS: object fields of a settled continuation
-CONT_FDS = 1  # native/lane.c DVB_CONT_FDS: its fd fields
-CONT_ARG = 256  # native/lane.c DVB_CONT_ARG: the largest argument such a fact reads whole
-OPEN_SLOTS = 32  # native/lane.c DVB_OPEN_SLOTS: prepared opens the loop holds
-SETTLED_PTRS = 2  # native/lane.c DVB_SETTLED_PTRS (fastlane.SETTLED_NULL_PTRS)
-SETTLED_EMBED = 2  # native/lane.c DVB_SETTLED_EMBED (fastlane.SETTLED_EMBEDDED)
-GPU_IDS = 32  # native/lane.c DVB_GPU_IDS
-OPEN_PATH = 64  # native/lane.c DVB_OPEN_PATH: the longest path a prepared open answers
-SETTLED_BUCKETS = 32  # native/lane.c DVB_SETTLED_BUCKETS
+_LAYOUT_KINDS = {"control": LAYOUT_CONTROL, "alloc": LAYOUT_ALLOC, "free": LAYOUT_FREE}
 _SETTLED_ROW = 4 + SETTLED_BUCKETS + 1  # (slot, ok, err, sum_ns, buckets...)
 # Tokens of the tenant's pace the loop may spend on settled calls before it asks again
 SETTLED_CREDIT = 64
@@ -108,36 +98,7 @@ _NO_BOOKING_WAIT = os.environ.get("DEVBROKER_TEST_NO_BOOKING_WAIT") == "1"
 BOOKING_DELAY_S = float(os.environ.get("DEVBROKER_TEST_BOOKING_DELAY_MS", "0") or 0) / 1e3
 
 
-class Call(ctypes.Structure):
-    """native/lane.c struct dvb_call: one ioctl being decided."""
-    _fields_ = [(n, ctypes.c_int64) for n in (
-        "id", "tid", "fd", "cmd", "argp", "dev", "ino", "mode", "rdev", "hdr_len",
-        "params_ptr", "params_size", "params_off", "driver", "finish", "check", "ret", "err",
-        "status_off", "patch_n", "patch_table_off", "patch_entry_size", "patch_index_off",
-        "patch_data_off", "patch_capacity", "patch_count_off",
-        "done_count", "done_err", "done_ns", "embed_n")] + [
-        ("embed_off", ctypes.c_int64 * EMBED_MAX),
-        ("embed_ptr", ctypes.c_int64 * EMBED_MAX),
-        ("embed_addr", ctypes.c_int64 * EMBED_MAX),
-        ("embed_len", ctypes.c_int64 * EMBED_MAX),
-        ("fd_n", ctypes.c_int64),
-        ("fd_off", ctypes.c_int64 * FD_MAX),
-        ("fd_orig", ctypes.c_int64 * FD_MAX),
-        ("fd_dup", ctypes.c_int64 * FD_MAX),
-        ("settled", ctypes.c_int64),
-        ("after", ctypes.c_int64),
-        ("path_len", ctypes.c_int64),
-        ("params_read", ctypes.c_int64),
-        ("gpu_id_off", ctypes.c_int64),
-        ("n_null", ctypes.c_int64),
-        ("null_off", ctypes.c_int64 * SETTLED_PTRS),
-        ("patch_index", ctypes.c_uint32 * PATCH_MAX),
-        ("patch_value", ctypes.c_uint32 * PATCH_MAX),
-        ("hdr", ctypes.c_uint8 * HDR_MAX),
-        ("hdr_out", ctypes.c_uint8 * HDR_MAX),
-        ("params_in", ctypes.c_uint8 * PARAMS_MAX),
-        ("params", ctypes.c_uint8 * PARAMS_MAX),
-    ]
+Call = call_struct()  # native/lane.c struct dvb_call: one ioctl being decided
 
 
 _OFF_HDR = Call.hdr.offset

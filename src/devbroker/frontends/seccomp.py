@@ -45,7 +45,7 @@ import trio
 
 from devbroker.abi.nodes import NodeKind
 from devbroker.backends.base import NotHere
-from devbroker.broker import limits, memgate, rewrite, rules
+from devbroker.broker import laneexec, limits, memgate, rewrite, rules
 from devbroker.broker.objects import BOOKS
 from devbroker.broker.effects import (
     STATE_LOCK, Await, Blocking, HandOver, RateLimit, ReadMemory, Steps, WriteMemory,
@@ -1184,7 +1184,7 @@ class SeccompSupervisor:
         bs = self.broker.sessions.get(sess.id)
         if w.IOC_TYPE(cmd) != w.NV_IOCTL_MAGIC or bs is None:
             return False
-        abi = self.broker._abi(bs)
+        abi = self.broker.abi_of(bs)
         key = (abi.version, bs.node, cmd)  # (the rows are fixed for the broker's life)
         kept = self._kept_rows.get(key)
         if kept is None:
@@ -1471,7 +1471,7 @@ class SeccompSupervisor:
             obj = cl.objects.get(handle) if cl is not None else None
             usable = (obj is not None and (obj.gpu is None or obj.gpu in tenant.gpus)
                       and not (s.node is NodeKind.GPU and s.minor not in tenant.gpus))
-            abi = self.broker._abi(s) if usable else None
+            abi = self.broker.abi_of(s) if usable else None
             if usable and obj.rm_class == SUBDEVICE_CLASS and self.broker.recorder is None:
                 # NVML asks a new subdevice for its memory first (FB_GET_INFO_V2): the
                 # quota view's values now, as of the charge epoch read with them
@@ -2215,22 +2215,22 @@ class SeccompSupervisor:
         return w.NotifResp.ok(n.id, reply.result)
 
     def _control_lane(self, n: w.Notif, sess: Session) -> w.NotifResp | None | object:
-        """An RM control the broker's control lane admits (broker/fastlane.py), answered
-        here in a dozen system calls; `_GENERAL` for every other call (the general steps
-        then decide it from the start, refusals and audit records included).
+        """An RM control the broker's control lane admits, run by the lane's executor
+        (broker/laneexec.py) and answered here in a dozen system calls; `_GENERAL` for
+        every other call (the general steps then decide it from the start, refusals and
+        audit records included); None when the caller went away (nothing to answer).
 
-        Private copies: the header and the parameter block are read once into the broker's
-        memory; the lane decides on that header and the driver reads only those copies
-        (the header's params pointer replaced by the copy's address), so a racing tenant
-        thread that rewrites its own memory after the read changes nothing the driver
-        sees. The driver runs on the broker's duplicate of the tenant's file, checked to
-        be the session's file (a racing dup2 cannot put another file there), after the
-        notification is confirmed current (the thread that called is the one whose memory
-        and fd table were read). Nothing is continued: the kernel re-reads nothing."""
+        This is the executor's adapter: the header and the parameter block are read once
+        into the broker's memory, and the driver reads only those copies, so a racing
+        tenant thread that rewrites its own memory after the read changes nothing the
+        driver sees. The driver runs on the broker's duplicate of the tenant's file,
+        checked to be the session's file (a racing dup2 cannot put another file there),
+        after the notification is confirmed current (the thread that called is the one
+        whose memory and fd table were read). Nothing is continued: the kernel re-reads
+        nothing."""
         d, tid = n.data, n.pid
-        cmd, argp = d.arg_u32(1), d.args[2]
-        gate = self._gate
-        clock = time.perf_counter_ns
+        fd, cmd, argp = d.arg_int(0), d.arg_u32(1), d.args[2]
+        gate, clock, stats = self._gate, time.perf_counter_ns, self.stats
         t0 = clock()
         try:
             caller, _caps = self._caller_caps(tid)
@@ -2238,79 +2238,73 @@ class SeccompSupervisor:
                               what=f"read of ioctl {cmd:#x}'s argument")
         except OSError:
             return _GENERAL  # the general path reads again and answers with its record
-        lane = self._lane
-        t1 = clock()
-        adm = lane.admit(sess.id, caller, cmd, hdr)
-        if adm is None:
-            return _GENERAL
-        t2 = clock()
-        try:
-            params_in = gate.direct(self.tenant, _vm_read, tid, adm.params_ptr,
-                                    adm.params_size,
-                                    what=f"read of {adm.params_size} bytes at {adm.params_ptr:#x}"
-                                    ) if adm.params_size else b""  # (b"": the header alone)
-        except OSError:
-            return _GENERAL
-        params = bytearray(params_in)
-        if adm.checked and not lane.check(adm, params):
-            return _GENERAL
-        try:
-            return self._control_lane_run(n, sess, adm, hdr, params_in, params, t0, t1, t2)
-        finally:
-            lane.release(adm)  # (a no-op once finish ran: the quota hold of an allocation)
+        spent = [clock() - t0, 0, 0]  # reads, the duplicate, the driver
 
-    def _control_lane_run(self, n: w.Notif, sess: Session, adm, hdr: bytes, params_in: bytes,
-                          params: bytearray, t0: int, t1: int, t2: int):
-        """`_control_lane`'s driver call, books and write-back, for an admitted call."""
-        d, tid = n.data, n.pid
-        fd, cmd, argp = d.arg_int(0), d.arg_u32(1), d.args[2]
-        gate, clock, stats, lane = self._gate, time.perf_counter_ns, self.stats, self._lane
-        t3 = clock()
-        dup = -1
-        try:
-            if sess.real:
-                try:
-                    dup = self._getfd(tid, fd)
-                    held = _stat_nosync(fd=dup)
-                except OSError:
-                    return _GENERAL
-                if (held.st_dev, held.st_ino) != sess.key:
-                    return _GENERAL  # another file at that number now: decided the general way
-            if not self.id_valid(n.id):
-                stats.stale += 1
-                return None
-            t4 = clock()
-            ret, err, hdr_out = self.broker.backend.run_control(
-                adm.session.file, dup, hdr, params, adm.header, adm.abi)
-            t5 = clock()
-        except NotHere:
+        def read(ptr: int, size: int) -> bytes:
+            t = clock()
+            try:
+                return gate.direct(self.tenant, _vm_read, tid, ptr, size,
+                                   what=f"read of {size} bytes at {ptr:#x}")
+            finally:
+                spent[0] += clock() - t
+
+        def run(eff: laneexec.RunDriver):
+            t3 = clock()
+            dup = -1
+            try:
+                if sess.real:
+                    try:
+                        dup = self._getfd(tid, fd)
+                        held = _stat_nosync(fd=dup)
+                    except OSError:
+                        return _GENERAL
+                    if (held.st_dev, held.st_ino) != sess.key:
+                        return _GENERAL  # another file at that number now: the general way
+                if not self.id_valid(n.id):
+                    return laneexec.GONE
+                t4 = clock()
+                got = self.broker.backend.run_control(eff.adm.session.file, dup, eff.hdr,
+                                                      eff.params, eff.adm.header, eff.adm.abi)
+                spent[1] += t4 - t3
+                spent[2] += clock() - t4
+                return got
+            except NotHere:
+                return _GENERAL
+            finally:
+                if dup >= 0:
+                    os.close(dup)
+
+        got = laneexec.run_here(laneexec.lane_steps(self._lane, sess.id, caller, cmd, hdr),
+                                read, run)
+        if got is laneexec.GONE:
+            stats.stale += 1
+            return None
+        if got is _GENERAL:
             return _GENERAL
-        finally:
-            if dup >= 0:
-                os.close(dup)
+        t6 = clock()
         stats.ioctls += 1
         stats.controls_fast += 1
-        out = lane.finish(adm, hdr, params_in, ret, err, hdr_out, params)
-        t6 = clock()
-        stats.lane_ns_read += (t1 - t0) + (t3 - t2)
-        stats.lane_ns_admit += t2 - t1
-        stats.lane_ns_dup += t4 - t3
-        stats.lane_ns_driver += t5 - t4
-        stats.lane_ns_finish += t6 - t5
-        if err:  # the driver's failure: the tenant's buffers stay as they were
-            return w.NotifResp.fail(n.id, err)
+        stats.lane_ns_read += spent[0]
+        stats.lane_ns_dup += spent[1]
+        stats.lane_ns_driver += spent[2]
+        # (the Python loop counts the admission, the check and the books together)
+        stats.lane_ns_admit += t6 - t0 - sum(spent)
+        if got.err:  # the driver's failure: the tenant's buffers stay as they were
+            return w.NotifResp.fail(n.id, got.err)
         if not self.id_valid(n.id):
             stats.stale += 1
             return None
+        adm = got.adm
         try:
             gate.direct(self.tenant, vm_write_many, tid,
-                        ([(adm.params_ptr, out)] if adm.params_size else []) + [(argp, hdr_out)],
+                        ([(adm.params_ptr, got.out)] if adm.params_size else [])
+                        + [(argp, got.hdr_out)],
                         what=f"write of ioctl {cmd:#x}'s results")
         except OSError as e:
             self._audit_memory(tid, f"ioctl {cmd:#x}", e)
             return w.NotifResp.fail(n.id, errno.EFAULT)
         stats.lane_ns_write += clock() - t6
-        return w.NotifResp.ok(n.id, ret)
+        return w.NotifResp.ok(n.id, got.ret)
 
     def _continue_lane(self, n: w.Notif, sess: Session) -> w.NotifResp | object:
         """A call the broker's continue lane admits (a UVM command, an RM escape the driver

@@ -10,8 +10,9 @@ the host's C compiler (`$CC` when it names one, else `cc`, else `gcc`) into
    builds it there ahead of time with `python -m devbroker.native`), else
 3. $XDG_CACHE_HOME/devbroker (~/.cache/devbroker),
 
-as `<name>-<digest>.so`, the digest of the source and the flags: an edited source is built
-again, never an old library loaded for it. A library is loaded only when it is owned by this
+as `<name>-<digest>.so`, the digest of the source, the headers generated for it
+(`headers_of`: lane.c's dvb_call.h, from callabi.py) and the flags: an edited source is
+built again, never an old library loaded for it. A library is loaded only when it is owned by this
 process's user and not writable by group or others (whoever could rewrite it could run code
 in the broker). No compiler, or a failed build: `load` returns None with the reason logged
 once, and callers keep their Python path.
@@ -95,12 +96,28 @@ def _trusted(p: Path) -> bool:
     return st.st_uid == os.geteuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
 
+def headers_of(name: str) -> dict[str, str]:
+    """The headers `name`.c includes that are generated from Python (lane.c: dvb_call.h,
+    from callabi.py, the one source of what Python and the loop share)."""
+    if name == "lane":
+        from . import callabi
+        return {"dvb_call.h": callabi.c_header()}
+    return {}
+
+
+def source_of(name: str) -> bytes:
+    """What a build of `name` is made from: its C source and its generated headers."""
+    src = (HERE / f"{name}.c").read_bytes()
+    for hname, text in sorted(headers_of(name).items()):
+        src += f"\n/* {hname} */\n{text}".encode()
+    return src
+
+
 def build(name: str) -> Path:
     """Build `name`.c if no trusted build of this source exists; the library's path.
     Raises RuntimeError with the compiler's message when it cannot."""
     src_path = HERE / f"{name}.c"
-    src = src_path.read_bytes()
-    fname = f"{name}-{_digest(src)}.so"
+    fname = f"{name}-{_digest(source_of(name))}.so"
     for d in _dirs():
         if _trusted(d / fname):
             return d / fname
@@ -119,8 +136,11 @@ def build(name: str) -> Path:
             errors.append(f"{d}: {e.strerror or e}")
             continue
         try:
-            r = subprocess.run([*cc, *CFLAGS, "-o", tmp, str(src_path)], capture_output=True,
-                               text=True, timeout=120)
+            with tempfile.TemporaryDirectory(prefix=f"devbroker-{name}-") as inc:
+                for hname, text in headers_of(name).items():
+                    Path(inc, hname).write_text(text)
+                r = subprocess.run([*cc, *CFLAGS, "-I", inc, "-o", tmp, str(src_path)],
+                                   capture_output=True, text=True, timeout=120)
             if r.returncode != 0:
                 raise RuntimeError(f"{cc[0]} failed on {src_path}:\n{r.stderr.strip()}")
             os.chmod(tmp, 0o755)

@@ -62,7 +62,9 @@
 #endif
 #define DVB_PIDFD_THREAD O_EXCL /* Linux 6.9: a pidfd for a (non-leader) thread */
 
-#define DVB_ABI 19 /* bumped with any change of the structures below (nativelane.py checks) */
+/* DVB_ABI, the sizes and codes Python shares, struct dvb_call: generated from
+ * native/callabi.py (bump its ABI with any change of the structures below too) */
+#include "dvb_call.h"
 
 struct dvb_notif { /* struct seccomp_notif */
     uint64_t id;
@@ -82,108 +84,24 @@ struct dvb_resp { /* struct seccomp_notif_resp */
 };
 #define DVB_CONTINUE 1 /* SECCOMP_USER_NOTIF_FLAG_CONTINUE */
 
-enum { DVB_NOTIF = 1, DVB_IDLE, DVB_WAKE, DVB_HUP, DVB_FOLD, DVB_LATE, DVB_WRITE_FAILED,
-       DVB_ERROR, DVB_QUIET };
-enum { ACT_DECLINE = 0, ACT_CONTINUE = 1, ACT_CONTROL = 2, ACT_FAIL = 3 };
-/* struct dvb_call.finish: when the broker's on_finish runs for a call the loop admitted */
-enum { FINISH_NONE = 0, FINISH_BEFORE = 1, FINISH_AFTER = 2 };
-enum { LAYOUT_CONTROL = 0, LAYOUT_ALLOC = 1, LAYOUT_FREE = 2 }; /* dvb_settled_layout.kind */
 
-/* counters, in nativelane.COUNTERS order */
-enum { C_NOTIFICATIONS, C_OPENS_CONTINUED, C_IOCTLS, C_CONTROLS_FAST, C_STALE,
-       C_LANE_NS_READ, C_LANE_NS_ADMIT, C_LANE_NS_DUP, C_LANE_NS_DRIVER, C_LANE_NS_FINISH,
-       C_LANE_NS_WRITE, C_NS_RECV, C_NS_SEND, C_NS_IOCTL, C_NS_OPEN, C_ANSWERED,
-       C_SETTLED, C_CONT_SETTLED, C_MMAPS_CONTINUED, C_MMAPS_SETTLED, C_NS_MMAP,
-       C_OPENS_PREPARED, C_NS_OPEN_PREPARED, C_FINISHED_AFTER, C_ANSWERS_SETTLED, C_COUNT };
 
-#define DVB_HDR_MAX 1024 /* the largest lane argument (NV_ESC_NUMA_INFO: 560) */
-#define DVB_PARAMS_MAX 16384
 #define DVB_NAMES_MAX 4096
 #define DVB_LANE_CMDS 16
-#define DVB_PATCH_MAX 16
-#define DVB_EMBED_MAX 4 /* embedded buffers of one control (FIFO_GET_CHANNELLIST: 2) */
-#define DVB_FD_MAX 2 /* fd fields of one escape (REGISTER_FD: 1) */
 #define DVB_SETTLED_LAYOUTS 8   /* RM_CONTROL and RM_ALLOC header layouts (one per ioctl number) */
 #define DVB_SETTLED_CONTROLS 256 /* settled controls: (ABI, ioctl number, control) */
 #define DVB_SETTLED_OBJECTS 2048 /* settled objects: (file, client, object) */
 #define DVB_SETTLED_CALLERS 1024 /* threads the broker accepted as callers */
-#define DVB_SETTLED_BUCKETS 32   /* latency buckets of the call counters (callstats.py) */
 #define DVB_CONT_FACTS 512       /* settled continuations: (file, command, client handles) */
 #define DVB_CONT_HANDLES 4       /* client-handle fields of one command (UVM: at most 2) */
-#define DVB_CONT_OBJECTS 2       /* object fields of one command (RM_MAP_MEMORY: device, memory) */
-#define DVB_CONT_FDS 1           /* fd fields of one command with objects (RM_MAP_MEMORY: 1) */
-#define DVB_CONT_ARG 256         /* the largest argument such a command's fact reads whole */
-#define DVB_OPEN_SLOTS 32        /* prepared opens (struct dvb_open_slot) */
-#define DVB_SETTLED_PTRS 2       /* pointers a settled control's check tests NULL */
-#define DVB_SETTLED_EMBED 2      /* embedded buffers a settled control carries (CHANNELLIST: 2) */
-#define DVB_EMBED_BYTES (64 << 10) /* their bytes in all (fastlane.ControlLane.EMBEDDED_BYTES) */
+/* a settled control's embedded buffers in all (ControlLane.EMBEDDED_BYTES) */
+#define DVB_EMBED_BYTES (64 << 10)
 #define DVB_ANSWERS 8            /* answer facts (struct dvb_answer) */
 #define DVB_ESCAPE_FACTS 16      /* settled escapes (struct dvb_escape_fact) */
-#define DVB_ANSWER_MAX 4096      /* the largest answer one holds (CARD_INFO: 32 x 72 bytes) */
 #define DVB_IDF_MAX 64           /* entries of a settled id filter's lists (the driver's: 32) */
 #define DVB_INVALID_GPU_ID 0xFFFFFFFFu
 #define DVB_ATTACH_ALL_PROBED 0x0000FFFFu /* NV0000_CTRL_GPU_ATTACH_ALL_PROBED_IDS */
-#define DVB_GPU_IDS 32           /* the tenant's GPU ids (a settled control's GPU-id check) */
-#define DVB_OPEN_PATH 64         /* the longest node path a prepared open answers */
 
-/* One call being decided: what the Python callbacks read and fill (nativelane.Call). */
-struct dvb_call {
-    int64_t id, tid, fd, cmd, argp;        /* the notification */
-    int64_t dev, ino, mode, rdev;          /* the file behind fd (answer_ioctl: fstat of
-                                              the broker's duplicate of it, or statx) */
-    int64_t hdr_len;                       /* bytes of hdr read (0: none) */
-    /* filled by on_ioctl for ACT_CONTROL (params_size 0 and params_off -1: a call with no
-     * parameter block, the header alone: RM_FREE, a plain escape) */
-    int64_t params_ptr, params_size, params_off;
-    int64_t driver;                        /* 1: make the driver call here; 0: on_finish runs it */
-    int64_t finish;                        /* FINISH_BEFORE: call on_finish after the driver
-                                              call, before the answer; FINISH_AFTER: after
-                                              the answer (books only, nothing written back) */
-    int64_t check;                         /* 1: call on_check on the private parameters
-                                              before the driver call (a checked control) */
-    /* filled for on_finish */
-    int64_t ret, err;
-    int64_t status_off;                    /* NVOS54.status in the header */
-    /* the row's post-hook as data (rewrite.TablePatch), applied here on an NV_OK answer */
-    int64_t patch_n, patch_table_off, patch_entry_size, patch_index_off, patch_data_off,
-            patch_capacity, patch_count_off;
-    /* the last control answered without on_finish: for its row in the call counters */
-    int64_t done_count, done_err, done_ns;
-    /* Embedded buffers of a checked control (filled by on_check): the pointer field at
-     * params + embed_off[k] names the broker's private copy (embed_addr, embed_len bytes,
-     * read from the tenant by the check); after the driver call the tenant's pointer
-     * (embed_ptr) is put back in the block, and on an NV_OK answer the copy is written to
-     * it, as the general path writes embedded buffers back. */
-    int64_t embed_n;
-    int64_t embed_off[DVB_EMBED_MAX], embed_ptr[DVB_EMBED_MAX], embed_addr[DVB_EMBED_MAX],
-            embed_len[DVB_EMBED_MAX];
-    /* fd fields of an escape (filled by on_check): the int32 at hdr + fd_off[k] is the
-     * broker's duplicate fd_dup[k] of the tenant's file fd_orig[k]; the tenant's number is
-     * put back in the answer, and the loop closes the duplicates when the call is done
-     * (whatever way it goes). */
-    int64_t fd_n;
-    int64_t fd_off[DVB_FD_MAX], fd_orig[DVB_FD_MAX], fd_dup[DVB_FD_MAX];
-    /* the settled control this call was admitted by (-1: decided by the broker's callback) */
-    int64_t settled;
-    /* 1: call on_after once the tenant has its answer (what the broker writes down for
-     * settled controls: off the tenant's time) */
-    int64_t after;
-    /* an open handed back (DVB_NOTIF) whose path the loop read whole: its bytes with the
-     * NUL in hdr, for the notification `id` (0: none) */
-    int64_t path_len;
-    /* 1: on_ioctl read the parameters itself (into params and params_in) and made the
-     * check on them (a checked call decided in one callback: check is then 0) */
-    int64_t params_read;
-    /* a settled control's check, on the private parameters once read (settled_admit):
-     * the u32 at gpu_id_off one of the tenant's GPU ids (-1: none), and the n_null
-     * pointers at null_off NULL */
-    int64_t gpu_id_off, n_null, null_off[DVB_SETTLED_PTRS];
-    uint32_t patch_index[DVB_PATCH_MAX], patch_value[DVB_PATCH_MAX];
-    uint8_t hdr[DVB_HDR_MAX];
-    uint8_t hdr_out[DVB_HDR_MAX];
-    uint8_t params_in[DVB_PARAMS_MAX];
-    uint8_t params[DVB_PARAMS_MAX];
-};
 
 typedef int (*dvb_callback)(int slot);
 
@@ -305,7 +223,6 @@ struct dvb_cont_fact {
     int64_t count, sum_ns, buckets[DVB_SETTLED_BUCKETS + 1];
 };
 
-enum { DVB_FACT_IOCTL = 0, DVB_FACT_MMAP = 1, DVB_FACT_FILE = 2 };
 /* A continuation fact for every file of a node (dev DVB_NODE_WIDE, ino the node's rdev):
  * one that reads no object of a file's own (n_obj 0), used for a call on any file with a
  * file fact (DVB_FACT_MMAP or DVB_FACT_FILE) in the fact's sandbox — NVML's UVM commands
