@@ -200,7 +200,7 @@ async def test_a_victim_using_managed_memory_is_not_preempted(inproc_broker, tmp
     hctl, hclient = await setup(high)
     assert await memory(low, lctl, lclient, 6 * GiB, 0xC0) == nvs.NV_OK
     # CUDA's own 2 MiB mapping and one managed allocation of 1 MiB
-    b.tenants["low"].uvm_mapped[501] = (2 << 20) + (1 << 20)
+    b.tenants["low"].managed.charge(501, 501, None, 0, (2 << 20) + (1 << 20))
     assert await memory(high, hctl, hclient, 4 * GiB, 0xC0) == nvs.NV_ERR_NO_MEMORY
     assert b.preemption.entries == {}
     rec, = records(tmp_path, "checkpoint_refused")
@@ -216,7 +216,7 @@ async def test_cuda_own_uvm_mapping_does_not_keep_a_victim_from_preemption(inpro
     lctl, lclient = await setup(low)
     hctl, hclient = await setup(high)
     assert await memory(low, lctl, lclient, 6 * GiB, 0xC0) == nvs.NV_OK
-    b.tenants["low"].uvm_mapped[501] = 2 << 20
+    b.tenants["low"].managed.charge(501, 501, None, 0, 2 << 20)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(b.preemption.restoring)
         assert await memory(high, hctl, hclient, 4 * GiB, 0xC0) == nvs.NV_OK

@@ -165,6 +165,10 @@ class EmulatedBackend:
                 self._free_client(h)
 
     def map_read(self, file: EmuFile, offset: int, length: int) -> bytes:
+        if file.node is NodeKind.UVM:
+            # A managed range (uvm_mmap): pages of zeros until written, no mapping context
+            # needed; nothing to copy (the front end's placeholder reads zeros).
+            return b""
         data = file.mapping
         if data is None:
             raise OSError(errno.EINVAL, "no mapping context on this file")
@@ -491,8 +495,20 @@ class EmulatedBackend:
         params = params.replace(size=size, offset=offset, limit=size - 1)
         return nvs.NV_OK, gpu, size, params
 
+    def _alloc_system_memory(self, c, parent, params):
+        # NV01_MEMORY_SYSTEM (cudaHostAlloc, CUDA's own host buffers): host pages under a
+        # device; no device memory (size 0 in the GPU's accounting)
+        if parent.rm_class != 0x80:
+            return nvs.NV_ERR_INVALID_OBJECT_PARENT, None, 0, params
+        size = int(params.size) if params is not None else 0
+        if size <= 0:
+            return nvs.NV_ERR_INVALID_ARGUMENT, None, 0, params
+        size = (size + 4095) // 4096 * 4096
+        return nvs.NV_OK, parent.gpu, 0, params.replace(size=size, limit=size - 1)
+
     CLASS_ALLOC = {
         0x80: _alloc_device,
+        0x3E: _alloc_system_memory,
         0x2080: _alloc_subdevice,
         0xDE: _alloc_on_subdevice,
         0x40: _alloc_local_memory,

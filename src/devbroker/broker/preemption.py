@@ -662,7 +662,7 @@ def _refusal(b: Any, t: Any) -> str | None:
     """Why the tenant's processes may not be checkpointed, None when they may: the
     driver's checkpoint does not carry managed (UVM) memory or memory another process
     imported (CUDA IPC)."""
-    if any(n > CUDA_OWN_UVM_MAPPING for n in t.uvm_mapped.values()):
+    if any(n > CUDA_OWN_UVM_MAPPING for n in t.managed.by_process().values()):
         return ("it uses managed (UVM) memory, which the driver's checkpoint does not "
                 "carry")
     for c in t.clients.values():

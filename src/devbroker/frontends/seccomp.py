@@ -2393,8 +2393,9 @@ class SeccompSupervisor:
             self.stats.stale += 1
             return None
         self.stats.mmaps += 1
-        req = MapReadRequest(caller=caller, session=sess.id, offset=offset, length=length)
-        if sess.real:
+        req = MapReadRequest(caller=caller, session=sess.id, offset=offset, length=length,
+                             file_key=sess.key)
+        if sess.real or sess.node is NodeKind.UVM:
             # The driver maps its own pages; it checks the file's mapping context (made by a
             # decided RM_MAP_MEMORY) and, for nvidia-uvm, the caller's mm. The broker only
             # decides whether this file may be mapped at all (managed memory: see policy).
@@ -2411,7 +2412,8 @@ class SeccompSupervisor:
                 rep = MapCheckReply()
             if rep.errno:
                 return w.NotifResp.fail(n.id, rep.errno)
-            return w.NotifResp.cont(n.id)
+            if sess.real:
+                return w.NotifResp.cont(n.id)
         reply = yield Await(self.broker.map_read, (req,))
         if reply.errno:
             return w.NotifResp.fail(n.id, reply.errno)
