@@ -1,0 +1,127 @@
+"""Managed (nvidia-uvm) memory inside the quota and pinned host memory within its limit: a
+real broker with the emulated backend, real tenant processes mapping managed ranges (as
+libcuda does: MAP_FIXED, offset = address) and allocating device and system memory."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from devbroker.testing.policies import tenant, two_h200
+
+from tenant_io import lines
+
+pytestmark = pytest.mark.root
+
+GiB = 1 << 30
+MiB = 1 << 20
+HERE = Path(__file__).resolve().parent
+PROG = [sys.executable, str(HERE / "managed_prog.py")]
+POLICY = two_h200(tenant("m", gpus=[0], memory_quota="8GiB", pinned_host_memory="1GiB"),
+                  driver_version=None)
+
+
+@pytest.fixture
+def seccomp_broker(start_broker):
+    b = start_broker(POLICY)
+    b.frontend = "seccomp"  # managed memory is the seccomp front end's (docs/security.md)
+    return b
+
+
+@pytest.fixture(params=["fuse", "seccomp"])
+def broker(start_broker, request):
+    b = start_broker(POLICY)
+    b.frontend = request.param
+    return b
+
+
+def run(broker, *steps: str) -> list[dict]:
+    r = broker.exec("m", *PROG, *steps)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return list(lines(r.stdout))
+
+
+def wait_for(pred, what: str, timeout: float = 30.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := pred():
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_managed_memory_within_the_quota_maps_and_beyond_it_is_out_of_memory(seccomp_broker):
+    out = run(seccomp_broker, "map:6GiB", "used", "unmap:0", "map:12GiB", "used")
+    assert out[0] == {"op": "map", "size": 6 * GiB, "errno": 0, "mapped": 6 * GiB}
+    assert out[1]["used"] == 6 * GiB  # what NVML in the tenant shows
+    assert out[3]["errno"] == errno.ENOMEM and out[3]["mapped"] == 0
+    assert out[4]["used"] < 6 * GiB  # the unmapped range was given back on the next look
+    deny = [a for a in seccomp_broker.audit() if a["event"] == "deny"]
+    assert any("mmap nvidia-uvm 12884901888 bytes" in d["what"]
+               and "managed memory would exceed the quota" in d["reason"] for d in deny)
+
+
+def test_managed_and_device_memory_share_the_quota(seccomp_broker):
+    out = run(seccomp_broker, "map:4GiB", "alloc:4GiB", "used", "alloc:1GiB", "map:1GiB")
+    assert out[0]["errno"] == 0 and out[1]["status"] == "NV_OK"
+    assert out[2]["used"] == 8 * GiB
+    assert out[3]["status"] == "NV_ERR_NO_MEMORY"
+    assert out[4]["errno"] == errno.ENOMEM
+
+
+def test_unmapping_gives_the_charge_back_to_device_memory(seccomp_broker):
+    out = run(seccomp_broker, "map:6GiB", "unmap:0", "alloc:6GiB", "used")
+    assert out[0]["errno"] == 0 and out[1]["mapped"] == 0
+    assert out[2]["status"] == "NV_OK", out
+    assert out[3]["used"] == 6 * GiB
+
+
+def test_process_exit_gives_the_charge_back(seccomp_broker):
+    b = seccomp_broker
+    p = b.exec_popen("m", *PROG, "map:6GiB", "hold", stdin=subprocess.PIPE,
+                     stdout=subprocess.PIPE, text=True)
+    try:
+        first = json.loads(p.stdout.readline())
+        assert first["errno"] == 0
+        assert json.loads(p.stdout.readline()) == {"op": "hold"}
+        t = b.tenant("m")
+        assert t["managed_memory"] == 6 * GiB and t["memory"]["0"]["used"] == 6 * GiB
+        for pid in t["processes"]:
+            os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: b.tenant("m")["managed_memory"] == 0, "managed memory returned")
+        assert b.tenant("m")["memory"]["0"]["used"] == 0
+    finally:
+        p.kill()
+        p.wait()
+    # and the whole quota is the next process's
+    assert run(b, "map:8GiB")[0]["errno"] == 0
+
+
+def test_pinned_host_memory_is_limited_and_freeing_gives_it_back(broker):
+    out = run(broker, "pinned:768MiB", "pinned:512MiB", "free-pinned:0", "pinned:512MiB",
+              "alloc:1GiB")
+    assert [o["status"] for o in out] == ["NV_OK", "NV_ERR_NO_MEMORY", "NV_OK", "NV_OK",
+                                          "NV_OK"]
+    deny = [a for a in broker.audit() if a["event"] == "deny"]
+    assert any("pinned_host_memory" in d["reason"] for d in deny), deny
+
+
+def test_pinned_host_memory_shows_in_status(broker):
+    p = broker.exec_popen("m", *PROG, "pinned:256MiB", "hold", stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(p.stdout.readline())["status"] == "NV_OK"
+        json.loads(p.stdout.readline())
+        assert broker.tenant("m")["pinned_host_memory"] == {"used": 256 * MiB,
+                                                            "limit": 1 * GiB}
+    finally:
+        p.stdin.close()
+        p.wait(timeout=60)
