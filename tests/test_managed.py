@@ -125,3 +125,32 @@ def test_pinned_host_memory_shows_in_status(broker):
     finally:
         p.stdin.close()
         p.wait(timeout=60)
+
+
+def test_security_doc_carries_the_refusal_answers():
+    from devbroker.broker.refusal import answers_markdown
+
+    doc = (HERE.parent / "docs" / "security.md").read_text()
+    assert answers_markdown() in doc, "docs/security.md: paste refusal.answers_markdown()"
+
+
+def test_common_refusals_answer_as_the_table_says(broker):
+    """The answers of docs/security.md's table, against the emulated driver: device memory
+    and pinned host memory beyond their limits, a managed range beyond the quota (seccomp),
+    a refused escape, class and control."""
+    from devbroker.abi import status as nvs
+    from devbroker.broker.refusal import ANSWERS
+
+    steps = ["alloc:12GiB", "pinned:2GiB"] + (["map:12GiB"] if broker.frontend == "seccomp"
+                                              else [])
+    got = run(broker, *steps)
+    assert got[0]["status"] == ANSWERS["quota"].answer
+    assert got[1]["status"] == ANSWERS["pinned"].answer
+    if broker.frontend == "seccomp":
+        assert errno.errorcode[got[2]["errno"]] == ANSWERS["managed"].answer
+    r = broker.exec("m", sys.executable, str(HERE / "tenant_prog.py"), "refusals")
+    assert r.returncode == 0, r.stdout + r.stderr
+    seen = {x["what"]: x for x in lines(r.stdout)}
+    assert errno.errorcode[seen["registry"]["errno"]] == ANSWERS["escape"].answer
+    assert nvs.name(seen["debugger"]["status"]) == ANSWERS["class"].answer
+    assert nvs.name(seen["ecc"]["status"]) == ANSWERS["control"].answer
