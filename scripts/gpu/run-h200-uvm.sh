@@ -58,7 +58,8 @@ gcc -O2 -shared -fPIC -o "$W/uvm_errno_shim.so" scripts/gpu/uvm_errno_shim.c -ld
 "$PY" scripts/gpu/uvm_checks.py allocator-source > "$W/managed_alloc.c"
 ALLOC_SO="$W/managed_alloc.so"
 if command -v nvcc >/dev/null; then
-  nvcc -shared -Xcompiler -fPIC -o "$ALLOC_SO" -x cu "$W/managed_alloc.c" -lcudart 2>&1 | tail -3
+  # (the CUDA runtime linked in statically, nvcc's default: nothing to find at load time)
+  nvcc -shared -Xcompiler -fPIC -o "$ALLOC_SO" -x cu "$W/managed_alloc.c" 2>&1 | tail -3
 else
   # the CUDA runtime headers and library a pip-installed CUDA brings (torch's nvidia/*)
   CUDA_DIR=$("$PY" - <<'PYEOF' 2>/dev/null

@@ -105,6 +105,11 @@ void *managed_malloc(ssize_t size, int device, void *stream) {
     return p;
 }
 void managed_free(void *p, ssize_t size, int device, void *stream) { cudaFree(p); }
+int pointer_kind(void *p) {  /* cudaMemoryTypeManaged (3) for a managed pointer */
+    struct cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) return -1;
+    return (int)a.type;
+}
 """
 
 
@@ -132,10 +137,9 @@ def torch_managed(so: str, steps: int) -> None:
     # a tensor's memory really is managed: CUDA says so of its pointer
     import ctypes
 
-    attrs = ctypes.create_string_buffer(64)
-    rt = ctypes.CDLL(so)  # (links libcudart: its cudaPointerGetAttributes)
-    rc = rt.cudaPointerGetAttributes(attrs, ctypes.c_void_p(x.data_ptr()))
-    kind = int.from_bytes(attrs.raw[:4], "little") if rc == 0 else None  # 3: managed
+    lib = ctypes.CDLL(so)
+    lib.pointer_kind.argtypes = [ctypes.c_void_p]
+    kind = lib.pointer_kind(ctypes.c_void_p(x.data_ptr()))  # 3: cudaMemoryTypeManaged
     out(check="torch-managed", steps=steps, losses=losses, pointer_type=kind,
         seconds=round(time.monotonic() - t0, 2),
         ok=len(losses) == 2 and losses[1] < losses[0] and kind == 3)
