@@ -154,3 +154,20 @@ def test_common_refusals_answer_as_the_table_says(broker):
     assert errno.errorcode[seen["registry"]["errno"]] == ANSWERS["escape"].answer
     assert nvs.name(seen["debugger"]["status"]) == ANSWERS["class"].answer
     assert nvs.name(seen["ecc"]["status"]) == ANSWERS["control"].answer
+
+
+def test_pinned_host_memory_is_set_at_run_time(broker):
+    """`devbroker tenant add|set --pinned-host-memory`: validated like the policy key and
+    applied to the next allocation (what is pinned stays)."""
+    r = broker.cli("tenant", "add", "r", "--gpus", "0", "--memory-quota", "8GiB",
+                   "--pinned-host-memory", "256MiB")
+    assert r.returncode == 0, r.stderr
+    out = broker.exec("r", *PROG, "pinned:512MiB")
+    assert lines(out.stdout)[-1]["status"] == "NV_ERR_NO_MEMORY", out.stdout + out.stderr
+    bad = broker.cli("tenant", "set", "r", "--pinned-host-memory", "lots")
+    assert bad.returncode != 0 and "pinned_host_memory" in bad.stderr, bad.stderr
+    r = broker.cli("tenant", "set", "r", "--pinned-host-memory", "1GiB")
+    assert r.returncode == 0, r.stderr
+    assert broker.tenant("r")["pinned_host_memory"]["limit"] == 1 * GiB
+    out = broker.exec("r", *PROG, "pinned:512MiB")
+    assert lines(out.stdout)[-1]["status"] == "NV_OK", out.stdout + out.stderr
