@@ -7,8 +7,9 @@
 #   bash scripts/gpu/run-h200-uvm.sh --dry
 # Steps (each bounded by a timeout; the whole run well under 6 minutes):
 #  1. natively, what libcuda makes of each errno a refused nvidia-uvm mmap can return (an
-#     LD_PRELOAD shim fails the managed mmap with it: uvm_errno_shim.c), and the shape of
-#     its managed mmaps (offset = address, flags);
+#     LD_PRELOAD shim fails the managed mmap with it: uvm_errno_shim.c), of an mmap that
+#     made no range followed by UVM_VALIDATE_VA_RANGE answering NV_ERR_NO_MEMORY, and the
+#     shape of its managed mmaps (offset = address, flags);
 #  2. a broker with the real backend, tenants through the seccomp front end; a host thread
 #     polls NVML the whole time (the device's used memory above the baseline: <= 8 GiB);
 #  3. u8 (8 GiB): CuPy managed 6 GiB filled + summed on the GPU; 12 GiB ->
@@ -86,6 +87,11 @@ if [ $DRY = 0 ]; then
     put "native_refused_$name" "$(SHIM_LOG="$W/shim-$name.jsonl" INJECT_ERRNO=$num \
       LD_PRELOAD="$SHIM" timeout 60 $CHK managed 1 2>&1 | last)"
   done
+  # the other way a refusal could reach CUDA: the mmap "made" but no range, and the
+  # driver's UVM_VALIDATE_VA_RANGE for it answering NV_ERR_NO_MEMORY
+  put native_refused_fake_validate "$(SHIM_LOG="$W/shim-fake.jsonl" INJECT_FAKE=1 \
+    INJECT_STATUS=0x51 LD_PRELOAD="$SHIM" timeout 60 $CHK managed 1 2>&1 | last)"
+  put native_fake_validate_seen "$(grep -c '"via": "validate"' "$W/shim-fake.jsonl" 2>/dev/null || echo 0)"
   put native_managed_6 "$(timeout 90 $CHK managed 6 2>&1 | last)"
 fi
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import faulthandler
 import fcntl
 import os
 import threading
@@ -40,6 +41,7 @@ class ManagedSpace:
     """The process's nvidia-uvm file (initialized) and a reservation to map ranges in."""
 
     def __init__(self, span: int):
+        faulthandler.enable()  # (a fault in a range says where, in the attacker's stderr)
         self.fd = os.open("/dev/nvidia-uvm", os.O_RDWR)
         fcntl.ioctl(self.fd, UVM_INITIALIZE, bytearray(16), True)
         base = libc.mmap(None, span + PIECE_ALIGN, PROT_NONE,
