@@ -2,7 +2,7 @@
 and reports each step as one JSON line. Run inside `devbroker exec`.
 
     managed_prog.py STEP...   STEP: map:SIZE  unmap:N  alloc:SIZE  pinned:SIZE
-                                    free-pinned:N  used  hold
+                                    free-pinned:N  used  wait-used-below:SIZE  hold
 
 `map` maps a managed range as libcuda does (MAP_FIXED, offset = address, in a reservation of
 its own); `unmap:N` unmaps the N-th range mapped; `alloc` is device memory (class 0x40);
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 from devbroker.abi import status as nvs
 from devbroker.escape.managed import ManagedSpace
@@ -64,6 +65,11 @@ def main(steps: list[str]) -> None:
             out(op=op, status=nvs.name(c.free(g["hdevice"], pinned[int(arg)])))
         elif op == "used":
             out(op=op, **c.memory(g["hsubdevice"]))
+        elif op == "wait-used-below":  # (the broker's next look gives an unmapped range back)
+            limit, deadline = parse_size(arg), time.monotonic() + 30
+            while (m := c.memory(g["hsubdevice"]))["used"] >= limit and time.monotonic() < deadline:
+                time.sleep(0.05)
+            out(op=op, **m)
         elif op == "hold":
             out(op=op)
             sys.stdin.readline()

@@ -171,3 +171,11 @@ def test_pinned_host_memory_is_set_at_run_time(broker):
     assert broker.tenant("r")["pinned_host_memory"]["limit"] == 1 * GiB
     out = broker.exec("r", *PROG, "pinned:512MiB")
     assert lines(out.stdout)[-1]["status"] == "NV_OK", out.stdout + out.stderr
+
+
+def test_nvml_in_the_tenant_follows_an_unmapped_range_without_another_call(seccomp_broker):
+    """munmap is not a notification: the broker's periodic look (the alert monitor's, every
+    second) reads the maps again, and the tenant's FB info shows the range gone."""
+    out = run(seccomp_broker, "map:6GiB", "used", "unmap:0", "wait-used-below:1GiB")
+    assert out[1]["used"] == 6 * GiB
+    assert out[3]["used"] < 1 * GiB, out

@@ -986,6 +986,13 @@ class Broker:
 
 
 
+    @_locked
+    def refresh_managed(self) -> None:
+        """Every tenant's managed charges read again from its processes' maps (the alert
+        monitor's periodic look: munmap and exit are not notifications)."""
+        for t in self.tenants.values():
+            t.look_at_managed()
+
     # ------------------------------------------------------------------ status
     @_locked
     def snapshot(self) -> dict:
