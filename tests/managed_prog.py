@@ -2,7 +2,8 @@
 and reports each step as one JSON line. Run inside `devbroker exec`.
 
     managed_prog.py STEP...   STEP: map:SIZE  unmap:N  alloc:SIZE  pinned:SIZE
-                                    free-pinned:N  used  wait-used-below:SIZE  hold
+                                    pinned-nvos02:SIZE  free-pinned:N  used
+                                    wait-used-below:SIZE  hold
 
 `map` maps a managed range as libcuda does (MAP_FIXED, offset = address, in a reservation of
 its own); `unmap:N` unmaps the N-th range mapped; `alloc` is device memory (class 0x40);
@@ -61,6 +62,13 @@ def main(steps: list[str]) -> None:
                 out(op=op, size=size, status="NV_OK")
             except NvError as e:
                 out(op=op, size=size, status=nvs.name(e.status))
+        elif op == "pinned-nvos02":  # system memory through NV_ESC_RM_ALLOC_MEMORY
+            size = parse_size(arg)
+            v = c.new("nv_ioctl_nvos02_parameters_with_fd", fd=-1, params={
+                "hRoot": c.hclient, "hObjectParent": g["hdevice"], "hObjectNew": c.handle(),
+                "hClass": NV01_MEMORY_SYSTEM, "flags": 0xC001, "limit": size - 1})
+            got = c.escape(c.ctl, "NV_ESC_RM_ALLOC_MEMORY", v)
+            out(op=op, size=size, status=nvs.name(got.params.status))
         elif op == "free-pinned":
             out(op=op, status=nvs.name(c.free(g["hdevice"], pinned[int(arg)])))
         elif op == "used":

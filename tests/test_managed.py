@@ -146,6 +146,8 @@ def test_common_refusals_answer_as_the_table_says(broker):
     got = run(broker, *steps)
     assert got[0]["status"] == ANSWERS["quota"].answer
     assert got[1]["status"] == ANSWERS["pinned"].answer
+    # (and through the older allocator, whose status is inside its parameters)
+    assert run(broker, "pinned-nvos02:2GiB")[0]["status"] == ANSWERS["pinned"].answer
     if broker.frontend == "seccomp":
         assert errno.errorcode[got[2]["errno"]] == ANSWERS["managed"].answer
     r = broker.exec("m", sys.executable, str(HERE / "tenant_prog.py"), "refusals")
