@@ -58,9 +58,11 @@ gcc -O2 -shared -fPIC -o "$W/uvm_errno_shim.so" scripts/gpu/uvm_errno_shim.c -ld
   && put shim_built true || put shim_built false
 "$PY" scripts/gpu/uvm_checks.py allocator-source > "$W/managed_alloc.c"
 ALLOC_SO="$W/managed_alloc.so"
-if command -v nvcc >/dev/null; then
+NVCC=$(command -v nvcc || ls /usr/local/cuda*/bin/nvcc 2>/dev/null | head -1)
+if [ -n "$NVCC" ]; then
   # (the CUDA runtime linked in statically, nvcc's default: nothing to find at load time)
-  nvcc -shared -Xcompiler -fPIC -o "$ALLOC_SO" -x cu "$W/managed_alloc.c" 2>&1 | tail -3
+  "$NVCC" -shared -Xcompiler -fPIC -o "$ALLOC_SO" -x cu "$W/managed_alloc.c" \
+    > "$W/alloc-build.log" 2>&1; tail -3 "$W/alloc-build.log"
 else
   # the CUDA runtime headers and library a pip-installed CUDA brings (torch's nvidia/*)
   CUDA_DIR=$("$PY" - <<'PYEOF' 2>/dev/null
