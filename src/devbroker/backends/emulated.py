@@ -165,10 +165,6 @@ class EmulatedBackend:
                 self._free_client(h)
 
     def map_read(self, file: EmuFile, offset: int, length: int) -> bytes:
-        if file.node is NodeKind.UVM:
-            # A managed range (uvm_mmap): pages of zeros until written, no mapping context
-            # needed; nothing to copy (the front end's placeholder reads zeros).
-            return b""
         data = file.mapping
         if data is None:
             raise OSError(errno.EINVAL, "no mapping context on this file")

@@ -1957,7 +1957,10 @@ ATTACKS += [
 from devbroker.escape import managed as _managed  # noqa: E402
 
 _MANAGED_NA = {"fuse": "managed memory is offered through the seccomp front end only (a FUSE "
-                       "node's mmap is the kernel's: the broker never sees its size)"}
+                       "node's mmap is the kernel's: the broker never sees its size)",
+               **{fe: "managed memory is offered through the seccomp front end only: an "
+                      "nvidia-uvm mapping of the module's node has no mapping context "
+                      "(EINVAL), CUSE nodes have no mmap" for fe in GUEST}}
 ATTACKS += [
     Attack("managed-pieces", "map managed (nvidia-uvm) ranges past the quota in many small "
            "pieces", "quota", E, ("ENOMEM",), "broker (managed ranges charged at map time)",

@@ -56,8 +56,9 @@ from devbroker.broker.interface import (
     BrokerInterface,
     Caller,
     IoctlRequest,
-    MapReadRequest,
     MapCheckReply,
+    MapReadReply,
+    MapReadRequest,
     OpenRequest,
     ReleaseRequest,
 )
@@ -2414,7 +2415,12 @@ class SeccompSupervisor:
                 return w.NotifResp.fail(n.id, rep.errno)
             if sess.real:
                 return w.NotifResp.cont(n.id)
-        reply = yield Await(self.broker.map_read, (req,))
+        if sess.node is NodeKind.UVM:
+            # A managed range, charged above: the emulated driver's pages are zeros until
+            # written (nothing to read: the placeholder is only sized)
+            reply = MapReadReply()
+        else:
+            reply = yield Await(self.broker.map_read, (req,))
         if reply.errno:
             return w.NotifResp.fail(n.id, reply.errno)
         # Blocking work with the memory gate's deadline: the fd may have been swapped for a
