@@ -2,7 +2,7 @@
 and reports each step as one JSON line. Run inside `devbroker exec`.
 
     managed_prog.py STEP...   STEP: map:SIZE  unmap:N  alloc:SIZE  pinned:SIZE
-                                    pinned-nvos02:SIZE  free-pinned:N  used
+                                    pinned-nvos02:SIZE  free-pinned:N  advise:N  used
                                     wait-used-below:SIZE  hold
 
 `map` maps a managed range as libcuda does (MAP_FIXED, offset = address, in a reservation of
@@ -12,6 +12,8 @@ the tenant's FB info shows; `hold` says so and waits for a line on stdin.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import sys
 import time
@@ -69,6 +71,29 @@ def main(steps: list[str]) -> None:
                 "hClass": NV01_MEMORY_SYSTEM, "flags": 0xC001, "limit": size - 1})
             got = c.escape(c.ctl, "NV_ESC_RM_ALLOC_MEMORY", v)
             out(op=op, size=size, status=nvs.name(got.params.status))
+        elif op == "advise":  # prefetch and advice on the N-th range (UVM_MIGRATE, ...)
+            off, size = ranges[int(arg)]
+            got = {}
+            for name, fields in (("UVM_SET_PREFERRED_LOCATION", {"requestedBase": off,
+                                                                 "length": size}),
+                                 ("UVM_SET_ACCESSED_BY", {"requestedBase": off,
+                                                          "length": size}),
+                                 ("UVM_MIGRATE", {"base": off, "length": size}),
+                                 ("UVM_UNSET_PREFERRED_LOCATION", {"requestedBase": off,
+                                                                   "length": size}),
+                                 ("UVM_DISABLE_READ_DUPLICATION", {"requestedBase": off,
+                                                                   "length": size})):
+                cmd = next(n for n, o in c.abi.uvm_cmds.items() if o.name == name)
+                spec = c.abi.uvm(cmd).params
+                fields = {k: (space.base + v if k in ("requestedBase", "base") else v)
+                          for k, v in fields.items() if k in spec.by_name}
+                buf = bytearray(spec.decode(bytes(spec.size)).replace(**fields).encode())
+                try:
+                    fcntl.ioctl(space.fd, cmd, buf, True)
+                    got[name] = nvs.name(spec.decode(bytes(buf)).rmStatus)
+                except OSError as e:
+                    got[name] = errno.errorcode.get(e.errno, str(e.errno))
+            out(op=op, **got)
         elif op == "free-pinned":
             out(op=op, status=nvs.name(c.free(g["hdevice"], pinned[int(arg)])))
         elif op == "used":

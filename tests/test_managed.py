@@ -181,3 +181,14 @@ def test_nvml_in_the_tenant_follows_an_unmapped_range_without_another_call(secco
     out = run(seccomp_broker, "map:6GiB", "used", "unmap:0", "wait-used-below:1GiB")
     assert out[1]["used"] == 6 * GiB
     assert out[3]["used"] < 1 * GiB, out
+
+
+def test_prefetch_and_advice_on_own_managed_ranges_work(seccomp_broker):
+    """What cudaMemPrefetchAsync, cudaMemAdvise and cudaMallocManaged itself send on the
+    tenant's own ranges is let through (rules.py's UVM rows) and answered as the driver
+    answers a range of the caller's."""
+    out = run(seccomp_broker, "map:1GiB", "advise:0")
+    got = {k: v for k, v in out[1].items() if k != "op"}
+    assert set(got) == {"UVM_SET_PREFERRED_LOCATION", "UVM_SET_ACCESSED_BY", "UVM_MIGRATE",
+                        "UVM_UNSET_PREFERRED_LOCATION", "UVM_DISABLE_READ_DUPLICATION"}
+    assert set(got.values()) == {"NV_OK"}, got

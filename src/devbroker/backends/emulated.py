@@ -676,6 +676,16 @@ class EmulatedBackend:
         arg = dc.call.with_status(nvs.NV_OK)
         return DriverResult(arg=dc.call.encode() if arg is None else arg)
 
+    # Prefetch and advice on managed ranges (cudaMemPrefetchAsync, cudaMemAdvise): no va
+    # space is modelled and nothing moves, so each is done, NV_OK, as the driver answers
+    # them on a range of the caller's (the ranges are the broker's books: broker/managed.py)
+    def _uvm_hint(self, f, dc):
+        return self._uvm_ok(dc)
+
+    UVM_MIGRATE = UVM_SET_PREFERRED_LOCATION = UVM_UNSET_PREFERRED_LOCATION = _uvm_hint
+    UVM_SET_ACCESSED_BY = UVM_UNSET_ACCESSED_BY = _uvm_hint
+    UVM_ENABLE_READ_DUPLICATION = UVM_DISABLE_READ_DUPLICATION = _uvm_hint
+
     # ------------------------------------------------------------------ control support
     def gpu_by_id(self, gpu_id: int) -> EmulatedGpu | None:
         for g in self._gpus:

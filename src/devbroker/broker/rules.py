@@ -269,6 +269,15 @@ for _name, _why in {
     "UVM_TOOLS_GET_PROCESSOR_UUID_TABLE": "lists the processors of the caller's own va space",
     "UVM_ENABLE_READ_DUPLICATION": "hint on the caller's own range",
     "UVM_SET_ACCESSED_BY": "hint on the caller's own range",
+    # what managed memory (cudaMallocManaged, cudaMemAdvise, cudaStreamAttachMemAsync)
+    # sends on the caller's own managed ranges, which are charged when mapped
+    "UVM_DISABLE_READ_DUPLICATION": "hint on the caller's own range",
+    "UVM_UNSET_PREFERRED_LOCATION": "hint on the caller's own range",
+    "UVM_UNSET_ACCESSED_BY": "hint on the caller's own range",
+    "UVM_SET_RANGE_GROUP": "puts the caller's own ranges in one of its range groups",
+    "UVM_MIGRATE_RANGE_GROUP": "moves the caller's own managed memory (a range group)",
+    "UVM_PREVENT_MIGRATION_RANGE_GROUPS": "pins the caller's own range groups in place",
+    "UVM_ALLOW_MIGRATION_RANGE_GROUPS": "undoes the above",
     "UVM_MAP_DYNAMIC_PARALLELISM_REGION": "maps in the caller's own va space",
     "UVM_UNMAP_EXTERNAL": "unmaps in the caller's own va space",
 }.items():

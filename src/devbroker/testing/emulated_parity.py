@@ -63,8 +63,9 @@ EXPECTED: list[Expected] = [
              "RM_USER_SHARED_DATA, local and system memory (channels, engines, VA spaces, "
              "events, MIG capability sessions, BINAPI, P2P, debugger) are NV_ERR_NOT_SUPPORTED: "
              "the emulator runs no GPU work.", *_NOT_SUPPORTED, only="class not modelled"),
-    Expected("UVM_*", "status", "UVM beyond INITIALIZE, MM_INITIALIZE and DEINITIALIZE is not "
-             "modelled (no UVM va space): rmStatus NV_ERR_NOT_SUPPORTED.", *_NOT_SUPPORTED,
+    Expected("UVM_*", "status", "UVM beyond INITIALIZE, MM_INITIALIZE, DEINITIALIZE and the "
+             "prefetch and advice calls on managed ranges is not modelled (no UVM va space): "
+             "rmStatus NV_ERR_NOT_SUPPORTED.", *_NOT_SUPPORTED,
              only="call not modelled"),
     Expected("NV_ESC_*", "status", "Escapes the emulator does not model (ALLOC_OS_EVENT, "
              "RM_ALLOC_MEMORY, UPDATE_DEVICE_MAPPING_INFO…) answer NV_ERR_NOT_SUPPORTED in their "
