@@ -100,7 +100,8 @@ def main(steps: list[str]) -> None:
             out(op=op, **c.memory(g["hsubdevice"]))
         elif op == "wait-used-below":  # (the broker's next look gives an unmapped range back)
             limit, deadline = parse_size(arg), time.monotonic() + 30
-            while (m := c.memory(g["hsubdevice"]))["used"] >= limit and time.monotonic() < deadline:
+            while ((m := c.memory(g["hsubdevice"]))["used"] >= limit
+                   and time.monotonic() < deadline):
                 time.sleep(0.05)
             out(op=op, **m)
         elif op == "hold":

@@ -46,7 +46,8 @@ SESSION_FIELDS = frozenset({"id", "tenant", "node", "minor", "caller", "file", "
 TENANT_FIELDS = frozenset({"name", "policy", "limiter", "sessions", "clients", "abi_by_tgid",
                            "refusals", "requests", "continued", "managed"})
 CLIENT_FIELDS = frozenset({"handle", "session", "tgid", "objects",
-                           "charged", "devices", "pinned_total"})  # running totals: rebuilt from the objects
+                           # running totals: rebuilt from the objects
+                           "charged", "devices", "pinned_total"})
 OBJECT_FIELDS = frozenset({"handle", "rm_class", "parent", "gpu", "charged", "pinned",
                            "children",
                            "share",  # duplicate groups: exported as groups of handles
