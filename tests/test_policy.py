@@ -518,3 +518,17 @@ def test_metrics_errors(body, line, reason):
 def test_alert_errors(body, line, reason):
     e = error("[broker.alerts]\n" + body + "\n")
     assert e.line == line and reason in e.reason
+
+
+def test_pinned_host_memory_defaults_round_trips_and_is_validated():
+    from devbroker.broker.policy import DEFAULT_PINNED_HOST_MEMORY, PolicyError, load_policy_text
+    from devbroker.testing.policies import one_h200, tenant
+
+    p = load_policy_text(one_h200(tenant("a", pinned_host_memory="1GiB"), tenant("b"),
+                                  driver_version=None))
+    assert p.tenants["a"].pinned_host_memory == 1 << 30
+    assert p.tenants["b"].pinned_host_memory == DEFAULT_PINNED_HOST_MEMORY == 16 << 30
+    assert load_policy_text(p.to_toml()) == p
+    assert "pinned host memory 1 GiB" in p.describe()
+    with pytest.raises(PolicyError, match="pinned_host_memory"):
+        load_policy_text(one_h200(tenant("a", pinned_host_memory="lots"), driver_version=None))

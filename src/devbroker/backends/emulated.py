@@ -491,8 +491,20 @@ class EmulatedBackend:
         params = params.replace(size=size, offset=offset, limit=size - 1)
         return nvs.NV_OK, gpu, size, params
 
+    def _alloc_system_memory(self, c, parent, params):
+        # NV01_MEMORY_SYSTEM (cudaHostAlloc, CUDA's own host buffers): host pages under a
+        # device; no device memory (size 0 in the GPU's accounting)
+        if parent.rm_class != 0x80:
+            return nvs.NV_ERR_INVALID_OBJECT_PARENT, None, 0, params
+        size = int(params.size) if params is not None else 0
+        if size <= 0:
+            return nvs.NV_ERR_INVALID_ARGUMENT, None, 0, params
+        size = (size + 4095) // 4096 * 4096
+        return nvs.NV_OK, parent.gpu, 0, params.replace(size=size, limit=size - 1)
+
     CLASS_ALLOC = {
         0x80: _alloc_device,
+        0x3E: _alloc_system_memory,
         0x2080: _alloc_subdevice,
         0xDE: _alloc_on_subdevice,
         0x40: _alloc_local_memory,
@@ -663,6 +675,16 @@ class EmulatedBackend:
     def _uvm_ok(self, dc):
         arg = dc.call.with_status(nvs.NV_OK)
         return DriverResult(arg=dc.call.encode() if arg is None else arg)
+
+    # Prefetch and advice on managed ranges (cudaMemPrefetchAsync, cudaMemAdvise): no va
+    # space is modelled and nothing moves, so each is done, NV_OK, as the driver answers
+    # them on a range of the caller's (the ranges are the broker's books: broker/managed.py)
+    def _uvm_hint(self, f, dc):
+        return self._uvm_ok(dc)
+
+    UVM_MIGRATE = UVM_SET_PREFERRED_LOCATION = UVM_UNSET_PREFERRED_LOCATION = _uvm_hint
+    UVM_SET_ACCESSED_BY = UVM_UNSET_ACCESSED_BY = _uvm_hint
+    UVM_ENABLE_READ_DUPLICATION = UVM_DISABLE_READ_DUPLICATION = _uvm_hint
 
     # ------------------------------------------------------------------ control support
     def gpu_by_id(self, gpu_id: int) -> EmulatedGpu | None:

@@ -132,6 +132,12 @@ class AlertMonitor:
         """Compare the broker's state with the running policy's thresholds (trio thread)."""
         cfg = broker.policy.broker.alerts
         now = self.clock()
+        # Managed ranges are given back only when the broker looks at the processes' maps
+        # (broker/managed.py): a look now, so that the quota alert, and NVML in the tenant,
+        # follow an unmapped range within one evaluation.
+        refresh = getattr(broker, "refresh_managed", None)
+        if refresh is not None:
+            refresh()
         seen: dict[tuple[str, str, str], dict[str, Any] | None] = {}
         for t in list(broker.tenants.values()):
             name = t.name

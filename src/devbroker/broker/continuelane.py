@@ -366,7 +366,7 @@ class ContinueLane:
             return False
         rule = rules.class_rule(cls)
         if (rule is None or not rule.granted(tenant.capabilities())
-                or _ALLOC_MEMORY not in rule.in_caller_via or rule.charge):
+                or _ALLOC_MEMORY not in rule.in_caller_via or rule.charge or rule.pinned):
             return False
         if h_new in client.objects:
             return False

@@ -36,6 +36,7 @@ from devbroker.broker.effects import (
     STATE_LOCK, DriverIoctl, Effect, RateLimit, ReadMemory, ResolveFd, Steps, WriteMemory,
     locked, perform_async, run_async,
 )
+from devbroker.broker.managed import ManagedBook
 from devbroker.broker.memgate import MemoryGate
 from devbroker.broker.interface import (
     Caller,
@@ -66,10 +67,10 @@ log = logging.getLogger("devbroker.broker")
 MAX_NESTED_BYTES = 1 << 20
 # Embedded buffers (pointers inside control parameters) are strings and small tables.
 MAX_EMBEDDED_BYTES = 64 << 10
-# nvidia-uvm mappings (managed memory) a tenant process may make, in bytes, when the policy
-# does not say (tenant key managed_memory): CUDA maps 2 MiB for itself; cudaMallocManaged
-# beyond the allowance fails with out-of-memory (docs/seccomp.md).
-MANAGED_MEMORY_DEFAULT = 64 << 20
+# What an nvidia-uvm mmap beyond the quota gets: the driver's own answer when it cannot
+# make a managed range (uvm_mmap: -nv_status_to_errno(NV_ERR_NO_MEMORY)), so libcuda reports
+# the same error it would natively for that condition (docs/security.md, "Refusals").
+MANAGED_REFUSAL_ERRNO = errno.ENOMEM
 
 # A control every root client answers, with no state and a 4-byte parameter block
 # (NV0000_CTRL_CMD_SYSTEM_GET_FEATURES): the broker's probe that a handle is a client of a file.
@@ -121,7 +122,8 @@ class TenantState:
     refusals: int = 0
     requests: int = 0
     continued: int = 0  # decided calls the tenant's own kernel context ran (run_in_caller)
-    uvm_mapped: dict[int, int] = field(default_factory=dict)  # tgid -> nvidia-uvm bytes mapped
+    # its processes' managed (nvidia-uvm) mappings, charged on each of its GPUs (managed.py)
+    managed: ManagedBook = field(default_factory=ManagedBook)
 
     @property
     def gpus(self) -> tuple[int, ...]:
@@ -131,11 +133,34 @@ class TenantState:
         return int(self.policy.memory_quota)
 
     def used(self) -> dict[int, int]:
-        out: dict[int, int] = {g: 0 for g in self.gpus}
+        managed = self.managed.total()  # may become resident on any of its GPUs
+        out: dict[int, int] = {g: managed for g in self.gpus}
         for client in self.clients.values():
             for gpu, n in client.charged_by_gpu().items():
                 out[gpu] = out.get(gpu, 0) + n
         return out
+
+    def pinned(self) -> int:
+        """Bytes of pinned host memory its clients hold (system-memory and OS-descriptor
+        allocations: objects.RmClient.pinned)."""
+        return sum(c.pinned_total for c in self.clients.values())
+
+    def pinned_limit(self) -> int:
+        return int(getattr(self.policy, "pinned_host_memory", 0))
+
+    def look_at_managed(self, tgid: int | None = None) -> bool:
+        """Read the managed charges again from /proc (one process, or all): munmap and exit
+        are not notifications. True when the charge changed (the books' charge epoch then
+        moves: the native loop's FB info patches read it)."""
+        before = self.managed.total()
+        if tgid is None:
+            self.managed.reconcile_all()
+        else:
+            self.managed.reconcile(tgid)
+        if self.managed.total() != before:
+            BOOKS.charged()
+            return True
+        return False
 
     @property
     def revoked(self) -> bool:
@@ -471,12 +496,10 @@ class Broker:
             log.warning("backend close failed: %s", e)
         if not any(x.caller.pid == s.caller.pid for x in s.tenant.sessions.values()):
             s.tenant.abi_by_tgid.pop(s.caller.pid, None)
-        if s.node is NodeKind.UVM and not any(
-                x.caller.pid == s.caller.pid and x.node is NodeKind.UVM
-                for x in s.tenant.sessions.values()):
-            # The kernel releases a file only when no mapping holds it any more: the
-            # process's nvidia-uvm mappings are gone with its last nvidia-uvm file.
-            s.tenant.uvm_mapped.pop(s.caller.pid, None)
+        if s.node is NodeKind.UVM:
+            # Its last reference is gone, mappings included: what the process still maps
+            # (through another nvidia-uvm file) is read again; an ended process is dropped.
+            s.tenant.look_at_managed(s.caller.pid)
 
     # ------------------------------------------------------------------ mmap page reads
     async def map_read(self, req: MapReadRequest) -> MapReadReply:
@@ -507,26 +530,44 @@ class Broker:
 
     @_locked
     def map_check_now(self, req: MapReadRequest) -> MapCheckReply:
-        """May the caller map this file (a driver file that lives in the tenant)? The driver
-        itself checks the mapping context; what the broker adds is that nvidia-uvm mappings
-        (managed memory: device memory UVM allocates inside the kernel, which no tenant
-        ioctl shows and no quota could count) stay within a small allowance per process,
-        enough for what CUDA maps for itself (one 2 MiB range in the PyTorch trace)."""
+        """May the caller map this file (a driver file that lives in the tenant, or a
+        seccomp placeholder of nvidia-uvm)? The driver itself checks the mapping context;
+        what the broker adds is the charge of a managed (nvidia-uvm) mapping: its size on
+        each of the tenant's GPUs, taken now, before the kernel maps anything, and refused
+        beyond the quota with the driver's own out-of-memory errno (managed.py says how the
+        charge follows munmap, mremap and exit)."""
         s = self.sessions.get(req.session)
         if s is None or s.closed:
             return MapCheckReply(errno=errno.EBADF)
         if not self._same_sandbox(s, req.caller):
             return MapCheckReply(errno=errno.EACCES)
-        if s.node is NodeKind.UVM:
-            limit = int(getattr(s.tenant.policy, "managed_memory", MANAGED_MEMORY_DEFAULT))
-            used = s.tenant.uvm_mapped.get(s.caller.pid, 0)
-            if used + req.length > limit:
-                self._deny(s, f"mmap nvidia-uvm {req.length} bytes",
-                           f"managed (UVM) memory beyond {limit} bytes per process is not "
-                           f"offered ({used} mapped): its device memory cannot be counted "
-                           "against the quota")
-                return MapCheckReply(errno=errno.ENOMEM)
-            s.tenant.uvm_mapped[s.caller.pid] = used + req.length
+        if s.node is NodeKind.UVM and req.length > 0:
+            t, tgid = s.tenant, req.caller.pid
+            what = f"mmap nvidia-uvm {req.length} bytes"
+            if req.file_key is None:
+                # (a front end that cannot say how the mapping shows in /proc cannot have
+                # its charge given back: none offers managed memory)
+                self._deny(s, what, "managed memory needs the seccomp front end")
+                return MapCheckReply(errno=errno.ENODEV)
+            before = t.managed.total()
+            total = t.managed.would_hold(tgid, req.caller.tid, req.length)
+            over = [g for g in t.gpus
+                    if t.used().get(g, 0) - t.managed.total() + total > t.quota(g)]
+            if over or not t.gpus:
+                t.look_at_managed()  # other processes' unmapped ranges given back first
+                total = t.managed.total() + req.length
+                over = [g for g in t.gpus
+                        if t.used().get(g, 0) - t.managed.total() + total > t.quota(g)]
+            if over or not t.gpus:
+                if t.managed.total() != before:
+                    BOOKS.charged()
+                gpu = over[0] if over else None
+                self._deny(s, what, (f"managed memory would exceed the quota on GPU {gpu} "
+                                     f"({t.used().get(gpu, 0)} of {t.quota(gpu)} used)")
+                           if gpu is not None else "the tenant has no GPU")
+                return MapCheckReply(errno=MANAGED_REFUSAL_ERRNO)
+            t.managed.charge(tgid, req.caller.tid, req.file_key, req.offset, req.length)
+            BOOKS.charged()
         return MapCheckReply()
 
     # ------------------------------------------------------------------ ioctl
@@ -933,6 +974,8 @@ class Broker:
             raise Refusal(f"{where}: device memory needs a device parent",
                           status=nvstatus.NV_ERR_INVALID_OBJECT_PARENT, what=where)
         used = s.tenant.used().get(gpu, 0)
+        if used + charge > s.tenant.quota(gpu) and s.tenant.look_at_managed():
+            used = s.tenant.used().get(gpu, 0)  # managed ranges unmapped since: given back
         if used + charge > s.tenant.quota(gpu):
             raise Refusal(f"{where}: {charge} bytes on GPU {gpu} would exceed the quota "
                           f"({used} of {s.tenant.quota(gpu)} used)",
@@ -950,11 +993,19 @@ class Broker:
 
 
 
+    @_locked
+    def refresh_managed(self) -> None:
+        """Every tenant's managed charges read again from its processes' maps (the alert
+        monitor's periodic look: munmap and exit are not notifications)."""
+        for t in self.tenants.values():
+            t.look_at_managed()
+
     # ------------------------------------------------------------------ status
     @_locked
     def snapshot(self) -> dict:
         tenants = []
         for t in self.tenants.values():
+            t.look_at_managed()
             used = t.used()
             tenants.append({
                 "name": t.name,
@@ -969,6 +1020,9 @@ class Broker:
                 "clients": len(t.clients),
                 "objects": sum(len(c.objects) for c in t.clients.values()),
                 "memory": {str(g): {"used": used.get(g, 0), "quota": t.quota(g)} for g in t.gpus},
+                # of "used": managed (nvidia-uvm) mappings, charged on each GPU
+                "managed_memory": t.managed.total(),
+                "pinned_host_memory": {"used": t.pinned(), "limit": t.pinned_limit()},
                 # Memory still held on GPUs a policy change took away (the
                 # tenant can only free it): shown until it is freed, so the operator sees it.
                 "revoked_memory": {str(g): n for g, n in sorted(used.items())

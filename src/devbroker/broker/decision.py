@@ -455,6 +455,7 @@ def alloc_plan(abi: DriverABI, cls: int) -> AllocPlan | None:
     plan = None
     op = abi.rm_class(cls)
     if (cls not in handlers.ROOT_CLIENT_CLASSES
+            and not rule.pinned  # (its size is booked by the general path only)
             and RM_ALLOC not in rule.in_caller_via
             and (rule.check is None or rule.check in LANE_CLASS_CHECKS)
             and (rule.after is None or rule.after in LANE_AFTER_HOOKS

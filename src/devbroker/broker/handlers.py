@@ -298,8 +298,13 @@ def rm_alloc(ctx: CallContext) -> Steps:
         # reserved it first: broker/preemption.py); answered as the driver would.
         if why := b.preemption.room_refusal(gpu, charge):
             raise Refusal(f"{where}: {why}", status=nvstatus.NV_ERR_NO_MEMORY, what=where)
+    pinned = pinned_check(s.tenant, cls_rule, pinned_charge(params), where)
     with b._reserved(s, client, cls, v.hObjectParent, gpu, charge, where):
-        result = yield from b._call_backend(s, call, nested, req=req, rm_class=cls)
+        try:
+            result = yield from b._call_backend(s, call, nested, req=req, rm_class=cls)
+        except RunInCaller:
+            book_continued_pinned(b, client, v.hObjectNew, cls, v.hObjectParent, gpu, pinned)
+            raise
         if cls_rule.no_memory is not None and charge:
             result = yield from cls_rule.no_memory(
                 ctx, gpu, charge, where, result,
@@ -318,7 +323,8 @@ def rm_alloc(ctx: CallContext) -> Steps:
                 charge = granted
         # Into the books before the parameters go back: that write may fail (EFAULT, a
         # read-only page, the memory gate's deadline), and the object exists regardless.
-        client.add(out.hObjectNew, cls, v.hObjectParent, gpu=gpu, charged=charge)
+        client.add(out.hObjectNew, cls, v.hObjectParent, gpu=gpu, charged=charge,
+                   pinned=pinned)
         if out_params:
             yield from b._mem_write(s, req, ref.ptr, result.nested)
         if cls_rule.after is not None:  # e.g. a channel group's compute share
@@ -418,13 +424,20 @@ def rm_alloc_memory(ctx: CallContext) -> Steps:
         raise Refusal(over, status=nvstatus.NV_ERR_INSUFFICIENT_RESOURCES, what=where)
     gpu = client.objects[p.hObjectParent].gpu
     charge = int(p.limit) + 1 if cls_rule.charge else 0
+    pinned = pinned_check(s.tenant, cls_rule, int(p.limit) + 1, where)
     fd_files = yield from b._translate_fds(s, req, call.value, ctx.fd_fields, where)
     with b._reserved(s, client, p.hClass, p.hObjectParent, gpu, charge, where):
-        result = yield from b._call_backend(s, call, fd_files=fd_files, req=req,
-                                          rm_class=p.hClass)
+        try:
+            result = yield from b._call_backend(s, call, fd_files=fd_files, req=req,
+                                                rm_class=p.hClass)
+        except RunInCaller:
+            book_continued_pinned(b, client, p.hObjectNew, p.hClass, p.hObjectParent, gpu,
+                                  pinned)
+            raise
     out = abi.decode_ioctl(s.node, req.cmd, result.arg).value.params
     if not result.errno and out.status == nvstatus.NV_OK:
-        client.add(out.hObjectNew, p.hClass, p.hObjectParent, gpu=gpu, charged=charge)
+        client.add(out.hObjectNew, p.hClass, p.hObjectParent, gpu=gpu, charged=charge,
+                   pinned=pinned)
     return IoctlReply(result=result.result, arg_out=result.arg, errno=result.errno)
 
 
@@ -671,6 +684,43 @@ def embedded_buffers(abi, params) -> list[tuple[str, int]]:
 
 def _cstr(b: bytes) -> str:
     return bytes(b).split(b"\0", 1)[0].decode("ascii", "replace")
+
+
+def pinned_charge(params: Any) -> int:
+    """Host memory a system-memory (NV_MEMORY_ALLOCATION_PARAMS: size) or OS-descriptor
+    (NV_OS_DESC_MEMORY_ALLOCATION_PARAMS: limit, the last byte) allocation pins."""
+    if params is None:
+        return 0
+    names = params.spec.by_name
+    if "size" in names:
+        return int(params.size)
+    if "limit" in names:
+        return int(params.limit) + 1
+    return 0
+
+
+def pinned_check(tenant: Any, cls_rule: Any, size: int, where: str) -> int:
+    """The bytes a pinned class's allocation adds to the tenant's pinned host memory (0
+    for any other class); beyond its pinned_host_memory, refused as the driver answers an
+    allocation it cannot back (NV_ERR_NO_MEMORY: CUDA's out-of-memory)."""
+    if not cls_rule.pinned or size <= 0:
+        return 0
+    held, limit = tenant.pinned(), tenant.pinned_limit()
+    if held + size > limit:
+        raise Refusal(f"{where}: {size} bytes of pinned host memory would exceed the "
+                      f"tenant's pinned_host_memory ({held} of {limit} held)",
+                      status=nvstatus.NV_ERR_NO_MEMORY, what=where)
+    return size
+
+
+def book_continued_pinned(b: Any, client: RmClient, handle: int, cls: int, parent: int,
+                          gpu: int | None, pinned: int) -> None:
+    """A pinned allocation the kernel runs in the tenant (its answer unseen): booked now,
+    with the handle the tenant chose, so its pinned bytes count until it is freed (RM_FREE
+    or its client's end drop it from the books). A call the driver then fails is counted
+    until its client goes: the safe side."""
+    if pinned and parent in client.objects:
+        client.add(handle or -next(b._ids), cls, parent, gpu=gpu, pinned=pinned)
 
 
 def _alloc_charge(params: Any) -> int:

@@ -44,10 +44,12 @@ BROKER_ATTRS = frozenset({
 SESSION_FIELDS = frozenset({"id", "tenant", "node", "minor", "caller", "file", "closed",
                             "pidns", "prepared"})
 TENANT_FIELDS = frozenset({"name", "policy", "limiter", "sessions", "clients", "abi_by_tgid",
-                           "refusals", "requests", "continued", "uvm_mapped"})
+                           "refusals", "requests", "continued", "managed"})
 CLIENT_FIELDS = frozenset({"handle", "session", "tgid", "objects",
-                           "charged", "devices"})  # running totals: rebuilt from the objects
-OBJECT_FIELDS = frozenset({"handle", "rm_class", "parent", "gpu", "charged", "children",
+                           # running totals: rebuilt from the objects
+                           "charged", "devices", "pinned_total"})
+OBJECT_FIELDS = frozenset({"handle", "rm_class", "parent", "gpu", "charged", "pinned",
+                           "children",
                            "share",  # duplicate groups: exported as groups of handles
                            "owner",  # the client holding it: rebuilt
                            "tenant_share",  # a broad share kept in the books (shares.py)
@@ -217,7 +219,7 @@ def _link_shares(groups, clients: dict[int, Any]) -> None:
 # ------------------------------------------------------------------------------ broker core
 def _objects(objects: dict) -> list[list]:
     return [[o.handle, o.rm_class, o.parent, o.gpu, o.charged, sorted(o.children),
-             o.tenant_share] for o in objects.values()]
+             o.tenant_share, o.pinned] for o in objects.values()]
 
 
 def export_broker(broker, file_id=lambda f: f.id) -> dict[str, Any]:
@@ -231,7 +233,7 @@ def export_broker(broker, file_id=lambda f: f.id) -> dict[str, Any]:
             "key": key, "name": t.name, "revoked": isinstance(t.policy, _RevokedTenant),
             "refusals": t.refusals, "requests": t.requests, "continued": t.continued,
             "rate_limited": t.limiter.waited,
-            "uvm_mapped": [[tgid, n] for tgid, n in t.uvm_mapped.items()],
+            "managed": t.managed.export(),
             "abi_by_tgid": [[tgid, abi.version] for tgid, abi in t.abi_by_tgid.items()],
             "clients": [{"handle": c.handle, "session": c.session, "tgid": c.tgid,
                          "objects": _objects(c.objects)} for c in t.clients.values()],
@@ -281,7 +283,8 @@ def import_broker(broker, state: dict[str, Any], files: dict[int, Any]) -> None:
                                     "policy the successor loaded")
         t.refusals, t.requests, t.continued = td["refusals"], td["requests"], td["continued"]
         t.limiter.waited = td["rate_limited"]
-        t.uvm_mapped = {int(tgid): int(n) for tgid, n in td["uvm_mapped"]}
+        # (a predecessor that kept a per-process allowance instead has nothing to give)
+        t.managed.load(td.get("managed", []))
         t.abi_by_tgid = {int(tgid): registry.get(v) for tgid, v in td["abi_by_tgid"]}
     broker.sessions = {}
     for sd in state["sessions"]:
@@ -302,10 +305,12 @@ def import_broker(broker, state: dict[str, Any], files: dict[int, Any]) -> None:
     made = {}
     for td in state["tenants"]:
         for cd in td["clients"]:
-            # (a predecessor without share books sends six fields: nothing kept)
+            # (a predecessor without share books sends six fields, one without pinned
+            # host memory seven: nothing kept)
             objects = {handle: RmObject(handle, cls, parent, gpu=gpu, charged=charged,
                                         children=set(children),
-                                        tenant_share=int(rest[0]) if rest else 0)
+                                        tenant_share=int(rest[0]) if rest else 0,
+                                        pinned=int(rest[1]) if len(rest) > 1 else 0)
                        for handle, cls, parent, gpu, charged, children, *rest
                        in cd["objects"]}
             # RmClient's running totals and each object's owner follow from its objects.

@@ -121,6 +121,9 @@ class MapReadRequest:
     session: int
     offset: int
     length: int
+    # (st_dev, st_ino) of the mapped file as the front end saw it (seccomp): how the
+    # mapping shows in /proc/PID/maps, which managed memory's charge follows (managed.py)
+    file_key: tuple[int, int] | None = None
 
 
 @dataclass

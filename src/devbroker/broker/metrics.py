@@ -82,6 +82,14 @@ class BrokerCollector:
         revoked = gauge("devbroker_tenant_revoked_memory_bytes",
                         "Memory the tenant still holds on a GPU a policy change took away",
                         ["tenant", "gpu", *POD_LABELS])
+        managed = gauge("devbroker_tenant_managed_memory_bytes",
+                        "Managed (nvidia-uvm) ranges the tenant maps: part of its used "
+                        "memory on each of its GPUs", ["tenant", *POD_LABELS])
+        pinned = gauge("devbroker_tenant_pinned_host_memory_bytes",
+                       "Host memory the tenant's processes pin through the driver "
+                       "(cudaHostAlloc, cudaHostRegister)", ["tenant", *POD_LABELS])
+        pinned_limit = gauge("devbroker_tenant_pinned_host_memory_limit_bytes",
+                             "The tenant's pinned_host_memory", ["tenant", *POD_LABELS])
         files = gauge("devbroker_tenant_open_files", "NVIDIA files the tenant has open",
                       ["tenant"])
         procs = gauge("devbroker_tenant_processes", "Processes of the tenant with open files",
@@ -105,6 +113,11 @@ class BrokerCollector:
                 quota.add_metric([name, g, *pod(name)], m["quota"])
             for g, n in t.get("revoked_memory", {}).items():
                 revoked.add_metric([name, g, *pod(name)], n)
+            if "managed_memory" in t:
+                managed.add_metric([name, *pod(name)], t["managed_memory"])
+            if "pinned_host_memory" in t:
+                pinned.add_metric([name, *pod(name)], t["pinned_host_memory"]["used"])
+                pinned_limit.add_metric([name, *pod(name)], t["pinned_host_memory"]["limit"])
             files.add_metric([name], t["open_files"])
             procs.add_metric([name], len(t["processes"]))
             clients.add_metric([name], t["clients"])
@@ -112,8 +125,8 @@ class BrokerCollector:
             requests.add_metric([name], t["requests"])
             limited.add_metric([name], t["rate_limited"])
             stalled.add_metric([name], t["memory_stalled"])
-        yield from (used, quota, revoked, files, procs, clients, objects, requests, limited,
-                    stalled)
+        yield from (used, quota, revoked, managed, pinned, pinned_limit, files, procs, clients,
+                    objects, requests, limited, stalled)
 
         calls = CounterMetricFamily(
             "devbroker_calls", "Calls from tenants by kind and verdict (ok, refused by the "

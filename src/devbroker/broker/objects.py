@@ -109,6 +109,7 @@ class RmObject:
     parent: int  # 0 for a root client
     gpu: int | None = None  # GPU index this object lives on, inherited from its device
     charged: int = 0  # bytes of device memory this object counts against the tenant
+    pinned: int = 0  # bytes of host memory it pins (against the tenant's pinned_host_memory)
     children: set[int] = field(default_factory=set)
     # Handles of one underlying object (an allocation and its duplicates, RM_DUP_OBJECT),
     # in any of the tenant's clients: the same list object for all of them, or None. The
@@ -151,6 +152,7 @@ class RmClient:
     objects: dict[int, RmObject] = field(default_factory=dict)
     charged: dict[int, int] = field(default_factory=dict)  # GPU -> bytes, nonzero only
     devices: dict[int, int] = field(default_factory=dict)  # GPU -> device objects
+    pinned_total: int = 0  # bytes of host memory its objects pin
 
     def __post_init__(self) -> None:
         self.objects.setdefault(self.handle, RmObject(self.handle, 0x41, 0))
@@ -160,6 +162,7 @@ class RmClient:
                 self._count(obj, 1)
 
     def _count(self, obj: RmObject, sign: int) -> None:
+        self.pinned_total += sign * obj.pinned
         if obj.gpu is None:
             return
         if obj.charged:
@@ -177,7 +180,7 @@ class RmClient:
                 self.devices.pop(obj.gpu, None)
 
     def add(self, handle: int, rm_class: int, parent: int, *, gpu: int | None = None,
-            charged: int = 0) -> RmObject:
+            charged: int = 0, pinned: int = 0) -> RmObject:
         parent_obj = self.objects[parent]
         if gpu is None:
             gpu = parent_obj.gpu
@@ -186,7 +189,8 @@ class RmClient:
             self._count(old, -1)
             _unwatch(old)
             BOOKS.removed(BooksLog.OBJECT, self.handle, handle)
-        obj = RmObject(handle, rm_class, parent, gpu=gpu, charged=charged, owner=self)
+        obj = RmObject(handle, rm_class, parent, gpu=gpu, charged=charged, pinned=pinned,
+                       owner=self)
         self.objects[handle] = obj
         parent_obj.children.add(handle)
         self._count(obj, 1)

@@ -66,6 +66,12 @@ class RateLimit:
 DEFAULT_RATE_LIMIT = RateLimit(_limits.DEFAULT_RATE, _limits.DEFAULT_BURST)
 
 
+# What a tenant without `pinned_host_memory` may pin: a fixed size rather than a share of
+# the host's RAM, so that a policy means the same on every host it is applied to (a CUDA
+# process pins ~60 MiB for itself at init; PyTorch's pinned-memory data loaders a few GiB).
+DEFAULT_PINNED_HOST_MEMORY = 16 << 30
+
+
 @dataclass(frozen=True)
 class TenantPolicy:
     name: str
@@ -89,6 +95,10 @@ class TenantPolicy:
     # container): shown in status and added to its metrics (docs/operations.md). Sorted
     # (key, value) pairs, so that the policy stays hashable and comparable.
     labels: tuple[tuple[str, str], ...] = ()
+    # Host memory its processes may hold pinned through the driver (cudaHostAlloc: system
+    # memory allocations; cudaHostRegister: OS-descriptor allocations). Pinned pages cannot
+    # be swapped or reclaimed, so one tenant could otherwise take the host's memory.
+    pinned_host_memory: int = DEFAULT_PINNED_HOST_MEMORY
 
 
 # Scheduling priorities a policy may name (broker/compute.py maps them to interleave levels).
@@ -218,6 +228,8 @@ class Policy:
                 out.append(f"priority = {_q(t.priority)}")
             if t.preemptible:
                 out.append("preemptible = true")
+            if t.pinned_host_memory != DEFAULT_PINNED_HOST_MEMORY:
+                out.append(f"pinned_host_memory = {_size_toml(t.pinned_host_memory)}")
             if t.labels:
                 out.append("labels = { " + ", ".join(f"{k} = {_q(v)}" for k, v in t.labels)
                            + " }")
@@ -251,6 +263,7 @@ class Policy:
             uids = ", ".join(map(str, t.uids)) if t.uids is not None else "any"
             lines.append(f"  tenant {t.name}: GPUs {', '.join(map(str, t.gpus))}; "
                          f"quota {format_size(t.memory_quota)} per GPU; "
+                         f"pinned host memory {format_size(t.pinned_host_memory)}; "
                          f"capabilities {', '.join(t.capabilities) or '(none)'}; "
                          f"rate {rate}; uids {uids}; at most {t.limits.open_files} open "
                          f"files, {t.limits.rm_clients} RM clients, {t.limits.rm_objects} "
@@ -696,10 +709,14 @@ class _Loader:
             self.fail(path + ("preemptible",),
                       f"preemptible must be true or false, not {_type_name(preemptible)}")
         labels = self.labels(t["labels"], path + ("labels",)) if "labels" in t else ()
+        pinned = DEFAULT_PINNED_HOST_MEMORY
+        if "pinned_host_memory" in t:
+            pinned = self.size(t["pinned_host_memory"], path + ("pinned_host_memory",),
+                               "pinned_host_memory")
         return TenantPolicy(name=name, gpus=gpus, memory_quota=quota, capabilities=tuple(caps),
                             rate_limit=rate, uids=uids, limits=limits,
                             compute_weight=weight, priority=priority, labels=labels,
-                            preemptible=preemptible)
+                            preemptible=preemptible, pinned_host_memory=pinned)
 
     def labels(self, lab: Any, path: tuple) -> tuple[tuple[str, str], ...]:
         # They become Prometheus label values and status columns: short, printable, few.
@@ -753,7 +770,7 @@ _ALERT_KEYS = {"quota_percent": "", "refusals_per_minute": "", "escape_attempts"
 _GPU_KEYS = {"name": "", "uuid": "", "pci_bus_id": "", "memory": ""}
 _TENANT_KEYS = {"gpus": "", "memory_quota": "", "capabilities": "", "rate_limit": "", "uids": "",
                 "limits": "", "compute_weight": "", "priority": "", "labels": "",
-                "preemptible": ""}
+                "preemptible": "", "pinned_host_memory": ""}
 # Label names are Prometheus label names too; a Kubernetes pod name is at most 253 characters.
 _LABEL_KEY = re.compile(r"^[a-z_]{1,63}$")
 _LABEL_VALUE_MAX = 253

@@ -137,11 +137,6 @@ class Preempted:
     # 66.7 to 59.1 GiB over a checkpoint and restore, and a restore sized from them ran
     # while the room was taken).
     held: dict[int, int] = field(default_factory=dict)
-    # nvidia-uvm bytes each process had mapped when it was checkpointed. The driver's
-    # restore, running inside the process, maps CUDA's own range again (H200: a second
-    # preemption of a restored trainer was refused as "managed memory"), so after a restore
-    # the process counts what it had, not what the restore added.
-    uvm: dict[int, int] = field(default_factory=dict)
 
 
 class Preemption:
@@ -318,8 +313,7 @@ class Preemption:
             used = t.used()
             pids = tuple(sorted({c.tgid for c in t.clients.values()}))
             entry = Preempted(name, gpu, by, pids, sum(used.values()), auto=auto,
-                              held={g: n for g, n in used.items() if n},
-                              uvm={p: t.uvm_mapped[p] for p in pids if p in t.uvm_mapped})
+                              held={g: n for g, n in used.items() if n})
             self.entries[name] = entry
             if getattr(ck, "holds_calls", False):
                 self.held.add(name)
@@ -375,12 +369,7 @@ class Preemption:
 
     def _release(self, name: str) -> None:
         with STATE_LOCK:
-            e = self.entries.pop(name, None)
-            t = self.broker.tenants.get(name)
-            if e is not None and t is not None:
-                for pid in e.pids:
-                    if pid in t.uvm_mapped:
-                        t.uvm_mapped[pid] = e.uvm.get(pid, 0)
+            self.entries.pop(name, None)
             if name in self.held:
                 self.held.discard(name)
                 BOOKS.policy_changed()
@@ -611,8 +600,7 @@ class Preemption:
         return {"entries": [{"tenant": e.tenant, "gpu": e.gpu, "by": e.by,
                              "pids": list(e.pids), "bytes": e.bytes, "since": e.since,
                              "state": e.state, "auto": e.auto, "seconds": e.seconds,
-                             "held": [[g, n] for g, n in e.held.items()],
-                             "uvm": [[p, n] for p, n in e.uvm.items()]}
+                             "held": [[g, n] for g, n in e.held.items()]}
                             for e in self.entries.values()],
                 "held": sorted(self.held),
                 "counts": [[ev, t, n] for (ev, t), n in self.counts.items()],
@@ -627,8 +615,7 @@ class Preemption:
                 d["tenant"], int(d["gpu"]), d["by"], tuple(d["pids"]), int(d["bytes"]),
                 since=float(d["since"]),
                 state=PREEMPTED, auto=bool(d["auto"]), seconds=float(d["seconds"]),
-                held={int(g): int(n) for g, n in d.get("held", [])},
-                uvm={int(p): int(n) for p, n in d.get("uvm", [])})
+                held={int(g): int(n) for g, n in d.get("held", [])})
         self.held = set(state.get("held", []))
         self.counts = {(ev, t): int(n) for ev, t, n in state.get("counts", [])}
         self.seconds = {(ev, t): float(s) for ev, t, s in state.get("seconds", [])}
@@ -680,8 +667,11 @@ def _started(t: Any) -> float:
 def _refusal(b: Any, t: Any) -> str | None:
     """Why the tenant's processes may not be checkpointed, None when they may: the
     driver's checkpoint does not carry managed (UVM) memory or memory another process
-    imported (CUDA IPC)."""
-    if any(n > CUDA_OWN_UVM_MAPPING for n in t.uvm_mapped.values()):
+    imported (CUDA IPC). The managed charges are read again from the processes' maps
+    first: the driver's restore, running inside the process, maps CUDA's own range anew
+    (H200), and only what is mapped now counts."""
+    t.look_at_managed()
+    if any(n > CUDA_OWN_UVM_MAPPING for n in t.managed.by_process().values()):
         return ("it uses managed (UVM) memory, which the driver's checkpoint does not "
                 "carry")
     for c in t.clients.values():

@@ -269,6 +269,15 @@ for _name, _why in {
     "UVM_TOOLS_GET_PROCESSOR_UUID_TABLE": "lists the processors of the caller's own va space",
     "UVM_ENABLE_READ_DUPLICATION": "hint on the caller's own range",
     "UVM_SET_ACCESSED_BY": "hint on the caller's own range",
+    # what managed memory (cudaMallocManaged, cudaMemAdvise, cudaStreamAttachMemAsync)
+    # sends on the caller's own managed ranges, which are charged when mapped
+    "UVM_DISABLE_READ_DUPLICATION": "hint on the caller's own range",
+    "UVM_UNSET_PREFERRED_LOCATION": "hint on the caller's own range",
+    "UVM_UNSET_ACCESSED_BY": "hint on the caller's own range",
+    "UVM_SET_RANGE_GROUP": "puts the caller's own ranges in one of its range groups",
+    "UVM_MIGRATE_RANGE_GROUP": "moves the caller's own managed memory (a range group)",
+    "UVM_PREVENT_MIGRATION_RANGE_GROUPS": "pins the caller's own range groups in place",
+    "UVM_ALLOW_MIGRATION_RANGE_GROUPS": "undoes the above",
     "UVM_MAP_DYNAMIC_PARALLELISM_REGION": "maps in the caller's own va space",
     "UVM_UNMAP_EXTERNAL": "unmaps in the caller's own va space",
 }.items():
@@ -334,6 +343,11 @@ class ClassRule:
     # Device memory: the allocation's size counts against the tenant's quota on the GPU of
     # the parent device (handlers.rm_alloc, rm_alloc_memory).
     charge: bool = False
+    # Pinned host memory: the allocation's size counts against the tenant's
+    # pinned_host_memory (handlers.pinned_charge), refused beyond it with NV_ERR_NO_MEMORY.
+    # Only the general path decides such a class (the size is in its parameters, which the
+    # lanes' header decisions do not read): the control and continue lanes decline it.
+    pinned: bool = False
     # What its parameters may name, checked after the client handles in them: a function
     # (CallContext, handlers.AllocCall) that raises Refusal (NV_ESC_RM_ALLOC only).
     check: Callable | None = None
@@ -379,13 +393,15 @@ CLASSES: dict[int, ClassRule] = {
     0x80: ClassRule("nvml", "device object; deviceId checked against the tenant's GPUs"),
     0x2080: ClassRule("nvml", "subdevice of the tenant's own device"),
     0xDE: ClassRule("nvml", "subdevice diagnostics object NVML reads counters through"),
-    0x3E: ClassRule("compute", "system memory of the tenant's own process",
+    0x3E: ClassRule("compute", "system memory of the tenant's own process, counted "
+                    "against its pinned_host_memory", pinned=True,
                     in_caller_via=frozenset({"NV_ESC_RM_ALLOC_MEMORY"}),
                     in_caller="NVOS02 creates the mmap context for the caller's pid (escape.c)",
                     race=_RACE_ALLOC_MEMORY),
     0x40: ClassRule("compute", "device memory, counted against the tenant's quota",
                     charge=True, no_memory=preemption.after_no_memory),
-    0x71: ClassRule("compute", "OS descriptor memory (the tenant's own pages)",
+    0x71: ClassRule("compute", "OS descriptor memory (the tenant's own pages, pinned: "
+                    "counted against its pinned_host_memory)", pinned=True,
                     in_caller_via=frozenset({"NV_ESC_RM_ALLOC", "NV_ESC_RM_ALLOC_MEMORY"}),
                     in_caller="pins pages of the caller's own address space",
                     race=_RACE_ALLOC_MEMORY),

@@ -319,6 +319,12 @@ def cmd_status(args) -> int:
         revoked = ", ".join(f"gpu{g}: {_human(n)} REVOKED"
                             for g, n in t.get("revoked_memory", {}).items())
         mem = f"{mem}, {revoked}" if revoked else mem
+        # of the used memory, managed (nvidia-uvm) ranges; pinned host memory / its limit
+        if t.get("managed_memory"):
+            mem += f" (managed {_human(t['managed_memory'])})"
+        pinned = t.get("pinned_host_memory") or {}
+        if pinned.get("used"):
+            mem += f", pinned host {_human(pinned['used'])} / {_human(pinned['limit'])}"
         print(f"{t['name']:<12} {','.join(map(str, t['gpus'])) or '-':<8} {t['open_files']:>5} "
               f"{len(t['processes']):>5} {t['objects']:>5} {mem:<32} {t['requests']:>7} "
               f"{t['refusals']:>6}  {_share(t)}")

@@ -39,6 +39,9 @@ def _spec_options(p: argparse.ArgumentParser, *, required: bool) -> None:
     p.add_argument("--gpus", help="GPU indexes, comma-separated (\"\" for none)"
                                   + ("" if required else "; only the keys given change"))
     p.add_argument("--memory-quota", help="per GPU, e.g. 8GiB or bytes")
+    p.add_argument("--pinned-host-memory", metavar="SIZE",
+                   help="host memory its processes may pin (cudaHostAlloc, "
+                        "cudaHostRegister), e.g. 16GiB or bytes")
     p.add_argument("--compute-weight", type=int)
     p.add_argument("--priority", choices=["high", "normal", "low"])
     p.add_argument("--capability", action="append", dest="capabilities", metavar="CAP",
@@ -70,6 +73,9 @@ def _spec(args, what: str) -> tuple[dict, dict | None]:
     if args.memory_quota is not None:
         q = args.memory_quota
         spec["memory_quota"] = int(q) if q.isdigit() else q
+    if args.pinned_host_memory is not None:
+        q = args.pinned_host_memory
+        spec["pinned_host_memory"] = int(q) if q.isdigit() else q
     for key in ("compute_weight", "priority", "capabilities", "uids"):
         if getattr(args, key) is not None:
             spec[key] = getattr(args, key)

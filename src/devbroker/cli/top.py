@@ -63,6 +63,12 @@ class View:
             mem = ", ".join(f"gpu{g} {_human(m['used'])}/{_human(m['quota'])}"
                             + (f" {100 * m['used'] / m['quota']:.0f}%" if m["quota"] else "")
                             for g, m in t["memory"].items()) or "-"
+            # (managed ranges are part of each GPU's used memory; pinned host memory is not)
+            extra = [f"{what} {_human(n)}" for what, n in (
+                ("managed", t.get("managed_memory", 0)),
+                ("pinned", (t.get("pinned_host_memory") or {}).get("used", 0))) if n]
+            if extra:
+                mem += f" ({', '.join(extra)})"
             p = prev.get(t["name"])
             if p is not None and dt > 0:
                 ios = f"{max(0, t['requests'] - p['requests']) / dt:.1f}"

@@ -1900,6 +1900,31 @@ ATTACKS += [
            _races.a_race_direct_open, frontends=("seccomp",), na=_RACE_NA,
            backends=("real",)),
 ]
+
+# Managed (nvidia-uvm) ranges charged against the quota (escape/managed.py).
+from devbroker.escape import managed as _managed  # noqa: E402
+
+_MANAGED_NA = {"fuse": "managed memory is offered through the seccomp front end only (a FUSE "
+                       "node's mmap is the kernel's: the broker never sees its size)",
+               **{fe: "managed memory is offered through the seccomp front end only: an "
+                      "nvidia-uvm mapping of the module's node has no mapping context "
+                      "(EINVAL), CUSE nodes have no mmap" for fe in GUEST}}
+ATTACKS += [
+    Attack("managed-pieces", "map managed (nvidia-uvm) ranges past the quota in many small "
+           "pieces", "quota", E, ("ENOMEM",), "broker (managed ranges charged at map time)",
+           "managed memory would exceed the quota", _managed.a_managed_pieces,
+           frontends=("seccomp",), na=_MANAGED_NA),
+    Attack("managed-remap-race", "unmap a managed range, then map one again from four "
+           "racing threads (counted once for two ranges?)", "quota", E, ("ENOMEM",),
+           "broker (a range in flight stays charged until its thread is past it)",
+           "managed memory would exceed the quota", _managed.a_managed_remap_race,
+           frontends=("seccomp",), na=_MANAGED_NA),
+    Attack("managed-grow", "grow a charged managed range with mremap (in place, moved)",
+           "quota", E, ("EFAULT", "COUNTED"),
+           "kernel (the driver's VM_DONTEXPAND); the broker counts what the maps show",
+           "managed memory would exceed the quota", _managed.a_managed_grow,
+           frontends=("seccomp",), na=_MANAGED_NA),
+]
 BY_ID: dict[str, Attack] = {a.id: a for a in ATTACKS}
 assert len(BY_ID) == len(ATTACKS), "duplicate attack ids"
 

@@ -56,8 +56,9 @@ from devbroker.broker.interface import (
     BrokerInterface,
     Caller,
     IoctlRequest,
-    MapReadRequest,
     MapCheckReply,
+    MapReadReply,
+    MapReadRequest,
     OpenRequest,
     ReleaseRequest,
 )
@@ -2387,8 +2388,9 @@ class SeccompSupervisor:
             self.stats.stale += 1
             return None
         self.stats.mmaps += 1
-        req = MapReadRequest(caller=caller, session=sess.id, offset=offset, length=length)
-        if sess.real:
+        req = MapReadRequest(caller=caller, session=sess.id, offset=offset, length=length,
+                             file_key=sess.key)
+        if sess.real or sess.node is NodeKind.UVM:
             # The driver maps its own pages; it checks the file's mapping context (made by a
             # decided RM_MAP_MEMORY) and, for nvidia-uvm, the caller's mm. The broker only
             # decides whether this file may be mapped at all (managed memory: see policy).
@@ -2405,8 +2407,14 @@ class SeccompSupervisor:
                 rep = MapCheckReply()
             if rep.errno:
                 return w.NotifResp.fail(n.id, rep.errno)
-            return w.NotifResp.cont(n.id)
-        reply = yield Await(self.broker.map_read, (req,))
+            if sess.real:
+                return w.NotifResp.cont(n.id)
+        if sess.node is NodeKind.UVM:
+            # A managed range, charged above: the emulated driver's pages are zeros until
+            # written (nothing to read: the placeholder is only sized)
+            reply = MapReadReply()
+        else:
+            reply = yield Await(self.broker.map_read, (req,))
         if reply.errno:
             return w.NotifResp.fail(n.id, reply.errno)
         # Blocking work with the memory gate's deadline: the fd may have been swapped for a

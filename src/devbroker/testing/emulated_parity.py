@@ -60,11 +60,12 @@ EXPECTED: list[Expected] = [
              "info indices the emulator does not model: one unmodelled index makes the whole "
              "call NV_ERR_NOT_SUPPORTED.", *_NOT_SUPPORTED),
     Expected("RM_ALLOC *", "status", "Classes other than the root client, device, subdevice, "
-             "RM_USER_SHARED_DATA and local memory (channels, engines, VA spaces, system memory, "
+             "RM_USER_SHARED_DATA, local and system memory (channels, engines, VA spaces, "
              "events, MIG capability sessions, BINAPI, P2P, debugger) are NV_ERR_NOT_SUPPORTED: "
              "the emulator runs no GPU work.", *_NOT_SUPPORTED, only="class not modelled"),
-    Expected("UVM_*", "status", "UVM beyond INITIALIZE, MM_INITIALIZE and DEINITIALIZE is not "
-             "modelled (no UVM va space): rmStatus NV_ERR_NOT_SUPPORTED.", *_NOT_SUPPORTED,
+    Expected("UVM_*", "status", "UVM beyond INITIALIZE, MM_INITIALIZE, DEINITIALIZE and the "
+             "prefetch and advice calls on managed ranges is not modelled (no UVM va space): "
+             "rmStatus NV_ERR_NOT_SUPPORTED.", *_NOT_SUPPORTED,
              only="call not modelled"),
     Expected("NV_ESC_*", "status", "Escapes the emulator does not model (ALLOC_OS_EVENT, "
              "RM_ALLOC_MEMORY, UPDATE_DEVICE_MAPPING_INFO…) answer NV_ERR_NOT_SUPPORTED in their "
@@ -103,6 +104,19 @@ EXPECTED: list[Expected] = [
              "(huge pages, …) written back; the emulator returns the request's."),
     Expected("RM_ALLOC NV01_MEMORY_LOCAL_USER", "field format", "The memory kind RM picked "
              "for the allocation; the emulator returns the requested one."),
+    Expected("RM_ALLOC NV01_MEMORY_SYSTEM", "field attr", "The page-size and physicality "
+             "attributes RM settled on for host memory; the emulator allocates none and "
+             "returns the attributes as requested."),
+    Expected("RM_ALLOC NV01_MEMORY_SYSTEM", "field attr2", "As attr: RM's own decisions "
+             "written back; the emulator returns the request's."),
+    Expected("RM_ALLOC NV01_MEMORY_SYSTEM", "field format", "The memory kind RM picked; the "
+             "emulator returns the requested one."),
+    Expected("RM_ALLOC NV01_MEMORY_SYSTEM", "field alignment", "The alignment RM used (its "
+             "4 KiB page); the emulator returns the requested one."),
+    Expected("RM_ALLOC *CHANNEL_GPFIFO*", "field cid", "The channel id RM assigned (a "
+             "hardware channel slot); the emulator runs no channel and numbers none (0)."),
+    Expected("RM_ALLOC *CHANNEL_GPFIFO*", "field flags", "Flags RM writes back for the "
+             "channel it made; the emulator returns the request's."),
     Expected("RM_CONTROL NV0000_CTRL_CMD_SYSTEM_GET_BUILD_VERSION",
              "field officialChangelistNumber", "NVIDIA's internal build number; the emulator "
              "has none (0)."),

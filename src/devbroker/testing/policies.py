@@ -61,7 +61,7 @@ def h200s(n: int = 2, *, uuids: tuple[str, ...] = UUIDS, memory: str = "141GiB",
 def tenant(name: str, *, gpus: list[int] | tuple[int, ...] = (0,),
            memory_quota: str = "16GiB", **keys: Any) -> str:
     """A [tenant.NAME] table: its GPUs, quota and any other policy keys (capabilities,
-    uids, rate_limit as a dict, limits as a dict, managed_memory, ...)."""
+    uids, rate_limit as a dict, limits as a dict, pinned_host_memory, ...)."""
     out = [f"[tenant.{name}]", f"gpus = {toml_value(list(gpus))}",
            f"memory_quota = {toml_value(memory_quota)}"]
     out += [f"{k} = {toml_value(v)}" for k, v in keys.items()]
