@@ -108,12 +108,13 @@ class Groups:
         if not self.handles:
             self.alloc()  # (finds the VA space this device wants, as CUDA's groups need)
         tried = []
-        for engine in (ENGINE_GR0, ENGINE_COPY4):
-            p = self.c.new("NV_CHANNEL_ALLOC_PARAMS", hVASpace=self.vaspace,
+        for engine, vaspace in ((ENGINE_GR0, self.vaspace), (ENGINE_COPY4, self.vaspace),
+                                (ENGINE_GR0, 0), (ENGINE_COPY4, 0)):
+            p = self.c.new("NV_CHANNEL_ALLOC_PARAMS", hVASpace=vaspace,
                            gpFifoOffset=GPFIFO_VA, gpFifoEntries=GPFIFO_ENTRIES,
                            engineType=engine)
             st, h = status_of(self.c.alloc, self.g["hdevice"], CHANNEL, p)
-            tried.append({"engine": engine, "status": st})
+            tried.append({"engine": engine, "vaspace": vaspace, "status": st})
             if st == nvs.NV_OK:
                 self.device_channels.append(h)
                 answer = self.c.last_alloc_params
