@@ -775,6 +775,8 @@ REFUSED_CONTROLS: dict[int, str] = {
                 "any client's",
     0x20810110: "unpublished BINAPI control (no header names it): layout unknown",
     0x20810111: "unpublished BINAPI control (no header names it): layout unknown",
+    0xD02: "CLIENT_GET_HANDLE_INFO: no client of a tenant's was seen sending it, and the broker "
+           "sends it itself (the channel group the driver made for a channel under the device)",
 }
 
 
@@ -785,6 +787,9 @@ BROKER_CONTROLS: dict[int, str] = {
                 "high-priority tenant holds a context on the GPU (compute.preempt_all), and a "
                 "tenant's own channels stopped while another tenant has its turn "
                 "([broker] compute_turns_ms, turns.step)",
+    0xD02: "CLIENT_GET_HANDLE_INFO: which of a client's driver-picked handles is the channel "
+           "group the driver made for a channel allocated under the device, and under which "
+           "parent (compute.driver_group_of)",
 }
 
 
