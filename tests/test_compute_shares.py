@@ -877,3 +877,49 @@ def test_a_channel_under_the_device_through_devbroker(start):
         assert bad == [], bad
     finally:
         _quit(p)
+
+
+def test_the_drivers_group_passes_a_live_upgrade(tmp_path):
+    """Across a live upgrade's state (broker books and emulated driver): the successor's
+    status shows the driver's group with its channel, freeing the channel there frees the
+    group in the driver and the books, and the next channel under the device gets a group
+    the successor finds (the driver's picked-handle index went over too)."""
+    import trio
+
+    from devbroker.backends.emulated import EmulatedBackend
+    from devbroker.broker import handover
+    from devbroker.broker.core import Broker
+
+    b, t, ctl, client, dev = _device_channel_broker(tmp_path)
+
+    async def channel(new: int):
+        _, out, _ = await t.alloc(ctl, client, dev, 0xC86F,
+                                  t.new("NV_CHANNEL_ALLOC_PARAMS", engineType=1), new=new)
+        assert out.status == nvs.NV_OK, out
+
+    trio.run(channel, 0xD00)
+    [(group, _)] = _driver_groups(b, client).items()
+    state = json.loads(json.dumps({"broker": handover.export_broker(b),
+                                   "backend": handover.export_emulated(b.backend)}))
+    fresh = Broker(b.policy, EmulatedBackend(version="580.159.04"))
+    files = handover.import_emulated(fresh.backend, state["backend"])
+    handover.import_broker(fresh, state["broker"], files)
+    solo = next(x for x in fresh.snapshot()["tenants"] if x["name"] == "solo")
+    assert [(g["handle"], g.get("channel")) for g in solo["compute"]["channel_groups"]] == \
+        [(group, 0xD00)]
+    t.b = fresh
+
+    async def free_and_again():
+        _, out, _ = await t.esc(ctl, "NV_ESC_RM_FREE", t.new(
+            "NVOS00_PARAMETERS", hRoot=client, hObjectParent=dev, hObjectOld=0xD00))
+        assert out.status == nvs.NV_OK, out
+        assert group not in fresh.backend.clients[client].objects
+        assert group not in fresh.tenants["solo"].clients[client].objects
+        await channel(0xD01)
+
+    trio.run(free_and_again)
+    [(again, chan)] = _driver_groups(fresh, client).items()
+    assert chan == 0xD01 and again != group
+    solo = next(x for x in fresh.snapshot()["tenants"] if x["name"] == "solo")
+    assert [(g["handle"], g.get("channel")) for g in solo["compute"]["channel_groups"]] == \
+        [(again, 0xD01)]
