@@ -727,21 +727,154 @@ def test_freed_groups_leave_the_split_at_once():
     assert sorted(g["handle"] for g in groups) == [0x1002, 0x1003, 0x2000]
 
 
-def test_a_channel_under_the_device_is_not_refused_by_the_broker(start):
+def _device_channel_broker(tmp_path):
+    """A broker (emulated, in this process, its audit log in tmp_path) with tenant "solo"
+    (weight 3) next to "other" (weight 1) on GPU 0; solo has a root client, device and
+    subdevice."""
+    import trio
+
+    from devbroker.testing.inproc import InProcTenant, make_broker
+    from devbroker.testing.policies import one_h200, tenant
+
+    caps = ["nvml", "compute"]
+    b = make_broker(one_h200(tenant("solo", capabilities=caps, compute_weight=3),
+                             tenant("other", capabilities=caps)),
+                    audit_path=tmp_path / "audit.log")
+    t = InProcTenant(b, "solo", pid=5201)
+    ctl, client, dev, _sub = trio.run(t.subdevice)
+    return b, t, ctl, client, dev
+
+
+def _driver_groups(b, client: int) -> dict[int, int]:
+    """The emulated driver's channel groups of a client that it made itself: handle ->
+    the channel they wrap."""
+    c = b.backend.clients[client]
+    return {h: next(iter(o.tied)) for h, o in c.objects.items()
+            if o.rm_class == 0xA06C and o.tied}
+
+
+def _audit(tmp_path, event: str) -> list[dict]:
+    path = tmp_path / "audit.log"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [r for r in map(json.loads, lines) if r["event"] == event]
+
+
+def test_a_channel_under_the_device_runs_in_a_group_with_the_policys_timeslice(tmp_path):
     """The driver's checkpoint, inside the tenant's process, allocates a channel right under
-    the device (seen on the H200: refusing it failed the checkpoint). The driver then wraps such a channel in a channel group of
-    its own (kernel_channel.c, kchannelConstruct_IMPL, 580.142); the broker lets it through
-    to the driver (the emulator answers as it models it) with no refusal of its own, and a
-    channel in the tenant's group is allocated as before."""
+    the device (seen on the H200: refusing it failed the checkpoint). The driver wraps such
+    a channel in a channel group of its own, whose handle it picks and does not return
+    (kernel_channel.c, kchannelConstruct_IMPL, 535.288.01 and 580.142); before, that group
+    ran with the driver's default timeslice. Now the broker finds it (GET_HANDLE_INFO over
+    the client's picked handles), puts it into its books as the tenant's group on that GPU
+    (shares divide over it), sets the policy's timeslice on it before the tenant has the
+    channel, shows it in status, and lets it go with the channel."""
+    import trio
+
+    from devbroker.backends.emulated_sched import channel_timeslice
+
+    b, t, ctl, client, dev = _device_channel_broker(tmp_path)
+    slice_ = compute.tenant_slice(b.policy, b.tenants["solo"].policy, 0)
+    assert slice_ == compute.ROUND_US * 3 // 4
+
+    async def go():
+        # an object whose handle the driver picks first: the search passes over it
+        _, out, _ = await t.alloc(ctl, client, dev, 0xA06C, t.new(
+            "NV_CHANNEL_GROUP_ALLOCATION_PARAMETERS", engineType=1), new=0)
+        assert out.status == nvs.NV_OK, out
+        own = out.hObjectNew
+        _, out, _ = await t.alloc(ctl, client, dev, 0xC86F,
+                                  t.new("NV_CHANNEL_ALLOC_PARAMS", engineType=1), new=0xD00)
+        assert out.status == nvs.NV_OK, out
+        return own
+
+    own = trio.run(go)
+    [(group, chan)] = _driver_groups(b, client).items()
+    assert chan == 0xD00 and group != own
+    # the group is in the books, as the channel's child (the driver frees them together)
+    objs = b.tenants["solo"].clients[client].objects
+    assert objs[group].rm_class == 0xA06C and objs[group].parent == 0xD00
+    # two groups of solo on the GR engine now: each gets half its slice, and the channel
+    # runs with its group's in the driver
+    assert channel_timeslice(b.backend, client, 0xD00) == slice_ // 2
+    solo = next(x for x in b.snapshot()["tenants"] if x["name"] == "solo")
+    mine = [g for g in solo["compute"]["channel_groups"] if g.get("channel") == 0xD00]
+    assert [(g["handle"], g["timeslice_us"]) for g in mine] == [(group, slice_ // 2)], solo
+    assert _audit(tmp_path, "error") == [] and _audit(tmp_path, "deny") == []
+
+    async def free():
+        _, out, _ = await t.esc(ctl, "NV_ESC_RM_FREE", t.new(
+            "NVOS00_PARAMETERS", hRoot=client, hObjectParent=dev, hObjectOld=0xD00))
+        assert out.status == nvs.NV_OK, out
+
+    trio.run(free)
+    assert group not in b.backend.clients[client].objects  # the driver freed it
+    assert group not in objs  # and the books let it go
+    solo = next(x for x in b.snapshot()["tenants"] if x["name"] == "solo")
+    assert [g["handle"] for g in solo["compute"]["channel_groups"]] == [own]
+
+
+def test_the_search_for_the_drivers_group_ends_and_says_so(monkeypatch, tmp_path):
+    """A group the search cannot find (here: the driver answers nothing about any handle)
+    is an `error` record naming the channel, never a hang or a wrong group."""
+    import trio
+
+    from devbroker.backends import emulated_sched
+
+    b, t, ctl, client, dev = _device_channel_broker(tmp_path)
+    monkeypatch.setitem(emulated_sched.CONTROL_HANDLERS, 0xD02,
+                        lambda backend, c, obj, p: (nvs.NV_ERR_OBJECT_NOT_FOUND, p))
+    asked = []
+    real = compute._handle_info
+
+    def counting(*a):
+        asked.append(a[4])
+        return (yield from real(*a))
+
+    monkeypatch.setattr(compute, "_handle_info", counting)
+
+    async def go():
+        _, out, _ = await t.alloc(ctl, client, dev, 0xC86F,
+                                  t.new("NV_CHANNEL_ALLOC_PARAMS", engineType=1), new=0xD00)
+        assert out.status == nvs.NV_OK, out
+
+    trio.run(go)
+    assert len(asked) == compute.SEARCH_MISSES
+    [err] = _audit(tmp_path, "error")
+    assert "channel 0xd00 under device" in err["reason"], err
+    assert "driver's default timeslice" in err["reason"], err
+    solo = next(x for x in b.snapshot()["tenants"] if x["name"] == "solo")
+    assert solo["compute"]["channel_groups"] == []
+
+
+def test_a_channel_under_the_device_through_devbroker(start):
+    """The same through both front ends with a real tenant process (sched_probe): the
+    channel is allocated, `status` shows the driver's group with the policy's timeslice and
+    the tenant reads that value back from the driver with GET_TIMESLICE; freeing the
+    channel takes the group out of status; a channel in the tenant's own group is allocated
+    as before; no refusal, no error."""
     b = start(policy("compute_weight = 3", ""))
-    p, _ = _hold(b, "alpha")
+    p, first = _hold(b, "alpha")
+    want = compute.ROUND_US * 3 // 4 // 2  # alpha's slice, over its own group and this one
     try:
-        _ask(p, "device-channel")
-        denied = [a for a in b.audit() if a["event"] == "deny" and a["tenant"] == "alpha"
-                  and "HOPPER_CHANNEL_GPFIFO_A" in a.get("what", "")]
-        assert denied == [], denied
+        r = _ask(p, "device-channel")
+        assert r["status"] == nvs.NV_OK, r
+        assert r["hPhysChannelGroup"] == 0, r  # the driver does not name the group
+        chan = r["handle"]
+        groups = b.tenant("alpha")["compute"]["channel_groups"]
+        [mine] = [g for g in groups if g.get("channel") == chan]
+        assert mine["timeslice_us"] == want, groups
+        r = _ask(p, f"get-handle {mine['handle']}")
+        assert (r["status"], r["timeslice_us"]) == (nvs.NV_OK, want), r
+        assert _poll(p, [want]) == [want]  # its own group: resized to half as well
+        r = _ask(p, f"free {chan}")
+        assert r["status"] == nvs.NV_OK, r
+        groups = b.tenant("alpha")["compute"]["channel_groups"]
+        assert [g["handle"] for g in groups] == first["handles"], groups
         r = _ask(p, "channel")
         assert r["status"] == nvs.NV_OK, r
+        bad = [a for a in b.audit() if a["event"] in ("deny", "error")
+               and a.get("tenant") == "alpha"]
+        assert bad == [], bad
     finally:
         _quit(p)
 
@@ -789,3 +922,49 @@ def test_a_tenant_being_checkpointed_takes_no_turns_and_its_channels_run():
     assert [t.name for t in turns.members(b, 0)] == ["b"]
     assert run_blocking(locked(turns.step(b, 0)), perform) is None  # b alone: no turns
     assert channel_stopped(b.backend, cla, 0xD0) is False
+
+
+def test_the_drivers_group_passes_a_live_upgrade(tmp_path):
+    """Across a live upgrade's state (broker books and emulated driver): the successor's
+    status shows the driver's group with its channel, freeing the channel there frees the
+    group in the driver and the books, and the next channel under the device gets a group
+    the successor finds (the driver's picked-handle index went over too)."""
+    import trio
+
+    from devbroker.backends.emulated import EmulatedBackend
+    from devbroker.broker import handover
+    from devbroker.broker.core import Broker
+
+    b, t, ctl, client, dev = _device_channel_broker(tmp_path)
+
+    async def channel(new: int):
+        _, out, _ = await t.alloc(ctl, client, dev, 0xC86F,
+                                  t.new("NV_CHANNEL_ALLOC_PARAMS", engineType=1), new=new)
+        assert out.status == nvs.NV_OK, out
+
+    trio.run(channel, 0xD00)
+    [(group, _)] = _driver_groups(b, client).items()
+    state = json.loads(json.dumps({"broker": handover.export_broker(b),
+                                   "backend": handover.export_emulated(b.backend)}))
+    fresh = Broker(b.policy, EmulatedBackend(version="580.159.04"))
+    files = handover.import_emulated(fresh.backend, state["backend"])
+    handover.import_broker(fresh, state["broker"], files)
+    solo = next(x for x in fresh.snapshot()["tenants"] if x["name"] == "solo")
+    assert [(g["handle"], g.get("channel")) for g in solo["compute"]["channel_groups"]] == \
+        [(group, 0xD00)]
+    t.b = fresh
+
+    async def free_and_again():
+        _, out, _ = await t.esc(ctl, "NV_ESC_RM_FREE", t.new(
+            "NVOS00_PARAMETERS", hRoot=client, hObjectParent=dev, hObjectOld=0xD00))
+        assert out.status == nvs.NV_OK, out
+        assert group not in fresh.backend.clients[client].objects
+        assert group not in fresh.tenants["solo"].clients[client].objects
+        await channel(0xD01)
+
+    trio.run(free_and_again)
+    [(again, chan)] = _driver_groups(fresh, client).items()
+    assert chan == 0xD01 and again != group
+    solo = next(x for x in fresh.snapshot()["tenants"] if x["name"] == "solo")
+    assert [(g["handle"], g.get("channel")) for g in solo["compute"]["channel_groups"]] == \
+        [(again, 0xD01)]

@@ -629,17 +629,24 @@ def test_real_backend_broker_upgrade_with_stand_in_nodes(tmp_path, successors):
 
 
 # A tenant with many calls queued behind its rate limit: N threads each looping on one
-# ioctl (the attached GPU ids) until told to stop; then what every call answered.
+# ioctl (the attached GPU ids), or on an open (and close) of its nvidiactl ("open"), until
+# told to stop; then what every call answered.
 QUEUED_PROG = r'''
-import json, sys, threading
+import json, os, sys, threading
 from devbroker.tools.probe import Client, NvError
 n = int(sys.argv[1])
+opens = sys.argv[2:] == ["open"]
 c = Client(); c.check_version(); c.open_root()
 stop, answers, lock = threading.Event(), {}, threading.Lock()
+def call():
+    if opens:
+        os.close(os.open("/dev/nvidiactl", os.O_RDWR))
+        return "ok"
+    return "ok" if c.attached_ids() else "empty"
 def loop():
     while not stop.is_set():
         try:
-            got = "ok" if c.attached_ids() else "empty"
+            got = call()
         except (OSError, NvError) as e:
             got = repr(e)
         with lock:
@@ -656,20 +663,22 @@ print(json.dumps({"what": "done", "answers": answers}), flush=True)
 '''
 
 
+@pytest.mark.parametrize("frontend", ["fuse", "seccomp"])
 @pytest.mark.parametrize("decide", ["successor", "called-off"])
 def test_calls_queued_behind_a_rate_limit_do_not_hold_an_upgrade(start_broker, successors,
-                                                                  tmp_path, decide):
+                                                                  tmp_path, decide, frontend):
     """With 1,500 of a tenant's calls queued behind its rate limit,
     `devbroker upgrade` waited for the queue (the drain timeout) while every tenant was
     frozen, and was then called off. Calls still waiting for their pace token have had
     nothing decided: the pause cancels their wait and they go to the successor, which
-    answers them by id on the same seccomp listener (or, when the upgrade is called off,
-    this broker decides them again). 80 waiting calls at 5/s are a 16 s queue, longer than
-    the drain timeout: the upgrade goes through, and every call is answered right."""
+    answers them on the same seccomp listener (by id) or FUSE connection (by unique), or,
+    when the upgrade is called off, this broker decides them again. 80 waiting calls at 5/s
+    are a 16 s queue, longer than the drain timeout: the upgrade goes through, and every
+    call is answered right."""
     text = two_h200(tenant("q", gpus=[0], rate_limit={"requests_per_second": 5, "burst": 1}),
                     tenant("t1", gpus=[1]), driver_version=None, uuids=UUIDS)
     broker = start_broker(text)
-    broker.frontend = "seccomp"
+    broker.frontend = frontend
     old_pid = broker.proc.pid
     p = broker.exec_popen("q", sys.executable, "-c", QUEUED_PROG, "80",
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -698,6 +707,40 @@ def test_calls_queued_behind_a_rate_limit_do_not_hold_an_upgrade(start_broker, s
         p.stdin.flush()
         done = readline_json(p, timeout=120)  # every queued call came back ...
         assert set(done["answers"]) == {"ok"}, done  # ... answered right
+    finally:
+        p.kill()
+        p.wait()
+
+
+@pytest.mark.parametrize("frontend", ["fuse", "seccomp"])
+def test_opens_queued_behind_a_rate_limit_do_not_hold_an_upgrade(start_broker, successors,
+                                                                   frontend):
+    """The same with opens of the tenant's nvidiactl queued behind its pace: through
+    seccomp they go to the successor undecided like ioctls; through FUSE their waits end at
+    the pause and they are decided at once, unpaced (an open costs the broker little; its
+    request is not kept to be handed over). Every open answered right."""
+    text = two_h200(tenant("q", gpus=[0], rate_limit={"requests_per_second": 5, "burst": 1}),
+                    tenant("t1", gpus=[1]), driver_version=None, uuids=UUIDS)
+    broker = start_broker(text)
+    broker.frontend = frontend
+    p = broker.exec_popen("q", sys.executable, "-c", QUEUED_PROG, "80", "open",
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert readline_json(p, timeout=120)["what"] == "ready"
+        time.sleep(1.0)
+        assert broker.tenant("q")["rate_limited"] >= 40
+        r = broker.cli("upgrade", "--json", timeout=200)
+        assert r.returncode == 0, r.stderr + broker.output()
+        reply = json.loads(r.stdout)
+        successors.append(reply["pid"])
+        print(f"\nupgrade with 80 opens queued behind the pace ({frontend}): pause "
+              f"{reply['pause_ms']} ms, phases {reply['phases_ms']}")
+        assert broker.proc.wait(timeout=30) == 0
+        time.sleep(1.0)
+        p.stdin.write("stop\n")
+        p.stdin.flush()
+        done = readline_json(p, timeout=120)
+        assert set(done["answers"]) == {"ok"}, done
     finally:
         p.kill()
         p.wait()

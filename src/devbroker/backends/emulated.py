@@ -419,7 +419,9 @@ class EmulatedBackend:
         parent = c.objects.get(v.hObjectParent)
         if parent is None:
             return self._status(dc, nvs.NV_ERR_INVALID_OBJECT_PARENT)
-        h = v.hObjectNew or (0xCAF00000 | next(self._object_ids))
+        h = v.hObjectNew or c.generate_handle()
+        if h is None:
+            return self._status(dc, nvs.NV_ERR_INSUFFICIENT_RESOURCES)
         if h in c.objects:
             return self._status(dc, nvs.NV_ERR_INSERT_DUPLICATE_NAME)
         spec = (dc.abi or self.abi).rm_class(cls)
@@ -436,6 +438,9 @@ class EmulatedBackend:
         c.objects[h] = obj
         parent.children.add(h)
         self._index(c, obj)
+        made = self.CLASS_MADE.get(cls)
+        if made is not None:  # what the driver's constructor makes beside the object
+            params = made(self, c, parent, obj, params)
         nested = params.encode() if params is not None else dc.nested
         return self._status(dc, nvs.NV_OK, nested=nested, hObjectNew=h)
 
@@ -511,6 +516,11 @@ class EmulatedBackend:
         emulated_sched.CHANNEL_GROUP: emulated_sched.alloc_channel_group,
         emulated_sched.CHANNEL: emulated_sched.alloc_channel,
     }
+    # Run after an object of the class entered the client: (backend, client, parent, the new
+    # object, params) -> the params of the answer.
+    CLASS_MADE = {
+        emulated_sched.CHANNEL: emulated_sched.channel_made,
+    }
 
     def NV_ESC_RM_FREE(self, f, dc):
         v = dc.call.value
@@ -531,6 +541,7 @@ class EmulatedBackend:
             if obj is None:
                 continue
             stack.extend(obj.children)
+            stack.extend(obj.tied)
             self._release(c, obj)
             par = c.objects.get(obj.parent)
             if par:
@@ -550,7 +561,9 @@ class EmulatedBackend:
         obj = src.objects.get(v.hObjectSrc)
         if obj is None or v.hObjectSrc == v.hClientSrc:
             return self._status(dc, nvs.NV_ERR_INVALID_OBJECT_HANDLE)
-        h = v.hObject or (0xCAF00000 | next(self._object_ids))
+        h = v.hObject or dst.generate_handle()
+        if h is None:
+            return self._status(dc, nvs.NV_ERR_INSUFFICIENT_RESOURCES)
         if h in dst.objects:
             return self._status(dc, nvs.NV_ERR_INSERT_DUPLICATE_NAME)
         new = EmuObject(h, obj.rm_class, parent.handle, gpu=obj.gpu, client=dst)

@@ -145,8 +145,8 @@ def import_objects(backend, client, obj, p, dc):
             types[i] = TYPE_NONE
             continue
         src = ex.client.objects[slot]
-        h = objects[i] or (0xCAF00000 | next(backend._object_ids))
-        if h in client.objects:
+        h = objects[i] or client.generate_handle()
+        if h is None or h in client.objects:
             for m in made:  # the driver frees what it imported before failing
                 gone = client.objects.pop(m)
                 parent.children.discard(m)

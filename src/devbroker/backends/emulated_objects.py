@@ -7,6 +7,10 @@ from typing import Any
 
 from devbroker.abi.nodes import NodeKind
 
+# The handles the driver picks for a client's objects (rs_client.h, RS_UNIQUE_HANDLE_*).
+UNIQUE_HANDLE_BASE = 0xCAF00000
+UNIQUE_HANDLE_RANGE = 0x80000
+
 
 @dataclass
 class EmuObject:
@@ -22,6 +26,10 @@ class EmuObject:
     # The share policies the driver was given for it (NV_ESC_RM_SHARE), as
     # (type, target, access mask, action) in order; kept, not enforced (see RM_SHARE).
     policies: list = field(default_factory=list, repr=False, compare=False)
+    # Handles the driver frees together with this one though neither is the other's child:
+    # a channel allocated right under a device and the channel group the driver made to
+    # wrap it (kchannelDestruct frees that group; freeing the group frees its channel).
+    tied: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -30,6 +38,19 @@ class EmuClient:
     file_id: int
     tgid: int
     objects: dict[int, EmuObject] = field(default_factory=dict)
+    # Where the next handle the driver picks for this client comes from (hObjectNew 0, and
+    # the driver's own objects in the client): RS_UNIQUE_HANDLE_BASE + an index that only
+    # grows, per client (rs_client.c clientGenResourceHandle), skipping handles in use.
+    next_generated: int = 0
+
+    def generate_handle(self) -> int | None:
+        """A handle the driver picks for a new object of this client (None: none free)."""
+        for _ in range(UNIQUE_HANDLE_RANGE):
+            h = UNIQUE_HANDLE_BASE + self.next_generated % UNIQUE_HANDLE_RANGE
+            self.next_generated += 1
+            if h not in self.objects:
+                return h
+        return None
 
 
 @dataclass

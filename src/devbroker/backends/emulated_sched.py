@@ -18,8 +18,19 @@ compute shares use (broker/compute.py), answered as the 580 driver on a GSP GPU
   NV_ERR_NOT_SUPPORTED (the emulator's answer for any control it does not list).
 - A scheduling control on an object that is not a channel group: the control lookup fails,
   NV_ERR_NOT_SUPPORTED.
-- HOPPER_CHANNEL_GPFIFO_A (0xc86f), a channel, is allocated under a channel group (the
-  emulator models no work: a channel is a handle with a stopped flag).
+- HOPPER_CHANNEL_GPFIFO_A (0xc86f), a channel, is allocated under a channel group, or right
+  under a device: the driver then makes a KEPLER_CHANNEL_GROUP_A of its own under that device
+  to wrap the channel (kernel_channel.c kchannelConstruct_IMPL: the group's handle is one the
+  driver picks for the client, RS_UNIQUE_HANDLE_BASE + its next index; engineType and
+  hVASpace are the channel's; a context share is refused there, NV_ERR_INVALID_ARGUMENT).
+  The answer does not name that group: the driver clears hPhysChannelGroup (and the other
+  internal fields) before it returns. Freeing the channel frees the group
+  (kchannelDestruct_IMPL, bAllocatedByRm) and freeing the group frees the channel (it is
+  the group's dependant). The channel runs with its group's timeslice (the emulator models
+  no work: a channel is a handle with a stopped flag and the group it runs in).
+- NV0000_CTRL_CMD_CLIENT_GET_HANDLE_INFO on the client: an object's parent or class
+  (client_resource.c cliresCtrlCmdClientGetHandleInfo_IMPL); NV_ERR_OBJECT_NOT_FOUND for a
+  handle the client does not hold, NV_ERR_INVALID_ARGUMENT for another index.
 - NV2080_CTRL_CMD_FIFO_DISABLE_CHANNELS on a subdevice stops (bDisable 1) or lets run
   (bDisable 0) the channels it lists by client and handle; measured on the H200: NV_OK, the
   channels' work stops at once and goes on after (docs/compute-shares.md, "Stopping a
@@ -44,10 +55,59 @@ MAX_DISABLE_CHANNELS = 64  # NV2080_CTRL_FIFO_DISABLE_CHANNELS_MAX_ENTRIES
 
 
 def alloc_channel(backend, c, parent, params):
-    """EmulatedBackend.CLASS_ALLOC's entry for a GPFIFO channel: in a channel group."""
+    """EmulatedBackend.CLASS_ALLOC's entry for a GPFIFO channel: in a channel group, or under
+    a device (channel_made wraps it in a group of the driver's)."""
+    if parent.rm_class == DEVICE:
+        if params is not None and int(params.hContextShare):
+            return nvs.NV_ERR_INVALID_ARGUMENT, None, 0, params  # "Non-TSG channels can't
+            # use context share"
+        return nvs.NV_OK, parent.gpu, 0, params
     if parent.rm_class != CHANNEL_GROUP:
         return nvs.NV_ERR_INVALID_OBJECT_PARENT, None, 0, params
     return nvs.NV_OK, parent.gpu, 0, params
+
+
+# The fields kchannelConstruct_IMPL clears before it returns ("only needed internally").
+_INTERNAL_FIELDS = ("hPhysChannelGroup", "internalFlags", "ProcessID", "SubProcessID")
+
+
+def channel_made(backend, c, parent, chan, params):
+    """EmulatedBackend.CLASS_MADE's entry for a channel: the group it runs in, made by the
+    driver when its parent is a device. Returns the parameters of the answer."""
+    from devbroker.backends.emulated_objects import EmuObject
+
+    if parent.rm_class == CHANNEL_GROUP:
+        chan.group = parent.handle
+    else:
+        h = c.generate_handle()
+        group = EmuObject(h, CHANNEL_GROUP, parent.handle, gpu=parent.gpu, client=c)
+        c.objects[h] = group
+        parent.children.add(h)
+        group.tied.add(chan.handle)
+        chan.tied.add(h)
+        chan.group = h
+    if params is None:
+        return None
+    clear = {f: 0 for f in _INTERNAL_FIELDS if f in params.spec.by_name}
+    return params.replace(**clear)
+
+
+def channel_timeslice(backend, client: int, handle: int) -> int | None:
+    """The timeslice a channel runs with: its group's (None: no such channel)."""
+    c = backend.clients.get(client)
+    ch = c.objects.get(handle) if c is not None else None
+    if ch is None or ch.rm_class != CHANNEL:
+        return None
+    group = _group_of(c, ch)
+    return _sched(group)["timeslice"] if group is not None else None
+
+
+def _group_of(c, ch):
+    h = getattr(ch, "group", None)
+    if h is None:  # (carried over a live upgrade: the tie, or the parent, names it)
+        h = next(iter(ch.tied), None) if ch.tied else ch.parent
+    group = c.objects.get(h)
+    return group if group is not None and group.rm_class == CHANNEL_GROUP else None
 
 
 def alloc_channel_group(backend, c, parent, params):
@@ -146,3 +206,22 @@ def channel_stopped(backend, client: int, handle: int) -> bool | None:
         return None
     return bool(getattr(ch, "stopped", False))
 
+
+
+GET_HANDLE_INFO_PARENT, GET_HANDLE_INFO_CLASSID = 1, 2
+
+
+@_control(0xD02)  # NV0000_CTRL_CMD_CLIENT_GET_HANDLE_INFO
+def get_handle_info(backend, client, obj, p):
+    if obj.rm_class != 0x41:
+        return nvs.NV_ERR_NOT_SUPPORTED, p
+    target = client.objects.get(int(p.hObject))
+    if target is None:
+        return nvs.NV_ERR_OBJECT_NOT_FOUND, p
+    if int(p.index) == GET_HANDLE_INFO_PARENT:
+        value = target.parent
+    elif int(p.index) == GET_HANDLE_INFO_CLASSID:
+        value = target.rm_class
+    else:
+        return nvs.NV_ERR_INVALID_ARGUMENT, p
+    return nvs.NV_OK, p.replace(data=p.data.replace(raw=int(value).to_bytes(8, "little")))

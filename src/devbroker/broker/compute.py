@@ -55,6 +55,25 @@ NVA06C_CTRL_CMD_SET_INTERLEAVE_LEVEL = 0xA06C0107
 NV2080_CTRL_CMD_FIFO_DISABLE_CHANNELS = 0x2080110B
 CHANNEL_CLASSES = frozenset({0xC86F})  # HOPPER_CHANNEL_GPFIFO_A: the allowlist's channels
 SUBDEVICE_CLASS = 0x2080
+DEVICE_CLASS = 0x80  # NV01_DEVICE_0
+
+# A channel allocated right under a device runs in a channel group the driver makes for it
+# (kernel_channel.c kchannelConstruct_IMPL, tags 535.288.01 and 580.142): allocated under
+# the same device with a handle the driver picks for the client (RS_UNIQUE_HANDLE_BASE +
+# the client's next index, which only grows: rs_client.c clientGenResourceHandle), freed
+# with the channel. The answer does not name it: the driver writes the handle into the
+# parameters' hPhysChannelGroup and clears that field again before it returns (with the
+# other internal fields). So the broker asks the driver which of the client's picked
+# handles is a channel group under that device it does not know yet:
+# NV0000_CTRL_CMD_CLIENT_GET_HANDLE_INFO (NON_PRIVILEGED, no GPU lock) on the tenant's own
+# client, from the index after the last group found in that client.
+NV0000_CTRL_CMD_CLIENT_GET_HANDLE_INFO = 0xD02
+HANDLE_INFO_PARENT, HANDLE_INFO_CLASSID = 1, 2
+UNIQUE_HANDLE_BASE, UNIQUE_HANDLE_RANGE = 0xCAF00000, 0x80000
+# Picked handles the client no longer holds (freed objects, never reused) in a row after
+# which the search ends, and the most handles one search asks about.
+SEARCH_MISSES = 256
+SEARCH_MAX = 4096
 DISABLE_CHANNELS_MAX = 64  # entries of one call (NV2080_CTRL_FIFO_DISABLE_CHANNELS_MAX_ENTRIES)
 # How often the broker looks whether a high-priority tenant still holds channel groups (the
 # driver tells nothing when a process exits; the books learn it from the file's release).
@@ -114,6 +133,9 @@ class ChannelGroup:
     asked: set = field(default_factory=set)  # tenant values already audited as rewritten
     rewrites: int = 0
     in_hook: bool = False  # after_alloc is setting it: apply_all leaves it to that
+    # The channel the driver made it for (a channel allocated right under the device:
+    # driver_group_of); None for a group the tenant allocated itself.
+    channel: int | None = None
 
 
 @dataclass
@@ -366,8 +388,12 @@ def _discover(broker: Any) -> None:
             for h, obj in list(client.objects.items()):
                 if (obj.rm_class == KEPLER_CHANNEL_GROUP_A
                         and (t.name, client.handle, h) not in b.groups):
+                    # (one the driver made for a channel is that channel's child here)
+                    up = client.objects.get(obj.parent)
+                    chan = obj.parent if up is not None and up.rm_class in CHANNEL_CLASSES \
+                        else None
                     _enter(broker, ChannelGroup(t.name, client.session, client.handle, h,
-                                                obj.gpu, 0), obj)
+                                                obj.gpu, 0, channel=chan), obj)
 
 
 def _siblings(broker: Any, g: ChannelGroup) -> list[ChannelGroup]:
@@ -460,12 +486,20 @@ def after_alloc(ctx: Any, alloc: Any, handle: int, gpu: int | None) -> Steps:
     """CLASSES[0xA06C].after (rules.py): a channel group of the tenant's was allocated (the
     driver said NV_OK). Give it the policy's values before the tenant has the handle, and the
     tenant's other groups on the same engine their smaller part."""
-    broker, s, req, params = ctx.broker, ctx.session, ctx.req, alloc.params
-    b = books(broker)
+    params = alloc.params
     engine = int(getattr(params, "engineType", 0) or 0) if params is not None else 0
-    g = ChannelGroup(s.tenant.name, s.id, alloc.client.handle, handle, gpu, engine,
-                     in_hook=True)
-    _enter(broker, g, alloc.client.objects.get(handle))
+    yield from _police(ctx, alloc.client, handle, gpu, engine)
+
+
+def _police(ctx: Any, client: Any, handle: int, gpu: int | None, engine: int,
+            channel: int | None = None) -> Steps:
+    """A channel group of the tenant's is new in the books (its own, or one the driver made
+    for `channel`): the policy's values on it, and on its siblings their smaller part."""
+    broker, s, req = ctx.broker, ctx.session, ctx.req
+    b = books(broker)
+    g = ChannelGroup(s.tenant.name, s.id, client.handle, handle, gpu, engine,
+                     in_hook=True, channel=channel)
+    _enter(broker, g, client.objects.get(handle))
     try:
         want = _wanted(broker, g)
         if want is None:
@@ -758,12 +792,105 @@ def _stop(broker: Any, tenant: Any, gpu: int, chans: dict[int, list[int]], stop:
     return done
 
 
+def _driver_group(ctx: Any, alloc: Any, chan: Any, device: Any, gpu: int | None) -> Steps:
+    """The group the driver made for a channel allocated under `device`: found, put into the
+    object books as the channel's child (the driver frees it with the channel, and the
+    channel with it), and given the policy's values as any group of the tenant's. Not
+    found: an `error` record (the channel then runs with the driver's default timeslice)."""
+    broker, s = ctx.broker, ctx.session
+    client = alloc.client
+    try:
+        found, asked = yield from driver_group_of(broker, s, ctx.req, client, device.handle)
+    except Exception as e:  # an OSError of the driver call, a changed file, ...
+        found, asked = None, f"{type(e).__name__}: {e}"
+    if found is None:
+        broker.audit.write("error", tenant=s.tenant.name, pid=s.caller.pid,
+                           what="compute share",
+                           reason=f"channel {chan.handle:#x} under device {device.handle:#x}: "
+                                  f"the channel group the driver made for it was not found "
+                                  f"({asked}); it runs with the driver's default timeslice")
+        return
+    client.add(found, KEPLER_CHANNEL_GROUP_A, chan.handle, gpu=gpu)
+    params = alloc.params
+    engine = int(getattr(params, "engineType", 0) or 0) if params is not None else 0
+    yield from _police(ctx, client, found, gpu, engine, channel=chan.handle)
+
+
+def driver_group_of(broker: Any, s: Any, req: Any, client: Any, device: int) -> Steps:
+    """Steps: (the handle of a channel group under `device` that the driver picked for the
+    client and the books do not hold, or None; what was asked, for the audit). Asks about
+    the client's picked handles in order from `client.groups_from` (the index after the last
+    group found: indexes only grow, so none below holds a group still to find), until
+    SEARCH_MISSES in a row are not held or SEARCH_MAX were asked about."""
+    misses = asked = 0
+    index = client.groups_from
+    while misses < SEARCH_MISSES and asked < SEARCH_MAX:
+        h = UNIQUE_HANDLE_BASE + index % UNIQUE_HANDLE_RANGE
+        index += 1
+        asked += 1
+        if h in client.objects:
+            misses = 0
+            continue
+        st, cls = yield from _handle_info(broker, s, req, client.handle, h,
+                                          HANDLE_INFO_CLASSID)
+        if st != nvstatus.NV_OK:
+            misses += 1
+            continue
+        misses = 0
+        if cls != KEPLER_CHANNEL_GROUP_A:
+            continue
+        st, parent = yield from _handle_info(broker, s, req, client.handle, h,
+                                             HANDLE_INFO_PARENT)
+        if st == nvstatus.NV_OK and parent == device:
+            client.groups_from = index
+            return h, f"{asked} handle(s) asked about"
+    return None, (f"{asked} handle(s) from {UNIQUE_HANDLE_BASE + client.groups_from:#x} "
+                  f"asked about, the last {misses} not held")
+
+
+def _handle_info(broker: Any, s: Any, req: Any, client: int, handle: int,
+                 index: int) -> Steps:
+    """(status, value) of GET_HANDLE_INFO for one handle of the client."""
+    abi = broker._abi(s)
+    from devbroker.abi.nodes import NodeKind
+
+    spec = abi.control(NV0000_CTRL_CMD_CLIENT_GET_HANDLE_INFO)
+    nested = spec.params.decode(bytes(spec.size)).replace(hObject=handle,
+                                                          index=index).encode()
+    node = s.node if s.node in (NodeKind.CTL, NodeKind.GPU) else NodeKind.CTL
+    call = abi.own_control(node, client, client, NV0000_CTRL_CMD_CLIENT_GET_HANDLE_INFO,
+                           spec.size)
+    result = yield from broker._call_backend(s, call, nested, req=req)
+    if result.errno:
+        raise OSError(result.errno, os.strerror(result.errno))
+    st = abi.decode_ioctl(node, call.cmd, result.arg).value.status
+    if st != nvstatus.NV_OK or result.nested is None:
+        return st, None
+    data = spec.params.decode(result.nested).data
+    return st, int.from_bytes(bytes(data.raw)[:8], "little")
+
+
+def lane_leaves_channel(broker: Any, tenant: str, parent: Any) -> bool:
+    """Whether the control lane leaves a channel allocation under `parent` to the general
+    path, whose after-hook (after_channel_alloc) has work to do: the tenant is stopped on
+    that GPU, or the parent is a device (the driver makes a group the hook must find)."""
+    if parent.rm_class == DEVICE_CLASS:
+        return True
+    return parent.gpu is not None and stops_new_channels(broker, tenant, parent.gpu)
+
+
 def after_channel_alloc(ctx: Any, alloc: Any, handle: int, gpu: int | None) -> Steps:
-    """CLASSES[0xC86F].after (rules.py): a channel of a tenant that is stopped on this GPU
-    is stopped before the tenant has its handle (else a low tenant could make new contexts
-    to run between two looks of the watching task)."""
+    """CLASSES[0xC86F].after (rules.py): a channel allocated right under the device gets
+    the policy's values on the group the driver made for it (driver_group_of), as any
+    group of the tenant's; a channel of a tenant that is stopped on this GPU is stopped
+    before the tenant has its handle (else a low tenant could make new contexts to run
+    between two looks of the watching task)."""
     broker, s = ctx.broker, ctx.session
     b = books(broker)
+    chan = alloc.client.objects.get(handle)
+    parent = alloc.client.objects.get(chan.parent) if chan is not None else None
+    if parent is not None and parent.rm_class == DEVICE_CLASS:
+        yield from _driver_group(ctx, alloc, chan, parent, gpu)
     key = (s.tenant.name, gpu)
     if gpu is None or not stops_new_channels(broker, s.tenant.name, gpu):
         return
@@ -877,6 +1004,7 @@ def tenant_status(broker: Any, t: Any) -> dict:
             "interleave": (LEVEL_NAMES.get(g.applied.interleave, "driver's")
                            if g.applied else None),
             "rewrites": g.rewrites, **({"error": g.error} if g.error else {}),
+            **({"channel": g.channel} if g.channel is not None else {}),
         } for g in groups],
         **({"stopped": {str(gpu): len(chs) for (name, gpu), chs in books(broker).stopped.items()
                         if name == t.name}}

@@ -353,8 +353,9 @@ class Admitted:
 LANE_CLASS_CHECKS = frozenset({handlers.debugger_on_own_context, handlers.os_event_notifier})
 # After-hooks the lane can tell from the header to have nothing to do: a channel's
 # (compute.after_channel_alloc) stops it only for a tenant stopped on that GPU (for a
-# high-priority tenant, or out of its turn: compute.stops_new_channels), which the lane
-# sends the general way (a tenant stopped between the admission and the driver's
+# high-priority tenant, or out of its turn: compute.stops_new_channels), and looks for the
+# driver's own channel group only for a channel under a device; the lane sends both the
+# general way (compute.lane_leaves_channel; a tenant stopped between the admission and the driver's
 # answer has the channel stopped by the watching task's next look, PREEMPT_TICK_S, or
 # by the next turn's switch).
 LANE_AFTER_HOOKS = frozenset({compute.after_channel_alloc})
@@ -602,9 +603,9 @@ def _decide_alloc(b: Broker, tables: LaneTables, s: Session, abi: DriverABI, h: 
         return None
     if rule.after in LANE_RUN_AFTER_HOOKS and not run_hooks:
         return None  # (its hook's driver calls: the general way's, for this front end)
-    if (rule.after in LANE_AFTER_HOOKS and parent.gpu is not None
-            and compute.stops_new_channels(b, tenant.name, parent.gpu)):
-        return None  # a channel of a stopped tenant: its after-hook stops it, there
+    if rule.after in LANE_AFTER_HOOKS and compute.lane_leaves_channel(b, tenant.name, parent):
+        return None  # a channel of a stopped tenant, or one under a device: its
+        # after-hook stops it, or finds the group the driver made for it, there
     if limits.alloc_refusal(tenant, root_client=False) is not None:
         return None
     return Admitted(s, abi, h, client, h_parent, cls, params_ptr, size, parent.gpu, None,

@@ -47,7 +47,10 @@ TENANT_FIELDS = frozenset({"name", "policy", "limiter", "sessions", "clients", "
                            "refusals", "requests", "continued", "managed"})
 CLIENT_FIELDS = frozenset({"handle", "session", "tgid", "objects",
                            # running totals: rebuilt from the objects
-                           "charged", "devices", "pinned_total"})
+                           "charged", "devices", "pinned_total",
+                           # not carried: the successor's search for groups the driver
+                           # made starts at the client's first picked handle
+                           "groups_from"})
 OBJECT_FIELDS = frozenset({"handle", "rm_class", "parent", "gpu", "charged", "pinned",
                            "children",
                            "share",  # duplicate groups: exported as groups of handles
@@ -68,9 +71,9 @@ EMULATED_ATTRS = frozenset({"version", "_gpus", "abi", "files", "clients", "_fil
                             "checkpointer"})
 EMU_FILE_FIELDS = frozenset({"id", "node", "minor", "mapping", "registered_ctl", "export",
                              "attached"})
-EMU_CLIENT_FIELDS = frozenset({"handle", "file_id", "tgid", "objects"})
+EMU_CLIENT_FIELDS = frozenset({"handle", "file_id", "tgid", "objects", "next_generated"})
 EMU_OBJECT_FIELDS = frozenset({"handle", "rm_class", "parent", "gpu", "size", "children",
-                               "share", "client", "policies"})
+                               "share", "client", "policies", "tied"})
 # frontends/fuse.py exports these itself (FuseFrontend.export_state)
 FUSE_INODE_FIELDS = frozenset({"nodeid", "kind", "parent", "name", "tenant", "node", "content",
                                "children", "nlookup", "removed"})
@@ -351,8 +354,10 @@ def export_emulated(backend) -> dict[str, Any]:
                    [f.export.client.handle, f.export.device_instance, f.export.metadata.hex(),
                     list(f.export.slots)]] for f in backend.files.values()],
         "clients": [{"handle": c.handle, "file_id": c.file_id, "tgid": c.tgid,
+                     "next_generated": c.next_generated,
                      "objects": [[o.handle, o.rm_class, o.parent, o.gpu, o.size,
-                                  sorted(o.children), [list(p) for p in o.policies]]
+                                  sorted(o.children), [list(p) for p in o.policies],
+                                  sorted(o.tied)]
                                  for o in c.objects.values()]}
                     for c in backend.clients.values()],
         "shares": _share_groups(backend.clients.values()),
@@ -383,12 +388,14 @@ def import_emulated(backend, state: dict[str, Any]) -> dict[int, Any]:
             exports[fid] = export
     backend.clients = {}
     for cd in state["clients"]:
-        c = EmuClient(cd["handle"], cd["file_id"], cd["tgid"])
+        c = EmuClient(cd["handle"], cd["file_id"], cd["tgid"],
+                      next_generated=int(cd.get("next_generated", 0)))
         for handle, cls, parent, gpu, size, children, *rest in cd["objects"]:
             c.objects[handle] = EmuObject(handle, cls, parent, gpu=gpu, size=size,
                                           children=set(children), client=c,
                                           policies=[tuple(p) for p in (rest[0] if rest
-                                                                       else [])])
+                                                                       else [])],
+                                          tied=set(rest[1]) if len(rest) > 1 else set())
         backend.clients[c.handle] = c
     _link_shares(state.get("shares", []), backend.clients)
     from devbroker.backends.emulated_export import ExportSlots

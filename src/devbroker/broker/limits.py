@@ -24,10 +24,13 @@ count bounds).
 """
 from __future__ import annotations
 
+import contextvars
 import threading
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
+
+import trio
 
 # Defaults when the policy says nothing (docs/policy.md says why these numbers). A CUDA
 # process opens ~10-20 node files per GPU and NVML a handful; PyTorch's init made a few
@@ -111,12 +114,49 @@ async def pace(broker: Any, tenant: str | None) -> None:
     await take(getattr(broker, "tenants", {}).get(tenant) if tenant is not None else None)
 
 
+class PaceSkips:
+    """Waits for a tenant's token that a live upgrade ends early (FUSE: the pause must not
+    wait for a tenant's queue). A task that sets PACE_SKIPS to one of these has its waits in
+    `take` registered there; `skip_all` ends them, and the requests go on without their
+    token, and no wait starts until `stop`. Only for requests that cost little to decide:
+    a front end hands its expensive ones (ioctls) over undecided instead."""
+
+    def __init__(self) -> None:
+        self.now = False
+        self.scopes: set = set()
+
+    def skip_all(self) -> None:
+        self.now = True
+        for scope in list(self.scopes):
+            scope.cancel()
+
+    def stop(self) -> None:
+        self.now = False
+
+
+PACE_SKIPS: contextvars.ContextVar[PaceSkips | None] = contextvars.ContextVar(
+    "PACE_SKIPS", default=None)
+
+
 async def take(tenant: Any) -> None:
     """Take one of a broker TenantState's tokens, waiting for it if none is there (the
-    waits are what `devbroker status` counts as rate_limited)."""
+    waits are what `devbroker status` counts as rate_limited), unless the task's PaceSkips
+    ends the wait."""
     bucket = getattr(tenant, "limiter", None)
-    if bucket is not None and not bucket.try_acquire():
+    if bucket is None or bucket.try_acquire():
+        return
+    skips = PACE_SKIPS.get()
+    if skips is None:
         await bucket.acquire()
+        return
+    if skips.now:
+        return
+    with trio.CancelScope() as scope:
+        skips.scopes.add(scope)
+        try:
+            await bucket.acquire()
+        finally:
+            skips.scopes.discard(scope)
 
 
 def front_end_open_refusal(broker: Any, tenant: str | None, held: int, *, pid: int,

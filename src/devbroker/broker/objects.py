@@ -153,6 +153,9 @@ class RmClient:
     charged: dict[int, int] = field(default_factory=dict)  # GPU -> bytes, nonzero only
     devices: dict[int, int] = field(default_factory=dict)  # GPU -> device objects
     pinned_total: int = 0  # bytes of host memory its objects pin
+    # Where compute's search for a channel group the driver made in this client starts
+    # (compute.driver_group_of): the index after the last handle it found.
+    groups_from: int = 0
 
     def __post_init__(self) -> None:
         self.objects.setdefault(self.handle, RmObject(self.handle, 0x41, 0))

@@ -423,14 +423,15 @@ CLASSES: dict[int, ClassRule] = {
     # (seen on the H200, 580.159.04: refusing it failed the checkpoint with
     # CUDA_ERROR_UNKNOWN, docs/compute-shares.md). The driver wraps such a channel in a channel
     # group of its own making (kernel_channel.c, kchannelConstruct_IMPL, tag 580.142: a
-    # parent that is no KernelChannelGroupApi gets an internal KEPLER_CHANNEL_GROUP_A with
-    # RMAPI_ALLOC_FLAGS_SKIP_RPC, its handle written back into hPhysChannelGroup), which the
-    # broker never sees allocated: that group runs with the driver's default timeslice, not
-    # the policy's (docs/compute-shares.md, "Channels under the device": open).
+    # parent that is no KernelChannelGroupApi gets an internal KEPLER_CHANNEL_GROUP_A under
+    # that parent, with a handle the driver picks and does not return), which the after-hook
+    # finds and gives the tenant's compute share before the tenant has the channel
+    # (compute.after_channel_alloc; docs/compute-shares.md, "Channels under the device").
     0xC86F: ClassRule("compute", "GPFIFO channel in the tenant's channel group or under its "
-                      "device (where the driver makes the group); stopped before the tenant "
-                      "has the handle while the tenant is preempted (priority low next to a "
-                      "high tenant)", after=compute.after_channel_alloc,
+                      "device (the group the driver makes for it there gets the tenant's "
+                      "compute share before the tenant has the handle); stopped before the "
+                      "tenant has the handle while the tenant is preempted (priority low next "
+                      "to a high tenant)", after=compute.after_channel_alloc,
                       parents=frozenset({compute.KEPLER_CHANNEL_GROUP_A, NV01_DEVICE_0})),
     0xC8B5: ClassRule("compute", "copy engine object on the tenant's channel"),
     0xCBC0: ClassRule("compute", "compute engine object on the tenant's channel"),
@@ -786,6 +787,8 @@ REFUSED_CONTROLS: dict[int, str] = {
                 "any client's",
     0x20810110: "unpublished BINAPI control (no header names it): layout unknown",
     0x20810111: "unpublished BINAPI control (no header names it): layout unknown",
+    0xD02: "CLIENT_GET_HANDLE_INFO: no client of a tenant's was seen sending it, and the broker "
+           "sends it itself (the channel group the driver made for a channel under the device)",
 }
 
 
@@ -796,6 +799,9 @@ BROKER_CONTROLS: dict[int, str] = {
                 "high-priority tenant holds a context on the GPU (compute.preempt_all), and a "
                 "tenant's own channels stopped while another tenant has its turn "
                 "([broker] compute_turns_ms, turns.step)",
+    0xD02: "CLIENT_GET_HANDLE_INFO: which of a client's driver-picked handles is the channel "
+           "group the driver made for a channel allocated under the device, and under which "
+           "parent (compute.driver_group_of)",
 }
 
 

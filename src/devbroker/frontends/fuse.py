@@ -38,8 +38,8 @@ from devbroker.broker import laneexec, limits, memgate
 from devbroker.backends.base import NotHere
 from devbroker.backends.tenantfile import drop_driver_capabilities_for_thread
 from devbroker.broker.effects import (
-    Await, HandOver, ReadMemory, Steps, WriteMemory, perform_async, perform_blocking, run_async,
-    run_blocking,
+    Await, HandOver, RateLimit, ReadMemory, Steps, WriteMemory, perform_async, perform_blocking,
+    run_async, run_blocking,
 )
 from devbroker.broker.procinfo import pid_namespace
 from devbroker.broker.interface import (
@@ -175,6 +175,12 @@ def detach_stale_mount(path: str) -> int:
 
 
 # --- the front end ------------------------------------------------------------------------
+
+class _Undecided(BaseException):
+    """An ioctl's wait for its pace token was ended by a live upgrade: nothing of it was
+    decided; the successor (or this front end, when the upgrade is called off) decides it
+    from the start. A BaseException, so that no step's `except Exception` keeps it."""
+
 class FuseFrontend:
     """Serve tenants' node directories on a FUSE mount, forwarding to ``broker``.
 
@@ -236,6 +242,19 @@ class FuseFrontend:
         self._parked = trio.Event()
         self._handed_over = False
         self._adopted = adopt
+        # Requests waiting for a token of their tenant's pace, which a live upgrade does
+        # not wait for (a tenant flooding at its limit froze every tenant for the drain
+        # timeout, then the upgrade was called off). Nothing of them has been decided: the
+        # wait is the first thing of a decision. Ioctls (whose decisions may call the
+        # driver): their waits by unique; the pause ends them and they go to the successor
+        # undecided (`_undecided`, their messages re-encoded), which answers them on the
+        # same connection, where the kernel still waits for a reply with that unique (or
+        # this front end decides them again if the upgrade is called off). Every other
+        # paced request (lookups, stats, opens, page reads, polls): cheap to decide, so the
+        # pause ends their waits (limits.PaceSkips) and they are answered at once, unpaced.
+        self._pace_waiters: dict[int, trio.CancelScope] = {}
+        self._pace_skips = limits.PaceSkips()
+        self._undecided: list[w.Ioctl] = []
         # Reader threads (see "serving" below): requests read and waiting, by tenant; the
         # threads' own duplicate of /dev/fuse and the eventfd that wakes them.
         self._queue = limits.FairQueue()
@@ -365,23 +384,43 @@ class FuseFrontend:
         if not self._serve_done.is_set():
             await self._parked.wait()
         # Requests the threads read: answered, or taken up by a task of the trio thread
-        # (which _idle then waits for).
+        # (which _idle then waits for). Waits for a pace token are ended as they come
+        # (module doc of _pace_waiters): ioctls become undecided, the rest go on unpaced.
+        self._pace_skips.skip_all()
         while (self._thread_busy or self._handed
-               or (self._native is not None and self._native.queued())):
+               or (self._native is not None and self._native.queued())
+               or not self._idle.is_set()):
+            self._end_pace_waits()
             await trio.sleep(0.001)
-        await self._idle.wait()
         await self._flush_notify()
 
+    def _end_pace_waits(self) -> None:
+        self._pace_skips.skip_all()
+        for scope in list(self._pace_waiters.values()):
+            scope.cancel()
+
     def resume(self) -> None:
-        """Read requests again (an upgrade that was called off)."""
+        """Read requests again (an upgrade that was called off); the ioctls the pause left
+        undecided are decided here after all."""
         with self._tlock:
             self._pause_requested = False
             self._unwake()
             self._resume_cond.notify_all()
+        self._pace_skips.stop()
+        self._decide_undecided()
+
+    def _decide_undecided(self) -> None:
+        """(Trio thread.) Decide from the start the ioctls a pause left undecided (this
+        front end's, or a predecessor's)."""
+        undecided, self._undecided = self._undecided, []
+        for req in undecided:
+            self._start_for(req, self._finish_task, req, self._ioctl_steps(req, False), None)
 
     def detach(self) -> None:
-        """The successor serves this mount now: closing here must not unmount or abort it."""
+        """The successor serves this mount now: closing here must not unmount or abort it
+        (and the undecided ioctls are the successor's to answer)."""
         self._handed_over = True
+        self._undecided = []
 
     @property
     def fd(self) -> int:
@@ -416,7 +455,10 @@ class FuseFrontend:
         return {"proto_minor": self.proto_minor, "st_dev": self.st_dev, "mtime": self._mtime,
                 "node_direct_io": self.node_direct_io,
                 "next_nodeid": self._next_nodeid, "next_private_fh": self._next_private_fh,
-                "inodes": inodes, "handles": handles}
+                "inodes": inodes, "handles": handles,
+                # read, not decided (waiting for the pace when the pause began): the
+                # successor decides them and answers them on the same connection
+                "undecided": [w.encode_ioctl_request(r).hex() for r in self._undecided]}
 
     def _import_state(self, fd: int, state: dict) -> None:
         self._fd = fd
@@ -452,6 +494,8 @@ class FuseFrontend:
                 listing=listing, served_pages=d["served_pages"], poll_kh=d["poll_kh"],
                 opener=Caller(*d["opener"]) if d["opener"] else None,
                 opener_ns=d["opener_ns"], passed=d["passed"])
+        self._undecided = [w.parse_request(bytes.fromhex(x), minor=self.proto_minor)
+                           for x in state.get("undecided", ())]
         self._init_done.set()
 
     async def put_tenant(self, name: str, tree: TenantTree) -> None:
@@ -664,6 +708,7 @@ class FuseFrontend:
         self._wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._tfd = os.dup(self._fd)  # the threads' own reference: see _drop_thread_ref
         self._tfd_refs = 1
+        self._decide_undecided()  # (a predecessor's: see _pace_waiters)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watchdog)
@@ -1078,13 +1123,31 @@ class FuseFrontend:
 
     async def _finish_task(self, req: w.Ioctl, steps: Steps, pending) -> None:
         try:
-            out = await run_async(steps, self._perform_async, pending)
+            out = await run_async(steps, functools.partial(self._perform_paced, req), pending)
+        except _Undecided:
+            self._undecided.append(req)  # (its steps were closed: nothing was held)
+            return
         except Exception:
             log.exception("FUSE ioctl %#x failed", req.cmd)
             out = w.encode_error(req.unique, errno.EIO)
         finally:
             self._end()
         self._send(out)
+
+    async def _perform_paced(self, req: w.Ioctl, eff):
+        """_perform_async for an ioctl's steps, whose wait for a pace token a live upgrade
+        ends (_Undecided: see _pace_waiters)."""
+        if not isinstance(eff, RateLimit):
+            return await self._perform_async(eff)
+        if self._pause_requested:
+            raise _Undecided  # (a live upgrade is pausing: no wait starts now)
+        with trio.CancelScope() as scope:
+            self._pace_waiters[req.unique] = scope
+            try:
+                return await eff.limiter.acquire()
+            finally:
+                self._pace_waiters.pop(req.unique, None)
+        raise _Undecided  # (ended by pause)
 
     def _perform_here(self, eff):
         return perform_blocking(eff, memgate.gate_of(self.broker))
@@ -1199,6 +1262,7 @@ class FuseFrontend:
 
     async def _paced_sync(self, handler, req, tenant: str | None) -> None:
         try:
+            limits.PACE_SKIPS.set(self._pace_skips)  # (a live upgrade ends the wait)
             await limits.pace(self.broker, tenant)
             self._run_sync(handler, req)
         finally:
@@ -1214,6 +1278,7 @@ class FuseFrontend:
 
     async def _run_async(self, handler, req) -> None:
         try:
+            limits.PACE_SKIPS.set(self._pace_skips)  # (a live upgrade ends its pace waits)
             await handler(self, req)
         except Exception:
             log.exception("FUSE %s failed", type(req).__name__)

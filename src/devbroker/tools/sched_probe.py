@@ -6,8 +6,14 @@ scheduling controls on a channel group of the caller's own.
     python -m devbroker.tools.sched_probe hold N    # N channel groups, then commands on stdin:
         get | set US | level L | race THREADS ROUNDS | realtime | policy
         | channel (a GPFIFO channel in the first group: the emulated driver's)
-        | device-channel (a GPFIFO channel right under the device: the broker refuses it)
+        | device-channel (a GPFIFO channel right under the device, outside any group: the
+          driver makes a group for it) | get-handle H (GET_TIMESLICE on handle H)
+        | free H (RM_FREE of handle H) | find-group (the driver's group of the last
+          device channel, looked for with GET_HANDLE_INFO as the broker does)
         | disable 0|1 (FIFO_DISABLE_CHANNELS on the tenant's own channels) | quit
+    python -m devbroker.tools.sched_probe devchan [GROUP]   # one channel right under the
+        device (the parameters the real driver wants, tried in turn), the group the driver
+        made for it (GROUP, or looked for), its timeslice, the channel freed, the group gone
 
 Used by the CI tests (tenants of the emulated driver) and by scripts/gpu/compute_shares.sh on
 the H200 (a plain process against the real driver, and tenants through devbroker). Every answer
@@ -32,6 +38,12 @@ GPFIFO_SCHEDULE = 0xA06C0101
 CHANNEL = 0xC86F  # HOPPER_CHANNEL_GPFIFO_A
 DISABLE_CHANNELS = 0x2080110B  # NV2080_CTRL_CMD_FIFO_DISABLE_CHANNELS
 RUNLIST_SET_SCHED_POLICY = 0x20801115
+GET_HANDLE_INFO, HANDLE_INFO_PARENT, HANDLE_INFO_CLASSID = 0xD02, 1, 2
+UNIQUE_HANDLE_BASE = 0xCAF00000  # the handles the driver picks for a client's objects
+GPFIFO_ENTRIES = 1024  # CUDA's (the torch trace)
+GPFIFO_VA = 0x200600000  # a GPU address for the ring: the channel is never given work
+ENGINE_COPY4 = 13  # NV2080_ENGINE_TYPE_COPY4: one of CUDA's copy-engine groups'
+
 SCHED_POLICY_CHANNEL_INTERLEAVED = 1
 SCHED_POLICY_RESTORE = 1
 
@@ -58,6 +70,7 @@ class Groups:
         self.vaspace = 0
         self.handles: list[int] = []
         self.channels: list[int] = []
+        self.device_channels: list[int] = []
         self.lock = threading.Lock()
 
     def alloc(self) -> int:
@@ -86,6 +99,55 @@ class Groups:
                 if not self.vaspace:
                     raise
         raise AssertionError("unreachable")
+
+    def device_channel(self) -> tuple[int, int | None, dict]:
+        """A GPFIFO channel right under the device: (status, handle, what the answer said).
+        The emulator takes any parameters; the real driver needs a valid engine and the VA
+        space the group it makes will use (kchangrpapiConstruct_IMPL), so the variants are
+        tried in turn: the first that the driver takes stands."""
+        if not self.handles:
+            self.alloc()  # (finds the VA space this device wants, as CUDA's groups need)
+        tried = []
+        for engine, vaspace in ((ENGINE_GR0, self.vaspace), (ENGINE_COPY4, self.vaspace),
+                                (ENGINE_GR0, 0), (ENGINE_COPY4, 0)):
+            p = self.c.new("NV_CHANNEL_ALLOC_PARAMS", hVASpace=vaspace,
+                           gpFifoOffset=GPFIFO_VA, gpFifoEntries=GPFIFO_ENTRIES,
+                           engineType=engine)
+            st, h = status_of(self.c.alloc, self.g["hdevice"], CHANNEL, p)
+            tried.append({"engine": engine, "vaspace": vaspace, "status": st})
+            if st == nvs.NV_OK:
+                self.device_channels.append(h)
+                answer = self.c.last_alloc_params
+                return st, h, {"tried": tried,
+                               "hPhysChannelGroup": int(answer.hPhysChannelGroup),
+                               "engine": engine}
+        return tried[-1]["status"], None, {"tried": tried}
+
+    def handle_info(self, h: int, index: int) -> tuple[int, int | None]:
+        st, p = status_of(self.c.control, self.c.hclient, GET_HANDLE_INFO,
+                          self.c.params(GET_HANDLE_INFO, hObject=h, index=index))
+        if p is None:
+            return st, None
+        return st, int.from_bytes(bytes(p.data.raw)[:8], "little")
+
+    def find_group(self, limit: int = 4096) -> tuple[int, int | None]:
+        """(status of the last question, handle of a channel group under the device that the
+        driver picked and this process did not allocate): as compute.driver_group_of asks."""
+        misses, st = 0, nvs.NV_OK
+        for i in range(limit):
+            h = UNIQUE_HANDLE_BASE + i
+            st, cls = self.handle_info(h, HANDLE_INFO_CLASSID)
+            if st != nvs.NV_OK:
+                misses += 1
+                if misses >= 256:
+                    break
+                continue
+            misses = 0
+            if cls == CHANNEL_GROUP and h not in self.handles:
+                pst, parent = self.handle_info(h, HANDLE_INFO_PARENT)
+                if pst == nvs.NV_OK and parent == self.g["hdevice"]:
+                    return pst, h
+        return st, None
 
     def control(self, h: int, cmd: int, **fields):
         return self.c.control(h, cmd, self.c.params(cmd, **fields))
@@ -184,9 +246,16 @@ def hold(n: str) -> None:
                 gs.channels.append(h)
             out(what="channel", status=st, channels=gs.channels)
         elif cmd == "device-channel":  # a channel under the device, outside any group
-            st, h = status_of(gs.c.alloc, gs.g["hdevice"], CHANNEL,
-                              gs.c.new("NV_CHANNEL_ALLOC_PARAMS"))
-            out(what="device-channel", status=st)
+            st, h, said = gs.device_channel()
+            out(what="device-channel", status=st, handle=h, **said)
+        elif cmd == "get-handle":
+            st, us = gs.get(int(args[0], 0))
+            out(what="get-handle", status=st, timeslice_us=us)
+        elif cmd == "free":
+            out(what="free", status=gs.c.free(gs.g["hdevice"], int(args[0], 0)))
+        elif cmd == "find-group":
+            st, h = gs.find_group()
+            out(what="find-group", status=st, handle=h)
         elif cmd == "disable":  # the tenant's own FIFO_DISABLE_CHANNELS on its channels
             n = len(gs.channels)
             st, _ = status_of(gs.c.control, gs.g["hsubdevice"], DISABLE_CHANNELS,
@@ -209,12 +278,39 @@ def hold(n: str) -> None:
             out(what="error", error=f"unknown command {cmd!r}")
 
 
+def devchan(group: str = "") -> None:
+    """One channel right under the device and the group the driver made for it (part 1 of
+    scripts/gpu/run-h200-devchannel.sh: natively; the broker's view is part 2's)."""
+    gs = Groups()
+    gs.alloc()
+    out(what="own-group", handle=gs.handles[0], timeslice_us=gs.get(gs.handles[0])[1])
+    st, chan, said = gs.device_channel()
+    out(what="device-channel", status=st, handle=chan, **said)
+    if st != nvs.NV_OK:
+        return
+    if group:
+        g = int(group, 0)
+    else:
+        fst, g = gs.find_group()
+        out(what="find-group", status=fst, handle=g)
+        if g is None:
+            return
+    st, us = gs.get(g)
+    out(what="group-timeslice", handle=g, status=st, timeslice_us=us)
+    st = gs.set(g, 4096)
+    out(what="group-set-timeslice", asked=4096, status=st, read_back=gs.get(g)[1])
+    out(what="free-channel", status=gs.c.free(gs.g["hdevice"], chan))
+    st, cls = gs.handle_info(g, HANDLE_INFO_CLASSID)
+    out(what="group-after-free", get_timeslice_status=gs.get(g)[0], handle_info_status=st)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in ("probe", "hold"):
+    modes = {"probe": probe, "hold": hold, "devchan": devchan}
+    if not argv or argv[0] not in modes:
         print(__doc__, file=sys.stderr)
         return 2
-    (probe if argv[0] == "probe" else hold)(*argv[1:])
+    modes[argv[0]](*argv[1:])
     return 0
 
 
