@@ -667,7 +667,7 @@ def cmd_run(a) -> int:
         (a.out / "results.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
     log(f"checks: {res.get('checks')}")
     log(f"RESULT: {'OK' if res['ok'] else 'FAILED'} ({res['mode']}, stage {res['stage']!r})")
-    return 0 if res["ok"] else 1
+    return (0 if res["mode"] == "cluster" else 2) if res["ok"] else 1
 
 
 def _tails(work: Path, broker: Broker) -> None:

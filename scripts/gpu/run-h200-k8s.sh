@@ -53,11 +53,15 @@ ls -d .k8spack/*/ 2>/dev/null | tr '\n' ' '; echo
 # The Debian tools: runc and the CNI plugins always (the GPU machine has neither); ip,
 # nsenter, unshare and openssl only where this machine lacks its own (K8S_CARRIED_TOOLS=1:
 # the carried ones all the same, to try them). Wrappers in $BIN, which comes first in every
-# cluster process's PATH (devbroker.testing.k8s).
+# cluster process's PATH (devbroker.testing.k8s). The carried libraries reach the carried
+# tool alone: runc re-executes itself (/proc/self/exe), so it gets LD_LIBRARY_PATH with
+# libseccomp alone; the others are started by the loader with --library-path, which their
+# children (nsenter's containerd and kubelet) do not inherit. All need glibc >= 2.34.
 tools() {
   [ -d "$DEB" ] || return 0
-  mkdir -p "$BIN"
-  local t
+  mkdir -p "$BIN" "$DEB/lib-runc"
+  ln -sfn "$DEB/lib/libseccomp.so.2" "$DEB/lib-runc/libseccomp.so.2"
+  local t ldso=/lib64/ld-linux-x86-64.so.2
   for t in runc ip nsenter unshare openssl; do
     [ -x "$DEB/$t" ] || continue
     if [ "$t" != runc ] && [ "${K8S_CARRIED_TOOLS:-0}" != 1 ] &&
@@ -65,9 +69,11 @@ tools() {
       rm -f "$BIN/$t"; echo "tool $t: this machine's $(PATH=${PATH#$BIN:} command -v $t)"; continue
     fi
     { echo '#!/bin/sh'
-      echo "export LD_LIBRARY_PATH=$DEB/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
-      [ "$t" = openssl ] && echo "export OPENSSL_CONF=$DEB/openssl.cnf"
-      echo "exec $DEB/$t \"\$@\""; } > "$BIN/$t"
+      case $t in
+        runc) echo "LD_LIBRARY_PATH=$DEB/lib-runc\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH} exec $DEB/runc \"\$@\"" ;;
+        openssl) echo "OPENSSL_CONF=$DEB/openssl.cnf exec $ldso --library-path $DEB/lib $DEB/openssl \"\$@\"" ;;
+        *) echo "exec $ldso --library-path $DEB/lib $DEB/$t \"\$@\"" ;;
+      esac; } > "$BIN/$t"
     chmod 755 "$BIN/$t"
     echo "tool $t: carried ($DEB/$t)"
   done
@@ -125,7 +131,7 @@ chmod -R a+rX /tmp/site 2>/dev/null
 step "the broker, the cluster, the plugin, the pod (scripts/gpu/k8s_pod_run.py)"
 "$PY" scripts/gpu/k8s_pod_run.py run --backend "$BACKEND" --bin-dir "$BIN" --work "$W" \
   --out "$OUT" --facts "$OUT/probe.json" --deadline "${DEADLINE:-420}"
-RC=$?
+RC=$?   # 0: the pod ran as it must; 2: only the fallback did; 1: neither
 step "results.json"
 cat "$OUT/results.json"
 tar czf "$OUT/bundle.tgz" -C "$W" . 2>/dev/null
