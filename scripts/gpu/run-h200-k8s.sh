@@ -41,8 +41,13 @@ import sys, time
 for line in sys.stdin:
     sys.stdout.write(time.strftime("%H:%M:%S ") + line)
     sys.stdout.flush()' | tee -a "$OUT/run.log") 2>&1
+LOGGER=$!
+# the last lines reach run.log and the caller before the script's exit is reported
+trap 'exec >&- 2>&-; wait $LOGGER 2>/dev/null || sleep 1' EXIT
 step() { echo "=== $* (+$(( $(date +%s) - T0 ))s)"; }
-PACKROOT=$REPO/.k8spack/root
+# where scripts/k8s/pack_h200.py unpacks (outside the checkout: kept between calls)
+PACKROOT=${K8SPACK_ROOT:-/tmp/devbroker-k8spack}
+export K8SPACK_ROOT=$PACKROOT
 BIN=$PACKROOT/bin
 DEB=$PACKROOT/debian
 

@@ -8,11 +8,12 @@ programs are ~400 MB (~90 MB compressed), so they travel in parts: `.k8spack/a`,
 sure; Python's lzma reads what `xz` writes).
 
     python3 scripts/k8s/pack_h200.py pack [--limit-mib N]     # here (scripts/k8s/pack-h200.sh)
-    python3 scripts/k8s/pack_h200.py unpack [PART ...]         # there: into .k8spack/root
+    python3 scripts/k8s/pack_h200.py unpack [PART ...]         # there: into UNPACKED
 
 Each part holds `*.xz` files under their place in the unpacked tree and `manifest.json`,
 which lists every file of every part (so an unpack can say which part it has not seen).
-The unpacked tree (`.k8spack/root`):
+The unpacked tree (UNPACKED: $K8SPACK_ROOT, default /tmp/devbroker-k8spack, outside the
+checkout so that it stays whatever a device call does to the tree's ignored files):
 
     bin/    kube (+ links kube-apiserver ... kubectl), etcd, containerd, containerd-shim-runc-v2,
             ctr, pause, devbroker-dra-plugin
@@ -34,6 +35,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PACK = REPO / ".k8spack"
+UNPACKED = Path(os.environ.get("K8SPACK_ROOT", "/tmp/devbroker-k8spack"))
 MiB = 1 << 20
 # What one device call may carry (tree + carried paths) and what each part may take of it.
 CALL_LIMIT = 64 * MiB
@@ -299,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wheels", type=Path, default=REPO / ".whl")
     u = sub.add_parser("unpack")
     u.add_argument("parts", nargs="*")
-    u.add_argument("--root", type=Path, default=PACK / "root")
+    u.add_argument("--root", type=Path, default=UNPACKED)
     a = ap.parse_args(argv)
     if a.cmd == "pack":
         return pack(a.limit_mib, a.bin_dir, a.wheels)
