@@ -241,7 +241,9 @@ def pod_mounts(facts: dict, skip: tuple[str, ...]) -> tuple[list[str], dict[str,
 
 def pod_command(backend: str, python: str) -> str:
     smi = "nvidia-smi --query-gpu=name,memory.total --format=csv,noheader"
-    cmds = [f"echo SMI $({smi}) rc=$?", "nvidia-smi"]
+    # this machine's python3, from the mounts pod_mounts names
+    cmds = [f"echo SMI $({smi}) rc=$?", "nvidia-smi",
+            f"{python} -c 'import sys; print(\"PY\", sys.version.split()[0])'"]
     if backend == "real":
         chk = "/work/scripts/gpu/cuda_checks.py"
         cmds += [f"{python} {chk} init 2>&1 | tail -5", f"{python} {chk} quota 2>&1 | tail -5"]
@@ -288,6 +290,8 @@ def parse_pod_log(text: str) -> dict:
         s = line.strip()
         if s.startswith("SMI "):
             res["smi"] = s[4:]
+        elif s.startswith("PY "):
+            res["python"] = s[3:]
         elif s.startswith("{") and s.endswith("}"):
             try:
                 d = json.loads(s)
@@ -577,7 +581,7 @@ def judge(pod: dict, backend: str) -> dict:
     out = {"smi_total_8gib": (pod.get("smi") or "").rsplit(",", 1)[-1].split(" rc=")[0].strip()
            == "8192 MiB",
            "smi_rc0": (pod.get("smi") or "").endswith("rc=0"),
-           "done": bool(pod.get("done"))}
+           "python_ran": bool(pod.get("python")), "done": bool(pod.get("done"))}
     if backend == "real":
         init, quota = pod.get("init") or {}, pod.get("quota") or {}
         out["torch_init_ok"] = init.get("ok") is True and init.get("mem_total") == 8 * GiB
