@@ -744,3 +744,48 @@ def test_a_channel_under_the_device_is_not_refused_by_the_broker(start):
         assert r["status"] == nvs.NV_OK, r
     finally:
         _quit(p)
+
+
+def test_a_tenant_being_checkpointed_takes_no_turns_and_its_channels_run():
+    """Turns and preemption by checkpoint: the driver's lock waits for the work of the
+    process's channels, so a tenant under preemption leaves the turns and the channels
+    turns stopped run again before the lock (a stopped one made it time out on the H200)."""
+    import trio
+
+    from devbroker.backends.emulated_sched import channel_stopped
+    from devbroker.broker import turns
+    from devbroker.broker.effects import locked, perform_blocking, run_blocking
+    from devbroker.testing.inproc import InProcTenant, make_broker
+
+    from devbroker.testing.policies import one_h200, tenant
+
+    caps = ["nvml", "compute", "uvm"]
+    text = one_h200(tenant("a", capabilities=caps, preemptible=True, priority="low"),
+                    tenant("b", capabilities=caps, priority="low"))
+    text = text.replace("[broker]", "[broker]\ncompute_turns_ms = 400", 1)
+    b = make_broker(text + "\n[broker.preemption]\nenabled = true\n")
+    ta, tb = InProcTenant(b, "a", pid=5301), InProcTenant(b, "b", pid=5302)
+
+    async def setup(t):
+        ctl, client, dev, _sub = await t.subdevice()
+        await t.alloc(ctl, client, dev, 0xA06C,
+                      t.new("NV_CHANNEL_GROUP_ALLOCATION_PARAMETERS", engineType=1), new=0xC0)
+        _, out, _ = await t.alloc(ctl, client, 0xC0, 0xC86F, t.new("NV_CHANNEL_ALLOC_PARAMS"),
+                                  new=0xD0)
+        assert out.status == nvs.NV_OK, out
+        return client
+
+    cla, clb = trio.run(setup, ta), trio.run(setup, tb)
+    perform = lambda e: perform_blocking(e, b.memgate)  # noqa: E731
+    run_blocking(locked(turns.step(b, 0)), perform)  # a's turn
+    run_blocking(locked(turns.step(b, 0)), perform)  # b's turn: a's channel stopped
+    assert channel_stopped(b.backend, cla, 0xD0) is True
+
+    async def preempt():
+        return await b.preemption.preempt("a")
+
+    assert trio.run(preempt) is None
+    assert channel_stopped(b.backend, cla, 0xD0) is False  # ran before the lock
+    assert [t.name for t in turns.members(b, 0)] == ["b"]
+    assert run_blocking(locked(turns.step(b, 0)), perform) is None  # b alone: no turns
+    assert channel_stopped(b.backend, cla, 0xD0) is False

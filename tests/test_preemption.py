@@ -13,6 +13,7 @@ from devbroker.abi import status as nvs
 from devbroker.abi.nodes import NodeKind
 from devbroker.backends.checkpoint import CHECKPOINTED, LOCKED, RUNNING, CheckpointError
 from devbroker.backends.emulated import EmulatedBackend, EmulatedGpu
+from devbroker.broker.interface import MapReadRequest, ReleaseRequest
 from devbroker.broker.preemption import Candidate, choose_victims
 from devbroker.testing.inproc import InProcTenant
 from devbroker.testing.policies import h200s, tenant
@@ -535,3 +536,33 @@ async def test_an_executor_that_breaks_leaves_nobody_locked(inproc_broker, tmp_p
     assert b.preemption.entries == {} and b.preemption.held == set()
     assert b.backend.checkpointer.states == {}  # unlocked again
     assert "checkpoint failed: OSError" in records(tmp_path, "checkpoint_failed")[0]["reason"]
+
+
+async def test_a_restore_that_maps_cudas_range_again_leaves_the_tenant_preemptible(
+        inproc_broker, tmp_path):
+    """The driver's restore runs inside the process and maps CUDA's own nvidia-uvm range
+    again (H200): the restored process counts what it had mapped when it was checkpointed,
+    so a second preemption is not refused as managed memory."""
+    b = inproc_broker(POLICY)
+    low = InProcTenant(b, "low", pid=501)
+    lctl, lclient = await setup(low)
+    assert await memory(low, lctl, lclient, 6 * GiB, 0xC0) == nvs.NV_OK
+    b.tenants["low"].uvm_mapped[501] = 2 << 20
+    for _ in range(2):
+        assert await b.preemption.preempt("low") is None
+        b.tenants["low"].uvm_mapped[501] += 2 << 20  # (what the restore maps)
+        assert await b.preemption.resume("low") is None
+        assert b.tenants["low"].uvm_mapped[501] == 2 << 20
+    assert records(tmp_path, "checkpoint_refused") == []
+
+
+async def test_a_process_whose_uvm_file_is_released_leaves_no_mapping_count(inproc_broker):
+    """A process's nvidia-uvm count ends with its last nvidia-uvm file (the kernel releases
+    it only after its last mapping): a later process of the tenant starts from nothing."""
+    b = inproc_broker(POLICY)
+    low = InProcTenant(b, "low", pid=501)
+    ufd = await low.open(NodeKind.UVM)
+    rep = b.map_check_now(MapReadRequest(low.caller, low.fds[ufd], 0, 4 << 20))
+    assert rep.errno == 0 and b.tenants["low"].uvm_mapped == {501: 4 << 20}
+    b.release_now(ReleaseRequest(low.fds[ufd]))
+    assert b.tenants["low"].uvm_mapped == {}

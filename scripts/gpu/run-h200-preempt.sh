@@ -19,6 +19,8 @@
 #      allocation gets its answer without checkpointing it, mlow trains on
 #   e  a SIGSTOPped low tenant: high's allocation waits at most the lock timeout, then the
 #      fallback (no preemption); low, continued, trains on
+#   f  a low tenant spinning one kernel for SPIN_S (40) s: the same bound and fallback; the
+#      kernel ends and its memory is intact (scripts/gpu/ckpt_spin.py)
 # Writes into $OUT as it goes: run.log (everything), results.json (`put`), and at the end
 # (or on exit) bundle.tgz: the loss files, broker log, audit log, status snapshots.
 set -u
@@ -26,7 +28,7 @@ REPO=$(cd "$(dirname "$0")/../.." && pwd); cd "$REPO"
 . scripts/gpu/lib.sh
 gpu_run_start h200-preempt
 trap 'tar czf "$OUT/bundle.tgz" -C "$W" . 2>/dev/null' EXIT
-ONLY=${ONLY:-a,b,c,d,e}
+ONLY=${ONLY:-a,b,c,d,e,f}
 want() { [[ ",$ONLY," == *",$1,"* ]]; }
 LOW_GIB=${LOW_GIB:-64}      # >= 60 GiB held by the preempted tenant (issue 49)
 HIGH_GIB=${HIGH_GIB:-80}    # with low's, more than the H200's ~140 GiB
@@ -204,6 +206,23 @@ if want e; then
   put e_low_steps_after_cont "$((b - a))"
   for p in $(tenant_pids low); do kill -TERM "$p" 2>/dev/null; done
   wait $LOWJOB 2>/dev/null; tail -2 "$W/low-e.txt"
+fi
+
+if want f; then
+  SPIN_S=${SPIN_S:-40}
+  step "f: low holding $LOW_GIB GiB spins one kernel for $SPIN_S s; high asks for $HIGH_GIB GiB"
+  rm -f "$TD/spinning"
+  texec low "$PY" scripts/gpu/ckpt_spin.py --gib "$LOW_GIB" --spin "$SPIN_S" \
+    --ready "$TD/spinning" > "$W/low-f.txt" 2>&1 &
+  LOWJOB=$!
+  for _ in $(seq 1 120); do [ -e "$TD/spinning" ] && break; sleep 1; done
+  [ -e "$TD/spinning" ] || { echo "low did not start spinning"; cat "$W/low-f.txt"; }
+  texec high "$PY" scripts/gpu/ckpt_alloc.py "$HIGH_GIB" 1 > "$W/high-f.txt" 2>&1
+  cat "$W/high-f.txt"; put f_high "$(last < "$W/high-f.txt")"
+  put f_low_state "$(preempted low)"
+  audit_preempt 6
+  wait $LOWJOB; echo "low exit $?"; cat "$W/low-f.txt"
+  put f_low "$(last < "$W/low-f.txt")"
 fi
 
 step "stop the broker"

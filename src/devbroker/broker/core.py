@@ -470,6 +470,12 @@ class Broker:
             log.warning("backend close failed: %s", e)
         if not any(x.caller.pid == s.caller.pid for x in s.tenant.sessions.values()):
             s.tenant.abi_by_tgid.pop(s.caller.pid, None)
+        if s.node is NodeKind.UVM and not any(
+                x.caller.pid == s.caller.pid and x.node is NodeKind.UVM
+                for x in s.tenant.sessions.values()):
+            # The kernel releases a file only when no mapping holds it any more: the
+            # process's nvidia-uvm mappings are gone with its last nvidia-uvm file.
+            s.tenant.uvm_mapped.pop(s.caller.pid, None)
 
     # ------------------------------------------------------------------ mmap page reads
     async def map_read(self, req: MapReadRequest) -> MapReadReply:

@@ -30,7 +30,7 @@ import trio
 
 from devbroker.abi import status as nvstatus
 from devbroker.backends.checkpoint import CheckpointError, GpuPair
-from devbroker.broker import compute
+from devbroker.broker import compute, turns
 from devbroker.broker.effects import STATE_LOCK, Await, run_async
 from devbroker.broker.effects import locked as effects_locked
 from devbroker.broker.objects import BOOKS
@@ -137,6 +137,11 @@ class Preempted:
     # 66.7 to 59.1 GiB over a checkpoint and restore, and a restore sized from them ran
     # while the room was taken).
     held: dict[int, int] = field(default_factory=dict)
+    # nvidia-uvm bytes each process had mapped when it was checkpointed. The driver's
+    # restore, running inside the process, maps CUDA's own range again (H200: a second
+    # preemption of a restored trainer was refused as "managed memory"), so after a restore
+    # the process counts what it had, not what the restore added.
+    uvm: dict[int, int] = field(default_factory=dict)
 
 
 class Preemption:
@@ -313,7 +318,8 @@ class Preemption:
             used = t.used()
             pids = tuple(sorted({c.tgid for c in t.clients.values()}))
             entry = Preempted(name, gpu, by, pids, sum(used.values()), auto=auto,
-                              held={g: n for g, n in used.items() if n})
+                              held={g: n for g, n in used.items() if n},
+                              uvm={p: t.uvm_mapped[p] for p in pids if p in t.uvm_mapped})
             self.entries[name] = entry
             if getattr(ck, "holds_calls", False):
                 self.held.add(name)
@@ -323,10 +329,11 @@ class Preemption:
         locked: list[int] = []
         taken: list[int] = []
         try:
-            # Channels compute priority stopped would keep the lock from ever completing:
-            # they run again first (the entry above exempts the tenant from those stops).
+            # Channels compute priority or turns stopped would keep the lock from ever
+            # completing: they run again first (the entry above exempts the tenant from
+            # both).
             try:
-                await run_async(effects_locked(compute.preempt_all(b)), b.perform)
+                await run_async(effects_locked(_let_channels_run(b, t)), b.perform)
             except Exception:  # a failed pass costs the lock its chance, never the broker
                 log.exception("preemption of %s: letting its channels run", name)
             for pid in pids:
@@ -368,7 +375,12 @@ class Preemption:
 
     def _release(self, name: str) -> None:
         with STATE_LOCK:
-            self.entries.pop(name, None)
+            e = self.entries.pop(name, None)
+            t = self.broker.tenants.get(name)
+            if e is not None and t is not None:
+                for pid in e.pids:
+                    if pid in t.uvm_mapped:
+                        t.uvm_mapped[pid] = e.uvm.get(pid, 0)
             if name in self.held:
                 self.held.discard(name)
                 BOOKS.policy_changed()
@@ -599,7 +611,8 @@ class Preemption:
         return {"entries": [{"tenant": e.tenant, "gpu": e.gpu, "by": e.by,
                              "pids": list(e.pids), "bytes": e.bytes, "since": e.since,
                              "state": e.state, "auto": e.auto, "seconds": e.seconds,
-                             "held": [[g, n] for g, n in e.held.items()]}
+                             "held": [[g, n] for g, n in e.held.items()],
+                             "uvm": [[p, n] for p, n in e.uvm.items()]}
                             for e in self.entries.values()],
                 "held": sorted(self.held),
                 "counts": [[ev, t, n] for (ev, t), n in self.counts.items()],
@@ -614,7 +627,8 @@ class Preemption:
                 d["tenant"], int(d["gpu"]), d["by"], tuple(d["pids"]), int(d["bytes"]),
                 since=float(d["since"]),
                 state=PREEMPTED, auto=bool(d["auto"]), seconds=float(d["seconds"]),
-                held={int(g): int(n) for g, n in d.get("held", [])})
+                held={int(g): int(n) for g, n in d.get("held", [])},
+                uvm={int(p): int(n) for p, n in d.get("uvm", [])})
         self.held = set(state.get("held", []))
         self.counts = {(ev, t): int(n) for ev, t, n in state.get("counts", [])}
         self.seconds = {(ev, t): float(s) for ev, t, s in state.get("seconds", [])}
@@ -651,6 +665,11 @@ async def _run(fn, *args) -> Any:
         log.exception("checkpoint executor: %s failed", getattr(fn, "__name__", fn))
         raise CheckpointError(f"{getattr(fn, '__name__', 'the executor')} failed: "
                               f"{type(e).__name__}: {e}") from e
+
+
+def _let_channels_run(b: Any, t: Any):
+    yield from compute.preempt_all(b)
+    yield from turns.release_tenant(b, t)
 
 
 def _started(t: Any) -> float:

@@ -45,14 +45,17 @@ def turns_ms(broker: Any) -> int:
 
 def members(broker: Any, gpu: int) -> list[Any]:
     """The tenants taking turns on `gpu`: those holding live channel groups there, in the
-    policy, not revoked from it, not stopped for a high-priority tenant; by name."""
+    policy, not revoked from it, not stopped for a high-priority tenant, not under
+    preemption by checkpoint (the driver's lock waits for the work of its channels, so a
+    turn that stopped them would make the checkpoint time out); by name."""
     b = compute.books(broker)
     names = {g.tenant for g in compute.live_groups(broker) if g.gpu == gpu}
     out = []
     for name in sorted(names):
         t = broker.tenants.get(name)
         if (t is not None and not t.revoked and gpu in t.gpus
-                and (name, gpu) not in b.preempted):
+                and (name, gpu) not in b.preempted
+                and not compute._in_checkpoint(broker, name)):
             out.append(t)
     return out
 
@@ -77,6 +80,14 @@ def _release(broker: Any, t: Any, gpu: int) -> Steps:
     release = held - b.stopped.get(key, set())
     if release:
         yield from compute._stop(broker, t, gpu, _grouped(release), False)
+
+
+def release_tenant(broker: Any, t: Any) -> Steps:
+    """Steps: let run every channel of `t` that turns stopped, on every GPU (a tenant about
+    to be checkpointed: `members` no longer counts it, and this does now what the next
+    turn would do later)."""
+    for gpu in sorted({k[1] for k in compute.books(broker).turn_stopped if k[0] == t.name}):
+        yield from _release(broker, t, gpu)
 
 
 def step(broker: Any, gpu: int) -> Steps:
