@@ -47,7 +47,10 @@ DEFAULT_BIN = Path(os.environ.get("DEVBROKER_K8S_BIN", REPO / ".cache" / "k8s" /
 DEFAULT_STATE = REPO / ".cache" / "k8s" / "run"
 CLAIMS = Path("/run/devbroker-k8s")
 RUNC = os.environ.get("DEVBROKER_K8S_RUNC", "/usr/sbin/runc")
-CNI_BIN = "/usr/lib/cni"
+# Debian's CNI plugins; a machine without them (a GPU host) gets a carried copy
+CNI_BIN = os.environ.get("DEVBROKER_K8S_CNI_BIN", "/usr/lib/cni")
+# overlayfs unless the state directory's file system cannot be an overlay's upper layer
+SNAPSHOTTER = os.environ.get("DEVBROKER_K8S_SNAPSHOTTER", "overlayfs")
 CDI_SHARED_DIRS = ["/etc/cdi", "/var/run/cdi"]
 NEEDED_BINARIES = ("kube", "etcd", "containerd", "containerd-shim-runc-v2", "ctr", "pause")
 
@@ -299,7 +302,7 @@ class Cluster:
             kc(n.kubeconfig, f"system:node:{n.name}")
             (n.state_dir / "cni" / "10-dbk.conflist").write_text(cfg.cni_conflist(n))
             (n.state_dir / "containerd.toml").write_text(cfg.containerd_config(
-                n, RUNC, CNI_BIN, [str(n.cdi_dir), *CDI_SHARED_DIRS]))
+                n, RUNC, CNI_BIN, [str(n.cdi_dir), *CDI_SHARED_DIRS], SNAPSHOTTER))
             (n.state_dir / "kubelet.json").write_text(cfg.kubelet_config(n, ca))
             for key, value in cfg.KUBELET_SYSCTLS.items():
                 (n.state_dir / "sysctl" / key.replace("/", ".")).write_text(f"{value}\n")

@@ -192,7 +192,7 @@ def cni_conflist(node: NodePlan) -> str:
 
 
 def containerd_config(node: NodePlan, runc: str, cni_bin_dir: str,
-                      cdi_dirs: list[str]) -> str:
+                      cdi_dirs: list[str], snapshotter: str = "overlayfs") -> str:
     """containerd 2.4 for one node: its own root, state and socket; CDI is always on.
 
     Config version 3: containerd 2.4 migrates it at start (a warning). Version 4 moved the
@@ -224,7 +224,7 @@ temp = {q(str(root / "tmp"))}
   [plugins.'io.containerd.nri.v1.nri']
     disable = true
   [plugins.'io.containerd.cri.v1.images']
-    snapshotter = "overlayfs"
+    snapshotter = {q(snapshotter)}
     [plugins.'io.containerd.cri.v1.images'.pinned_images]
       sandbox = {q(PAUSE_IMAGE)}
   [plugins.'io.containerd.cri.v1.runtime']
