@@ -132,10 +132,10 @@ def test_imports_for_annotations_make_no_cycle_but_still_count_for_layers(tmp_pa
             "(layer 3)") in r.stderr
 
 
-def test_a_cycle_through_an_import_inside_a_function_is_caught_in_the_broker(tmp_path):
-    """In broker/, an import moved into a function does not hide a cycle: two modules that
-    import each other, one of them only when a function runs, are reported; the same pair
-    outside broker/ is not (its import runs later, and the layers keep it apart)."""
+def test_a_cycle_through_an_import_inside_a_function_is_caught(tmp_path):
+    """An import moved into a function does not hide a cycle: two modules that import each
+    other, one of them only when a function runs, are reported, in broker/ and anywhere
+    else."""
     pkg = tmp_path / "devbroker"
     for d in ("", "broker", "frontends"):
         (pkg / d).mkdir(parents=True, exist_ok=True)
@@ -149,5 +149,4 @@ def test_a_cycle_through_an_import_inside_a_function_is_caught_in_the_broker(tmp
     assert r.returncode == 1
     assert ("import cycle (counting imports inside functions): devbroker.broker.compute <-> "
             "devbroker.broker.turns") in r.stderr
-    assert "devbroker.frontends.a <-> devbroker.frontends.b" not in r.stderr
-    assert "1 problems" in r.stderr
+    assert "devbroker.frontends.a <-> devbroker.frontends.b" in r.stderr

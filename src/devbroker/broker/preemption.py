@@ -667,10 +667,9 @@ def _started(t: Any) -> float:
 def _refusal(b: Any, t: Any) -> str | None:
     """Why the tenant's processes may not be checkpointed, None when they may: the
     driver's checkpoint does not carry managed (UVM) memory or memory another process
-    imported (CUDA IPC). The managed charges are read again from the processes' maps
-    first: the driver's restore, running inside the process, maps CUDA's own range anew
-    (H200), and only what is mapped now counts."""
-    t.look_at_managed()
+    imported (CUDA IPC). The managed charges follow the processes' maps (managed.py): the
+    driver's restore, running inside the process, maps CUDA's own range anew (H200), and
+    only what is mapped counts."""
     if any(n > CUDA_OWN_UVM_MAPPING for n in t.managed.by_process().values()):
         return ("it uses managed (UVM) memory, which the driver's checkpoint does not "
                 "carry")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import array
 import ctypes
-import errno
 import fcntl
 import json
 import os
@@ -29,7 +28,7 @@ from typing import Callable
 from devbroker.abi import iowr
 from devbroker.abi import status as nvs
 from devbroker.escape import races as _races
-from devbroker.escape.outcome import Outcome, escaped, refused
+from devbroker.escape.outcome import Outcome, ename, escaped, refused
 
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype = ctypes.c_void_p
@@ -53,10 +52,6 @@ UVM_MAJOR_DEFAULT = 238  # BRIEF §1: /dev/nvidia-uvm is 238:0 on the H200 host
 # §5.3.1 items (our reading, docs/security.md): e = isolation of tenants' device access,
 # f = refusal and audit of privileged operations.
 E, F = "5.3.1 e", "5.3.1 f"
-
-
-def ename(e: int) -> str:
-    return errno.errorcode.get(e, str(e))
 
 
 @dataclass

@@ -15,11 +15,8 @@ import fcntl
 import os
 import threading
 
+from devbroker.escape.outcome import Outcome, ename, escaped, refused
 
-def _verdicts():
-    # (attacks.py imports this module at its end: its names are read when an attack runs)
-    from devbroker.escape import attacks
-    return attacks.Outcome, attacks.ename, attacks.escaped, attacks.refused
 
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype = ctypes.c_void_p
@@ -90,7 +87,6 @@ class ManagedSpace:
 def a_managed_pieces(ctx):
     """Map managed memory in pieces of 1/16 of the quota until refused: what was mapped must
     stay within the quota, and the refusal be the driver's out of memory."""
-    Outcome, ename, escaped, refused = _verdicts()
     piece = max(PIECE_ALIGN, ctx.quota // 16 // PIECE_ALIGN * PIECE_ALIGN)
     with ManagedSpace(piece * 48) as space:
         for i in range(48):
@@ -109,7 +105,6 @@ def a_managed_remap_race(ctx):
     """Map a range of nearly the whole quota, unmap it, then map such a range again from
     four threads at once: one may be counted for the space the unmapped range left, never
     two (the broker must not count the old range as gone while a new one is in flight)."""
-    Outcome, ename, escaped, refused = _verdicts()
     size = max(PIECE_ALIGN, ctx.quota * 3 // 4 // PIECE_ALIGN * PIECE_ALIGN)
     with ManagedSpace(size * 5) as space:
         err = space.map(0, size)
@@ -142,7 +137,6 @@ def a_managed_grow(ctx):
     """Grow a charged managed range with mremap, in place and moved: the driver marks each
     range VM_DONTEXPAND (the kernel refuses, EFAULT). Where the file allows it (the emulated
     backend's placeholder), the grown range must be counted: the next range is refused."""
-    Outcome, ename, escaped, refused = _verdicts()
     half = max(PIECE_ALIGN, ctx.quota // 2 // PIECE_ALIGN * PIECE_ALIGN)
     with ManagedSpace(half * 8) as space:
         err = space.map(0, half)

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import errno
 from dataclasses import dataclass
 
 
@@ -31,3 +32,8 @@ def refused(got: str, detail: str = "") -> Outcome:
 
 def escaped(detail: str, got: str = "success") -> Outcome:
     return Outcome("escaped", got, detail)
+
+
+def ename(e: int) -> str:
+    """An errno's name (EACCES), or its number when it has none."""
+    return errno.errorcode.get(e, str(e))

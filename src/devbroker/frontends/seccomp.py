@@ -1,6 +1,6 @@
 """The seccomp user-notification front end (for hosts without CUSE and without our module).
 
-A tenant is started under a seccomp filter (:func:`devbroker.frontends.seccompwire.build_filter`)
+A tenant is started under a seccomp filter (:func:`devbroker.sandbox.seccompwire.build_filter`)
 whose listener fd belongs to a :class:`SeccompSupervisor` running in the broker's trio loop:
 
 * ``open``/``openat``/``openat2`` of a node path the caller allowed (``/dev/nvidiactl``, …)
@@ -66,7 +66,7 @@ from devbroker.backends.tenantfile import (
     CAP_SYS_ADMIN, drop_driver_capabilities_for_thread, thread_is_driver_safe,
 )
 from devbroker.frontends import nativelane
-from devbroker.frontends import seccompwire as w
+from devbroker.sandbox import seccompwire as w
 from devbroker.frontends.common import (
     GENERAL as _GENERAL, control_lane_of, start_task, to_trio,
 )
